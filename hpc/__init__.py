@@ -1,0 +1,1 @@
+"""Login-node side: config validation, run directories, job launch. Never imports torch."""

@@ -1,0 +1,117 @@
+"""``python -m hpc.submit CONFIG``: validate a config, write a private run directory, and start the job.
+
+With no Slurm on this machine (no ``sbatch`` on PATH), or with ``--local``, the job runs here under mpirun with
+its nodes simulated on one host. Exit status: 0 done, 2 bad input (one message, no traceback), 1 the job failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from hpc.local import read_failure, run_local, tail, trainer_command
+from hpc.mpi import LauncherError, find_launcher
+from runconfig import ConfigError, RunDir, dump_yaml, load_config
+
+EXIT_USER_ERROR = 2
+EXIT_JOB_FAILED = 1
+
+
+class SubmitError(Exception):
+    pass
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hpc.submit", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="config file, or the name of a built-in example (e.g. tiny)")
+    p.add_argument("--local", action="store_true", help="run on this machine even if Slurm is present")
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/NAME-YYYYmmdd-HHMMSS)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key by dotted path, e.g. --set train.steps=40 (repeatable)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and launch command only")
+    return p.parse_args(argv)
+
+
+def default_run_dir(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(path: Path) -> RunDir:
+    rundir = RunDir(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise SubmitError(f"run directory {path} already exists and is not empty; choose another --run-dir.")
+    try:
+        rundir.create()
+    except OSError as exc:
+        raise SubmitError(f"run directory {path} cannot be created: {exc.strerror}.") from None
+    return rundir
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        sbatch = shutil.which("sbatch")
+        if sbatch and not args.local:
+            raise SubmitError(
+                f"Slurm is present (sbatch at {sbatch}), but Slurm submission is not available in this version "
+                "yet; pass --local to run on this machine."
+            )
+        launcher = find_launcher()
+        run_path = args.run_dir or default_run_dir(cfg.job.name)
+        if args.dry_run:
+            command = launcher.command(cfg.job.world_size, trainer_command(RunDir(run_path)))
+            print(f"# run directory: {run_path}\n# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
+            return 0
+        rundir = prepare_run_dir(run_path)
+        rundir.config.write_text(dump_yaml(cfg))
+    except (ConfigError, SubmitError, LauncherError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+    print(
+        f"{cfg.job.name}: {cfg.job.nodes} simulated nodes x {cfg.job.ranks_per_node} ranks on this machine "
+        f"({launcher.flavour}); run directory {rundir.root}",
+        flush=True,
+    )
+    try:
+        status = run_local(cfg, rundir, launcher)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; run directory {rundir.root}", file=sys.stderr)
+        return 130
+    return report(rundir, status)
+
+
+def report(rundir: RunDir, status: int) -> int:
+    failure = read_failure(rundir)
+    if failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if status != 0 or not rundir.summary.exists():
+        log = rundir.logs / "mpirun.log"
+        print(f"error: the job failed (mpirun exit status {status}); last lines of {log}:", file=sys.stderr)
+        print(tail(log), file=sys.stderr)
+        return EXIT_JOB_FAILED
+    summary = json.loads(rundir.summary.read_text())
+    eval_part = f", eval loss {summary['final_eval_loss']:.4f}" if summary.get("final_eval_loss") else ""
+    print(
+        f"done: {summary['final_step']} steps, final loss {summary['final_loss']:.4f}{eval_part}, "
+        f"{summary['tokens_seen']:,} tokens in {summary['wall_time_s']:.1f} s\n"
+        f"results: {rundir.root}/ (summary.json, metrics.jsonl, logs/)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""YAML -> RunConfig, validated once, with one-paragraph errors naming the file and key."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runconfig.schema import RunConfig
+
+
+class ConfigError(Exception):
+    """A user error in a config file or override; the message is one paragraph, meant to be printed as is."""
+
+
+def example_names() -> list[str]:
+    """Names of the example configs shipped inside the package."""
+    folder = resources.files("runconfig") / "examples"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_config_path(spec: str) -> Path:
+    """A config given as a path, or the name of a shipped example (``tiny``)."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    if path.exists():
+        raise ConfigError(f"config {spec!r} is not a file.")
+    if "/" not in spec and spec in example_names():
+        return Path(str(resources.files("runconfig") / "examples" / f"{spec}.yaml"))
+    raise ConfigError(
+        f"config file {spec!r} does not exist, and it is not the name of a built-in example "
+        f"(built-in examples: {', '.join(example_names())})."
+    )
+
+
+def load_config(spec: str, overrides: list[str] = ()) -> RunConfig:
+    """Load a config file (or example name), apply ``KEY=VALUE`` overrides, and validate it."""
+    path = resolve_config_path(spec)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {problem}.") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}.") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections, got {_kind(raw)}.")
+    for item in overrides:
+        apply_override(raw, item)
+    return from_dict(raw, source=str(path))
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Apply one ``--set a.b=value`` override in place; the value is parsed as a YAML scalar or list."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like KEY=VALUE, e.g. train.steps=40.")
+    parts = key.split(".")
+    _check_path(parts, item)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section in the config file.")
+    node[parts[-1]] = value
+
+
+def _check_path(parts: list[str], item: str) -> None:
+    cls: Any = RunConfig
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])} is a value, not a section.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            where = ".".join(parts[:depth]) or "top level"
+            raise ConfigError(
+                f"override {item!r}: unknown key {'.'.join(parts[: depth + 1])!r} ({where} has: {', '.join(names)})."
+            )
+        cls = typing.get_type_hints(cls)[part]
+
+
+def from_dict(raw: dict, *, source: str = "<config>") -> RunConfig:
+    """Build and validate a RunConfig from plain data (as loaded from YAML)."""
+    cfg = _build(RunConfig, raw, source, prefix="")
+    problems = [(f"{section}.{key}", msg) for section in _sections() for key, msg in getattr(cfg, section).check()]
+    problems += cfg.check()
+    if problems:
+        lines = "; ".join(f"key {key!r}: {msg}" for key, msg in problems)
+        raise ConfigError(f"config {source}: {lines}.")
+    return cfg
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(RunConfig)]
+
+
+def _build(cls: type, raw: Any, source: str, prefix: str):
+    where = prefix.rstrip(".") or "top level"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {source}: key {where!r} must be a mapping, got {_kind(raw)}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        raise ConfigError(
+            f"config {source}: unknown key {prefix + str(unknown[0])!r} in {where}; valid keys are: "
+            f"{', '.join(fields)}."
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        key = prefix + name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, source, prefix=key + ".")
+        else:
+            kwargs[name] = _coerce(value, hint, source, key)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
+    """Check ``value`` against a field's type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, source, key)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(
+                f"config {source}: key {key!r} must be one of {', '.join(map(repr, args))}, got {value!r}."
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config {source}: key {key!r} must be a list, got {_kind(value)}.")
+        return [_coerce(v, args[0], source, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config {source}: key {key!r} must be true or false, got {_kind(value)}.")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config {source}: key {key!r} must be an integer, got {_kind(value)}.")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"config {source}: key {key!r} must be a number, got {_kind(value)}.")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config {source}: key {key!r} must be a string, got {_kind(value)}.")
+        return value
+    raise TypeError(f"unsupported config type {hint!r} for {key}")  # a schema bug, not a user error
+
+
+def _kind(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """SHA-256 of the resolved config, stable across key order."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,50 @@
+"""The run-directory layout, the one contract shared by ``hpc`` (writes it) and ``trainer`` (fills it)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        """The fully resolved config the trainer reads."""
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        """One JSON object per logged step (rank 0)."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        """Written once at the end of a completed run."""
+        return self.root / "summary.json"
+
+    @property
+    def failure(self) -> Path:
+        """A user error found by the trainer: {"rank": ..., "message": ...}."""
+        return self.root / "failure.json"
+
+    @property
+    def logs(self) -> Path:
+        """One log file per rank, plus the launcher's."""
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank_{rank:05d}.log"
+
+    def create(self) -> None:
+        """Create the layout, private to the user (run directories hold pickles and configs)."""
+        for path in (self.root, self.logs, self.checkpoints):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(path, 0o700)

@@ -1,0 +1,198 @@
+"""The typed run configuration: one keyword-only dataclass per concern.
+
+Every field is documented where it is declared (``doc=`` metadata); the loader in
+``runconfig.load`` checks types from the annotations and calls each section's ``check``
+for ranges, so a config object that exists is a valid one. Torch-free: the login-node
+side (``hpc``) and the trainer both import it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def doc(text: str, default=None, factory=None):
+    """A dataclass field with its documentation attached."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+Problems = list[tuple[str, str]]  # (key, what is wrong)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    name: str = doc("Run name: letters, digits, '.', '_', '-' (at most 64); names the run directory.", "run")
+    nodes: int = doc("Number of nodes. Locally they are simulated on one host.", 1)
+    ranks_per_node: int = doc("Processes (ranks) per node; one per GPU on GPU nodes.", 1)
+    threads_per_rank: int = doc("torch intra-op threads per rank; 0 = cores on the host / local ranks.", 0)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def check(self) -> Problems:
+        out: Problems = []
+        if not NAME_RE.match(self.name):
+            out.append(("name", f"{self.name!r} must match {NAME_RE.pattern}"))
+        if self.nodes < 1:
+            out.append(("nodes", f"must be >= 1, got {self.nodes}"))
+        if self.ranks_per_node < 1:
+            out.append(("ranks_per_node", f"must be >= 1, got {self.ranks_per_node}"))
+        if self.threads_per_rank < 0:
+            out.append(("threads_per_rank", f"must be >= 0, got {self.threads_per_rank}"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int = doc("Vocabulary size; must cover the dataset's tokenizer (byte-level: 257).", 257)
+    seq_len: int = doc("Context length in tokens of each training sequence.", 128)
+    d_model: int = doc("Width of the residual stream.", 128)
+    n_layers: int = doc("Number of transformer blocks.", 2)
+    n_heads: int = doc("Attention heads; must divide d_model.", 4)
+    mlp_ratio: int = doc("Hidden width of the MLP as a multiple of d_model.", 4)
+    dropout: float = doc("Dropout probability (0 disables dropout).", 0.0)
+
+    def check(self) -> Problems:
+        out: Problems = []
+        for key in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+            if getattr(self, key) < 1:
+                out.append((key, f"must be >= 1, got {getattr(self, key)}"))
+        if self.n_heads >= 1 and self.d_model % self.n_heads:
+            out.append(("n_heads", f"{self.n_heads} does not divide d_model={self.d_model}"))
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(("dropout", f"must be in [0, 1), got {self.dropout}"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str = doc(
+        "Folder of text files to prepare on first use, or 'stdlib' for this Python's standard library.",
+        "stdlib",
+    )
+    include: list[str] = doc("Glob patterns (relative to source) of the files to take.", factory=lambda: ["*.py"])
+    max_source_bytes: int = doc("Stop reading the source after this many bytes; 0 = no limit.", 0)
+    path: str | None = doc(
+        "Prepared dataset folder (manifest.json + HDF5 shards). Unset: a cache folder derived from the "
+        "source under $HPC_DATA_CACHE (default ~/.cache/hpc-trainer/data).",
+        None,
+    )
+    val_fraction: float = doc("Fraction of source files held out for the eval loss.", 0.05)
+    shard_tokens: int = doc("Tokens per HDF5 shard when preparing.", 4_000_000)
+    seed: int = doc("Seed of the global sample order (with the epoch).", 1234)
+
+    def check(self) -> Problems:
+        out: Problems = []
+        if not self.source:
+            out.append(("source", "must not be empty"))
+        if not self.include:
+            out.append(("include", "needs at least one pattern"))
+        if self.max_source_bytes < 0:
+            out.append(("max_source_bytes", f"must be >= 0, got {self.max_source_bytes}"))
+        if not 0.0 < self.val_fraction < 1.0:
+            out.append(("val_fraction", f"must be in (0, 1), got {self.val_fraction}"))
+        if self.shard_tokens < 1024:
+            out.append(("shard_tokens", f"must be >= 1024, got {self.shard_tokens}"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = doc("Optimizer steps to train for.", 200)
+    global_batch_size: int = doc("Sequences per optimizer step over all ranks.", 32)
+    micro_batch_size: int = doc(
+        "Sequences per rank per forward pass; gradient accumulation = global / (micro * world size).", 4
+    )
+    lr: float = doc("Peak learning rate (AdamW).", 3e-3)
+    min_lr: float = doc("Learning rate at the end of the cosine decay.", 3e-4)
+    warmup_steps: int = doc("Linear warmup steps before the cosine decay.", 20)
+    weight_decay: float = doc("AdamW decoupled weight decay (matrices only; not norms or biases).", 0.1)
+    beta1: float = doc("AdamW beta1.", 0.9)
+    beta2: float = doc("AdamW beta2.", 0.95)
+    grad_clip: float = doc("Clip the global gradient norm to this value; 0 disables clipping.", 1.0)
+    seed: int = doc("Seed of model initialisation and dropout.", 0)
+    eval_every: int = doc("Held-out eval loss every N steps (and at the end); 0 disables it.", 50)
+    eval_sequences: int = doc("Held-out sequences per evaluation, split over the ranks.", 64)
+    log_every: int = doc("Write a metrics.jsonl line every N steps.", 1)
+    precision: Literal["auto", "fp32", "bf16"] = doc("auto = bf16 autocast on GPU, fp32 on CPU.", "auto")
+    device: Literal["auto", "cpu", "cuda"] = doc("auto = CUDA when available, else CPU.", "auto")
+
+    def check(self) -> Problems:
+        out: Problems = []
+        for key in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_sequences"):
+            if getattr(self, key) < 1:
+                out.append((key, f"must be >= 1, got {getattr(self, key)}"))
+        for key in ("warmup_steps", "eval_every"):
+            if getattr(self, key) < 0:
+                out.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        if not self.lr > 0:
+            out.append(("lr", f"must be > 0, got {self.lr}"))
+        if not 0 <= self.min_lr <= self.lr:
+            out.append(("min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}"))
+        if self.weight_decay < 0:
+            out.append(("weight_decay", f"must be >= 0, got {self.weight_decay}"))
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                out.append((key, f"must be in [0, 1), got {getattr(self, key)}"))
+        if self.grad_clip < 0:
+            out.append(("grad_clip", f"must be >= 0, got {self.grad_clip}"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    allreduce: Literal["hierarchical", "flat"] = doc(
+        "Gradient all-reduce: hierarchical (intra-node reduce-scatter, inter-node all-reduce, intra-node "
+        "all-gather) or flat (DDP's own ring all-reduce).",
+        "hierarchical",
+    )
+    bucket_mb: float = doc("DDP gradient bucket size in MB.", 25.0)
+    backend: Literal["auto", "gloo", "nccl"] = doc("auto = NCCL on CUDA, gloo on CPU.", "auto")
+    timeout_s: float = doc("Timeout of process-group set-up and of every collective, seconds.", 300.0)
+    master_addr: str | None = doc(
+        "Address the ranks rendezvous at. Unset: 127.0.0.1 when all ranks share a host, else rank 0's host name.",
+        None,
+    )
+
+    def check(self) -> Problems:
+        out: Problems = []
+        if not self.bucket_mb > 0:
+            out.append(("bucket_mb", f"must be > 0, got {self.bucket_mb}"))
+        if not self.timeout_s > 0:
+            out.append(("timeout_s", f"must be > 0, got {self.timeout_s}"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    job: JobConfig = doc("Job shape: nodes and ranks.", factory=JobConfig)
+    model: ModelConfig = doc("Decoder-only transformer.", factory=ModelConfig)
+    data: DataConfig = doc("Token data.", factory=DataConfig)
+    train: TrainConfig = doc("Optimisation loop.", factory=TrainConfig)
+    comm: CommConfig = doc("Gradient communication.", factory=CommConfig)
+
+    def check(self) -> Problems:
+        """Checks that span sections."""
+        out: Problems = []
+        per_pass = self.train.micro_batch_size * self.job.world_size
+        if self.train.global_batch_size % per_pass:
+            out.append(
+                (
+                    "train.global_batch_size",
+                    f"{self.train.global_batch_size} is not a multiple of train.micro_batch_size "
+                    f"({self.train.micro_batch_size}) x world size ({self.job.nodes} nodes x "
+                    f"{self.job.ranks_per_node} ranks = {self.job.world_size})",
+                )
+            )
+        return out
+
+    def grad_accum(self, world_size: int) -> int:
+        """Micro-steps per optimizer step at the given world size."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)

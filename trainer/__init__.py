@@ -1,0 +1,1 @@
+"""MPI-bootstrapped torch.distributed trainer. Never imports ``hpc`` or submitit."""

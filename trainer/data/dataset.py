@@ -1,0 +1,155 @@
+"""Reading prepared token shards lazily, in a global sample order that does not depend on the world size.
+
+A *sample* is a window of ``seq_len + 1`` consecutive tokens inside one shard (documents are packed back to back,
+separated by EOS, so windows cross document boundaries: sequence packing). Windows do not overlap; a shard's
+tail shorter than a window is left out. The global order is a permutation of all windows that is a pure
+function of (seed, epoch); training consumes it as one endless stream, and the only state is the position in
+that stream (samples consumed over all ranks), so a run can resume at any world size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from trainer.errors import UserError
+
+
+def read_manifest(folder: Path) -> dict:
+    path = Path(folder) / "manifest.json"
+    if not Path(folder).is_dir():
+        raise UserError(f"data path {folder} does not exist (set data.path, or data.source to prepare it).")
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["splits"]["train"], manifest["splits"]["val"], manifest["vocab_size"]  # noqa: B018
+    except FileNotFoundError:
+        raise UserError(
+            f"data path {folder} has no manifest.json: it is not a prepared dataset "
+            "(prepare one with `python -m trainer.data prepare --source DIR --out OUT`)."
+        ) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"data manifest {path} is malformed ({type(exc).__name__}: {exc}).") from None
+    return manifest
+
+
+class TokenShards:
+    """The windows of one split, read lazily: a shard file is opened on first use, and only the rows asked for
+    are read."""
+
+    def __init__(self, folder: Path, manifest: dict, split: str, seq_len: int) -> None:
+        self.folder = Path(folder)
+        self.window = seq_len + 1
+        self.shards = manifest["splits"][split]
+        self.split = split
+        per_shard = np.array([s["tokens"] // self.window for s in self.shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(per_shard)])
+        self._files: dict[int, h5py.Dataset] = {}
+        if len(self) == 0:
+            raise UserError(
+                f"data split {split!r} in {folder} has no window of {self.window} tokens "
+                f"(model.seq_len={seq_len} is longer than every shard)."
+            )
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def verify(self, vocab_size: int) -> None:
+        """Open every shard and check it against the manifest; a corrupt file is named (cheap: no data read)."""
+        for i, shard in enumerate(self.shards):
+            ds = self._dataset(i)
+            if ds.shape != (shard["tokens"],) or ds.dtype != np.uint16:
+                raise UserError(
+                    f"data shard {self.folder / shard['file']} holds {ds.dtype}{list(ds.shape)}, but the manifest "
+                    f"says uint16[{shard['tokens']}]: the shard or manifest is corrupt; prepare the data again."
+                )
+        if vocab_size < 257:
+            raise UserError(f"model.vocab_size={vocab_size} is smaller than the data's vocabulary (257).")
+
+    def sample(self, index: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.starts, index, side="right") - 1)
+        offset = (index - int(self.starts[shard])) * self.window
+        try:
+            return self._dataset(shard)[offset : offset + self.window].astype(np.int64)
+        except OSError as exc:
+            raise UserError(f"data shard {self.folder / self.shards[shard]['file']} cannot be read: {exc}.") from None
+
+    def batch(self, indices: np.ndarray) -> np.ndarray:
+        return np.stack([self.sample(int(i)) for i in indices]) if len(indices) else np.empty((0, self.window))
+
+    def close(self) -> None:
+        for ds in self._files.values():
+            ds.file.close()
+        self._files.clear()
+
+    def _dataset(self, shard: int) -> h5py.Dataset:
+        ds = self._files.get(shard)
+        if ds is None:
+            path = self.folder / self.shards[shard]["file"]
+            try:
+                f = h5py.File(path, "r")
+                ds = f["tokens"]
+            except (OSError, KeyError) as exc:
+                raise UserError(
+                    f"data shard {path} is not a readable HDF5 token file ({exc}); prepare the data again."
+                ) from None
+            self._files[shard] = ds
+        return ds
+
+
+@dataclass
+class GlobalOrder:
+    """Endless stream of sample indices: epoch e is a permutation of range(num_samples) seeded by (seed, e)."""
+
+    num_samples: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        self._cache: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        perm = self._cache.get(epoch)
+        if perm is None:
+            perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.num_samples)
+            self._cache = {epoch: perm}  # keep only the current epoch
+        return perm
+
+    def take(self, position: int, count: int) -> np.ndarray:
+        """Sample indices at stream positions [position, position + count)."""
+        out = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            epoch, offset = divmod(position + done, self.num_samples)
+            n = min(count - done, self.num_samples - offset)
+            out[done : done + n] = self.permutation(epoch)[offset : offset + n]
+            done += n
+        return out
+
+
+@dataclass
+class DataState:
+    """Position in the global stream: samples consumed over all ranks. The whole resumable data state."""
+
+    position: int = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def rank_slice(
+    order: GlobalOrder, position: int, *, global_batch: int, micro_batch: int, world_size: int, rank: int, micro: int
+) -> np.ndarray:
+    """Indices for one rank's micro-batch ``micro`` of the optimizer step that starts at ``position``.
+
+    The step covers positions [position, position + global_batch) whatever the world size; micro-step a on rank r
+    takes the block (a * world_size + r) of size micro_batch.
+    """
+    assert global_batch % (micro_batch * world_size) == 0
+    block = micro * world_size + rank
+    return order.take(position + block * micro_batch, micro_batch)

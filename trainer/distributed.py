@@ -1,0 +1,88 @@
+"""Process-group set-up from the MPI environment: rendezvous, the 2-D (node, local) DeviceMesh and its groups.
+
+This is the one place process groups are created; every rank creates them in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from runconfig.schema import CommConfig
+from trainer.comm import HierGroups
+from trainer.env import RuntimeEnv
+from trainer.errors import UserError
+from trainer.topology import MESH_DIMS
+
+
+@dataclass(frozen=True)
+class Distributed:
+    backend: str
+    device: torch.device
+    mesh: DeviceMesh
+    groups: HierGroups
+
+
+def pick_device(env: RuntimeEnv, device: str) -> torch.device:
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError(f"rank {env.rank} on {env.hostname}: train.device is 'cuda' but no GPU is visible.")
+        index = env.host_local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def rendezvous_address(env: RuntimeEnv, cfg: CommConfig) -> str:
+    if cfg.master_addr:
+        return cfg.master_addr
+    return "127.0.0.1" if env.single_host else env.hosts[0]
+
+
+def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, comm: MPI.Comm) -> Distributed:
+    """Rank 0 opens a TCPStore on a free port (chosen by the OS, so no race), MPI broadcasts the port, and all
+    ranks join the default group; then the (node, local) mesh is built from the topology."""
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=cfg.timeout_s)
+    addr = rendezvous_address(env, cfg)
+    port = None
+    error = None
+    if env.rank == 0:
+        try:
+            store = dist.TCPStore(addr, 0, env.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+            port = store.port
+        except (RuntimeError, OSError) as exc:
+            error = f"rank 0 on {env.hostname} cannot open the rendezvous store on {addr}: {exc}"
+    port, error = comm.bcast((port, error), root=0)
+    if error:
+        raise UserError(error + " (set comm.master_addr to an address of rank 0's host).")
+    if env.rank != 0:
+        store = dist.TCPStore(addr, port, env.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    mesh = init_device_mesh(device.type, env.topology.mesh_shape, mesh_dim_names=MESH_DIMS)
+    groups = HierGroups(
+        intra=mesh.get_group("local"),
+        inter=mesh.get_group("node"),
+        ranks_per_node=env.topology.ranks_per_node,
+        num_nodes=env.topology.num_nodes,
+    )
+    return Distributed(backend=backend, device=device, mesh=mesh, groups=groups)
+
+
+def shutdown(comm: MPI.Comm, *, clean: bool) -> None:
+    """Destroy the process groups. On a clean exit all ranks first meet, and meet again (over MPI) after the
+    destroy, so rank 0, which hosts the rendezvous store, never leaves while another rank still talks to it
+    (that aborts the others with "terminate called without an active exception"). After an error nobody waits:
+    a dead peer would hang the exit."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+    if clean:
+        comm.Barrier()

@@ -1,0 +1,106 @@
+"""The one place that reads the process environment: MPI ranks, host layout and scheduler variables.
+
+Everything else receives the frozen ``RuntimeEnv`` built here; nothing in the loop reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpi4py import MPI
+
+from trainer.errors import UserError
+from trainer.topology import Topology
+
+#: Folder of datasets prepared on first use (default ~/.cache/hpc-trainer/data).
+DATA_CACHE_VAR = "HPC_DATA_CACHE"
+#: Set by the local launcher (or by hand) to lay the ranks of one host out as several simulated nodes of this
+#: many ranks each, so hierarchical collectives can be exercised on one machine.
+SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    rank: int
+    world_size: int
+    host_local_rank: int  # index among the ranks on this physical host (picks the GPU)
+    host_local_size: int
+    hostname: str
+    hosts: tuple[str, ...]  # host name of every rank
+    topology: Topology
+    simulated_nodes: bool
+    cpus: int  # CPUs this process may run on
+    slurm_job_id: str | None
+    slurm_restart_count: int | None
+    data_cache: Path  # where datasets prepared on first use are kept ($HPC_DATA_CACHE)
+
+    @property
+    def node(self) -> int:
+        return self.topology.node_of(self.rank)
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank(self.rank)
+
+    @property
+    def single_host(self) -> bool:
+        return len(set(self.hosts)) == 1
+
+    def default_threads(self) -> int:
+        return max(1, self.cpus // self.host_local_size)
+
+
+def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = None) -> RuntimeEnv:
+    """Read ranks and the host layout from MPI (collective: every rank must call it)."""
+    environ = dict(os.environ if environ is None else environ)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hostname = socket.gethostname()
+    hosts = tuple(comm.allgather(hostname))
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    host_local_rank, host_local_size = local.Get_rank(), local.Get_size()
+    leader = local.bcast(rank, root=0)  # world rank of the first rank on this host
+    local.Free()
+
+    simulate = environ.get(SIMULATE_VAR, "").strip()
+    if simulate:
+        try:
+            per_node = int(simulate)
+        except ValueError:
+            raise UserError(f"environment variable {SIMULATE_VAR}={simulate!r} must be an integer.") from None
+        topology = Topology(size, per_node)
+    else:
+        leaders = comm.allgather(leader)
+        dense = {lead: i for i, lead in enumerate(dict.fromkeys(leaders))}
+        topology = Topology.from_node_ids([dense[lead] for lead in leaders])
+
+    restart = environ.get("SLURM_RESTART_COUNT")
+    return RuntimeEnv(
+        rank=rank,
+        world_size=size,
+        host_local_rank=host_local_rank,
+        host_local_size=host_local_size,
+        hostname=hostname,
+        hosts=hosts,
+        topology=topology,
+        simulated_nodes=bool(simulate),
+        cpus=len(os.sched_getaffinity(0)),
+        slurm_job_id=environ.get("SLURM_JOB_ID"),
+        slurm_restart_count=int(restart) if restart and restart.isdigit() else None,
+        data_cache=Path(environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data"),
+    )
+
+
+def agree(comm: MPI.Comm, error: str | None) -> None:
+    """Collective check: if any rank has an error, every rank raises UserError naming the first failing rank.
+
+    Lets one rank's bad input (say, a corrupt shard it opened) stop all ranks cleanly instead of leaving the
+    others blocked in the next collective.
+    """
+    errors = comm.allgather(error)
+    for rank, message in enumerate(errors):
+        if message is not None:
+            text = message if message.startswith("rank ") else f"rank {rank}: {message}"
+            raise UserError(text, collective=True)

@@ -1,0 +1,13 @@
+"""User errors: bad input that stops the run with one clear paragraph and no traceback."""
+
+
+class UserError(Exception):
+    """A problem with the user's input (config, data, topology); the message names what is at fault.
+
+    ``collective`` is true when every rank raised the same error (a deterministic check, or one agreed on with
+    a collective), so only rank 0 needs to report it.
+    """
+
+    def __init__(self, message: str, *, collective: bool = False) -> None:
+        super().__init__(message)
+        self.collective = collective
