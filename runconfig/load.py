@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -99,7 +100,8 @@ def from_dict(raw: dict, *, source: str = "<config>") -> RunConfig:
     """Build and validate a RunConfig from plain data (as loaded from YAML)."""
     cfg = _build(RunConfig, raw, source, prefix="")
     problems = [(f"{section}.{key}", msg) for section in _sections() for key, msg in getattr(cfg, section).check()]
-    problems += cfg.check()
+    if not problems:  # cross-section checks assume each section is valid on its own
+        problems = cfg.check()
     if problems:
         lines = "; ".join(f"key {key!r}: {msg}" for key, msg in problems)
         raise ConfigError(f"config {source}: {lines}.")
@@ -163,6 +165,9 @@ def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
             raise ConfigError(f"config {source}: key {key!r} must be an integer, got {_kind(value)}.")
         return value
     if hint is float:
+        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string: accept plain numeric text
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"config {source}: key {key!r} must be a number, got {_kind(value)}.")
         return float(value)

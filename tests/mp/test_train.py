@@ -1,0 +1,127 @@
+"""End to end through `python -m hpc.submit`: real mpirun, real HDF5 data, real gloo process groups."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import run_cli, run_mpi
+
+pytestmark = pytest.mark.mp
+
+
+def submit(run_dir, *sets, config="tiny"):
+    args = ["-m", "hpc.submit", config, "--local", "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    return run_cli(args)
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tiny_example_trains_and_loss_falls(tmp_path):
+    run_dir = tmp_path / "tiny"
+    proc = submit(run_dir, "train.steps=60", "train.warmup_steps=6", "train.eval_every=30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"results: {run_dir}" in proc.stdout and "final loss" in proc.stdout
+    assert "step 60/60" in proc.stdout  # progress lines (not a terminal here)
+    assert "\r" not in proc.stdout
+
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "logs", "checkpoints"):
+        assert (run_dir / name).exists(), name
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank_*.log")) == [f"rank_0000{i}.log" for i in range(4)]
+    assert "node 1 local rank 1" in (run_dir / "logs" / "rank_00003.log").read_text()
+
+    rows = metrics(run_dir)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 61))
+    for r in train_rows:
+        assert {"step", "loss", "lr", "tokens_per_s", "step_time_s", "grad_norm"} <= r.keys()
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+    assert train_rows[5]["lr"] == pytest.approx(3e-3)  # end of warmup
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    first, last = train_rows[0]["loss"], summary["final_loss"]
+    assert first > 5.0  # ~ln(257) at initialisation
+    assert last < first - 2.0, (first, last)
+    assert summary["final_step"] == 60 and summary["tokens_seen"] == 60 * 32 * 128
+    assert summary["topology"] == {"world_size": 4, "nodes": 2, "ranks_per_node": 2, "mesh_dims": ["node", "local"]}
+    assert len(summary["params_sha256"]) == 64
+
+
+def test_one_rank_and_four_ranks_agree_and_runs_repeat_bitwise(tmp_path, small_dataset):
+    """Same global batch: 1 rank x 4 accumulation steps vs 2 nodes x 2 ranks. Losses agree within float
+    tolerance (the reductions sum in different orders); a repeated 4-rank run is bit-identical."""
+    common = [
+        f"data.path={small_dataset}",
+        "train.steps=12",
+        "train.warmup_steps=2",
+        "train.eval_every=0",
+        "model.d_model=64",
+        "model.n_layers=2",
+        "model.seq_len=64",
+    ]
+    one = submit(tmp_path / "one", "job.nodes=1", "job.ranks_per_node=1", *common)
+    assert one.returncode == 0, one.stdout + one.stderr
+    four = submit(tmp_path / "four", *common)
+    assert four.returncode == 0, four.stdout + four.stderr
+    again = submit(tmp_path / "again", *common)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+    l1 = [r["loss"] for r in metrics(tmp_path / "one")]
+    l4 = [r["loss"] for r in metrics(tmp_path / "four")]
+    assert len(l1) == len(l4) == 12
+    assert max(abs(a - b) for a, b in zip(l1, l4, strict=True)) < 2e-4, (l1, l4)
+    assert l1[-1] < l1[0] - 1.0
+    assert [r["loss"] for r in metrics(tmp_path / "again")] == l4
+    sha = {
+        name: json.loads((tmp_path / name / "summary.json").read_text())["params_sha256"]
+        for name in ("one", "four", "again")
+    }
+    assert sha["four"] == sha["again"]
+
+
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (["data.path=/nonexistent/tokens"], "data path /nonexistent/tokens does not exist"),
+        (["data.source=/nonexistent/texts"], "data.source '/nonexistent/texts'"),
+    ],
+)
+def test_bad_data_stops_before_training(tmp_path, sets, needle):
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, *sets)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: ") and needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()
+
+
+def test_corrupt_shard_is_named(tmp_path, small_dataset):
+    data = tmp_path / "data"
+    shutil.copytree(small_dataset, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    victim = data / manifest["splits"]["train"][1]["file"]
+    victim.write_bytes(b"not an hdf5 file" * 100)
+    proc = submit(tmp_path / "run", f"data.path={data}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"data shard {victim}" in proc.stderr and "rank 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_impossible_topology_is_refused(tmp_path):
+    """3 ranks laid out as nodes of 2: every rank stops before training, rank 0 reports once."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    shutil.copy("runconfig/examples/tiny.yaml", run_dir / "config.yaml")
+    proc = run_mpi(3, ["-m", "trainer", "--run-dir", str(run_dir)], env={"HPC_SIMULATE_RANKS_PER_NODE": "2"})
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: impossible topology: world size 3 is not divisible by 2") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["rank"] == 0 and "world size 3" in failure["message"]

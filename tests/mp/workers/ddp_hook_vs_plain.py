@@ -1,0 +1,53 @@
+"""Worker: DDP with the hierarchical hook vs plain DDP, K AdamW steps from the same weights on the same batches.
+
+Built through trainer.loop.build, the trainer's own code path, for several bucket sizes.
+argv: OUT_DIR STEPS
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from runconfig import load_config
+from trainer.distributed import init_distributed, shutdown
+from trainer.env import from_mpi
+from trainer.loop import build
+from trainer.model import loss_fn
+
+out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
+comm = MPI.COMM_WORLD
+env = from_mpi(comm)
+torch.set_num_threads(1)
+base = load_config("tiny", ["model.d_model=32", "model.n_layers=2", "model.seq_len=16"])
+d = init_distributed(env, base.comm, torch.device("cpu"), comm)
+
+
+def train(allreduce: str, bucket_mb: float) -> tuple[dict, str | None]:
+    cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, allreduce=allreduce, bucket_mb=bucket_mb))
+    comps = build(cfg, env, d)
+    initial = {n: p.detach().clone() for n, p in comps.model.named_parameters()}
+    g = torch.Generator().manual_seed(100 + env.rank)  # different data on every rank, same for both runs
+    for _ in range(steps):
+        batch = torch.randint(0, 257, (4, 17), generator=g)
+        loss = loss_fn(comps.ddp(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        comps.optimizer.step()
+        comps.optimizer.zero_grad(set_to_none=True)
+    hook = comps.ddp._get_ddp_logging_data().get("comm_hook")
+    final = {n: p.detach().clone() for n, p in comps.model.named_parameters()}
+    moved = max(float((final[n] - initial[n]).abs().max()) for n in final)
+    return final, hook, moved
+
+
+plain, plain_hook, moved = train("flat", 25.0)
+result = {"rank": env.rank, "plain_hook": plain_hook, "moved": moved, "runs": {}}
+for bucket_mb in (25.0, 0.01, 0.003):
+    hier, hook, _ = train("hierarchical", bucket_mb)
+    diff = max(float((hier[n] - plain[n]).abs().max()) for n in plain)
+    result["runs"][str(bucket_mb)] = {"max_abs_diff": diff, "hook": hook}
+(out_dir / f"rank_{env.rank}.json").write_text(json.dumps(result))
+shutdown(comm, clean=True)

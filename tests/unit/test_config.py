@@ -1,0 +1,150 @@
+"""Config loading and every bad-input case: one clear message naming the file and key, exit status 2."""
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from runconfig import ConfigError, RunDir, load_config
+from runconfig.load import example_names
+from tests.conftest import run_cli
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_examples_load_by_name_and_path():
+    assert {"tiny", "small"} <= set(example_names())
+    by_name = load_config("tiny")
+    assert by_name.job.nodes == 2 and by_name.job.ranks_per_node == 2
+    assert by_name.job.world_size == 4
+    assert by_name.grad_accum(4) == 1
+    by_path = load_config(str(Path("runconfig/examples/tiny.yaml").resolve()))
+    assert by_path == by_name
+
+
+def test_overrides_by_dotted_path():
+    cfg = load_config("tiny", ["train.steps=40", "comm.allreduce=flat", "train.lr=1e-3", "data.include=[a, b]"])
+    assert cfg.train.steps == 40
+    assert cfg.comm.allreduce == "flat"
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.data.include == ["a", "b"]
+
+
+def test_ints_accepted_for_floats(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  lr: 1\n  min_lr: 0\n"))
+    assert isinstance(cfg.train.lr, float) and cfg.train.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "text,needles",
+    [
+        ("trian:\n  steps: 3\n", ["unknown key 'trian'", "job, model, data, train, comm"]),
+        ("train:\n  stepz: 3\n", ["unknown key 'train.stepz'", "steps", "global_batch_size"]),
+        ("train:\n  steps: many\n", ["'train.steps'", "integer", "'many'"]),
+        ("train:\n  steps: 2.5\n", ["'train.steps'", "integer"]),
+        ("train:\n  lr: fast\n", ["'train.lr'", "number"]),
+        ("train:\n  steps: 0\n", ["'train.steps'", ">= 1"]),
+        ("train:\n  lr: -1\n", ["'train.lr'", "> 0"]),
+        ("comm:\n  allreduce: ring\n", ["'comm.allreduce'", "'hierarchical', 'flat'"]),
+        ("model:\n  d_model: 100\n  n_heads: 3\n", ["'model.n_heads'", "does not divide"]),
+        ("job:\n  name: 'a b$(x)'\n", ["'job.name'"]),
+        ("train: 5\n", ["'train' must be a mapping"]),
+        ("- a\n- b\n", ["top level must be a mapping"]),
+        ("train:\n  steps: [1\n", ["not valid YAML", "line"]),
+        (
+            "job:\n  nodes: 3\n  ranks_per_node: 1\ntrain:\n  global_batch_size: 32\n  micro_batch_size: 4\n",
+            ["'train.global_batch_size'", "32 is not a multiple", "3 nodes"],
+        ),
+    ],
+)
+def test_bad_config_names_file_and_key(tmp_path, text, needles):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert path in message
+    for needle in needles:
+        assert needle in message, message
+    assert "\n" not in message.strip()
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.stepz=3", "unknown key 'train.stepz' (train has: steps"),
+        ("nothing=3", "unknown key 'nothing'"),
+        ("train.steps.x=3", "train.steps is a value"),
+        ("train.steps", "KEY=VALUE"),
+        ("train.steps=abc", "'train.steps' must be an integer"),
+    ],
+)
+def test_bad_override(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", [override])
+    assert needle in str(info.value)
+
+
+def test_missing_config_lists_examples():
+    with pytest.raises(ConfigError) as info:
+        load_config("no-such-config.yaml")
+    assert "no-such-config.yaml" in str(info.value) and "tiny" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["missing.yaml"], "missing.yaml"),
+        (["tiny", "--set", "train.stepz=1"], "train.stepz"),
+        (["tiny", "--set", "job.nodes=0"], "job.nodes"),
+    ],
+)
+def test_cli_user_errors_exit_2_without_traceback(args, needle):
+    proc = run_cli(["-m", "hpc.submit", "--local", *args])
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ")
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_dry_run_is_torch_free_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    code = (
+        "import sys; from hpc.submit import main; "
+        f"rc = main(['tiny', '--local', '--dry-run', '--run-dir', {str(run_dir)!r}]); "
+        "assert 'torch' not in sys.modules, 'hpc imported torch'; sys.exit(rc)"
+    )
+    proc = run_cli(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert "mpirun" in proc.stdout and "-n 4" in proc.stdout
+    assert "ranks_per_node: 2" in proc.stdout
+    assert not run_dir.exists()
+
+
+def test_run_dir_is_private(tmp_path):
+    rundir = RunDir(tmp_path / "r")
+    old = os.umask(0o022)
+    try:
+        rundir.create()
+    finally:
+        os.umask(old)
+    for path in (rundir.root, rundir.logs, rundir.checkpoints):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+
+
+def test_existing_run_dir_is_refused(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "something").write_text("x")
+    proc = run_cli(["-m", "hpc.submit", "tiny", "--local", "--run-dir", str(tmp_path / "r")])
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+
+
+def test_hpc_does_not_import_torch():
+    proc = run_cli(["-c", "import sys, hpc.submit, hpc.local, hpc.mpi, hpc.progress; print('torch' in sys.modules)"])
+    assert proc.stdout.strip() == "False", proc.stderr
+    assert sys.executable
