@@ -35,6 +35,7 @@ def local_environment(cfg: RunConfig, base: dict[str, str] | None = None) -> dic
 def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_progress: bool = True) -> int:
     """Start ``world_size`` ranks with mpirun, follow their metrics, and return the launcher's exit status."""
     command = launcher.command(cfg.job.world_size, trainer_command(rundir))
+    rundir.failure.unlink(missing_ok=True)  # from an earlier attempt of this run directory
     log_path = rundir.logs / "mpirun.log"
     follower = MetricsFollower(rundir.metrics)
     progress = Progress(cfg.train.steps) if show_progress else None

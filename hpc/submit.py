@@ -20,6 +20,7 @@ from runconfig import ConfigError, RunDir, dump_yaml, load_config
 
 EXIT_USER_ERROR = 2
 EXIT_JOB_FAILED = 1
+EXIT_STOPPED = 75  # the trainer's "stopped by a signal, checkpoint committed, resumable"
 
 
 class SubmitError(Exception):
@@ -28,7 +29,16 @@ class SubmitError(Exception):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hpc.submit", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="config file, or the name of a built-in example (e.g. tiny)")
+    p.add_argument(
+        "config",
+        help="config file, the name of a built-in example (e.g. tiny), or an existing run directory to resume",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="CONFIG is a run directory: continue it from its newest "
+        "valid checkpoint (implied when CONFIG is a directory)",
+    )
     p.add_argument("--local", action="store_true", help="run on this machine even if Slurm is present")
     p.add_argument("--run-dir", type=Path, help="run directory (default: runs/NAME-YYYYmmdd-HHMMSS)")
     p.add_argument(
@@ -58,10 +68,24 @@ def prepare_run_dir(path: Path) -> RunDir:
     return rundir
 
 
+def resume_target(args: argparse.Namespace) -> Path | None:
+    """The run directory to continue, when CONFIG names one (or --resume is given)."""
+    path = Path(args.config)
+    if not (args.resume or path.is_dir()):
+        return None
+    if not RunDir(path).config.is_file():
+        raise SubmitError(f"{path} is not a run directory (it has no config.yaml); nothing to resume.")
+    if args.run_dir and Path(args.run_dir).resolve() != path.resolve():
+        raise SubmitError("--run-dir cannot be combined with resuming another run directory.")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        resume_dir = resume_target(args)
+        config_spec = str(RunDir(resume_dir).config) if resume_dir else args.config
+        cfg = load_config(config_spec, args.overrides)
         sbatch = shutil.which("sbatch")
         if sbatch and not args.local:
             raise SubmitError(
@@ -69,19 +93,20 @@ def main(argv: list[str] | None = None) -> int:
                 "yet; pass --local to run on this machine."
             )
         launcher = find_launcher()
-        run_path = args.run_dir or default_run_dir(cfg.job.name)
+        run_path = resume_dir or args.run_dir or default_run_dir(cfg.job.name)
         if args.dry_run:
             command = launcher.command(cfg.job.world_size, trainer_command(RunDir(run_path)))
             print(f"# run directory: {run_path}\n# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
             return 0
-        rundir = prepare_run_dir(run_path)
+        rundir = RunDir(run_path) if resume_dir else prepare_run_dir(run_path)
         rundir.config.write_text(dump_yaml(cfg))
     except (ConfigError, SubmitError, LauncherError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
 
+    verb = "resuming" if resume_dir else "starting"
     print(
-        f"{cfg.job.name}: {cfg.job.nodes} simulated nodes x {cfg.job.ranks_per_node} ranks on this machine "
+        f"{verb} {cfg.job.name}: {cfg.job.nodes} simulated nodes x {cfg.job.ranks_per_node} ranks on this machine "
         f"({launcher.flavour}); run directory {rundir.root}",
         flush=True,
     )
@@ -95,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(rundir: RunDir, status: int) -> int:
     failure = read_failure(rundir)
+    if status == EXIT_STOPPED and not failure:
+        print(
+            f"stopped by a signal with a committed checkpoint; continue with: python -m hpc.submit --resume "
+            f"{rundir.root}"
+        )
+        return EXIT_STOPPED
     if failure:
         print(f"error: {failure}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -32,6 +32,11 @@ class RunDir:
         return self.root / "failure.json"
 
     @property
+    def history(self) -> Path:
+        """One JSON line per event of the run's life: start, resume (with Slurm ids), stopped, done."""
+        return self.root / "history.jsonl"
+
+    @property
     def logs(self) -> Path:
         """One log file per rank, plus the launcher's."""
         return self.root / "logs"

@@ -170,6 +170,45 @@ class CommConfig:
         return out
 
 
+SIGNAL_NAMES = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = doc("Commit a checkpoint every N optimizer steps; 0 = not by step count.", 100)
+    every_minutes: float = doc("Commit a checkpoint when this many minutes passed since the last; 0 = off.", 0.0)
+    keep_last: int = doc("Committed generations kept (>= 2); older ones are pruned after a newer commit.", 2)
+    keep_every: int = doc("Also keep forever every checkpoint whose step is a multiple of this; 0 = none.", 0)
+    async_save: bool = doc("Copy the state to CPU memory and write it in the background while training goes on.", False)
+    at_end: bool = doc("Commit a checkpoint when training completes.", True)
+    stop_signals: list[str] = doc(
+        "Signals that stop training at the next step boundary with a committed checkpoint (exit status 75: "
+        "stopped, resumable). SIGUSR1 is left out by default: NCCL uses it on some systems.",
+        factory=lambda: ["SIGUSR2", "SIGTERM"],
+    )
+    resume: bool = doc("Continue from the newest valid checkpoint in the run directory when there is one.", True)
+    allow_shape_change: bool = doc(
+        "Resume even if the model or optimizer config changed since the checkpoint (loading then fails "
+        "wherever tensor shapes differ).",
+        False,
+    )
+
+    def check(self) -> Problems:
+        out: Problems = []
+        if self.every_steps < 0:
+            out.append(("every_steps", f"must be >= 0, got {self.every_steps}"))
+        if self.every_minutes < 0:
+            out.append(("every_minutes", f"must be >= 0, got {self.every_minutes}"))
+        if self.keep_last < 2:
+            out.append(("keep_last", f"must be >= 2 (never keep only one generation), got {self.keep_last}"))
+        if self.keep_every < 0:
+            out.append(("keep_every", f"must be >= 0, got {self.keep_every}"))
+        for name in self.stop_signals:
+            if name not in SIGNAL_NAMES:
+                out.append(("stop_signals", f"{name!r} is not one of {', '.join(SIGNAL_NAMES)}"))
+        return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     job: JobConfig = doc("Job shape: nodes and ranks.", factory=JobConfig)
@@ -177,6 +216,7 @@ class RunConfig:
     data: DataConfig = doc("Token data.", factory=DataConfig)
     train: TrainConfig = doc("Optimisation loop.", factory=TrainConfig)
     comm: CommConfig = doc("Gradient communication.", factory=CommConfig)
+    checkpoint: CheckpointConfig = doc("Checkpoints, stop signals and resume.", factory=CheckpointConfig)
 
     def check(self) -> Problems:
         """Checks that span sections."""

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from trainer.errors import UserError
 from trainer.metrics import MetricsWriter
 from trainer.model import GPT, loss_fn
 from trainer.optim import build_optimizer, lr_at
+from trainer.stop import StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class TrainState:
     data: DataState = field(default_factory=DataState)
     last_loss: float | None = None
     last_eval_loss: float | None = None
+    elapsed_s: float = 0.0  # wall time spent in training over all runs of this run directory
 
 
 @dataclass
@@ -53,9 +56,22 @@ def build(cfg: RunConfig, env: RuntimeEnv, d: Distributed) -> Components:
     )
     if cfg.comm.allreduce == "hierarchical" and env.world_size > 1:
         ddp.register_comm_hook(d.groups, hierarchical_hook)
+    _settle_buckets(ddp, cfg, d.device)
     # Per-rank dropout stream, distinct across ranks and reproducible for a fixed seed and rank.
     torch.manual_seed(cfg.train.seed * 1_000_003 + 1 + env.rank)
     return Components(model=model, ddp=ddp, optimizer=build_optimizer(model, cfg.train))
+
+
+def _settle_buckets(ddp: DDP, cfg: RunConfig, device: torch.device) -> None:
+    """One throw-away forward/backward so DDP rebuilds its gradient buckets (in gradient-ready order) before the
+    first real step, in every run. Without it the first step after a restart reduces in the initial bucket
+    layout while the uninterrupted run used the rebuilt one, and flat all-reduce sums in another order: resume
+    would not be bit-exact. Gradients are discarded; the optimizer does not step."""
+    dummy = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_len + 1, dtype=torch.long, device=device)
+    with _autocast(cfg, device):
+        logits = ddp(dummy[:, :-1])
+    loss_fn(logits, dummy[:, 1:]).backward()
+    ddp.zero_grad(set_to_none=True)
 
 
 def _autocast(cfg: RunConfig, device: torch.device):
@@ -84,6 +100,12 @@ def evaluate(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: GPT, val: T
     return float(totals[0] / totals[1])
 
 
+class Checkpoints(Protocol):
+    def due_by_steps(self, step: int, final: bool) -> bool: ...
+    def due_by_time(self) -> bool: ...
+    def save(self, state: TrainState, *, block: bool) -> None: ...
+
+
 def train(
     cfg: RunConfig,
     env: RuntimeEnv,
@@ -93,8 +115,14 @@ def train(
     val_data: TokenShards,
     state: TrainState,
     metrics: MetricsWriter,
-) -> TrainState:
-    """Run optimizer steps from ``state.step`` to ``cfg.train.steps``."""
+    checkpoints: Checkpoints,
+    stop: StopFlag,
+) -> bool:
+    """Run optimizer steps from ``state.step`` to ``cfg.train.steps``; True if a stop signal ended it early.
+
+    At every step boundary one small all-reduce shares the loss, any rank's stop request and rank 0's
+    time-based checkpoint trigger, so all ranks take the same decision at the same step.
+    """
     t = cfg.train
     world = env.world_size
     if t.global_batch_size % (t.micro_batch_size * world):
@@ -110,6 +138,7 @@ def train(
     ddp.train()
     loss_acc = torch.zeros((), device=d.device)
     last_log_time, last_log_step = time.perf_counter(), state.step
+    run_start, elapsed_before = time.time(), state.elapsed_s
     log.info(
         "training steps %d..%d: world %d (%d nodes x %d), grad accumulation %d, %s all-reduce, device %s",
         state.step,
@@ -151,10 +180,17 @@ def train(
         state.tokens_seen += tokens_per_step
 
         is_last = state.step == t.steps
+        shared = torch.zeros(3, dtype=torch.float64, device=d.device)
+        shared[0] = loss_acc
+        shared[1] = float(stop.requested)
+        shared[2] = float(env.rank == 0 and checkpoints.due_by_time())
+        dist.all_reduce(shared)
+        step_loss, stop_now, due_by_time = shared.tolist()
+        loss_acc.zero_()
+        state.last_loss = step_loss / world
+        state.elapsed_s = elapsed_before + time.time() - run_start
         record = None
         if state.step % t.log_every == 0 or is_last:
-            dist.all_reduce(loss_acc, op=dist.ReduceOp.AVG)
-            state.last_loss = float(loss_acc)
             now = time.perf_counter()
             step_time = (now - last_log_time) / (state.step - last_log_step)
             last_log_time, last_log_step = now, state.step
@@ -168,7 +204,6 @@ def train(
                 "tokens_seen": state.tokens_seen,
                 "time": time.time(),
             }
-        loss_acc.zero_()
         if t.eval_every and (state.step % t.eval_every == 0 or is_last):
             eval_start = time.perf_counter()
             state.last_eval_loss = evaluate(cfg, env, d, comps.model, val_data)
@@ -187,7 +222,14 @@ def train(
                     lr,
                     record.get("tokens_per_s", float("nan")),
                 )
-    return state
+        if stop_now or due_by_time or checkpoints.due_by_steps(state.step, is_last):
+            ckpt_start = time.perf_counter()
+            checkpoints.save(state, block=bool(stop_now) or is_last)
+            last_log_time += time.perf_counter() - ckpt_start  # reported apart from step time
+        if stop_now and not is_last:
+            log.info("stop requested (signal); stopped at step %d with a committed checkpoint", state.step)
+            return True
+    return False
 
 
 def _fmt(x: float | None) -> str:

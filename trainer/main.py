@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 from mpi4py import MPI
@@ -22,6 +21,7 @@ from runconfig.load import config_hash
 from trainer.errors import UserError
 
 EXIT_USER_ERROR = 2
+EXIT_STOPPED = 75  # stopped by a signal with a committed checkpoint: resumable (EX_TEMPFAIL)
 log = logging.getLogger("trainer")
 
 
@@ -39,24 +39,27 @@ def setup_logging(rundir: RunDir, rank: int) -> None:
         root.addHandler(h)
 
 
-def run(rundir: RunDir, comm: MPI.Comm) -> dict:
+def run(rundir: RunDir, comm: MPI.Comm) -> int:
+    """Train to the configured step count; return the exit status (0 done, EXIT_STOPPED stopped by a signal)."""
     # Imported here so that `--help` and config errors do not pay for importing torch.
     import torch
 
+    from trainer.checkpoint import Checkpointer
     from trainer.data.resolve import open_splits
     from trainer.distributed import init_distributed, pick_device
     from trainer.env import from_mpi
     from trainer.fingerprint import params_sha256
     from trainer.loop import TrainState, build, train
-    from trainer.metrics import MetricsWriter, write_json_atomic
+    from trainer.metrics import MetricsWriter, append_event, truncate_metrics, write_json_atomic
+    from trainer.stop import StopFlag
 
-    start = time.time()
     try:  # deterministic checks: every rank fails the same way
         cfg = load_config(str(rundir.config))
         env = from_mpi(comm)
     except (ConfigError, UserError) as exc:
         raise UserError(str(exc), collective=True) from None
     setup_logging(rundir, env.rank)
+    stop = StopFlag(cfg.checkpoint.stop_signals)  # early: a signal during start-up is honoured at step 1
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
     log.info(
         "rank %d/%d on %s: node %d local rank %d%s, %d threads",
@@ -71,18 +74,39 @@ def run(rundir: RunDir, comm: MPI.Comm) -> dict:
     train_data, val_data = open_splits(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, env, comm)
     device = pick_device(env, cfg.train.device)
     d = init_distributed(env, cfg.comm, device, comm)
-    metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
+    checkpoints = metrics = None
     try:
         comps = build(cfg, env, d)
+        checkpoints = Checkpointer(cfg=cfg, env=env, rundir=rundir, comps=comps, comm=comm)
+        state = TrainState()
+        resumed = cfg.checkpoint.resume and checkpoints.restore(state)
+        if env.rank == 0:
+            truncate_metrics(rundir.metrics, state.step)  # steps after the checkpoint are recomputed
+            append_event(
+                rundir.history,
+                {
+                    "event": "resume" if resumed else "start",
+                    "step": state.step,
+                    "world_size": env.world_size,
+                    "slurm_job_id": env.slurm_job_id,
+                    "slurm_restart_count": env.slurm_restart_count,
+                },
+            )
+        metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
         n_params = sum(p.numel() for p in comps.model.parameters())
         log.info("model: %d parameters; train %d windows, val %d windows", n_params, len(train_data), len(val_data))
-        state = train(cfg, env, d, comps, train_data, val_data, TrainState(), metrics)
+        stopped = train(cfg, env, d, comps, train_data, val_data, state, metrics, checkpoints, stop)
+        checkpoints.close()  # a background save is committed before anything else happens
+        if stopped:
+            if env.rank == 0:
+                append_event(rundir.history, {"event": "stopped", "step": state.step, "signal": stop.signum})
+            return EXIT_STOPPED
         summary = {
             "final_step": state.step,
             "final_loss": state.last_loss,
             "final_eval_loss": state.last_eval_loss,
             "tokens_seen": state.tokens_seen,
-            "wall_time_s": time.time() - start,
+            "wall_time_s": state.elapsed_s,
             "params_sha256": params_sha256(comps.model),
             "n_params": n_params,
             "world_size": env.world_size,
@@ -93,9 +117,17 @@ def run(rundir: RunDir, comm: MPI.Comm) -> dict:
         }
         if env.rank == 0:
             write_json_atomic(rundir.summary, summary)
-        return summary
+            append_event(rundir.history, {"event": "done", "step": state.step})
+            log.info(
+                "done: step %d loss %.4f params_sha256 %s", state.step, state.last_loss, summary["params_sha256"][:16]
+            )
+        return 0
     finally:
-        metrics.close()
+        if checkpoints is not None:
+            checkpoints.close()
+        if metrics is not None:
+            metrics.close()
+        stop.restore()
         train_data.close()
         val_data.close()
 
@@ -109,16 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = comm.Get_rank()
     clean = False
     try:
-        summary = run(rundir, comm)
+        status = run(rundir, comm)
         clean = True
-        if rank == 0:
-            log.info(
-                "done: step %d loss %.4f params_sha256 %s",
-                summary["final_step"],
-                summary["final_loss"],
-                summary["params_sha256"][:16],
-            )
-        return 0
+        return status
     except UserError as exc:
         if rank == 0 or not exc.collective:
             _report_failure(rundir, rank, str(exc))

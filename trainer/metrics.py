@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 
@@ -31,3 +32,28 @@ def write_json_atomic(path: Path, data: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after ``step`` (they are recomputed after a resume), atomically."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a killed run
+    if len(keep) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        os.replace(tmp, path)
+
+
+def append_event(path: Path, event: dict) -> None:
+    """One line in the run's history (start, resume, stop, done), with the time."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), **event}) + "\n")

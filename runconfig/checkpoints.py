@@ -1,0 +1,192 @@
+"""On-disk checkpoint generations under RUN_DIR/checkpoints (torch-free: the login node reads them too).
+
+    checkpoints/
+      step_00000120/          a committed generation: manifest.json exists and verifies
+        manifest.json         written last, the commit marker; lists every file with size and SHA-256
+        ...                   the files the trainer wrote
+      .tmp-step_00000130/     being written (or left by a crash): never a checkpoint
+      latest                  the name of the newest committed generation, moved only after a commit
+
+A generation is valid when its manifest parses, its self-checksum matches (it was not edited), and every file
+it lists exists with the recorded size and SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointInvalid(Exception):
+    """A generation that must not be loaded; the message names the file at fault."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames and new entries in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def generations(root: Path) -> list[tuple[int, Path]]:
+    """Step directories (committed or not) sorted by step, oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def validate(path: Path, *, verify_hashes: bool = True) -> dict:
+    """Return the manifest of a valid generation, or raise CheckpointInvalid naming what is wrong."""
+    mpath = path / MANIFEST
+    try:
+        manifest = json.loads(mpath.read_text())
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{mpath} is missing: the checkpoint was never committed") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointInvalid(f"{mpath} cannot be read as JSON ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointInvalid(f"{mpath} has no file list")
+    if manifest.get("manifest_sha256") != manifest_digest(manifest):
+        raise CheckpointInvalid(f"{mpath} was modified after it was committed (its self-checksum does not match)")
+    for rel, meta in sorted(manifest["files"].items()):
+        fpath = path / rel
+        try:
+            size = fpath.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointInvalid(f"{fpath} listed in the manifest is missing") from None
+        if size != meta["size"]:
+            raise CheckpointInvalid(f"{fpath} has {size} bytes, the manifest says {meta['size']} (truncated?)")
+        if verify_hashes and sha256_file(fpath) != meta["sha256"]:
+            raise CheckpointInvalid(f"{fpath} does not match its SHA-256 in the manifest (corrupt)")
+    return manifest
+
+
+def newest_valid(root: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """The newest generation that validates; each newer invalid one is reported through ``warn`` and skipped.
+
+    Raises CheckpointInvalid when generations exist but none is valid: starting from scratch then would silently
+    throw away the run's progress.
+    """
+    gens = generations(root)
+    problems = []
+    for _, path in reversed(gens):
+        try:
+            return path, validate(path)
+        except CheckpointInvalid as exc:
+            problems.append(str(exc))
+            warn(f"skipping checkpoint {path.name}: {exc}")
+    if gens:
+        raise CheckpointInvalid(
+            f"none of the {len(gens)} checkpoints in {root} is valid ({'; '.join(problems)}); nothing was deleted. "
+            "Move them away to start the run from scratch."
+        )
+    return None
+
+
+def latest_committed(root: Path) -> dict | None:
+    """The manifest of the newest generation with a manifest, without verifying file hashes (for status)."""
+    for _, path in reversed(generations(root)):
+        try:
+            return validate(path, verify_hashes=False)
+        except CheckpointInvalid:
+            continue
+    return None
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{TMP_PREFIX}{LATEST}"
+    tmp.write_text(name + "\n")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_path(root)
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def commit(tmp: Path, final: Path, manifest: dict) -> None:
+    """Write the manifest into ``tmp`` (fsynced), rename ``tmp`` to ``final``, make it durable, move ``latest``.
+
+    A generation already at ``final`` (an invalid one that was skipped on resume) is set aside, not deleted.
+    """
+    manifest = dict(manifest)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    mtmp = tmp / f"{MANIFEST}.tmp"
+    with open(mtmp, "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(mtmp, tmp / MANIFEST)
+    fsync_path(tmp)
+    if final.exists():
+        final.rename(final.with_name(f"{final.name}.invalid-{os.getpid()}"))
+    tmp.rename(final)
+    fsync_path(final.parent)
+    write_latest(final.parent, final.name)
+
+
+def prune(root: Path, *, keep_last: int, keep_every: int) -> list[Path]:
+    """Delete committed generations beyond the newest ``keep_last`` (and not multiples of ``keep_every``).
+
+    Called only after a commit; uncommitted step directories and set-aside ones are never touched here.
+    """
+    committed = [(s, p) for s, p in generations(root) if (p / MANIFEST).is_file()]
+    keep = {p for _, p in committed[-keep_last:]}
+    removed = []
+    for step, path in committed:
+        if path in keep or (keep_every and step % keep_every == 0):
+            continue
+        shutil.rmtree(path)
+        removed.append(path)
+    return removed
+
+
+def remove_stale_tmp(root: Path) -> list[Path]:
+    """Remove partial writes left by a crash (``.tmp-*``): by construction they were never committed."""
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                removed.append(p)
+    return removed

@@ -1,0 +1,311 @@
+"""Saving and restoring training state as atomic checkpoint generations (layout: runconfig/checkpoints.py).
+
+Model and optimizer go through torch.distributed.checkpoint (DCP), so a run with another number of ranks can
+load them; each rank adds its RNG states (``rank_NNNNN.pt``, loaded with ``weights_only=True``) and rank 0 the
+loop state (``train_state.json``). Rank 0 commits: per-file SHA-256 into ``manifest.json``, fsync, rename,
+``latest``, then prunes old generations. With ``async_save`` the state is first copied to CPU memory and a
+background thread writes and commits it while training goes on, on a process group of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from mpi4py import MPI
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from runconfig import RunConfig, RunDir
+from runconfig.checkpoints import (
+    TMP_PREFIX,
+    CheckpointInvalid,
+    commit,
+    newest_valid,
+    prune,
+    remove_stale_tmp,
+    sha256_file,
+    step_name,
+)
+from runconfig.load import config_hash, to_dict
+from trainer.env import RuntimeEnv
+from trainer.errors import UserError
+from trainer.fingerprint import params_sha256
+from trainer.loop import Components, TrainState
+from trainer.provenance import git_commit, versions
+
+log = logging.getLogger(__name__)
+FORMAT = 1
+
+
+class CheckpointError(UserError):
+    """A checkpoint could not be written; the previous generation is untouched."""
+
+
+def rng_state() -> dict:
+    key, pos, has_gauss, cached = np.random.get_state(legacy=True)[1:]
+    state = {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "cached": cached},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_cpu_copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu_copy(v) for v in obj]
+    return obj
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+class Checkpointer:
+    def __init__(self, *, cfg: RunConfig, env: RuntimeEnv, rundir: RunDir, comps: Components, comm: MPI.Comm) -> None:
+        self.cfg, self.env, self.comps, self.comm = cfg, env, comps, comm
+        self.root = rundir.checkpoints
+        self.ccfg = cfg.checkpoint
+        # Its own group, so a background save never interleaves with the training collectives.
+        self.group = dist.new_group(backend="gloo")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
+        self.pending: Future | None = None
+        self.last_commit_time = time.monotonic()
+        self.blocking_s: list[float] = []  # time the training loop waited per save
+
+    # -- when ---------------------------------------------------------------------------------------------
+    def due_by_steps(self, step: int, final: bool) -> bool:
+        every = self.ccfg.every_steps
+        return bool(every and step % every == 0) or (final and self.ccfg.at_end)
+
+    def due_by_time(self) -> bool:
+        """Rank 0's clock decides; the loop shares this flag with the other ranks in its step collective."""
+        minutes = self.ccfg.every_minutes
+        return bool(minutes) and time.monotonic() - self.last_commit_time >= 60 * minutes
+
+    # -- save ---------------------------------------------------------------------------------------------
+    def save(self, state: TrainState, *, block: bool) -> None:
+        """Write the generation for ``state.step``. Blocks for the CPU copy only (async), or until committed."""
+        start = time.perf_counter()
+        self.wait()  # never two writes at once
+        name = step_name(state.step)
+        tmp = self.root / f"{TMP_PREFIX}{name}"
+        error = None
+        if self.env.rank == 0:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(mode=0o700, parents=True)
+            except OSError as exc:
+                error = f"cannot create {tmp}: {exc.strerror or exc}"
+        self._agree(error, state.step)
+        error = None
+        try:
+            path = tmp / f"rank_{self.env.rank:05d}.pt"
+            torch.save({"rng": rng_state()}, path)
+            _fsync_file(path)
+            if self.env.rank == 0:
+                path = tmp / "train_state.json"
+                path.write_text(json.dumps(self._train_state(state), indent=2) + "\n")
+                _fsync_file(path)
+        except OSError as exc:
+            error = f"cannot write {path}: {exc.strerror or exc}"
+        self._agree(error, state.step, tmp)
+        msd, osd = get_state_dict(self.comps.model, self.comps.optimizer)
+        meta = self._manifest(state)
+        if self.pool is None:
+            self._write_and_commit({"model": msd, "optim": osd}, tmp, name, meta, state.step)
+        else:
+            staged = _to_cpu_copy({"model": msd, "optim": osd})
+            self.pending = self.pool.submit(self._write_and_commit, staged, tmp, name, meta, state.step)
+            if block:
+                self.wait()
+        self.blocking_s.append(time.perf_counter() - start)
+
+    def wait(self) -> None:
+        """Wait for a background save to be committed (re-raising its error)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+
+    def _write_and_commit(self, state_dict: dict, tmp: Path, name: str, meta: dict, step: int) -> None:
+        error = None
+        try:
+            dcp.save(
+                state_dict, storage_writer=dcp.FileSystemWriter(tmp / "dcp", sync_files=True), process_group=self.group
+            )
+        except Exception as exc:  # DCP wraps per-rank OSErrors in its own exception types
+            error = f"writing the model and optimizer state failed: {_root_cause(exc)}"
+        self._agree(error, step, tmp)
+        if self.env.rank == 0:
+            try:
+                files = {}
+                for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                    files[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+                fsync_all_dirs(tmp)
+                commit(tmp, self.root / name, {**meta, "files": files, "committed_at": time.time()})
+            except OSError as exc:
+                error = f"committing {self.root / name} failed: {exc.strerror or exc}"
+        self._agree(error, step, tmp)
+        self.last_commit_time = time.monotonic()
+        if self.env.rank == 0:
+            removed = prune(self.root, keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every)
+            log.info("checkpoint %s committed%s", name, f"; pruned {[p.name for p in removed]}" if removed else "")
+
+    def _agree(self, error: str | None, step: int, tmp: Path | None = None) -> None:
+        """Every rank learns whether any rank failed, on the checkpoint group (safe from the background thread)."""
+        errors: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if not failed:
+            return
+        if tmp is not None and self.env.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # never committed: free the space it took
+        rank, message = failed[0]
+        raise CheckpointError(
+            f"rank {rank}: checkpoint at step {step} could not be saved: {message}. The previous checkpoint, if "
+            f"any, is intact in {self.root}.",
+            collective=True,
+        )
+
+    def _train_state(self, state: TrainState) -> dict:
+        return {
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "data": state.data.state_dict(),
+            "last_loss": state.last_loss,
+            "last_eval_loss": state.last_eval_loss,
+            "elapsed_s": state.elapsed_s,
+        }
+
+    def _manifest(self, state: TrainState) -> dict:
+        return {
+            "format": FORMAT,
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "data_position": state.data.position,
+            "loss": state.last_loss,
+            "world_size": self.env.world_size,
+            "topology": self.env.topology.describe(),
+            "config_sha256": config_hash(self.cfg),
+            "model_config": to_dict(self.cfg)["model"],
+            "optimizer": {"type": type(self.comps.optimizer).__name__},
+            "git_commit": git_commit(),
+            "versions": versions(),
+            "slurm_job_id": self.env.slurm_job_id,
+            "slurm_restart_count": self.env.slurm_restart_count,
+            "wall_time_s": state.elapsed_s,
+            "params_sha256": params_sha256(self.comps.model),
+        }
+
+    # -- restore ------------------------------------------------------------------------------------------
+    def restore(self, state: TrainState) -> bool:
+        """Load the newest valid generation into the model, optimizer, RNGs and ``state``. Collective.
+
+        Returns False when the run directory has no checkpoint yet.
+        """
+        found = error = None
+        warnings: list[str] = []
+        if self.env.rank == 0:
+            try:
+                remove_stale_tmp(self.root)
+                hit = newest_valid(self.root, warnings.append)
+                found = str(hit[0]) if hit else None
+            except (CheckpointInvalid, OSError) as exc:
+                error = str(exc)
+        found, error, warnings = self.comm.bcast((found, error, warnings), root=0)
+        for w in warnings:
+            if self.env.rank == 0:
+                log.warning(w)
+        if error:
+            raise UserError(error, collective=True)
+        if found is None:
+            return False
+        path = Path(found)
+        manifest = json.loads((path / "manifest.json").read_text())
+        self._check_compatible(manifest, path)
+        msd, osd = get_state_dict(self.comps.model, self.comps.optimizer)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path / "dcp", process_group=self.group)
+        set_state_dict(self.comps.model, self.comps.optimizer, model_state_dict=msd, optim_state_dict=osd)
+        if params_sha256(self.comps.model) != manifest["params_sha256"]:
+            raise UserError(
+                f"checkpoint {path}: the loaded parameters do not match the manifest's params_sha256.", collective=True
+            )
+        ts = json.loads((path / "train_state.json").read_text())
+        state.step, state.tokens_seen = ts["step"], ts["tokens_seen"]
+        state.data.load_state_dict(ts["data"])
+        state.last_loss, state.last_eval_loss = ts["last_loss"], ts["last_eval_loss"]
+        state.elapsed_s = ts["elapsed_s"]
+        if manifest["world_size"] == self.env.world_size:
+            rank_file = path / f"rank_{self.env.rank:05d}.pt"
+            set_rng_state(torch.load(rank_file, weights_only=True)["rng"])
+        else:  # per-rank streams cannot be mapped to another world size: derive fresh ones deterministically
+            torch.manual_seed(self.cfg.train.seed * 1_000_003 + 7919 * state.step + self.env.rank)
+        if self.env.rank == 0:
+            log.info("resumed from %s (step %d, saved by %d ranks)", path.name, state.step, manifest["world_size"])
+        self.last_commit_time = time.monotonic()
+        return True
+
+    def _check_compatible(self, manifest: dict, path: Path) -> None:
+        saved, now = manifest["model_config"], to_dict(self.cfg)["model"]
+        changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if manifest["optimizer"]["type"] != type(self.comps.optimizer).__name__:
+            changed["optimizer"] = (manifest["optimizer"]["type"], type(self.comps.optimizer).__name__)
+        if changed and not self.ccfg.allow_shape_change:
+            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise UserError(
+                f"checkpoint {path} was saved with another model or optimizer ({detail}); refusing to resume. "
+                "Set checkpoint.allow_shape_change=true to force it, or use a new run directory. Nothing was "
+                "deleted.",
+                collective=True,
+            )
+
+
+def fsync_all_dirs(root: Path) -> None:
+    for dirpath, _, _ in os.walk(root):
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _root_cause(exc: BaseException) -> str:
+    seen = exc
+    while seen.__cause__ is not None or seen.__context__ is not None:
+        seen = seen.__cause__ or seen.__context__
+    text = str(seen) if isinstance(seen, OSError) else f"{type(exc).__name__}: {exc}"
+    return text.splitlines()[0] if text else type(exc).__name__
