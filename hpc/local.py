@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.mpi import MpiLauncher
@@ -32,37 +36,78 @@ def local_environment(cfg: RunConfig, base: dict[str, str] | None = None) -> dic
     return env
 
 
-def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_progress: bool = True) -> int:
-    """Start ``world_size`` ranks with mpirun, follow their metrics, and return the launcher's exit status."""
+@dataclass
+class LaunchResult:
+    status: int
+    output_tail: list[str]  # the last lines mpirun printed (kept in memory: the log's disk may be full)
+
+    def error_line(self) -> str | None:
+        """The trainer's one-paragraph user error, as printed by the reporting rank."""
+        for line in reversed(self.output_tail):
+            if line.startswith("error: "):
+                return line[len("error: ") :]
+        return None
+
+
+def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_progress: bool = True) -> LaunchResult:
+    """Start ``world_size`` ranks with mpirun, follow their metrics, and return how it ended."""
     command = launcher.command(cfg.job.world_size, trainer_command(rundir))
     rundir.failure.unlink(missing_ok=True)  # from an earlier attempt of this run directory
-    log_path = rundir.logs / "mpirun.log"
     follower = MetricsFollower(rundir.metrics)
     progress = Progress(cfg.train.steps) if show_progress else None
-    with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(command)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=local_environment(cfg))
-        try:
-            while proc.poll() is None:
-                time.sleep(0.25)
-                for record in follower.poll():
-                    if progress:
-                        progress.update(record)
+    tail_lines: deque[str] = deque(maxlen=200)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=local_environment(cfg),
+        text=True,
+        errors="replace",
+    )
+    copier = threading.Thread(
+        target=_copy_output, args=(proc, rundir.logs / "mpirun.log", command, tail_lines), daemon=True
+    )
+    copier.start()
+    try:
+        while proc.poll() is None:
+            time.sleep(0.25)
             for record in follower.poll():
                 if progress:
                     progress.update(record)
-        except KeyboardInterrupt:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
-        finally:
+        for record in follower.poll():
             if progress:
-                progress.close()
-    return proc.returncode
+                progress.update(record)
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    finally:
+        if progress:
+            progress.close()
+        copier.join(timeout=10)
+    return LaunchResult(proc.returncode, list(tail_lines))
+
+
+def _copy_output(proc: subprocess.Popen, path: Path, command: list[str], tail_lines: deque[str]) -> None:
+    """mpirun's output -> logs/mpirun.log, keeping the last lines in memory; a full disk loses the file only."""
+    log = None
+    with contextlib.suppress(OSError):
+        log = open(path, "a")  # noqa: SIM115 (closed below)
+        log.write(f"$ {' '.join(command)}\n")
+    for line in proc.stdout:
+        tail_lines.append(line.rstrip("\n"))
+        if log is not None:
+            try:
+                log.write(line)
+                log.flush()
+            except OSError:
+                log = None
+    if log is not None:
+        with contextlib.suppress(OSError):
+            log.close()
 
 
 def read_failure(rundir: RunDir) -> str | None:
@@ -71,10 +116,3 @@ def read_failure(rundir: RunDir) -> str | None:
         return str(data["message"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

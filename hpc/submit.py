@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpc.local import read_failure, run_local, tail, trainer_command
+from hpc.local import LaunchResult, read_failure, run_local, trainer_command
 from hpc.mpi import LauncherError, find_launcher
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
 
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# run directory: {run_path}\n# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
             return 0
         rundir = RunDir(run_path) if resume_dir else prepare_run_dir(run_path)
+        problem = rundir.writable_error()
+        if problem:
+            raise SubmitError(problem + "; nothing was changed.")
         rundir.config.write_text(dump_yaml(cfg))
     except (ConfigError, SubmitError, LauncherError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -111,15 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        status = run_local(cfg, rundir, launcher)
+        result = run_local(cfg, rundir, launcher)
     except KeyboardInterrupt:
         print(f"\ninterrupted; run directory {rundir.root}", file=sys.stderr)
         return 130
-    return report(rundir, status)
+    return report(rundir, result)
 
 
-def report(rundir: RunDir, status: int) -> int:
-    failure = read_failure(rundir)
+def report(rundir: RunDir, result: LaunchResult) -> int:
+    status = result.status
+    failure = read_failure(rundir) or result.error_line()
     if status == EXIT_STOPPED and not failure:
         print(
             f"stopped by a signal with a committed checkpoint; continue with: python -m hpc.submit --resume "
@@ -131,8 +135,11 @@ def report(rundir: RunDir, status: int) -> int:
         return EXIT_USER_ERROR
     if status != 0 or not rundir.summary.exists():
         log = rundir.logs / "mpirun.log"
-        print(f"error: the job failed (mpirun exit status {status}); last lines of {log}:", file=sys.stderr)
-        print(tail(log), file=sys.stderr)
+        print(
+            f"error: the job failed (mpirun exit status {status}); its last output (all of it in {log}):",
+            file=sys.stderr,
+        )
+        print("\n".join(result.output_tail[-20:]), file=sys.stderr)
         return EXIT_JOB_FAILED
     summary = json.loads(rundir.summary.read_text())
     eval_part = f", eval loss {summary['final_eval_loss']:.4f}" if summary.get("final_eval_loss") else ""

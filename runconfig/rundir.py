@@ -48,6 +48,18 @@ class RunDir:
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank:05d}.log"
 
+    def writable_error(self) -> str | None:
+        """None when the run directory and its sub-folders accept new files, else what is wrong (one line)."""
+        for path in (self.root, self.logs, self.checkpoints):
+            try:
+                path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                probe = path / f".write-probe-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as exc:
+                return f"run directory {self.root} is not writable ({path}: {exc.strerror or exc})"
+        return None
+
     def create(self) -> None:
         """Create the layout, private to the user (run directories hold pickles and configs)."""
         for path in (self.root, self.logs, self.checkpoints):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mpi4py import MPI
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from runconfig import RunConfig, RunDir
@@ -167,8 +168,8 @@ class Checkpointer:
             dcp.save(
                 state_dict, storage_writer=dcp.FileSystemWriter(tmp / "dcp", sync_files=True), process_group=self.group
             )
-        except Exception as exc:  # DCP wraps per-rank OSErrors in its own exception types
-            error = f"writing the model and optimizer state failed: {_root_cause(exc)}"
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException wrapping per-rank errors
+            error = f"writing the model and optimizer state failed: {_root_cause(exc)}{_space_note(tmp)}"
         self._agree(error, step, tmp)
         if self.env.rank == 0:
             try:
@@ -303,9 +304,21 @@ def fsync_all_dirs(root: Path) -> None:
             os.close(fd)
 
 
+def _space_note(folder: Path) -> str:
+    """Torch's file writer reports a full disk as a bare RuntimeError: say so when the disk is (nearly) full."""
+    try:
+        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    except OSError:
+        return ""
+    return f" (the file system holding {folder.parent} is full: {free} bytes free)" if free < (1 << 20) else ""
+
+
 def _root_cause(exc: BaseException) -> str:
-    seen = exc
-    while seen.__cause__ is not None or seen.__context__ is not None:
-        seen = seen.__cause__ or seen.__context__
-    text = str(seen) if isinstance(seen, OSError) else f"{type(exc).__name__}: {exc}"
-    return text.splitlines()[0] if text else type(exc).__name__
+    """One line for the error behind a failed save (DCP wraps each rank's exception in CheckpointException)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    while not isinstance(exc, OSError) and (exc.__cause__ or exc.__context__):
+        exc = exc.__cause__ or exc.__context__
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
+    return (f"{type(exc).__name__}: {exc}").splitlines()[0][:300]

@@ -47,7 +47,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     from trainer.checkpoint import Checkpointer
     from trainer.data.resolve import open_splits
     from trainer.distributed import init_distributed, pick_device
-    from trainer.env import from_mpi
+    from trainer.env import agree, from_mpi
     from trainer.fingerprint import params_sha256
     from trainer.loop import TrainState, build, train
     from trainer.metrics import MetricsWriter, append_event, truncate_metrics, write_json_atomic
@@ -58,6 +58,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         env = from_mpi(comm)
     except (ConfigError, UserError) as exc:
         raise UserError(str(exc), collective=True) from None
+    agree(comm, rundir.writable_error() if env.rank == 0 else None)
     setup_logging(rundir, env.rank)
     stop = StopFlag(cfg.checkpoint.stop_signals)  # early: a signal during start-up is honoured at step 1
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())

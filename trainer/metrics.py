@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from pathlib import Path
+
+from trainer.errors import UserError
 
 
 class MetricsWriter:
@@ -16,12 +19,18 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            try:
+                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            except OSError as exc:
+                raise UserError(
+                    f"rank 0: cannot append to {self._file.name}: {exc.strerror or exc}", collective=False
+                ) from None
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):  # a full disk already reported where it happened
+                file.close()
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

@@ -1,0 +1,315 @@
+"""Checkpoint and resume with real processes, real signals, SIGKILL at random moments and real small filesystems.
+
+The guarantee pinned here: however a run is interrupted and resumed, it ends with the uninterrupted run's
+params_sha256 and per-step losses (bitwise, on CPU); at another world size it continues the same sample order.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from runconfig.checkpoints import generations, read_latest, validate
+from tests.conftest import PY, ROOT
+
+pytestmark = pytest.mark.mp
+
+EXIT_STOPPED = 75
+KEYS = ("step", "loss", "lr", "grad_norm", "eval_loss", "tokens_seen")
+
+
+def common(data) -> list[str]:
+    return [
+        f"data.path={data}", "train.steps=24", "train.warmup_steps=2", "train.eval_every=8",
+        "model.d_model=64", "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=4",
+        "checkpoint.keep_last=3",
+    ]  # fmt: skip
+
+
+def submit_args(target, sets, resume=False) -> list[str]:
+    args = [PY, "-m", "hpc.submit", str(target), "--local"]
+    args += ["--resume"] if resume else []
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT)
+    return e
+
+
+def start(run_dir, sets, resume=False) -> subprocess.Popen:
+    args = submit_args(run_dir if resume else "tiny", sets, resume)
+    if not resume:
+        args += ["--run-dir", str(run_dir)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+
+
+def run(run_dir, sets=(), resume=False) -> subprocess.CompletedProcess:
+    proc = start(run_dir, sets, resume)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def rows(run_dir) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: r.get(k) for k in KEYS} for r in map(json.loads, lines)]
+
+
+def summary(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def history(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "history.jsonl").read_text().splitlines()]
+
+
+def rank_pids(run_dir) -> dict[int, int]:
+    """rank -> pid of the trainer processes of this run (MPICH puts PMI_RANK in each rank's environment)."""
+    out = {}
+    for pid in subprocess.run(
+        ["pgrep", "-f", f"trainer --run-dir {run_dir}"], capture_output=True, text=True
+    ).stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"PMI_RANK="):
+                out[int(item.split(b"=")[1])] = int(pid)
+    return out
+
+
+def wait_for_step(run_dir, step, proc, timeout=120) -> None:
+    deadline = time.monotonic() + timeout
+    path = Path(run_dir) / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+def wait_for_event(run_dir, event, count, proc, timeout=120) -> dict:
+    """The count-th history event of this kind, once it exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [e for e in history(run_dir) if e["event"] == event]
+        if len(found) >= count:
+            return found[count - 1]
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"no {event} event #{count}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_dataset):
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc = run(run_dir, common(small_dataset))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir
+
+
+def assert_same_as(reference, run_dir):
+    assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
+    assert rows(run_dir) == rows(reference)
+
+
+def test_generations_retention_and_manifest(reference):
+    ckpts = reference / "checkpoints"
+    assert [s for s, _ in generations(ckpts)] == [16, 20, 24]  # keep_last=3 of every 4 steps
+    assert read_latest(ckpts) == "step_00000024"
+    manifest = validate(ckpts / "step_00000024")
+    assert manifest["step"] == 24 and manifest["world_size"] == 4
+    assert manifest["topology"]["nodes"] == 2 and manifest["tokens_seen"] == 24 * 32 * 64
+    assert manifest["params_sha256"] == summary(reference)["params_sha256"]
+    assert set(manifest["versions"]) >= {"python", "torch", "mpi4py", "h5py"}
+    assert len(manifest["config_sha256"]) == 64 and "git_commit" in manifest
+    assert {"rank_00000.pt", "rank_00003.pt", "train_state.json", "dcp/.metadata"} <= set(manifest["files"])
+    assert not list(ckpts.glob(".tmp-*"))
+
+
+def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_dataset, reference):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, common(small_dataset))
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[3], signal.SIGUSR2)  # one rank: the others learn it at the next step boundary
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    assert "--resume" in out
+    stopped = history(run_dir)[-1]
+    assert stopped["event"] == "stopped"
+    assert read_latest(run_dir / "checkpoints") == f"step_{stopped['step']:08d}"  # committed at the stop step
+
+    proc = start(run_dir, [], resume=True)
+    wait_for_step(run_dir, stopped["step"] + 5, proc)
+    for pid in rank_pids(run_dir).values():  # every rank, as Slurm signals a whole step
+        os.kill(pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [e["event"] for e in history(run_dir)] == ["start", "stopped", "resume", "stopped", "resume", "done"]
+    assert_same_as(reference, run_dir)
+
+
+def test_sigkill_at_random_moments_and_mid_checkpoint(tmp_path, small_dataset, reference):
+    """Checkpoint every step so kills often land inside a save; one kill is aimed at a save in progress."""
+    run_dir = tmp_path / "run"
+    sets = [*common(small_dataset), "checkpoint.every_steps=1"]
+    rng = random.Random(20261123)
+    proc = start(run_dir, sets)
+    kills = 0
+    while proc.poll() is None and kills < 3:
+        if kills == 0:  # wait until a generation is being written, then kill a random rank at once
+            wait_for_step(run_dir, 3, proc)
+            deadline = time.monotonic() + 30
+            while not list((run_dir / "checkpoints").glob(".tmp-step_*")) and time.monotonic() < deadline:
+                time.sleep(0.0005)
+        else:  # once this attempt has resumed (metrics then hold no step past its checkpoint), at a random time
+            resumed = wait_for_event(run_dir, "resume", kills, proc)
+            wait_for_step(run_dir, resumed["step"] + 1, proc)
+            time.sleep(rng.uniform(0.0, 0.6))
+        pids = rank_pids(run_dir)
+        if pids:
+            os.kill(pids[rng.randrange(len(pids))], signal.SIGKILL)
+            kills += 1
+        proc.communicate(timeout=120)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode != 0
+        proc = start(run_dir, [], resume=True)
+    proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    assert kills >= 2
+    events = history(run_dir)
+    assert [e["event"] for e in events].count("resume") == kills
+    assert_same_as(reference, run_dir)
+
+
+def test_resume_on_more_ranks_keeps_the_sample_order(tmp_path, small_dataset, reference):
+    """2 ranks (1 node x 2) stopped at a step boundary, resumed on 4 (2 nodes x 2), same global batch."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, [*common(small_dataset), "job.nodes=1"])
+    wait_for_step(run_dir, 9, proc)
+    os.kill(rank_pids(run_dir)[0], signal.SIGUSR2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    stop_step = history(run_dir)[-1]["step"]
+    assert validate(run_dir / "checkpoints" / f"step_{stop_step:08d}")["world_size"] == 2
+
+    done = run(run_dir, ["job.nodes=2"], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert history(run_dir)[-2]["world_size"] == 4
+    got, want = rows(run_dir), rows(reference)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "eval_loss"):
+            if b[key] is not None:
+                assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
+        assert a["tokens_seen"] == b["tokens_seen"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "tamper_manifest", "no_manifest"])
+def test_damaged_newest_checkpoint_falls_back(tmp_path, reference, damage):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    newest = run_dir / "checkpoints" / "step_00000024"
+    if damage == "truncate":
+        victim = newest / "dcp" / "__0_0.distcp"
+        victim.write_bytes(victim.read_bytes()[:-100])
+    elif damage == "tamper_manifest":
+        victim = newest / "manifest.json"
+        victim.write_text(victim.read_text().replace('"step": 24', '"step": 25'))
+    else:
+        victim = newest / "manifest.json"
+        victim.unlink()
+    (run_dir / "summary.json").unlink()
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert f"skipping checkpoint step_00000024: {victim}" in log
+    assert "resumed from step_00000020" in log
+    assert_same_as(reference, run_dir)
+
+
+def test_all_checkpoints_invalid_is_an_error_and_deletes_nothing(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    for _, gen in generations(run_dir / "checkpoints"):
+        (gen / "train_state.json").write_text("{}")
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    proc = run(run_dir, resume=True)
+    assert proc.returncode == 2
+    assert "none of the 3 checkpoints" in proc.stderr and "nothing was deleted" in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_model_change_is_refused(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    proc = run(run_dir, ["model.d_model=32", "model.n_heads=2"], resume=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "another model or optimizer (d_model: 64 -> 32" in proc.stderr
+    assert "allow_shape_change" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_async_save_gives_the_same_result(tmp_path, small_dataset, reference):
+    run_dir = tmp_path / "run"
+    done = run(run_dir, [*common(small_dataset), "checkpoint.async_save=true", "checkpoint.every_steps=2"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_as(reference, run_dir)
+    assert validate(run_dir / "checkpoints" / "step_00000024")["params_sha256"] == summary(reference)["params_sha256"]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 2.5 MiB tmpfs: room for one checkpoint of the test model (~1.5 MB), not two."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, small_dataset, reference, small_fs):
+    run_dir = small_fs / "run"
+    proc = run(run_dir, common(small_dataset))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "could not be saved" in proc.stderr
+    assert "No space left on device" in proc.stderr or "is full" in proc.stderr, proc.stderr
+    assert "is intact" in proc.stderr and "Traceback" not in proc.stderr
+    ckpts = run_dir / "checkpoints"
+    assert [s for s, _ in generations(ckpts)] == [4]
+    assert validate(ckpts / "step_00000004")["step"] == 4
+    assert not list(ckpts.glob(".tmp-*"))  # the failed write was cleaned up
+    # the surviving checkpoint still loads: resume on a roomy disk and finish identically
+    moved = tmp_path / "moved"
+    shutil.copytree(run_dir, moved)
+    done = run(moved, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resumed from step_00000004" in (moved / "logs" / "rank_00000.log").read_text()
+    assert_same_as(reference, moved)
+
+
+def test_unwritable_run_directory_is_refused(tmp_path, reference, small_fs):
+    run_dir = small_fs / "run"
+    shutil.copytree(reference, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    proc = run(run_dir, resume=True)
+    assert proc.returncode == 2
+    assert f"run directory {run_dir} is not writable" in proc.stderr and "Read-only file system" in proc.stderr

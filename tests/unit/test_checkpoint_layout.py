@@ -1,0 +1,97 @@
+"""The on-disk generation format: commit marker, validation, latest pointer, retention (no torch needed)."""
+
+import json
+
+import pytest
+
+from runconfig.checkpoints import (
+    CheckpointInvalid,
+    commit,
+    generations,
+    latest_committed,
+    newest_valid,
+    prune,
+    read_latest,
+    remove_stale_tmp,
+    sha256_file,
+    step_name,
+    validate,
+)
+
+
+def make_generation(root, step, payload=b"weights"):
+    tmp = root / f".tmp-{step_name(step)}"
+    tmp.mkdir(parents=True)
+    (tmp / "data.bin").write_bytes(payload * 100)
+    files = {"data.bin": {"size": len(payload) * 100, "sha256": sha256_file(tmp / "data.bin")}}
+    commit(tmp, root / step_name(step), {"step": step, "files": files})
+    return root / step_name(step)
+
+
+def test_commit_makes_a_valid_generation_and_moves_latest(tmp_path):
+    assert newest_valid(tmp_path, print) is None
+    make_generation(tmp_path, 4)
+    assert read_latest(tmp_path) == "step_00000004"
+    path = make_generation(tmp_path, 8)
+    assert read_latest(tmp_path) == "step_00000008"
+    assert validate(path)["step"] == 8
+    assert [s for s, _ in generations(tmp_path)] == [4, 8]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "tamper", "missing_file", "bad_json"])
+def test_damaged_generations_are_skipped_with_the_file_named(tmp_path, damage):
+    make_generation(tmp_path, 4)
+    newest = make_generation(tmp_path, 8)
+    data, manifest = newest / "data.bin", newest / "manifest.json"
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:10])
+    elif damage == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[5] ^= 1
+        data.write_bytes(bytes(raw))
+    elif damage == "no_manifest":
+        manifest.unlink()
+    elif damage == "tamper":
+        m = json.loads(manifest.read_text())
+        m["step"] = 9
+        manifest.write_text(json.dumps(m))
+    elif damage == "missing_file":
+        data.unlink()
+    elif damage == "bad_json":
+        manifest.write_text("{")
+    warnings = []
+    path, found = newest_valid(tmp_path, warnings.append)
+    assert found["step"] == 4 and path.name == "step_00000004"
+    assert len(warnings) == 1 and "step_00000008" in warnings[0]
+    named = manifest if damage in ("no_manifest", "tamper", "bad_json") else data
+    assert str(named) in warnings[0]
+    assert newest.exists()  # nothing deleted
+
+
+def test_no_valid_generation_is_an_error_not_a_fresh_start(tmp_path):
+    gen = make_generation(tmp_path, 4)
+    (gen / "data.bin").write_bytes(b"")
+    with pytest.raises(CheckpointInvalid, match="none of the 1 checkpoints"):
+        newest_valid(tmp_path, lambda w: None)
+    assert gen.exists()
+
+
+def test_prune_keeps_last_k_and_every_m(tmp_path):
+    for step in range(2, 26, 2):
+        make_generation(tmp_path, step)
+    (tmp_path / ".tmp-step_00000026").mkdir()
+    removed = prune(tmp_path, keep_last=2, keep_every=8)
+    assert [s for s, _ in generations(tmp_path)] == [8, 16, 22, 24]
+    assert len(removed) == 8
+    assert (tmp_path / ".tmp-step_00000026").exists()  # prune never touches uncommitted writes
+    assert remove_stale_tmp(tmp_path) == [tmp_path / ".tmp-step_00000026"]
+    assert latest_committed(tmp_path)["step"] == 24
+
+
+def test_commit_sets_aside_an_invalid_generation_of_the_same_step(tmp_path):
+    old = make_generation(tmp_path, 4)
+    (old / "manifest.json").unlink()  # skipped on resume, then step 4 is reached again
+    make_generation(tmp_path, 4, payload=b"new")
+    assert validate(tmp_path / "step_00000004")["step"] == 4
+    assert len(list(tmp_path.glob("step_00000004.invalid-*"))) == 1
