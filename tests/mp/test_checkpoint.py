@@ -313,3 +313,15 @@ def test_unwritable_run_directory_is_refused(tmp_path, reference, small_fs):
     proc = run(run_dir, resume=True)
     assert proc.returncode == 2
     assert f"run directory {run_dir} is not writable" in proc.stderr and "Read-only file system" in proc.stderr
+
+
+def test_time_based_checkpoints(tmp_path, small_dataset, reference):
+    """every_minutes alone: rank 0's clock decides and the step collective carries the decision to all ranks."""
+    run_dir = tmp_path / "run"
+    sets = [*common(small_dataset), "checkpoint.every_steps=0", "checkpoint.every_minutes=0.003",
+            "checkpoint.keep_last=50", "checkpoint.at_end=false"]  # fmt: skip
+    done = run(run_dir, sets)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = [s for s, _ in generations(run_dir / "checkpoints")]
+    assert len(steps) >= 2 and all(0 < s <= 24 for s in steps), steps
+    assert_same_as(reference, run_dir)
