@@ -40,7 +40,7 @@ from runconfig.checkpoints import (
 from runconfig.load import config_hash, to_dict
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.fingerprint import params_sha256
+from trainer.fingerprint import params_sha256, tensors_sha256
 from trainer.loop import Components, TrainState
 from trainer.provenance import git_commit, versions
 
@@ -73,13 +73,24 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _to_cpu_copy(obj):
+def _stage(obj, buf):
+    """Copy a (nested) state dict into CPU buffers, reusing ``buf`` from the previous save where shapes match.
+
+    Reuse is safe because a save starts only after the previous one is committed; copying into warm buffers is
+    several times faster than allocating fresh ones.
+    """
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        src = obj.detach()
+        if not (isinstance(buf, torch.Tensor) and buf.shape == src.shape and buf.dtype == src.dtype):
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+        buf.copy_(src, non_blocking=src.is_cuda)
+        return buf
     if isinstance(obj, dict):
-        return {k: _to_cpu_copy(v) for k, v in obj.items()}
+        old = buf if isinstance(buf, dict) else {}
+        return {k: _stage(v, old.get(k)) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_to_cpu_copy(v) for v in obj]
+        old = buf if isinstance(buf, list) and len(buf) == len(obj) else [None] * len(obj)
+        return [_stage(v, b) for v, b in zip(obj, old, strict=True)]
     return obj
 
 
@@ -97,6 +108,8 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
         self.pending: Future | None = None
+        self.param_names = [name for name, _ in comps.model.named_parameters()]
+        self._staging: dict | None = None  # CPU buffers reused by async saves
         self.last_commit_time = time.monotonic()
         self.blocking_s: list[float] = []  # time the training loop waited per save
 
@@ -143,7 +156,9 @@ class Checkpointer:
         if self.pool is None:
             self._write_and_commit({"model": msd, "optim": osd}, tmp, name, meta, state.step)
         else:
-            staged = _to_cpu_copy({"model": msd, "optim": osd})
+            staged = self._staging = _stage({"model": msd, "optim": osd}, self._staging)
+            if any(t.is_cuda for t in msd.values() if isinstance(t, torch.Tensor)):
+                torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
             self.pending = self.pool.submit(self._write_and_commit, staged, tmp, name, meta, state.step)
             if block:
                 self.wait()
@@ -163,6 +178,7 @@ class Checkpointer:
                 self.pool.shutdown(wait=True)
 
     def _write_and_commit(self, state_dict: dict, tmp: Path, name: str, meta: dict, step: int) -> None:
+        meta = {**meta, "params_sha256": tensors_sha256((n, state_dict["model"][n]) for n in self.param_names)}
         error = None
         try:
             dcp.save(
@@ -229,7 +245,6 @@ class Checkpointer:
             "slurm_job_id": self.env.slurm_job_id,
             "slurm_restart_count": self.env.slurm_restart_count,
             "wall_time_s": state.elapsed_s,
-            "params_sha256": params_sha256(self.comps.model),
         }
 
     # -- restore ------------------------------------------------------------------------------------------

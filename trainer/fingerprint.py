@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -13,9 +14,15 @@ def params_sha256(model: nn.Module) -> str:
 
     The definition is shared by summary.json and checkpoint manifests.
     """
+    return tensors_sha256(model.named_parameters())
+
+
+def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The same hash over (name, tensor) pairs, e.g. the parameters inside a CPU copy of a state dict."""
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
+    for name, p in sorted(named, key=lambda item: item[0]):
         t = p.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).numpy()))
     return h.hexdigest()
