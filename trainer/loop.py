@@ -128,7 +128,8 @@ def train(
     if t.global_batch_size % (t.micro_batch_size * world):
         raise UserError(
             f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
-            f"{t.micro_batch_size} x {world} ranks (this run's world size)."
+            f"{t.micro_batch_size} x {world} ranks (this run's world size).",
+            collective=True,
         )
     accum = t.global_batch_size // (t.micro_batch_size * world)
     order = GlobalOrder(len(train_data), cfg.data.seed)
