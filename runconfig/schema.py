@@ -150,7 +150,8 @@ class TrainConfig:
 class CommConfig:
     allreduce: Literal["hierarchical", "flat"] = doc(
         "Gradient all-reduce: hierarchical (intra-node reduce-scatter, inter-node all-reduce, intra-node "
-        "all-gather) or flat (DDP's own ring all-reduce).",
+        "all-gather) or flat (DDP's own ring all-reduce). Hierarchical applies with more than one node and more "
+        "than one rank per node; otherwise there is one level and flat is used.",
         "hierarchical",
     )
     bucket_mb: float = doc("DDP gradient bucket size in MB.", 25.0)

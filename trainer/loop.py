@@ -54,8 +54,13 @@ def build(cfg: RunConfig, env: RuntimeEnv, d: Distributed) -> Components:
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.comm.bucket_mb,
     )
-    if cfg.comm.allreduce == "hierarchical" and env.world_size > 1:
+    topo = env.topology
+    if cfg.comm.allreduce == "hierarchical" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
         ddp.register_comm_hook(d.groups, hierarchical_hook)
+    elif cfg.comm.allreduce == "hierarchical" and env.rank == 0 and env.world_size > 1:
+        # One node (or one rank per node): the hierarchy has a single level, and DDP's own all-reduce, which
+        # overlaps with the backward pass, is strictly better than the synchronous three-phase hook.
+        log.info("hierarchical all-reduce needs >1 node and >1 rank per node; using DDP's flat all-reduce")
     _settle_buckets(ddp, cfg, d.device)
     # Per-rank dropout stream, distinct across ranks and reproducible for a fixed seed and rank.
     torch.manual_seed(cfg.train.seed * 1_000_003 + 1 + env.rank)

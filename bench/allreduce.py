@@ -1,0 +1,250 @@
+"""Bus bandwidth of flat vs hierarchical all-reduce on 2 (simulated) nodes x 2 ranks.
+
+``python bench/allreduce.py`` starts itself under the venv's mpirun with 4 ranks (``--worker``); every rank
+bootstraps like the trainer (``trainer.env.from_mpi`` + ``trainer.distributed.init_distributed``) and times
+``dist.all_reduce`` on the default group against ``trainer.comm.hierarchical_all_reduce``, alternated per
+iteration. Figures follow nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0 prints a
+table and a JSON object. ``--link-mbit RATE`` puts ranks 0-1 and 2-3 in two network namespaces joined by a veth
+pair rate-limited with tbf (root only), so the inter-node link is slow as between real nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 4
+PER_NODE = 2
+LINK_IFNAME = "ic0"  # both veth ends carry this name, so one GLOO_SOCKET_IFNAME fits every rank
+LINK_IPS = ("10.213.7.1", "10.213.7.2")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--min-bytes", type=int, default=4 << 10, help="smallest message (default 4 KiB)")
+    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message (default 64 MiB)")
+    p.add_argument("--factor", type=int, default=4, help="size step between messages (default 4)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size (each runs both variants)")
+    p.add_argument("--iters", type=int, default=50, help="timed iterations per size, at most")
+    p.add_argument("--min-iters", type=int, default=7, help="timed iterations per size, at least")
+    p.add_argument(
+        "--budget-mb", type=float, default=256, help="cap timed iterations at this many MB moved per variant and size"
+    )
+    p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
+    p.add_argument("--json", type=Path, help="also write the JSON result to this file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--master-addr", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.min_bytes < 4 or args.max_bytes < args.min_bytes or args.factor < 2:
+        p.error("need 4 <= --min-bytes <= --max-bytes and --factor >= 2")
+    return args
+
+
+def message_sizes(lo: int, hi: int, factor: int) -> list[int]:
+    out, size = [], lo
+    while size <= hi:
+        out.append(size - size % 4)
+        size *= factor
+    return out
+
+
+def timed_iters(size: int, args: argparse.Namespace) -> int:
+    return max(args.min_iters, min(args.iters, int(args.budget_mb * 2**20 // size)))
+
+
+# --- worker (one per rank, under mpirun) ---------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from runconfig.schema import CommConfig
+    from trainer.comm import hierarchical_all_reduce
+    from trainer.distributed import init_distributed, pick_device, shutdown
+    from trainer.env import from_mpi
+
+    comm = MPI.COMM_WORLD
+    env = from_mpi(comm)
+    torch.set_num_threads(1)
+    device = pick_device(env, "auto")
+    d = init_distributed(env, CommConfig(timeout_s=120, master_addr=args.master_addr), device, comm)
+    world = env.world_size
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    ops: dict[str, Callable[[torch.Tensor], object]] = {
+        "flat": lambda t: dist.all_reduce(t),
+        "hier": lambda t: hierarchical_all_reduce(t, d.groups),
+    }
+    bus_factor = 2 * (world - 1) / world
+    setup = {
+        "world_size": world,
+        "nodes": env.topology.num_nodes,
+        "ranks_per_node": env.topology.ranks_per_node,
+        "backend": d.backend,
+        "device": str(device),
+        "torch": torch.__version__,
+        "threads_per_rank": torch.get_num_threads(),
+        "link_mbit": args.link_mbit,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "timing": "per iteration: max over ranks of the op's time after a barrier; then the median over iterations",
+    }
+    if env.rank == 0:
+        link = f"{args.link_mbit:g} Mbit/s tbf-shaped veth between nodes" if args.link_mbit else "no link emulation"
+        print(
+            f"all-reduce, float32, {setup['nodes']} nodes x {setup['ranks_per_node']} ranks, backend {d.backend} "
+            f"on {device}, {link}\nbusbw = algbw * 2(n-1)/n, n = {world}; ratio = hier busbw / flat busbw "
+            "(> 1: hierarchical faster)\n",
+            flush=True,
+        )
+        print(
+            f"{'bytes':>10} {'iters':>5} | {'flat us':>10} {'algbw':>7} {'busbw':>7} | "
+            f"{'hier us':>10} {'algbw':>7} {'busbw':>7} | {'ratio':>6}\n" + "-" * 84,
+            flush=True,
+        )
+    rows = []
+    for size in message_sizes(args.min_bytes, args.max_bytes, args.factor):
+        x = torch.empty(size // 4, dtype=torch.float32, device=device)
+        for name, op in ops.items():  # correctness: the sum of ones is the world size
+            x.fill_(1.0)
+            op(x)
+            sync()
+            if not bool((x == world).all()):
+                raise RuntimeError(f"{name} all-reduce of {size} bytes gave a wrong sum on rank {env.rank}")
+        iters = timed_iters(size, args)
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for i in range(args.warmup + iters):
+            order = list(ops) if i % 2 == 0 else list(reversed(ops))
+            for name in order:
+                x.fill_(1.0)
+                sync()
+                dist.barrier()
+                start = time.perf_counter()
+                ops[name](x)
+                sync()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        gathered = comm.gather(times, root=0)
+        if env.rank != 0:
+            continue
+        row: dict = {"bytes": size, "count": size // 4, "iters": iters}
+        for name in ops:
+            per_iter = [max(rank_times[name][k] for rank_times in gathered) for k in range(iters)]
+            t = statistics.median(per_iter)
+            algbw = size / t / 1e9
+            row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor}
+        row["ratio_hier_over_flat"] = row["hier"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
+        rows.append(row)
+        cells = " | ".join(
+            f"{r['time_us']:>10.1f} {r['algbw_GBps']:>7.3f} {r['busbw_GBps']:>7.3f}" for r in (row["flat"], row["hier"])
+        )
+        print(f"{size:>10} {iters:>5} | {cells} | {row['ratio_hier_over_flat']:>6.2f}", flush=True)
+    if env.rank == 0:
+        result = {"benchmark": "allreduce", "setup": setup, "units": {"time": "us", "bw": "GB/s (1e9)"}, "rows": rows}
+        text = json.dumps(result, indent=2)
+        print("\n" + text, flush=True)
+        if args.json:
+            args.json.write_text(text + "\n")
+    shutdown(comm, clean=True)
+    return 0
+
+
+# --- launcher --------------------------------------------------------------------------------------------------
+
+
+def sh(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def emulated_link(mbit: float) -> Iterator[tuple[str, str]]:
+    """Two network namespaces joined by a veth pair named ``ic0`` at both ends, shaped by tbf on both ends
+    (this kernel has no netem). Torn down on every path."""
+    names = (f"arbench{os.getpid()}a", f"arbench{os.getpid()}b")
+    rate_bytes = mbit * 1e6 / 8
+    burst = max(64 << 10, int(rate_bytes / 250))  # enough tokens for a 4 ms timer tick at this rate
+    try:
+        for ns in names:
+            sh("ip", "netns", "add", ns)
+        peer = ("peer", "name", LINK_IFNAME, "netns", names[1])
+        sh("ip", "link", "add", LINK_IFNAME, "netns", names[0], "type", "veth", *peer)
+        for ns, ip in zip(names, LINK_IPS, strict=True):
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", LINK_IFNAME)
+            sh("ip", "-n", ns, "link", "set", LINK_IFNAME, "up")
+            shape = ("rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "50ms")
+            sh("tc", "-n", ns, "qdisc", "add", "dev", LINK_IFNAME, "root", "tbf", *shape)
+        yield names
+    finally:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # deleting one end removes the pair
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    out = [f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}", f"--factor={args.factor}"]
+    out += [f"--warmup={args.warmup}", f"--iters={args.iters}", f"--min-iters={args.min_iters}"]
+    out += [f"--budget-mb={args.budget_mb}"]
+    if args.link_mbit:
+        out += [f"--link-mbit={args.link_mbit}", f"--master-addr={LINK_IPS[0]}"]
+    if args.json:
+        out += [f"--json={args.json.resolve()}"]  # rank 0 writes it
+    return out
+
+
+def launch(args: argparse.Namespace) -> int:
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists():
+        print(f"error: no mpirun beside {sys.executable}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["HPC_SIMULATE_RANKS_PER_NODE"] = str(PER_NODE)  # also in link mode: MPI sees one host
+    env["OMP_NUM_THREADS"] = "1"
+    worker_cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker", *worker_args(args)]
+    start = time.perf_counter()
+    if args.link_mbit:
+        if os.geteuid() != 0:
+            print("error: --link-mbit needs root (network namespaces)", file=sys.stderr)
+            return 2
+        env["GLOO_SOCKET_IFNAME"] = LINK_IFNAME
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns it cannot resolve the veth addresses' names
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are removed on TERM too
+        try:
+            with emulated_link(args.link_mbit) as (ns_a, ns_b):
+                cmd = [str(mpirun), "-n", str(PER_NODE), "ip", "netns", "exec", ns_a, *worker_cmd]
+                cmd += [":", "-n", str(PER_NODE), "ip", "netns", "exec", ns_b, *worker_cmd]
+                status = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+        except RuntimeError as exc:
+            print(f"error: cannot emulate the link: {exc}", file=sys.stderr)
+            return 2
+    else:
+        status = subprocess.run([str(mpirun), "-n", str(WORLD), *worker_cmd], env=env, cwd=ROOT).returncode
+    print(f"(wall time {time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return worker(args) if args.worker else launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

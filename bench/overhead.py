@@ -1,0 +1,261 @@
+"""Tokens/s of this trainer vs plain torch DDP (bench/plain_ddp.py under torchrun): same model, data and batch.
+
+Runs, alternated round by round so machine noise hits every variant alike:
+
+- ``plain``: ``torchrun --standalone --nproc-per-node R bench/plain_ddp.py``
+- ``trainer-flat`` / ``trainer-hier``: ``python -m hpc.submit tiny --local`` with comm.allreduce=flat / hierarchical
+
+all on 1 node x R ranks, 1 thread per rank, eval off. The first ``--skip`` steps of every run are warm-up; the
+figure is the median step time over the remaining steps of all rounds. Prints a table and a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mpi4py
+
+mpi4py.rc.initialize = False  # trainer.data imports mpi4py; this process only orchestrates, MPI runs in the children
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from runconfig import RunConfig, load_config  # noqa: E402
+from trainer.data.prepare import prepare  # noqa: E402
+from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
+from trainer.env import DATA_CACHE_VAR  # noqa: E402
+
+VARIANTS = ("plain", "trainer-flat", "trainer-hier")
+TARGET = 0.95
+OTHER_LOAD_LIMIT = 0.1  # cores used by other processes during a run above which its figures are suspect
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny", help="config file or example name (default tiny)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks on the one node (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
+    p.add_argument("--skip", type=int, default=10, help="warm-up steps left out of every run (default 10)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of (plain, trainer-flat, trainer-hier)")
+    p.add_argument("--data", type=Path, help="prepared dataset folder (default: the config's, prepared if missing)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--work-dir", type=Path, help="keep run directories and logs here (default: a temporary folder)")
+    p.add_argument("--json", type=Path, help="also write the JSON result to this file")
+    args = p.parse_args(argv)
+    if args.steps <= args.skip:
+        p.error("--steps must be larger than --skip")
+    return args
+
+
+def data_folder(args: argparse.Namespace, overrides: list[str]) -> Path:
+    """The prepared dataset both sides read; prepared here (before any timing) if it is missing."""
+    if args.data:
+        return args.data.resolve()
+    cfg = load_config(args.config, overrides)
+    cache = Path(os.environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data")
+    folder = dataset_folder(cfg.data, cache)
+    if not (folder / "manifest.json").is_file():
+        print(f"preparing {cfg.data.source} into {folder} (first use)")
+        prepare(prepare_spec(cfg.data), folder)
+    return folder
+
+
+def command(variant: str, args: argparse.Namespace, overrides: list[str], out: Path) -> list[str]:
+    sets = [a for kv in overrides for a in ("--set", kv)]
+    if variant == "plain":
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
+        script = [str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config, "--data", str(args.data)]
+        return [*launcher, *script, *sets, "--out", str(out)]
+    allreduce = variant.removeprefix("trainer-").replace("hier", "hierarchical")
+    submit = [sys.executable, "-m", "hpc.submit", args.config, "--local", "--run-dir", str(out)]
+    return [*submit, *sets, "--set", f"comm.allreduce={allreduce}"]
+
+
+def step_times(variant: str, out: Path) -> list[float]:
+    if variant == "plain":
+        return [float(x) for x in json.loads(out.read_text())["step_time_s"]]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [float(r["step_time_s"]) for r in records if "step_time_s" in r]
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds used by every process on this machine since boot (/proc/stat); nan where unknown."""
+    try:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+    except (OSError, ValueError):
+        return math.nan
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds used by this process's finished children and their descendants."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wait_for_quiet(max_wait_s: float = 60.0) -> None:
+    """Wait (at most ``max_wait_s``) until other processes use less than OTHER_LOAD_LIMIT cores for a second."""
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        before = busy_cpu_s()
+        time.sleep(1.0)
+        if not busy_cpu_s() - before > OTHER_LOAD_LIMIT:  # also true when /proc/stat is unreadable (nan)
+            return
+
+
+def warm_page_cache(folder: Path) -> None:
+    """Read the dataset's files so both sides find them in the page cache (this VM's DAMON pages out page cache
+    left unused for ~30 s, and a cold window read costs ~0.2 ms more, unequally between variants)."""
+    for path in sorted(folder.glob("*.h5")):
+        with open(path, "rb") as f:
+            while f.read(1 << 22):
+                pass
+
+
+def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, list[dict]]:
+    """Every round runs each variant once, the order rotated per round; returns the post-warm-up step times."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for rnd in range(args.rounds):
+        order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]  # rotate, so no variant always runs first
+        for variant in order:
+            folder = work / f"{variant}-r{rnd}"
+            folder.mkdir(parents=True, exist_ok=True)
+            out = folder / ("times.json" if variant == "plain" else "run")  # the trainer's run directory
+            wait_for_quiet()
+            warm_page_cache(args.data)
+            t0, busy0, own0 = time.perf_counter(), busy_cpu_s(), children_cpu_s()
+            with open(folder / "launch.log", "w") as log:
+                proc = subprocess.run(command(variant, args, overrides, out), env=env, cwd=ROOT, stdout=log, stderr=log)
+            wall = time.perf_counter() - t0
+            other = (busy_cpu_s() - busy0 - (children_cpu_s() - own0)) / wall  # cores used by other processes
+            if proc.returncode != 0:
+                raise RuntimeError(f"{variant} round {rnd} failed ({proc.returncode}); see {folder / 'launch.log'}")
+            times = step_times(variant, out)[args.skip :]
+            median = statistics.median(times)
+            runs[variant].append(
+                {"round": rnd, "wall_s": wall, "other_load": other, "median_step_s": median, "steps": times}
+            )
+            print(
+                f"round {rnd + 1}/{args.rounds} {variant:<13} median step {1e3 * median:6.1f} ms "
+                f"(run {wall:.1f} s, other processes used {other:.2f} cores)"
+            )
+    return runs
+
+
+def summarize(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, dict]:
+    summary = {}
+    for variant in VARIANTS:
+        pooled = [t for run in runs[variant] for t in run["steps"]]
+        median, p25 = statistics.median(pooled), statistics.quantiles(pooled, n=4)[0]
+        summary[variant] = {"median_step_s": median, "p25_step_s": p25, "tokens_per_s": tokens_per_step / median}
+    plain = summary["plain"]
+    for variant in VARIANTS:
+        s = summary[variant]
+        s["ratio_vs_plain"] = plain["median_step_s"] / s["median_step_s"]
+        s["ratio_vs_plain_p25"] = plain["p25_step_s"] / s["p25_step_s"]
+        pairs = zip(runs["plain"], runs[variant], strict=True)
+        s["round_ratios"] = [p["median_step_s"] / r["median_step_s"] for p, r in pairs]
+    return summary
+
+
+def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[dict]], summary: dict) -> None:
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+    print(
+        f"\n{args.config}: 1 node x {args.ranks} ranks, {args.threads} thread(s)/rank, {args.steps} steps "
+        f"(first {args.skip} skipped), {args.rounds} rounds, {tokens_per_step} tokens/step, "
+        f"grad accumulation {cfg.grad_accum(args.ranks)}\n"
+        f"ratio = tokens/s / plain DDP's (target >= {TARGET}) from the median step time over all rounds;\n"
+        "p25: the same from the lower-quartile step time (less hit by bursts of machine noise);\n"
+        "per round: the round's median step ms / ratio of the round's medians\n"
+    )
+    head = f"{'variant':<13} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
+    print(f"{head} | per-round ms / ratio\n" + "-" * 100)
+    for variant in VARIANTS:
+        s = summary[variant]
+        rounds = " ".join(
+            f"{1e3 * r['median_step_s']:.0f}/{q:.2f}" for r, q in zip(runs[variant], s["round_ratios"], strict=True)
+        )
+        print(
+            f"{variant:<13} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
+            f"{s['ratio_vs_plain']:>5.3f} | {1e3 * s['p25_step_s']:>6.1f} | {s['ratio_vs_plain_p25']:>5.3f} | {rounds}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines show up live through a pipe too
+    started = time.perf_counter()
+    overrides = [
+        "job.nodes=1",
+        f"job.ranks_per_node={args.ranks}",
+        f"job.threads_per_rank={args.threads}",
+        f"train.steps={args.steps}",
+        "train.eval_every=0",
+        *args.overrides,
+    ]
+    args.data = data_folder(args, overrides)
+    overrides.append(f"data.path={args.data}")
+    cfg = load_config(args.config, overrides)
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        runs = run_rounds(args, overrides, work)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+    summary = summarize(runs, tokens_per_step)
+    print_table(args, cfg, runs, summary)
+    disturbed = [f"{v} round {r['round'] + 1}" for v in VARIANTS for r in runs[v] if r["other_load"] > OTHER_LOAD_LIMIT]
+    if disturbed:
+        print(
+            f"\nwarning: other processes used more than {OTHER_LOAD_LIMIT} cores during {', '.join(disturbed)}: "
+            "those figures are disturbed; rerun on a quiet machine."
+        )
+    result = {
+        "benchmark": "overhead",
+        "setup": {
+            "config": args.config,
+            "overrides": overrides,
+            "ranks": args.ranks,
+            "threads_per_rank": args.threads,
+            "steps": args.steps,
+            "skip": args.skip,
+            "rounds": args.rounds,
+            "tokens_per_step": tokens_per_step,
+            "data": str(args.data),
+            "target_ratio": TARGET,
+        },
+        "disturbed_runs": disturbed,
+        "summary": summary,
+        "runs": {
+            v: [{k: r[k] for k in ("round", "wall_s", "other_load", "median_step_s")} for r in runs[v]]
+            for v in VARIANTS
+        },
+        "wall_s": time.perf_counter() - started,
+    }
+    text = json.dumps(result, indent=2)
+    print("\n" + text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
