@@ -25,9 +25,12 @@ def trainer_command(rundir: RunDir) -> list[str]:
     return [sys.executable, "-u", "-m", "trainer", "--run-dir", str(rundir.root)]
 
 
-def local_environment(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+def trainer_environment(cfg: RunConfig, *, simulate_nodes: bool, base: dict[str, str] | None = None) -> dict:
+    """The ranks' environment: nodes simulated on one host (local runs), thread count, import path."""
     env = dict(os.environ if base is None else base)
-    env[SIMULATE_VAR] = str(cfg.job.ranks_per_node)
+    env.update(cfg.job.env)
+    if simulate_nodes:
+        env[SIMULATE_VAR] = str(cfg.job.ranks_per_node)
     if cfg.job.threads_per_rank and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(cfg.job.threads_per_rank)
     # Make the repository importable when running from a checkout without `pip install -e .`.
@@ -60,7 +63,7 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=local_environment(cfg),
+        env=trainer_environment(cfg, simulate_nodes=True),
         text=True,
         errors="replace",
     )

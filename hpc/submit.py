@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from hpc.driver import Driver
 from hpc.local import LaunchResult, read_failure, run_local, trainer_command
 from hpc.mpi import LauncherError, find_launcher
+from hpc.slurm import make_executor, sbatch_script
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
 
 EXIT_USER_ERROR = 2
@@ -49,7 +51,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="override a config key by dotted path, e.g. --set train.steps=40 (repeatable)",
     )
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and launch command only")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch script (or local launch) and exit")
+    p.add_argument("--slurm", action="store_true", help="target Slurm even where no sbatch is on PATH (dry runs)")
+    p.add_argument(
+        "--chain",
+        type=int,
+        default=1,
+        metavar="K",
+        help="submit K jobs linked by afterany dependencies, for runs longer than one job's time limit",
+    )
     return p.parse_args(argv)
 
 
@@ -86,18 +96,19 @@ def main(argv: list[str] | None = None) -> int:
         resume_dir = resume_target(args)
         config_spec = str(RunDir(resume_dir).config) if resume_dir else args.config
         cfg = load_config(config_spec, args.overrides)
-        sbatch = shutil.which("sbatch")
-        if sbatch and not args.local:
-            raise SubmitError(
-                f"Slurm is present (sbatch at {sbatch}), but Slurm submission is not available in this version "
-                "yet; pass --local to run on this machine."
-            )
-        launcher = find_launcher()
-        run_path = resume_dir or args.run_dir or default_run_dir(cfg.job.name)
+        use_slurm = args.slurm or (shutil.which("sbatch") is not None and not args.local)
+        if args.chain < 1:
+            raise SubmitError(f"--chain must be >= 1, got {args.chain}.")
+        run_path = (resume_dir or args.run_dir or default_run_dir(cfg.job.name)).absolute()
         if args.dry_run:
-            command = launcher.command(cfg.job.world_size, trainer_command(RunDir(run_path)))
-            print(f"# run directory: {run_path}\n# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
+            print(f"# run directory: {run_path}")
+            if use_slurm:
+                print(sbatch_script(cfg, RunDir(run_path)), end="")
+            else:
+                command = find_launcher().command(cfg.job.world_size, trainer_command(RunDir(run_path)))
+                print(f"# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
             return 0
+        launcher = None if use_slurm else find_launcher()
         rundir = RunDir(run_path) if resume_dir else prepare_run_dir(run_path)
         problem = rundir.writable_error()
         if problem:
@@ -106,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, SubmitError, LauncherError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+    if use_slurm:
+        return submit_slurm(cfg, rundir, chain=args.chain)
 
     verb = "resuming" if resume_dir else "starting"
     print(
@@ -119,6 +133,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ninterrupted; run directory {rundir.root}", file=sys.stderr)
         return 130
     return report(rundir, result)
+
+
+def submit_slurm(cfg, rundir: RunDir, *, chain: int) -> int:
+    """Submit the run as ``chain`` jobs linked by afterany dependencies; each continues from the newest
+    checkpoint, and once training is complete the rest end at once without work."""
+    try:
+        job_ids = []
+        for position in range(chain):
+            dependency = f"afterany:{job_ids[-1]}" if job_ids else None
+            executor = make_executor(cfg, rundir, dependency=dependency)
+            job = executor.submit(Driver(str(rundir.root)))
+            job_ids.append(job.job_id)
+            shutil.copyfile(job.paths.submission_file, rundir.root / f"job_{job.job_id}.sbatch")
+            with open(rundir.jobs, "a") as f:
+                f.write(json.dumps({"job_id": job.job_id, "chain": [position, chain], "time": time.time()}) + "\n")
+    except Exception as exc:  # sbatch refusals come back as submitit/subprocess errors: one clear line
+        print(f"error: submitting to Slurm failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(
+        f"submitted {cfg.job.name} as Slurm job{'s' if chain > 1 else ''} {', '.join(job_ids)}: {cfg.job.nodes} "
+        f"nodes x {cfg.job.ranks_per_node} ranks; run directory {rundir.root}\n"
+        f"follow it with: python -m hpc status {rundir.root}"
+    )
+    return 0
 
 
 def report(rundir: RunDir, result: LaunchResult) -> int:

@@ -152,6 +152,17 @@ def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
                 f"config {source}: key {key!r} must be one of {', '.join(map(repr, args))}, got {value!r}."
             )
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config {source}: key {key!r} must be a mapping, got {_kind(value)}.")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"config {source}: key {key!r} has a non-string key {k!r}.")
+            out[k] = _coerce(
+                v if not isinstance(v, int | float) or isinstance(v, bool) else str(v), args[1], source, f"{key}.{k}"
+            )
+        return out
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"config {source}: key {key!r} must be a list, got {_kind(value)}.")

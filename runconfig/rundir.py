@@ -37,6 +37,16 @@ class RunDir:
         return self.root / "history.jsonl"
 
     @property
+    def pause_marker(self) -> Path:
+        """Present while the run is paused: a stopped job is requeued held instead of running again."""
+        return self.root / "PAUSED"
+
+    @property
+    def jobs(self) -> Path:
+        """One JSON line per submitted Slurm job (id, chain position, time), written by the login-node side."""
+        return self.root / "jobs.jsonl"
+
+    @property
     def logs(self) -> Path:
         """One log file per rank, plus the launcher's."""
         return self.root / "logs"

@@ -13,6 +13,37 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# What may reach an #SBATCH line unquoted: no spaces, quotes, '$', backticks, ';' or newlines.
+SLURM_NAMES_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64})*$")
+CONSTRAINT_RE = re.compile(r"^[A-Za-z0-9_.&|,\[\]*:!()-]{1,256}$")
+MEM_RE = re.compile(r"^[0-9]+[KMGT]?$")
+TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{2}))?(?::(\d{2}))?$")
+OPTION_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+OPTION_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:/=+@%-]{0,256}$")
+SRUN_ARG_RE = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/=+@%-]*)?$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def slurm_minutes(text: str) -> int | None:
+    """Minutes in a Slurm time limit: MM, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (seconds round up); None if bad."""
+    m = TIME_RE.match(text)
+    if not m:
+        return None
+    days, first, second, third = m.groups()
+    if days is None and third is None and second is None:
+        return int(first)  # plain minutes
+    if days is None and third is None:
+        return None  # MM:SS is ambiguous next to HH:MM; ask for HH:MM:SS
+    hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+    if minutes > 59 or seconds > 59:
+        return None
+    return int(days or 0) * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+
+
+def _line_problem(text: str) -> str | None:
+    if any(c in text for c in "\n\r\0"):
+        return "must be a single line"
+    return None
 
 
 def doc(text: str, default=None, factory=None):
@@ -23,6 +54,7 @@ def doc(text: str, default=None, factory=None):
 
 
 Problems = list[tuple[str, str]]  # (key, what is wrong)
+SIGNAL_NAMES = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,10 +63,44 @@ class JobConfig:
     nodes: int = doc("Number of nodes. Locally they are simulated on one host.", 1)
     ranks_per_node: int = doc("Processes (ranks) per node; one per GPU on GPU nodes.", 1)
     threads_per_rank: int = doc("torch intra-op threads per rank; 0 = cores on the host / local ranks.", 0)
+    # Slurm: each of these maps onto the generated sbatch script (hpc/slurm.py); unset ones are left out.
+    gpus_per_node: int = doc("GPUs per node (--gpus-per-node); usually = ranks_per_node on GPU nodes.", 0)
+    cpus_per_task: int = doc("CPUs per rank (--cpus-per-task).", 1)
+    mem: str | None = doc("Memory per node (--mem), e.g. 64G; unset = the partition's default.", None)
+    partition: str | None = doc("Slurm partition(s), comma-separated; unset = the cluster's default.", None)
+    account: str | None = doc("Slurm account to charge.", None)
+    qos: str | None = doc("Slurm quality of service.", None)
+    time: str = doc("Wall-time limit of one job: MM, HH:MM:SS or D-HH:MM:SS.", "01:00:00")
+    constraint: str | None = doc("Node features (--constraint), e.g. 'ib&a100'.", None)
+    exclusive: bool = doc("Whole nodes only (--exclusive).", False)
+    signal: str = doc(
+        "Signal Slurm sends before the time limit (and on preemption); must be one of checkpoint.stop_signals.",
+        "SIGUSR2",
+    )
+    signal_lead_s: int = doc("Seconds before the time limit at which the signal is sent.", 120)
+    setup: list[str] = doc(
+        "Shell lines run before the ranks start (module loads, sourcing an environment). Each line is split "
+        "into words and re-quoted: no expansion, substitution or chaining of config values.",
+        factory=list,
+    )
+    env: dict[str, str] = doc("Environment variables exported to every rank (values are quoted).", factory=dict)
+    mpi: Literal["auto", "pmi2", "pmix", "none"] = doc(
+        "srun's MPI plugin: auto = pmi2 for MPICH, pmix for Open MPI (the wrong pairing starts N worlds of 1).",
+        "auto",
+    )
+    srun_args: list[str] = doc("Extra srun options, e.g. ['--cpu-bind=cores'].", factory=list)
+    sbatch_extra: dict[str, str] = doc("Extra sbatch options, e.g. {reservation: big}.", factory=dict)
+    max_restarts: int = doc("Requeues after a stop (time limit, preemption) before giving up.", 20)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def time_minutes(self) -> int:
+        minutes = slurm_minutes(self.time)
+        assert minutes is not None, "validated in check()"
+        return minutes
 
     def check(self) -> Problems:
         out: Problems = []
@@ -46,6 +112,50 @@ class JobConfig:
             out.append(("ranks_per_node", f"must be >= 1, got {self.ranks_per_node}"))
         if self.threads_per_rank < 0:
             out.append(("threads_per_rank", f"must be >= 0, got {self.threads_per_rank}"))
+        for key in ("gpus_per_node", "max_restarts"):
+            if getattr(self, key) < 0:
+                out.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        if self.cpus_per_task < 1:
+            out.append(("cpus_per_task", f"must be >= 1, got {self.cpus_per_task}"))
+        for key in ("partition", "account", "qos"):
+            value = getattr(self, key)
+            if value is not None and not SLURM_NAMES_RE.match(value):
+                out.append((key, f"{value!r} must be names of letters, digits, '_', '.', '-' (comma-separated)"))
+        if self.constraint is not None and not CONSTRAINT_RE.match(self.constraint):
+            out.append(("constraint", f"{self.constraint!r} may hold only feature names and & | , [ ] * : ! ( )"))
+        if self.mem is not None and not MEM_RE.match(self.mem):
+            out.append(("mem", f"{self.mem!r} must look like 64G, 512M or 1000"))
+        minutes = slurm_minutes(self.time)
+        if minutes is None or minutes < 1:
+            out.append(("time", f"{self.time!r} must be MM, HH:MM:SS or D-HH:MM:SS and at least one minute"))
+        if self.signal not in SIGNAL_NAMES:
+            out.append(("signal", f"{self.signal!r} is not one of {', '.join(SIGNAL_NAMES)}"))
+        if self.signal_lead_s < 10:
+            out.append(("signal_lead_s", f"must be >= 10, got {self.signal_lead_s}"))
+        elif minutes and self.signal_lead_s >= minutes * 60:
+            out.append(("signal_lead_s", f"{self.signal_lead_s} s is not shorter than the time limit {self.time}"))
+        for i, line in enumerate(self.setup):
+            problem = _line_problem(line)
+            if problem:
+                out.append((f"setup[{i}]", f"{line!r} {problem}"))
+        for name, value in self.env.items():
+            if not ENV_NAME_RE.match(name):
+                out.append((f"env.{name}", "is not a valid environment variable name"))
+            elif _line_problem(value):
+                out.append((f"env.{name}", f"{value!r} must be a single line"))
+        for i, arg in enumerate(self.srun_args):
+            if not SRUN_ARG_RE.match(arg):
+                out.append(
+                    (
+                        f"srun_args[{i}]",
+                        f"{arg!r} must look like --option or --option=value (no spaces, quotes or shell characters)",
+                    )
+                )
+        for key, value in self.sbatch_extra.items():
+            if not OPTION_KEY_RE.match(key):
+                out.append((f"sbatch_extra.{key}", "is not a valid sbatch option name"))
+            elif not OPTION_VALUE_RE.match(value):
+                out.append((f"sbatch_extra.{key}", f"{value!r} may hold only letters, digits and _ . , : / = + @ % -"))
         return out
 
 
@@ -171,9 +281,6 @@ class CommConfig:
         return out
 
 
-SIGNAL_NAMES = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
-
-
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     every_steps: int = doc("Commit a checkpoint every N optimizer steps; 0 = not by step count.", 100)
@@ -222,6 +329,14 @@ class RunConfig:
     def check(self) -> Problems:
         """Checks that span sections."""
         out: Problems = []
+        if self.job.signal not in self.checkpoint.stop_signals:
+            out.append(
+                (
+                    "job.signal",
+                    f"{self.job.signal} is not in checkpoint.stop_signals {self.checkpoint.stop_signals}: "
+                    "the trainer would not stop on it",
+                )
+            )
         per_pass = self.train.micro_batch_size * self.job.world_size
         if self.train.global_batch_size % per_pass:
             out.append(

@@ -29,6 +29,7 @@ class RuntimeEnv:
     host_local_rank: int  # index among the ranks on this physical host (picks the GPU)
     host_local_size: int
     hostname: str
+    slurm_node: str | None  # SLURMD_NODENAME inside a Slurm step
     hosts: tuple[str, ...]  # host name of every rank
     topology: Topology
     simulated_nodes: bool
@@ -64,13 +65,25 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
     leader = local.bcast(rank, root=0)  # world rank of the first rank on this host
     local.Free()
 
+    slurm_tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
+    if slurm_tasks and slurm_tasks.isdigit() and int(slurm_tasks) > 1 and size == 1:
+        raise UserError(
+            f"Slurm started {slurm_tasks} tasks but MPI sees a world of 1 in each (task on "
+            f"{environ.get('SLURMD_NODENAME', hostname)}): srun's MPI plugin does not match this MPI library, so "
+            "every task would train its own model. Use srun --mpi=pmi2 with MPICH wheels, --mpi=pmix with Open "
+            "MPI wheels (config job.mpi)."
+        )
     simulate = environ.get(SIMULATE_VAR, "").strip()
+    slurm_node = environ.get("SLURM_NODEID", "")
     if simulate:
         try:
             per_node = int(simulate)
         except ValueError:
             raise UserError(f"environment variable {SIMULATE_VAR}={simulate!r} must be an integer.") from None
         topology = Topology(size, per_node)
+    elif slurm_node.isdigit() and environ.get("SLURM_STEP_ID") is not None:
+        # Inside a Slurm step the scheduler's node index is the node (also for several slurmd on one host).
+        topology = Topology.from_node_ids(comm.allgather(int(slurm_node)))
     else:
         leaders = comm.allgather(leader)
         dense = {lead: i for i, lead in enumerate(dict.fromkeys(leaders))}
@@ -83,6 +96,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         host_local_rank=host_local_rank,
         host_local_size=host_local_size,
         hostname=hostname,
+        slurm_node=environ.get("SLURMD_NODENAME"),
         hosts=hosts,
         topology=topology,
         simulated_nodes=bool(simulate),

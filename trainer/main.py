@@ -63,10 +63,11 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     stop = StopFlag(cfg.checkpoint.stop_signals)  # early: a signal during start-up is honoured at step 1
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
     log.info(
-        "rank %d/%d on %s: node %d local rank %d%s, %d threads",
+        "rank %d/%d on %s%s: node %d local rank %d%s, %d threads",
         env.rank,
         env.world_size,
         env.hostname,
+        f" (slurm node {env.slurm_node})" if env.slurm_node else "",
         env.node,
         env.local_rank,
         " (simulated nodes)" if env.simulated_nodes else "",

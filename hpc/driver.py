@@ -1,0 +1,104 @@
+"""The process a Slurm job runs (once, in the batch step): start the ranks, then finish, requeue or give up.
+
+submitit pickles a ``Driver`` and calls it on the first node of the allocation. The ranks are one ``srun`` step
+(``srun --mpi=PLUGIN python -m trainer``), so the scheduler's signal (sent to job steps, not the batch shell)
+reaches every rank, and the trainer stops at a step boundary with a committed checkpoint and exit status 75.
+Only then does the driver requeue the job; a cap on restarts stops endless loops, and any other failure is not
+requeued. A job of a chain whose run is already complete ends at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.local import trainer_command, trainer_environment
+from hpc.mpi import find_launcher
+from runconfig import RunConfig, RunDir, load_config
+
+EXIT_STOPPED = 75  # the trainer's "stopped by a signal, checkpoint committed, resumable"
+PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The SLURM_* variables the driver needs, read in one place."""
+
+    job_id: str
+    restart_count: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> SlurmJob:
+        environ = dict(os.environ if environ is None else environ)
+        restart = environ.get("SLURM_RESTART_COUNT", "")  # unset on the first run, not 0
+        return cls(job_id=environ.get("SLURM_JOB_ID", ""), restart_count=int(restart) if restart.isdigit() else 0)
+
+
+def mpi_plugin(cfg: RunConfig) -> str:
+    if cfg.job.mpi != "auto":
+        return cfg.job.mpi
+    return PLUGIN_FOR_FLAVOUR[find_launcher().flavour]
+
+
+def srun_command(cfg: RunConfig, rundir: RunDir) -> list[str]:
+    return [
+        "srun",
+        f"--mpi={mpi_plugin(cfg)}",
+        "--kill-on-bad-exit=1",
+        f"--ntasks-per-node={cfg.job.ranks_per_node}",
+        *cfg.job.srun_args,
+        *trainer_command(rundir),
+    ]
+
+
+def run_complete(rundir: RunDir, cfg: RunConfig) -> bool:
+    try:
+        return json.loads(rundir.summary.read_text())["final_step"] >= cfg.train.steps
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+@dataclass(frozen=True)
+class Driver:
+    run_dir: str
+
+    def __call__(self) -> dict:
+        # submitit's own handlers would checkpoint and requeue from inside a handler: the ranks handle the
+        # stop themselves, and a stray signal to the batch step must neither requeue nor kill the driver.
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
+        rundir = RunDir(Path(self.run_dir))
+        cfg = load_config(str(rundir.config))
+        job = SlurmJob.from_environ()
+        if run_complete(rundir, cfg):
+            print(f"run {rundir.root} is already complete; job {job.job_id} ends without work", flush=True)
+            return {"status": "complete"}
+        command = srun_command(cfg, rundir)
+        print(f"job {job.job_id} (restart {job.restart_count}): {' '.join(command)}", flush=True)
+        status = subprocess.call(command, env=trainer_environment(cfg, simulate_nodes=False))
+        if status == 0:
+            return {"status": "done"}
+        if status == EXIT_STOPPED:
+            return self._requeue(rundir, cfg, job)
+        raise RuntimeError(f"the ranks failed with exit status {status}; not requeued (logs in {rundir.logs})")
+
+    def _requeue(self, rundir: RunDir, cfg: RunConfig, job: SlurmJob) -> dict:
+        if rundir.pause_marker.exists():
+            verb = "requeuehold"  # paused: requeued but held until `python -m hpc release`
+        elif job.restart_count >= cfg.job.max_restarts:
+            raise RuntimeError(
+                f"the run stopped again after {job.restart_count} restarts (job.max_restarts); not requeued. "
+                f"Continue with: python -m hpc resume {rundir.root}"
+            )
+        else:
+            verb = "requeue"
+        print(f"checkpoint committed; scontrol {verb} {job.job_id}", flush=True)
+        sys.stdout.flush()
+        # Requeueing from inside the job ends it at once: everything is already committed.
+        subprocess.call(["scontrol", verb, job.job_id])
+        return {"status": verb}

@@ -1,0 +1,81 @@
+"""Slurm submission through submitit (torch-free): the job section of the config -> sbatch parameters.
+
+The generated batch script runs one *driver* process (``hpc.driver``, no srun around it); the driver starts the
+ranks with ``srun --mpi=PLUGIN python -m trainer`` and decides what happens when they stop: done, requeue (after
+the trainer committed its checkpoint), or give up. Every config value that reaches the script was validated in
+``runconfig.schema.JobConfig.check`` or is quoted here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from runconfig import RunConfig, RunDir
+
+SIGNAL_PREFIX = "SIG"
+
+
+def slurm_folder(rundir: RunDir) -> Path:
+    """submitit's folder (pickles and logs): private, inside the private run directory."""
+    return rundir.root / "slurm"
+
+
+def setup_lines(cfg: RunConfig) -> list[str]:
+    """Setup lines re-quoted word by word (no expansion of config values), then the environment exports."""
+    lines = [shlex.join(shlex.split(line)) for line in cfg.job.setup if line.strip()]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(cfg.job.env.items())]
+    return lines
+
+
+def sbatch_parameters(cfg: RunConfig, *, dependency: str | None = None) -> dict:
+    """Keyword arguments of submitit's SlurmExecutor.update_parameters for this job."""
+    job = cfg.job
+    extra: dict[str, str | bool] = {"signal": f"{job.signal.removeprefix(SIGNAL_PREFIX)}@{job.signal_lead_s}"}
+    extra["requeue"] = True  # allow requeue even where the cluster's JobRequeue default is 0
+    extra.update(job.sbatch_extra)
+    params = {
+        "job_name": job.name,
+        "nodes": job.nodes,
+        "ntasks_per_node": job.ranks_per_node,
+        "cpus_per_task": job.cpus_per_task,
+        "time": job.time_minutes,
+        "use_srun": False,  # the driver starts the ranks itself
+        "stderr_to_stdout": True,
+        "setup": setup_lines(cfg) or None,
+        "additional_parameters": extra,
+    }
+    optional = {
+        "gpus_per_node": job.gpus_per_node or None,
+        "mem": job.mem,
+        "partition": job.partition,
+        "account": job.account,
+        "qos": job.qos,
+        "constraint": job.constraint,
+        "exclusive": True if job.exclusive else None,
+        "dependency": dependency,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def make_executor(cfg: RunConfig, rundir: RunDir, *, dependency: str | None = None):
+    import submitit  # imported here: `--dry-run` without Slurm needs no submitit import cost beyond this
+
+    folder = slurm_folder(rundir)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=0)
+    executor.update_parameters(**sbatch_parameters(cfg, dependency=dependency))
+    return executor
+
+
+def sbatch_script(cfg: RunConfig, rundir: RunDir, *, python: str | None = None) -> str:
+    """The batch script submitit submits for this run (printed by --dry-run; saved in the run directory)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = slurm_folder(rundir) / "%j"
+    command = f"{shlex.quote(python or sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    return _make_sbatch_string(command=command, folder=folder, **sbatch_parameters(cfg))

@@ -1,0 +1,105 @@
+"""The generated sbatch script: golden file, validation and quoting of every config value that reaches it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpc.slurm import sbatch_script
+from runconfig import ConfigError, RunDir, load_config
+from runconfig.schema import slurm_minutes
+from tests.conftest import run_cli
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "tiny_slurm.sbatch"
+FULL = [
+    "job.partition=debug", "job.account=proj1", "job.qos=high", "job.gpus_per_node=2", "job.mem=64G",
+    "job.constraint=ib&a100", "job.exclusive=true", "job.time=1-02:00:00", "job.signal_lead_s=300",
+    "job.setup=[module load cuda/12.4, source /opt/env.sh]", "job.env={NCCL_IB_HCA: mlx5_0, UCX_NET_DEVICES: mlx5_0:1}",
+    "job.sbatch_extra={reservation: big, mail-type: END}", "job.srun_args=[--cpu-bind=cores]",
+]  # fmt: skip
+
+
+def dry_run(*sets: str) -> str:
+    args = ["-m", "hpc.submit", "tiny", "--dry-run", "--slurm", "--run-dir", "/RUN"]
+    for s in sets:
+        args += ["--set", s]
+    proc = run_cli(args)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.replace(sys.executable, "PYTHON")
+
+
+def test_dry_run_matches_golden_file():
+    text = dry_run(*FULL)
+    if not GOLDEN.exists():  # first run writes it; review and commit it
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "field,value,key",
+    [
+        ("name", "x\n#SBATCH --uid=0", "job.name"),
+        ("name", "a$(id)", "job.name"),
+        ("name", 'a"b', "job.name"),
+        ("partition", "debug --qos=free", "job.partition"),
+        ("partition", "debug\n#SBATCH --x", "job.partition"),
+        ("account", "'a'", "job.account"),
+        ("qos", "`id`", "job.qos"),
+        ("constraint", "ib;rm", "job.constraint"),
+        ("mem", "64G$(id)", "job.mem"),
+        ("time", "1h", "job.time"),
+        ("setup", ["ls\necho injected"], "job.setup[0]"),
+        ("sbatch_extra", {"reservation": "x\ny"}, "job.sbatch_extra.reservation"),
+        ("sbatch_extra", {"reservation": "$(id)"}, "job.sbatch_extra.reservation"),
+        ("sbatch_extra", {"a b": "x"}, "job.sbatch_extra.a b"),
+        ("srun_args", ["--x=$(id)"], "job.srun_args[0]"),
+        ("srun_args", ["--a; rm -rf /"], "job.srun_args[0]"),
+        ("env", {"A-B": "x"}, "job.env.A-B"),
+        ("env", {"A": "x\ny"}, "job.env.A"),
+        ("signal", "SIGUSR1", "job.signal"),
+    ],
+)
+def test_unsafe_values_are_rejected_with_the_key(tmp_path, field, value, key):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"job": {field: value}}))
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert repr(key) in str(info.value) and str(path) in str(info.value), str(info.value)
+
+
+def test_setup_lines_and_env_values_are_quoted_not_expanded():
+    cfg = load_config(
+        "tiny",
+        ['job.setup=["export X=$(id) `id`", "echo \'a\' \\"b\\"; rm -rf /"]', 'job.env={A: "$(id); x\'y"}'],
+    )
+    text = sbatch_script(cfg, RunDir(Path("/RUN")))
+    assert "export 'X=$(id)' '`id`'" in text
+    assert "echo a b\\; rm -rf /" not in text and "'b;' rm -rf /" in text  # the ';' is inside quotes
+    assert "export A=" in text and "'$(id); x'\"'\"'y'" in text
+    # nothing outside quotes can run: bash's parser sees one simple command per line
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_only_expected_sbatch_lines():
+    text = dry_run(*FULL)
+    keys = sorted(line.split("=")[0].split()[1] for line in text.splitlines() if line.startswith("#SBATCH"))
+    assert keys == sorted(
+        ["--account", "--constraint", "--cpus-per-task", "--exclusive", "--gpus-per-node", "--job-name", "--mail-type",
+         "--mem", "--nodes", "--ntasks-per-node", "--open-mode", "--output", "--partition", "--qos", "--requeue",
+         "--reservation", "--signal", "--time", "--wckey"]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text,minutes", [("30", 30), ("01:00:00", 60), ("00:00:30", 1), ("1-00", 1440), ("2-03:04:00", 2 * 1440 + 184)]
+)
+def test_time_limits(text, minutes):
+    assert slurm_minutes(text) == minutes
+
+
+@pytest.mark.parametrize("text", ["", "1h", "10:30", "1:61:00", "-5", "1-2-3"])
+def test_bad_time_limits(text):
+    assert slurm_minutes(text) is None
