@@ -66,12 +66,14 @@ def run_complete(rundir: RunDir, cfg: RunConfig) -> bool:
 @dataclass(frozen=True)
 class Driver:
     run_dir: str
+    last_in_chain: bool = True  # earlier jobs of a chain leave the continuation to the next one
 
     def __call__(self) -> dict:
         # submitit's own handlers would checkpoint and requeue from inside a handler: the ranks handle the
         # stop themselves, and a stray signal to the batch step must neither requeue nor kill the driver.
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
+        os.umask(0o077)
         rundir = RunDir(Path(self.run_dir))
         cfg = load_config(str(rundir.config))
         job = SlurmJob.from_environ()
@@ -84,6 +86,9 @@ class Driver:
         if status == 0:
             return {"status": "done"}
         if status == EXIT_STOPPED:
+            if not self.last_in_chain:
+                print("stopped with a committed checkpoint; the next job of the chain continues", flush=True)
+                return {"status": "stopped"}
             return self._requeue(rundir, cfg, job)
         raise RuntimeError(f"the ranks failed with exit status {status}; not requeued (logs in {rundir.logs})")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -63,6 +64,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def slurm_available() -> bool:
+    """Slurm is the target when sbatch is on PATH and a cluster config is there (installed client packages
+    alone, as on a machine that ran the tests, do not count)."""
+    if shutil.which("sbatch") is None:
+        return False
+    conf = os.environ.get("SLURM_CONF")
+    return Path(conf).is_file() if conf else Path("/etc/slurm/slurm.conf").is_file()
+
+
 def default_run_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         resume_dir = resume_target(args)
         config_spec = str(RunDir(resume_dir).config) if resume_dir else args.config
         cfg = load_config(config_spec, args.overrides)
-        use_slurm = args.slurm or (shutil.which("sbatch") is not None and not args.local)
+        use_slurm = args.slurm or (not args.local and slurm_available())
         if args.chain < 1:
             raise SubmitError(f"--chain must be >= 1, got {args.chain}.")
         run_path = (resume_dir or args.run_dir or default_run_dir(cfg.job.name)).absolute()
@@ -138,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
 def submit_slurm(cfg, rundir: RunDir, *, chain: int) -> int:
     """Submit the run as ``chain`` jobs linked by afterany dependencies; each continues from the newest
     checkpoint, and once training is complete the rest end at once without work."""
+    os.umask(0o077)  # submitit's job folders, pickles and logs: private like the run directory
     try:
         job_ids = []
         for position in range(chain):
             dependency = f"afterany:{job_ids[-1]}" if job_ids else None
             executor = make_executor(cfg, rundir, dependency=dependency)
-            job = executor.submit(Driver(str(rundir.root)))
+            job = executor.submit(Driver(str(rundir.root), last_in_chain=position == chain - 1))
             job_ids.append(job.job_id)
             shutil.copyfile(job.paths.submission_file, rundir.root / f"job_{job.job_id}.sbatch")
             with open(rundir.jobs, "a") as f:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The project's test command (README Quickstart, and .ci/run): installs everything it needs into .venv, then
-# lints and runs the whole suite (unit, multi-process under mpirun).
+# The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm and munge
+# from Debian's packages, Python packages into .venv), then lints and runs the whole suite: unit, multi-process
+# under mpirun, and Slurm tests against a real local cluster that the tests start and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+bash envs/slurm/cluster.sh install >/dev/null
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
