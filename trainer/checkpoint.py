@@ -31,6 +31,7 @@ from runconfig.checkpoints import (
     TMP_PREFIX,
     CheckpointInvalid,
     commit,
+    fsync_path,
     newest_valid,
     prune,
     remove_stale_tmp,
@@ -312,11 +313,7 @@ class Checkpointer:
 
 def fsync_all_dirs(root: Path) -> None:
     for dirpath, _, _ in os.walk(root):
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(Path(dirpath))
 
 
 def _space_note(folder: Path) -> str:
