@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, mpirun_and_env  # bench/common.py (scripts run from bench/ on sys.path)
+
 WORLD = 4
 PER_NODE = 2
 LINK_IFNAME = "ic0"  # both veth ends carry this name, so one GLOO_SOCKET_IFNAME fits every rank
@@ -210,14 +211,10 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    mpirun = Path(sys.executable).parent / "mpirun"
-    if not mpirun.exists():
-        print(f"error: no mpirun beside {sys.executable}", file=sys.stderr)
+    found = mpirun_and_env(per_node=PER_NODE, threads=1)  # simulated nodes also in link mode: MPI sees one host
+    if found is None:
         return 2
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env["HPC_SIMULATE_RANKS_PER_NODE"] = str(PER_NODE)  # also in link mode: MPI sees one host
-    env["OMP_NUM_THREADS"] = "1"
+    mpirun, env = found
     worker_cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker", *worker_args(args)]
     start = time.perf_counter()
     if args.link_mbit:

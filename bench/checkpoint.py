@@ -38,7 +38,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, mpirun_and_env  # bench/common.py (scripts run from bench/ on sys.path)
+
 sys.path.insert(0, str(ROOT))
 
 MEASURES = ("raw", "sync", "async", "restore", "step")
@@ -453,14 +454,10 @@ def report(setup: dict, samples: dict[str, list[dict]], json_path: Path | None) 
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    mpirun = Path(sys.executable).parent / "mpirun"
-    if not mpirun.exists():
-        print(f"error: no mpirun beside {sys.executable}", file=sys.stderr)
+    found = mpirun_and_env(per_node=args.ranks, threads=args.threads or max(1, (os.cpu_count() or 1) // args.ranks))
+    if found is None:
         return 2
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env["HPC_SIMULATE_RANKS_PER_NODE"] = str(args.ranks)
-    env["OMP_NUM_THREADS"] = str(args.threads or max(1, (os.cpu_count() or 1) // args.ranks))
+    mpirun, env = found
     rest = [a for a in argv if a != "--worker"]
     if args.json:
         rest += [f"--json={args.json.resolve()}"]
