@@ -4,91 +4,15 @@ Jobs go through `python -m hpc.submit` exactly as a user's would; preemption is 
 scancel, an external `scontrol requeue`, and a job in a higher-priority partition.
 """
 
-import json
-import os
 import stat
 import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli
+from tests.slurm.conftest import history, sets_for, submit, summary, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
-
-PORTS = {"HPC_SLURM_CTLD_PORT": "16917", "HPC_SLURM_NODE_PORT": "17101"}  # apart from a developer's own cluster
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    # Fresh state (job ids start at 1, no stale %j folders) in a folder the munge user can traverse (pytest's
-    # own tmp folders are private to root).
-    state = Path(tempfile.mkdtemp(prefix="hpc-slurm-test-", dir="/tmp"))
-    state.chmod(0o755)
-    env = {**os.environ, **PORTS}
-    subprocess.run(["bash", "envs/slurm/cluster.sh", "install"], check=True, cwd=ROOT, env=env,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
-    subprocess.run(["bash", "envs/slurm/cluster.sh", "start", str(state)], check=True, cwd=ROOT, env=env)
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(state / "slurm.conf")
-    yield state
-    subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env, check=False)
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
-
-
-def sets_for(data) -> list[str]:
-    return [
-        f"data.path={data}", "train.steps=60", "train.warmup_steps=2", "train.eval_every=20",
-        "model.d_model=64", "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=10",
-    ]  # fmt: skip
-
-
-def submit(run_dir, sets, *extra) -> str:
-    args = ["-m", "hpc.submit", "tiny", "--run-dir", str(run_dir), *extra]
-    for s in sets:
-        args += ["--set", s]
-    proc = run_cli(args)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "submitted tiny as Slurm job" in proc.stdout
-    return json.loads((Path(run_dir) / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
-
-
-def job_info(job_id) -> dict:
-    out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True).stdout
-    return dict(item.split("=", 1) for item in out.split() if "=" in item)
-
-
-def wait_state(job_id, states, timeout=180) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = job_info(job_id)
-        if info.get("JobState") in states:
-            return info
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {job_info(job_id)}")
-
-
-def wait_step(run_dir, step, timeout=120) -> None:
-    deadline = time.monotonic() + timeout
-    path = Path(run_dir) / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {run_dir}")
-
-
-def summary(run_dir) -> dict:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
-
-
-def history(run_dir) -> list[dict]:
-    return [json.loads(x) for x in (Path(run_dir) / "history.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

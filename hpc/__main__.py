@@ -1,0 +1,5 @@
+import sys
+
+from hpc.verbs import main
+
+sys.exit(main())

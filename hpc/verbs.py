@@ -1,0 +1,202 @@
+"""Lifecycle verbs on a run directory, for the login node (torch-free):
+
+    python -m hpc status  RUN_DIR            Slurm state, restarts, last committed step and loss, progress
+    python -m hpc cancel  RUN_DIR            cancel the run's unfinished jobs
+    python -m hpc pause   RUN_DIR            stop at a step boundary with a checkpoint, then hold the job
+    python -m hpc release RUN_DIR            let a paused run continue
+    python -m hpc resume  RUN_DIR [--set K=V] resubmit a finished, failed or cancelled run from its checkpoint
+    python -m hpc logs    RUN_DIR [--rank N | --all] [--follow]
+
+All of them work without Slurm accounting (slurmdbd); job states come from scontrol while the controller
+remembers the jobs, and from sacct when accounting is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hpc.jobs import job_ids, query, run
+from runconfig import ConfigError, RunDir, load_config
+from runconfig.checkpoints import latest_committed
+
+EXIT_USER_ERROR = 2
+
+
+class VerbError(Exception):
+    pass
+
+
+def open_run(path: str) -> RunDir:
+    rundir = RunDir(Path(path).absolute())
+    if not rundir.config.is_file():
+        raise VerbError(f"{path} is not a run directory (it has no config.yaml).")
+    return rundir
+
+
+def _last_metrics(rundir: RunDir) -> dict | None:
+    try:
+        lines = rundir.metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
+def _history(rundir: RunDir) -> list[dict]:
+    try:
+        return [json.loads(x) for x in rundir.history.read_text().splitlines() if x.strip()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def status(rundir: RunDir) -> dict:
+    cfg = load_config(str(rundir.config))
+    ids = job_ids(rundir)
+    jobs = [query(j) for j in ids]
+    ckpt = latest_committed(rundir.checkpoints)
+    last = _last_metrics(rundir)
+    history = _history(rundir)
+    done = rundir.summary.is_file()
+    active = [j for j in jobs if not j.finished]
+    state = "completed" if done else ("paused" if rundir.pause_marker.exists() else "")
+    if not state:
+        state = active[0].state.lower() if active else ("stopped" if history else "not started")
+    return {
+        "run_dir": str(rundir.root),
+        "state": state,
+        "jobs": [{"job_id": j.job_id, "state": j.state, "reason": j.reason, "restarts": j.restarts} for j in jobs],
+        "restarts": sum(1 for e in history if e["event"] == "resume"),
+        "step": (last or {}).get("step", 0),
+        "steps": cfg.train.steps,
+        "loss": (last or {}).get("loss"),
+        "checkpoint": {"step": ckpt["step"], "loss": ckpt.get("loss")} if ckpt else None,
+    }
+
+
+def print_status(info: dict) -> None:
+    pct = 100 * info["step"] / max(1, info["steps"])
+    print(f"run {info['run_dir']}: {info['state']}, step {info['step']}/{info['steps']} ({pct:.0f}%)", end="")
+    print(f", loss {info['loss']:.4f}" if info["loss"] is not None else "")
+    ckpt = info["checkpoint"]
+    loss = f", loss {ckpt['loss']:.4f}" if ckpt and ckpt["loss"] is not None else ""
+    committed = f"step {ckpt['step']}{loss}" if ckpt else "none"
+    print(f"  last committed checkpoint: {committed}")
+    print(f"  restarts: {info['restarts']}")
+    for j in info["jobs"]:
+        reason = f" ({j['reason']})" if j["reason"] and j["reason"] != "None" else ""
+        print(f"  job {j['job_id']}: {j['state']}{reason}, {j['restarts']} requeues")
+
+
+def unfinished(rundir: RunDir) -> list[str]:
+    return [j for j in job_ids(rundir) if not query(j).finished]
+
+
+def cancel(rundir: RunDir) -> None:
+    ids = unfinished(rundir)
+    if not ids:
+        raise VerbError(f"run {rundir.root} has no unfinished Slurm job to cancel.")
+    run(["scancel", *ids])
+    print(f"cancelled job{'s' if len(ids) > 1 else ''} {', '.join(ids)}")
+
+
+def pause(rundir: RunDir) -> None:
+    ids = unfinished(rundir)
+    if not ids:
+        raise VerbError(f"run {rundir.root} has no unfinished Slurm job to pause.")
+    cfg = load_config(str(rundir.config))
+    rundir.pause_marker.write_text(f"{time.time()}\n")
+    signal = cfg.job.signal.removeprefix("SIG")
+    for job in ids:
+        state = query(job)
+        if state.state == "RUNNING":  # the ranks stop at a step boundary; the driver then requeues it held
+            run(["scancel", f"--signal={signal}", job])
+        else:
+            run(["scontrol", "hold", job])
+    print(
+        f"pausing job{'s' if len(ids) > 1 else ''} {', '.join(ids)}: the run stops at the next step boundary "
+        f"with a checkpoint and is held; continue with: python -m hpc release {rundir.root}"
+    )
+
+
+def release(rundir: RunDir) -> None:
+    rundir.pause_marker.unlink(missing_ok=True)
+    ids = [j for j in unfinished(rundir) if query(j).held]
+    for job in ids:
+        run(["scontrol", "release", job])
+    print(f"released job{'s' if len(ids) > 1 else ''} {', '.join(ids)}" if ids else "no held job; pause marker removed")
+
+
+def logs(rundir: RunDir, *, rank: int, all_ranks: bool, follow: bool) -> None:
+    paths = sorted(rundir.logs.glob("rank_*.log")) if all_ranks else [rundir.rank_log(rank)]
+    missing = [p for p in paths if not p.exists()]
+    if not paths or missing:
+        raise VerbError(f"no log {missing[0] if missing else rundir.logs / 'rank_*.log'} yet.")
+    offsets = {}
+    for p in paths:
+        data = p.read_text(errors="replace")
+        sys.stdout.write(data)
+        offsets[p] = len(data.encode())
+    sys.stdout.flush()
+    while follow:
+        time.sleep(0.5)
+        for p in paths:
+            with open(p, "rb") as f:
+                f.seek(offsets[p])
+                chunk = f.read()
+            offsets[p] += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+        sys.stdout.flush()
+        if status(rundir)["state"] in ("completed",):
+            break
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpc", description="lifecycle of a run directory")
+    sub = p.add_subparsers(dest="verb", required=True)
+    for verb in ("status", "cancel", "pause", "release", "resume", "logs"):
+        sp = sub.add_parser(verb)
+        sp.add_argument("run_dir")
+        if verb == "status":
+            sp.add_argument("--json", action="store_true", help="print the status as JSON")
+        if verb == "resume":
+            sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        if verb == "logs":
+            sp.add_argument("--rank", type=int, default=0)
+            sp.add_argument("--all", action="store_true", help="every rank's log")
+            sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")
+    args = p.parse_args(argv)
+    try:
+        rundir = open_run(args.run_dir)
+        if args.verb == "status":
+            info = status(rundir)
+            print(json.dumps(info, indent=2)) if args.json else print_status(info)
+        elif args.verb == "cancel":
+            cancel(rundir)
+        elif args.verb == "pause":
+            pause(rundir)
+        elif args.verb == "release":
+            release(rundir)
+        elif args.verb == "resume":
+            if unfinished(rundir):
+                raise VerbError(f"run {rundir.root} still has an unfinished job; `release` or `cancel` it first.")
+            rundir.pause_marker.unlink(missing_ok=True)
+            from hpc.submit import main as submit_main
+
+            overrides = [x for item in args.overrides for x in ("--set", item)]
+            return submit_main(["--resume", str(rundir.root), *overrides])
+        elif args.verb == "logs":
+            logs(rundir, rank=args.rank, all_ranks=args.all, follow=args.follow)
+    except (VerbError, ConfigError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,74 @@
+"""`python -m hpc status/pause/release/logs/cancel/resume` on a real Slurm job, without accounting (slurmdbd)."""
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.slurm.conftest import history, job_info, sets_for, submit, wait_state, wait_step
+
+pytestmark = pytest.mark.slurm
+
+
+def hpc(*args):
+    return run_cli(["-m", "hpc", *args])
+
+
+def status(run_dir) -> dict:
+    proc = hpc("status", str(run_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def wait_for(predicate, what, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    sets = [*sets_for(small_dataset), "train.steps=400", "checkpoint.every_steps=50"]
+    job_id = submit(run_dir, sets)
+    wait_step(run_dir, 10)
+
+    info = status(run_dir)
+    assert info["state"] == "running" and info["jobs"][0]["job_id"] == job_id and info["steps"] == 400
+    assert info["step"] >= 10
+    text = hpc("status", str(run_dir)).stdout
+    assert f"job {job_id}: RUNNING" in text and "step " in text
+
+    # pause: the ranks stop at a step boundary with a checkpoint, the driver requeues the job held
+    assert hpc("pause", str(run_dir)).returncode == 0
+    wait_for(lambda: "held" in job_info(job_id).get("Reason", "").lower(), "the job to be held")
+    info = status(run_dir)
+    stopped = [e for e in history(run_dir) if e["event"] == "stopped"]
+    assert info["state"] == "paused" and stopped
+    assert info["checkpoint"]["step"] == stopped[-1]["step"] >= 10
+
+    logs = hpc("logs", str(run_dir), "--rank", "0")
+    assert logs.returncode == 0 and "stop requested" in logs.stdout and "rank 0/4" in logs.stdout
+    assert hpc("logs", str(run_dir), "--all").stdout.count("rank 3/4") >= 1
+
+    # release: it runs again from the checkpoint
+    assert hpc("release", str(run_dir)).returncode == 0
+    resumed = wait_for(lambda: [e for e in history(run_dir) if e["event"] == "resume"], "the resume")
+    assert resumed[0]["step"] == stopped[-1]["step"]
+    wait_step(run_dir, resumed[0]["step"] + 5)
+
+    # cancel, then resume as a new job that finishes the run
+    assert hpc("cancel", str(run_dir)).returncode == 0
+    wait_state(job_id, {"CANCELLED", "COMPLETED", "FAILED"})
+    assert hpc("cancel", str(run_dir)).returncode == 2  # nothing left to cancel: a clear error
+    proc = hpc("resume", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    new_id = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
+    assert new_id != job_id
+    assert wait_state(new_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)["JobState"] == "COMPLETED"
+    info = status(run_dir)
+    assert info["state"] == "completed" and info["step"] == 400 and info["restarts"] >= 2
