@@ -6,6 +6,7 @@
     python -m hpc release RUN_DIR            let a paused run continue
     python -m hpc resume  RUN_DIR [--set K=V] resubmit a finished, failed or cancelled run from its checkpoint
     python -m hpc logs    RUN_DIR [--rank N | --all] [--follow]
+    python -m hpc sweep   CONFIG GRID.yaml [--run-dir DIR] [--set K=V]   a grid as one job array (hpc/sweep.py)
 
 All of them work without Slurm accounting (slurmdbd); job states come from scontrol while the controller
 remembers the jobs, and from sacct when accounting is there.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -158,6 +160,33 @@ def logs(rundir: RunDir, *, rank: int, all_ranks: bool, follow: bool) -> None:
             break
 
 
+def sweep(args: argparse.Namespace) -> int:
+    from hpc import sweep as sw
+    from hpc.driver import Driver
+    from hpc.slurm import make_executor
+    from hpc.submit import main as submit_main
+    from hpc.submit import slurm_available
+
+    elements = sw.expand(args.config, args.grid, args.overrides)
+    name = elements[0][1].job.name
+    sweep_dir = (args.run_dir or Path("runs") / f"sweep-{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    dirs = sw.create(sweep_dir, elements)
+    if args.local or not slurm_available():
+        sw.record(sweep_dir, elements, dirs, [""] * len(dirs))
+        statuses = [submit_main(["--resume", str(d.root), "--local"]) for d in dirs]
+        return max(statuses)
+    os.umask(0o077)
+    executor = make_executor(elements[0][1], RunDir(sweep_dir))
+    jobs = executor.submit_array([Driver(str(d.root)) for d in dirs])
+    ids = [str(j.job_id) for j in jobs]
+    sw.record(sweep_dir, elements, dirs, ids)
+    print(
+        f"submitted a {len(ids)}-element sweep as job array {ids[0].split('_')[0]}; run directories under "
+        f"{sweep_dir} (see sweep.json)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpc", description="lifecycle of a run directory")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -172,8 +201,16 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument("--rank", type=int, default=0)
             sp.add_argument("--all", action="store_true", help="every rank's log")
             sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")
+    sp = sub.add_parser("sweep")
+    sp.add_argument("config", help="base config file or example name")
+    sp.add_argument("grid", type=Path, help="YAML file with grid: {KEY: [VALUES]}")
+    sp.add_argument("--run-dir", type=Path, help="sweep directory (default runs/sweep-NAME-YYYYmmdd-HHMMSS)")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    sp.add_argument("--local", action="store_true", help="run the elements one after the other on this machine")
     args = p.parse_args(argv)
     try:
+        if args.verb == "sweep":
+            return sweep(args)
         rundir = open_run(args.run_dir)
         if args.verb == "status":
             info = status(rundir)

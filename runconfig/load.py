@@ -44,6 +44,12 @@ def resolve_config_path(spec: str) -> Path:
 
 def load_config(spec: str, overrides: list[str] = ()) -> RunConfig:
     """Load a config file (or example name), apply ``KEY=VALUE`` overrides, and validate it."""
+    raw, path = load_raw(spec, overrides)
+    return from_dict(raw, source=str(path))
+
+
+def load_raw(spec: str, overrides: list[str] = ()) -> tuple[dict, Path]:
+    """The config file as plain data with overrides applied, not yet validated (sweeps add keys to it)."""
     path = resolve_config_path(spec)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -60,7 +66,7 @@ def load_config(spec: str, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"config file {path}: the top level must be a mapping of sections, got {_kind(raw)}.")
     for item in overrides:
         apply_override(raw, item)
-    return from_dict(raw, source=str(path))
+    return raw, path
 
 
 def apply_override(raw: dict, item: str) -> None:
@@ -68,30 +74,35 @@ def apply_override(raw: dict, item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} must look like KEY=VALUE, e.g. train.steps=40.")
-    parts = key.split(".")
-    _check_path(parts, item)
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         value = text
+    set_key(raw, key, value, what=f"override {item!r}")
+
+
+def set_key(raw: dict, key: str, value: Any, *, what: str) -> None:
+    """Set a dotted key in config data after checking that the schema has it."""
+    parts = key.split(".")
+    _check_path(parts, what)
     node = raw
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {item!r}: {part!r} is not a section in the config file.")
+            raise ConfigError(f"{what}: {part!r} is not a section in the config file.")
     node[parts[-1]] = value
 
 
-def _check_path(parts: list[str], item: str) -> None:
+def _check_path(parts: list[str], what: str) -> None:
     cls: Any = RunConfig
     for depth, part in enumerate(parts):
         if not dataclasses.is_dataclass(cls):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])} is a value, not a section.")
+            raise ConfigError(f"{what}: {'.'.join(parts[:depth])} is a value, not a section.")
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
             where = ".".join(parts[:depth]) or "top level"
             raise ConfigError(
-                f"override {item!r}: unknown key {'.'.join(parts[: depth + 1])!r} ({where} has: {', '.join(names)})."
+                f"{what}: unknown key {'.'.join(parts[: depth + 1])!r} ({where} has: {', '.join(names)})."
             )
         cls = typing.get_type_hints(cls)[part]
 
@@ -183,6 +194,8 @@ def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
             raise ConfigError(f"config {source}: key {key!r} must be a number, got {_kind(value)}.")
         return float(value)
     if hint is str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # e.g. job.time: 30 (minutes)
         if not isinstance(value, str):
             raise ConfigError(f"config {source}: key {key!r} must be a string, got {_kind(value)}.")
         return value
