@@ -1,0 +1,143 @@
+"""Preemption latency on the real local Slurm cluster: from the scheduler's signal to the committed checkpoint,
+to the job running again, and to its first new step.
+
+    python bench/preemption.py [--reps 2] [--json PATH]
+
+Starts its own cluster (envs/slurm/cluster.sh, separate ports and state), submits the tiny model on 2 nodes x 2
+ranks through `python -m hpc.submit`, and interrupts it three ways: the job's signal (`scancel --signal=USR2`),
+`scontrol requeue`, and a job in the higher-priority partition. Times come from one clock on this host: the moment
+the interruption was issued, the trainer's history events (`stopped` is written right after the commit, `resume`
+right after the checkpoint is loaded), the first RUNNING poll of the requeued job (0.1 s resolution), and the
+first new step's metrics record. Prints a table and a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT
+
+PORTS = {"HPC_SLURM_CTLD_PORT": "18917", "HPC_SLURM_NODE_PORT": "19101"}
+SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
+        "model.seq_len=64", "checkpoint.every_steps=50"]  # fmt: skip
+
+
+def sh(*args: str, **kw) -> str:
+    return subprocess.run(args, capture_output=True, text=True, check=True, **kw).stdout
+
+
+def job_state(job: str) -> dict:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def lines(path: Path) -> list[dict]:
+    try:
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def wait(predicate, timeout: float = 180.0, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError("timed out")
+
+
+def one(method: str, data: Path, work: Path) -> dict:
+    run_dir = work / f"{method}-{time.monotonic_ns()}"
+    args = [sys.executable, "-m", "hpc.submit", "tiny", "--run-dir", str(run_dir), "--set", f"data.path={data}"]
+    for s in SETS:
+        args += ["--set", s]
+    sh(*args, cwd=ROOT)
+    job = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
+    wait(lambda: any(r.get("step", 0) >= 20 for r in lines(run_dir / "metrics.jsonl")))
+    issued = time.time()  # trainer event times come from time.time() on this same host
+    if method == "signal":
+        sh("scancel", "--signal=USR2", job)
+    elif method == "requeue":
+        sh("scontrol", "requeue", job)
+    else:
+        sh(
+            "sbatch",
+            "-p",
+            "urgent",
+            "-N2",
+            "--ntasks-per-node=4",
+            f"--output={work}/urgent-%j.out",
+            "--wrap",
+            "sleep 1",
+        )
+
+    def running_again() -> bool:
+        state = job_state(job)
+        return state.get("Restarts", "0") != "0" and state.get("JobState") == "RUNNING"
+
+    wait(running_again)
+    running_at = time.time()
+    resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == "resume"])[0]
+    first = wait(lambda: [r for r in lines(run_dir / "metrics.jsonl") if r["step"] == resume["step"] + 1])[0]
+    stopped = [e for e in lines(run_dir / "history.jsonl") if e["event"] == "stopped"]
+    subprocess.run(["scancel", job], check=False)
+    return {
+        "method": method,
+        "committed_s": stopped[0]["time"] - issued if stopped else None,  # None: killed before a commit
+        "running_again_s": running_at - issued,
+        "resumed_s": resume["time"] - issued,
+        "first_new_step_s": first["time"] - issued,
+        "steps_recomputed": (stopped[0]["step"] if stopped else 0) - resume["step"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    state = Path(tempfile.mkdtemp(prefix="hpc-slurm-bench-", dir="/tmp"))
+    state.chmod(0o755)
+    env = {**os.environ, **PORTS}
+    work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
+    sh("bash", "envs/slurm/cluster.sh", "install", cwd=ROOT, env=env)
+    sh("bash", "envs/slurm/cluster.sh", "start", str(state), cwd=ROOT, env=env)
+    os.environ["SLURM_CONF"] = str(state / "slurm.conf")
+    try:
+        from trainer.data.prepare import PrepareSpec, prepare
+
+        data = work / "data"
+        prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
+                            shard_tokens=400_000), data)  # fmt: skip
+        rows = [one(m, data, work) for _ in range(args.reps) for m in ("signal", "requeue", "preempt")]
+    finally:
+        subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env, capture_output=True)
+    keys = ("committed_s", "running_again_s", "resumed_s", "first_new_step_s")
+    summary = {}
+    print(f"\n{'interruption':14} " + " ".join(f"{k:>17}" for k in keys) + "   (medians, seconds after issuing it)")
+    for method in ("signal", "requeue", "preempt"):
+        mine = [r for r in rows if r["method"] == method]
+        med = {k: statistics.median(r[k] for r in mine if r[k] is not None) if any(r[k] is not None for r in mine)
+               else None for k in keys}  # fmt: skip
+        summary[method] = med
+        print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>17}" for v in med.values()))
+    result = {"benchmark": "preemption", "setup": {"reps": args.reps, "config": SETS}, "summary": summary,
+              "runs": rows}  # fmt: skip
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
