@@ -4,12 +4,14 @@ Jobs go through `python -m hpc.submit` exactly as a user's would; preemption is 
 scancel, an external `scontrol requeue`, and a job in a higher-priority partition.
 """
 
+import json
 import stat
 import subprocess
 
 import pytest
 
-from tests.conftest import run_cli
+from runconfig import RunDir, dump_yaml, load_config
+from tests.conftest import PY, ROOT, run_cli
 from tests.slurm.conftest import history, sets_for, submit, summary, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
@@ -85,3 +87,34 @@ def test_preempted_by_a_higher_priority_partition(slurm, small_dataset, referenc
     wait_state(urgent, {"COMPLETED"}, timeout=180)
     resumed_bitwise(run_dir, job_id, reference)
     assert any(e["event"] == "stopped" for e in history(run_dir))  # the trainer saw the preemption signal
+
+
+def test_wrong_mpi_plugin_is_detected(slurm, small_dataset, tmp_path):
+    """srun without the PMI the MPI library speaks starts N separate worlds of 1: the trainer refuses to train."""
+    run_dir = tmp_path / "run"
+    rundir = RunDir(run_dir)
+    rundir.create()
+    rundir.config.write_text(dump_yaml(load_config("tiny", sets_for(small_dataset))))
+    out = subprocess.run(
+        ["srun", "-N2", "--ntasks-per-node=2", "--mpi=none", PY, "-m", "trainer", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "Slurm started 4 tasks but MPI sees a world of 1" in out.stdout + out.stderr
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()
+
+
+def test_restart_cap_and_real_errors_are_not_requeued(slurm, small_dataset, tmp_path):
+    capped = tmp_path / "capped"
+    job_id = submit(capped, [*sets_for(small_dataset), "train.steps=400", "job.max_restarts=0"])
+    wait_step(capped, 10)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", info
+    assert history(capped)[-1]["event"] == "stopped"  # the checkpoint was committed; `hpc resume` continues it
+
+    broken = tmp_path / "broken"
+    job_id = submit(broken, [*sets_for(small_dataset), f"data.path={tmp_path / 'missing'}"])
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", info
+    assert "does not exist" in json.loads((broken / "failure.json").read_text())["message"]
