@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +102,6 @@ class Driver:
         else:
             verb = "requeue"
         print(f"checkpoint committed; scontrol {verb} {job.job_id}", flush=True)
-        sys.stdout.flush()
         # Requeueing from inside the job ends it at once: everything is already committed.
         subprocess.call(["scontrol", verb, job.job_id])
         return {"status": verb}

@@ -82,3 +82,24 @@ def summary(run_dir) -> dict:
 
 def history(run_dir) -> list[dict]:
     return [json.loads(x) for x in (Path(run_dir) / "history.jsonl").read_text().splitlines()]
+
+
+def rank_nodes(run_dir) -> dict[int, str]:
+    """rank -> Slurm node name, from the first line of each rank's log."""
+    nodes = {}
+    for rank in range(4):
+        line = (Path(run_dir) / "logs" / f"rank_{rank:05d}.log").read_text().splitlines()[0]
+        nodes[rank] = line.split("(slurm node ")[1].split(")")[0]
+    return nodes
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, small_dataset):
+    """sets_for's config run locally (2 simulated nodes x 2 ranks): Slurm runs of it must end bit-identical."""
+    run_dir = tmp_path_factory.mktemp("slurm-ref") / "run"
+    args = ["-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
+    for s in sets_for(small_dataset):
+        args += ["--set", s]
+    proc = run_cli(args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return summary(run_dir)["params_sha256"]

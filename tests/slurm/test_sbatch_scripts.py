@@ -1,66 +1,25 @@
 """sbatch/train.sbatch and sbatch/resume.sbatch submitted with plain sbatch to a REAL local Slurm cluster.
 
-The cluster is this module's own (envs/slurm/cluster.sh on other ports than tests/slurm/conftest.py's), so the
-two can run side by side. The jobs run exactly as a user's would: the environment carries CONFIG, RUN_DIR,
-HPC_SET and PYTHON; the stop is the job's signal sent by scancel; the requeue is the script's own.
+The cluster is the shared one of tests/slurm/conftest.py. The jobs run exactly as a user's would: the
+environment carries CONFIG, RUN_DIR, HPC_SET and PYTHON; the stop is the job's signal sent by scancel; the
+requeue is the script's own.
 """
 
-import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
+from tests.slurm.conftest import history, rank_nodes, sets_for, summary, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
 
-PORTS = {"HPC_SLURM_CTLD_PORT": "17917", "HPC_SLURM_NODE_PORT": "18101"}  # apart from tests/slurm/conftest.py's
 SCRIPTS = [ROOT / "sbatch" / name for name in ("train.sbatch", "resume.sbatch", "common.sh")]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    # Fresh state (job ids start at 1) in a folder the munge user can traverse (pytest's tmp folders are private).
-    state = Path(tempfile.mkdtemp(prefix="hpc-slurm-sb-", dir="/tmp"))
-    state.chmod(0o755)
-    env = {**os.environ, **PORTS}
-    subprocess.run(["bash", "envs/slurm/cluster.sh", "install"], check=True, cwd=ROOT, env=env,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
-    subprocess.run(["bash", "envs/slurm/cluster.sh", "start", str(state)], check=True, cwd=ROOT, env=env)
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(state / "slurm.conf")
-    yield state
-    subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env, check=False)
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
-
-
-def sets_for(data) -> list[str]:
-    return [
-        f"data.path={data}", "train.steps=60", "train.warmup_steps=2", "train.eval_every=20",
-        "model.d_model=64", "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=10",
-    ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_dataset):
-    """The same config run locally (2 simulated nodes x 2 ranks): the sbatch runs must end bit-identical."""
-    run_dir = tmp_path_factory.mktemp("sbatch-ref") / "run"
-    args = ["-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
-    for s in sets_for(small_dataset):
-        args += ["--set", s]
-    proc = run_cli(args)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return summary(run_dir)["params_sha256"]
 
 
 def sbatch(script: str, env: dict, *options: str, cwd: Path = ROOT) -> str:
@@ -77,54 +36,13 @@ def sbatch(script: str, env: dict, *options: str, cwd: Path = ROOT) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
-def job_info(job_id) -> dict:
-    out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True).stdout
-    return dict(item.split("=", 1) for item in out.split() if "=" in item)
-
-
-def wait_state(job_id, states, timeout=180) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = job_info(job_id)
-        if info.get("JobState") in states:
-            return info
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {job_info(job_id)}")
-
-
-def wait_step(run_dir, step, timeout=120) -> None:
-    deadline = time.monotonic() + timeout
-    path = Path(run_dir) / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"step {step} not reached in {run_dir}")
-
-
-def summary(run_dir) -> dict:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
-
-
-def history(run_dir) -> list[dict]:
-    return [json.loads(x) for x in (Path(run_dir) / "history.jsonl").read_text().splitlines()]
-
-
-def rank_nodes(run_dir) -> dict[int, str]:
-    nodes = {}
-    for rank in range(4):
-        line = (Path(run_dir) / "logs" / f"rank_{rank:05d}.log").read_text().splitlines()[0]
-        nodes[rank] = line.split("(slurm node ")[1].split(")")[0]
-    return nodes
-
-
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_scripts_are_shellcheck_clean():
     proc = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_train_creates_the_run_and_completes_on_two_nodes(cluster, small_dataset, reference, tmp_path):
+def test_train_creates_the_run_and_completes_on_two_nodes(slurm, small_dataset, reference, tmp_path):
     # Submitted from the checkout's root (common.sh found via $SLURM_SUBMIT_DIR), the job's output kept in the
     # run directory, made beforehand as sbatch/README.md says.
     run_dir = tmp_path / "run"
@@ -145,7 +63,7 @@ def test_train_creates_the_run_and_completes_on_two_nodes(cluster, small_dataset
     assert history(run_dir)[0]["slurm_job_id"] == job_id
 
 
-def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(cluster, small_dataset, reference, tmp_path):
+def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(slurm, small_dataset, reference, tmp_path):
     # Submitted from elsewhere, default --output (slurm-%j.out in the submit directory): common.sh is found via
     # the submitted script's path that `scontrol show job` records.
     run_dir = tmp_path / "run"
@@ -168,7 +86,7 @@ def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(cluster, small_d
     assert summary(run_dir)["params_sha256"] == reference
 
 
-def test_resume_refuses_a_run_dir_without_config(cluster, tmp_path):
+def test_resume_refuses_a_run_dir_without_config(slurm, tmp_path):
     run_dir = tmp_path / "no-run"
     job_id = sbatch("resume.sbatch", {"RUN_DIR": str(run_dir)}, f"--output={tmp_path}/slurm-%j.out")
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=60)

@@ -11,22 +11,10 @@ import subprocess
 import pytest
 
 from runconfig import RunDir, dump_yaml, load_config
-from tests.conftest import PY, ROOT, run_cli
-from tests.slurm.conftest import history, sets_for, submit, summary, wait_state, wait_step
+from tests.conftest import PY, ROOT
+from tests.slurm.conftest import history, rank_nodes, sets_for, submit, summary, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_dataset):
-    """The same config run locally (2 simulated nodes x 2 ranks): the Slurm runs must end bit-identical."""
-    run_dir = tmp_path_factory.mktemp("slurm-ref") / "run"
-    args = ["-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
-    for s in sets_for(small_dataset):
-        args += ["--set", s]
-    proc = run_cli(args)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return summary(run_dir)["params_sha256"]
 
 
 def test_two_nodes_two_ranks_each(slurm, small_dataset, reference, tmp_path):
@@ -35,11 +23,7 @@ def test_two_nodes_two_ranks_each(slurm, small_dataset, reference, tmp_path):
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"})
     assert info["JobState"] == "COMPLETED", info
     assert summary(run_dir)["params_sha256"] == reference
-    nodes = {}
-    for rank in range(4):
-        line = (run_dir / "logs" / f"rank_{rank:05d}.log").read_text().splitlines()[0]
-        nodes[rank] = line.split("(slurm node ")[1].split(")")[0]
-    assert nodes == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}  # really spread over both nodes, in blocks
+    assert rank_nodes(run_dir) == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}  # really spread over both nodes, in blocks
     assert (run_dir / f"job_{job_id}.sbatch").read_text().count("#SBATCH --nodes=2") == 1
     for path in (run_dir, run_dir / "slurm", run_dir / "slurm" / job_id):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
