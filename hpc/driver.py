@@ -19,6 +19,7 @@ from pathlib import Path
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from runconfig import RunConfig, RunDir, load_config
+from runconfig.outcome import launch_outcome, new_launch_id
 
 EXIT_STOPPED = 75  # the trainer's "stopped by a signal, checkpoint committed, resumable"
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
@@ -80,11 +81,17 @@ class Driver:
             print(f"run {rundir.root} is already complete; job {job.job_id} ends without work", flush=True)
             return {"status": "complete"}
         command = srun_command(cfg, rundir)
-        print(f"job {job.job_id} (restart {job.restart_count}): {' '.join(command)}", flush=True)
-        status = subprocess.call(command, env=trainer_environment(cfg, simulate_nodes=False))
-        if status == 0:
+        launch_id = new_launch_id(f"slurm-{job.job_id}.{job.restart_count}")
+        print(f"job {job.job_id} (restart {job.restart_count}, launch {launch_id}): {' '.join(command)}", flush=True)
+        status = subprocess.call(command, env=trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id))
+        # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
+        # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
+        outcome = launch_outcome(rundir, launch_id)
+        if outcome is not None and status not in (0, EXIT_STOPPED):
+            print(f"srun exit status {status}, but this launch recorded: {outcome}", flush=True)
+        if outcome == "done" or (status == 0 and outcome is None):
             return {"status": "done"}
-        if status == EXIT_STOPPED:
+        if outcome == "stopped" or status == EXIT_STOPPED:
             if not self.last_in_chain:
                 print("stopped with a committed checkpoint; the next job of the chain continues", flush=True)
                 return {"status": "stopped"}

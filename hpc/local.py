@@ -16,6 +16,7 @@ from pathlib import Path
 from hpc.mpi import MpiLauncher
 from hpc.progress import MetricsFollower, Progress
 from runconfig import RunConfig, RunDir
+from runconfig.outcome import LAUNCH_VAR, Outcome, launch_outcome, new_launch_id
 
 #: Environment variable the trainer reads to lay one host's ranks out as simulated nodes (trainer/env.py).
 SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"
@@ -25,10 +26,13 @@ def trainer_command(rundir: RunDir) -> list[str]:
     return [sys.executable, "-u", "-m", "trainer", "--run-dir", str(rundir.root)]
 
 
-def trainer_environment(cfg: RunConfig, *, simulate_nodes: bool, base: dict[str, str] | None = None) -> dict:
-    """The ranks' environment: nodes simulated on one host (local runs), thread count, import path."""
+def trainer_environment(
+    cfg: RunConfig, *, simulate_nodes: bool, launch_id: str = "", base: dict[str, str] | None = None
+) -> dict:
+    """The ranks' environment: nodes simulated on one host (local runs), thread count, launch id, import path."""
     env = dict(os.environ if base is None else base)
     env.update(cfg.job.env)
+    env[LAUNCH_VAR] = launch_id
     if simulate_nodes:
         env[SIMULATE_VAR] = str(cfg.job.ranks_per_node)
     if cfg.job.threads_per_rank and "OMP_NUM_THREADS" not in env:
@@ -43,6 +47,7 @@ def trainer_environment(cfg: RunConfig, *, simulate_nodes: bool, base: dict[str,
 class LaunchResult:
     status: int
     output_tail: list[str]  # the last lines mpirun printed (kept in memory: the log's disk may be full)
+    outcome: Outcome | None = None  # what this launch recorded in the run directory (runconfig/outcome.py)
 
     def error_line(self) -> str | None:
         """The trainer's one-paragraph user error, as printed by the reporting rank."""
@@ -56,6 +61,7 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
     """Start ``world_size`` ranks with mpirun, follow their metrics, and return how it ended."""
     command = launcher.command(cfg.job.world_size, trainer_command(rundir))
     rundir.failure.unlink(missing_ok=True)  # from an earlier attempt of this run directory
+    launch_id = new_launch_id()
     follower = MetricsFollower(rundir.metrics)
     progress = Progress(cfg.train.steps) if show_progress else None
     tail_lines: deque[str] = deque(maxlen=200)
@@ -63,7 +69,7 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=trainer_environment(cfg, simulate_nodes=True),
+        env=trainer_environment(cfg, simulate_nodes=True, launch_id=launch_id),
         text=True,
         errors="replace",
     )
@@ -91,7 +97,7 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
         if progress:
             progress.close()
         copier.join(timeout=10)
-    return LaunchResult(proc.returncode, list(tail_lines))
+    return LaunchResult(proc.returncode, list(tail_lines), launch_outcome(rundir, launch_id))
 
 
 def _copy_output(proc: subprocess.Popen, path: Path, command: list[str], tail_lines: deque[str]) -> None:

@@ -173,15 +173,19 @@ def submit_slurm(cfg, rundir: RunDir, *, chain: int) -> int:
 def report(rundir: RunDir, result: LaunchResult) -> int:
     status = result.status
     failure = read_failure(rundir) or result.error_line()
+    if result.outcome == "done":
+        status = 0  # every rank finished; the launcher's status can still tell of a rank killed in teardown
+    elif result.outcome == "stopped":
+        status = EXIT_STOPPED
     if status == EXIT_STOPPED and not failure:
         print(
             f"stopped by a signal with a committed checkpoint; continue with: python -m hpc.submit --resume "
             f"{rundir.root}"
         )
         return EXIT_STOPPED
-    if failure:
+    if failure:  # diagnosed by the trainer: bad input (status 2), or a hang / a rank gone (the job failed)
         print(f"error: {failure}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return EXIT_USER_ERROR if status == EXIT_USER_ERROR else EXIT_JOB_FAILED
     if status != 0 or not rundir.summary.exists():
         log = rundir.logs / "mpirun.log"
         print(

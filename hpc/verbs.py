@@ -7,9 +7,11 @@
     python -m hpc resume  RUN_DIR [--set K=V] resubmit a finished, failed or cancelled run from its checkpoint
     python -m hpc logs    RUN_DIR [--rank N | --all] [--follow]
     python -m hpc sweep   CONFIG GRID.yaml [--run-dir DIR] [--set K=V]   a grid as one job array (hpc/sweep.py)
+    python -m hpc report  RUN_DIR [--out DIR]  PNG plots and report.md with goodput and restarts (hpc/report.py)
 
 All of them work without Slurm accounting (slurmdbd); job states come from scontrol while the controller
-remembers the jobs, and from sacct when accounting is there.
+remembers the jobs (MinJobAge after they end), then from sacct when accounting is there; else they are UNKNOWN,
+with the reason.
 """
 
 from __future__ import annotations
@@ -69,18 +71,39 @@ def status(rundir: RunDir) -> dict:
     done = rundir.summary.is_file()
     active = [j for j in jobs if not j.finished]
     state = "completed" if done else ("paused" if rundir.pause_marker.exists() else "")
+    failure = _failure(rundir, history)
     if not state:
-        state = active[0].state.lower() if active else ("stopped" if history else "not started")
+        if active:
+            state = active[0].state.lower()
+        elif failure:
+            state = "failed"
+        else:
+            state = "stopped" if history else "not started"
     return {
         "run_dir": str(rundir.root),
         "state": state,
-        "jobs": [{"job_id": j.job_id, "state": j.state, "reason": j.reason, "restarts": j.restarts} for j in jobs],
+        "jobs": [
+            {"job_id": j.job_id, "state": j.state, "reason": j.reason, "restarts": j.restarts, "source": j.source}
+            for j in jobs
+        ],
         "restarts": sum(1 for e in history if e["event"] == "resume"),
         "step": (last or {}).get("step", 0),
         "steps": cfg.train.steps,
         "loss": (last or {}).get("loss"),
         "checkpoint": {"step": ckpt["step"], "loss": ckpt.get("loss")} if ckpt else None,
+        "failure": failure,
     }
+
+
+def _failure(rundir: RunDir, history: list[dict]) -> str | None:
+    """The message of failure.json when it was written after the latest launch started (else it is stale)."""
+    try:
+        written = rundir.failure.stat().st_mtime
+        message = json.loads(rundir.failure.read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    starts = [e.get("time", 0) for e in history if e.get("event") in ("start", "resume")]
+    return str(message) if not starts or written >= max(starts) else None
 
 
 def print_status(info: dict) -> None:
@@ -92,9 +115,17 @@ def print_status(info: dict) -> None:
     committed = f"step {ckpt['step']}{loss}" if ckpt else "none"
     print(f"  last committed checkpoint: {committed}")
     print(f"  restarts: {info['restarts']}")
+    if info.get("failure"):
+        print(f"  failure: {info['failure']}")
     for j in info["jobs"]:
         reason = f" ({j['reason']})" if j["reason"] and j["reason"] != "None" else ""
-        print(f"  job {j['job_id']}: {j['state']}{reason}, {j['restarts']} requeues")
+        if j["source"] == "scontrol":
+            print(f"  job {j['job_id']}: {j['state']}{reason}, {j['restarts']} requeues")
+        elif j["source"] == "sacct":
+            note = "from sacct: the controller no longer knows the job"
+            print(f"  job {j['job_id']}: {j['state']}{reason}, {j['restarts']} requeues ({note})")
+        else:
+            print(f"  job {j['job_id']}: {j['state']}{reason}")
 
 
 def unfinished(rundir: RunDir) -> list[str]:
@@ -207,10 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--run-dir", type=Path, help="sweep directory (default runs/sweep-NAME-YYYYmmdd-HHMMSS)")
     sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     sp.add_argument("--local", action="store_true", help="run the elements one after the other on this machine")
+    sp = sub.add_parser("report", description="PNG plots and report.md with goodput, restarts and stragglers")
+    sp.add_argument("run_dir")
+    sp.add_argument("--out", help="output folder (default RUN_DIR/report/)")
     args = p.parse_args(argv)
     try:
         if args.verb == "sweep":
             return sweep(args)
+        if args.verb == "report":
+            from hpc.report import main as report_main
+
+            return report_main(args.run_dir, args.out)
         rundir = open_run(args.run_dir)
         if args.verb == "status":
             info = status(rundir)

@@ -22,6 +22,16 @@ class RunDir:
         return self.root / "metrics.jsonl"
 
     @property
+    def metrics_discarded(self) -> Path:
+        """Records of steps computed and then thrown away (after the restored checkpoint, moved here on resume)."""
+        return self.root / "metrics.discarded.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files (rank 0)."""
+        return self.root / "tensorboard"
+
+    @property
     def summary(self) -> Path:
         """Written once at the end of a completed run."""
         return self.root / "summary.json"

@@ -318,6 +318,47 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    tensorboard: bool = doc("Write TensorBoard event files to RUN_DIR/tensorboard/ (rank 0).", True)
+    straggler_every: int = doc(
+        "Every N steps the ranks compare their busy time per step (step time minus time spent waiting in "
+        "collectives); 0 = off.",
+        50,
+    )
+    straggler_margin: float = doc(
+        "A rank or node busier than the median by more than this fraction is a straggler.", 0.2
+    )
+    hang_timeout_s: float = doc(
+        "A collective or step phase that does not finish within this many seconds ends the job with the ranks "
+        "that did not arrive named and a stack dump of every live rank; 0 = off.",
+        600.0,
+    )
+    heartbeat_s: float = doc("How often each rank publishes its progress for the hang watchdog.", 2.0)
+    peak_tflops: float = doc(
+        "Peak bf16 dense TFLOP/s of one device for MFU; 0 = looked up from the GPU's name (no MFU on CPU).", 0.0
+    )
+    log_every_s: float = doc("Rank 0's plain progress line in batch logs at most this often (seconds).", 30.0)
+
+    def check(self) -> Problems:
+        out: Problems = []
+        if self.straggler_every < 0:
+            out.append(("straggler_every", f"must be >= 0, got {self.straggler_every}"))
+        if self.straggler_margin <= 0:
+            out.append(("straggler_margin", f"must be > 0, got {self.straggler_margin}"))
+        if self.hang_timeout_s < 0:
+            out.append(("hang_timeout_s", f"must be >= 0, got {self.hang_timeout_s}"))
+        if not self.heartbeat_s > 0:
+            out.append(("heartbeat_s", f"must be > 0, got {self.heartbeat_s}"))
+        if self.hang_timeout_s and self.hang_timeout_s < 3 * self.heartbeat_s:
+            out.append(("hang_timeout_s", f"must be at least 3 x monitor.heartbeat_s ({3 * self.heartbeat_s:g})"))
+        if self.peak_tflops < 0:
+            out.append(("peak_tflops", f"must be >= 0, got {self.peak_tflops}"))
+        if self.log_every_s < 0:
+            out.append(("log_every_s", f"must be >= 0, got {self.log_every_s}"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     job: JobConfig = doc("Job shape: nodes and ranks.", factory=JobConfig)
     model: ModelConfig = doc("Decoder-only transformer.", factory=ModelConfig)
@@ -325,6 +366,7 @@ class RunConfig:
     train: TrainConfig = doc("Optimisation loop.", factory=TrainConfig)
     comm: CommConfig = doc("Gradient communication.", factory=CommConfig)
     checkpoint: CheckpointConfig = doc("Checkpoints, stop signals and resume.", factory=CheckpointConfig)
+    monitor: MonitorConfig = doc("Metrics, TensorBoard, stragglers and the hang watchdog.", factory=MonitorConfig)
 
     def check(self) -> Problems:
         """Checks that span sections."""

@@ -176,9 +176,19 @@ hpc_main() {
   local command=(srun "--mpi=$plugin" --kill-on-bad-exit=1 "${hpc_srun_args[@]}"
     "$PYTHON" -u -m trainer --run-dir "$RUN_DIR")
   restarts=${SLURM_RESTART_COUNT:-0}  # unset on the first run, not 0
-  echo "job ${SLURM_JOB_ID:-?} (restart $restarts): ${command[*]}"
+  export HPC_LAUNCH_ID="sbatch-${SLURM_JOB_ID:-none}.$restarts-$$-$RANDOM$RANDOM"  # rank 0 tags its history with it
+  echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${command[*]}"
   env "${hpc_env[@]}" "${command[@]}"
   status=$?
+  if [ "$status" != 0 ] && [ "$status" != "$HPC_EXIT_STOPPED" ]; then
+    # srun's status misreads a stop whose slower ranks --kill-on-bad-exit killed in teardown, after the
+    # checkpoint was committed: the run directory says what this launch recorded (runconfig/outcome.py).
+    case $("$PYTHON" -m runconfig.outcome "$RUN_DIR" "$HPC_LAUNCH_ID" 2> /dev/null) in
+      done) echo "srun exit status $status, but this launch completed the run"; status=0 ;;
+      stopped) echo "srun exit status $status, but this launch stopped with a committed checkpoint"
+        status=$HPC_EXIT_STOPPED ;;
+    esac
+  fi
 
   if [ "$status" = 0 ]; then
     echo "done: run $RUN_DIR complete"

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-bash envs/slurm/cluster.sh install >/dev/null
+# With accounting: tests/slurm/test_accounting.py also runs slurmdbd + MariaDB (Debian packages).
+HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh install >/dev/null
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

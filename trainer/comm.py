@@ -9,10 +9,35 @@ in different orders (a hang), as measured on torch 2.13 (see shared notes).
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook checks the hook's annotations at run
 # time and rejects string annotations.
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class BlockedIntervals:
+    """Host-clock intervals a synchronous communication hook spent blocked (filled by the hook, read per step)."""
+
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+    # Told when the hook starts (True) and ends (False) blocking: the hang watchdog's phase.
+    on_block: Callable[[bool], None] | None = None
+
+    def enter(self) -> float:
+        if self.on_block is not None:
+            self.on_block(True)
+        return time.perf_counter()
+
+    def add(self, start: float, end: float) -> None:
+        self.intervals.append((start, end))
+        if self.on_block is not None:
+            self.on_block(False)
+
+    def take(self) -> list[tuple[float, float]]:
+        out, self.intervals = self.intervals, []
+        return out
 
 
 @dataclass(frozen=True)
@@ -21,6 +46,7 @@ class HierGroups:
     inter: dist.ProcessGroup  # the ranks with this local index on every node
     ranks_per_node: int
     num_nodes: int
+    blocked: BlockedIntervals = field(default_factory=BlockedIntervals, compare=False)  # for the step clock
 
     @property
     def world_size(self) -> int:
@@ -55,7 +81,9 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.T
 def hierarchical_hook(groups: HierGroups, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients with the hierarchical all-reduce."""
     buf = bucket.buffer()
+    start = groups.blocked.enter()
     hierarchical_all_reduce(buf, groups).div_(groups.world_size)
+    groups.blocked.add(start, time.perf_counter())
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut

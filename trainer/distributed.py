@@ -26,6 +26,8 @@ class Distributed:
     device: torch.device
     mesh: DeviceMesh
     groups: HierGroups
+    store_addr: str  # the rendezvous TCPStore (on rank 0's host): the hang watchdog's heartbeats go there too
+    store_port: int
 
 
 def pick_device(env: RuntimeEnv, device: str) -> torch.device:
@@ -71,7 +73,7 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
         ranks_per_node=env.topology.ranks_per_node,
         num_nodes=env.topology.num_nodes,
     )
-    return Distributed(backend=backend, device=device, mesh=mesh, groups=groups)
+    return Distributed(backend=backend, device=device, mesh=mesh, groups=groups, store_addr=addr, store_port=int(port))
 
 
 def shutdown(comm: MPI.Comm, *, clean: bool) -> None:

@@ -12,7 +12,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from runconfig.outcome import LAUNCH_VAR
+from trainer import inject
 from trainer.errors import UserError
+from trainer.inject import Fault
 from trainer.topology import Topology
 
 #: Folder of datasets prepared on first use (default ~/.cache/hpc-trainer/data).
@@ -37,6 +40,8 @@ class RuntimeEnv:
     slurm_job_id: str | None
     slurm_restart_count: int | None
     data_cache: Path  # where datasets prepared on first use are kept ($HPC_DATA_CACHE)
+    launch_id: str = ""  # the launcher's id for this start of the ranks ($HPC_LAUNCH_ID), in history events
+    inject: tuple[Fault, ...] = ()  # faults injected on purpose by tests ($HPC_INJECT, trainer/inject.py)
 
     @property
     def node(self) -> int:
@@ -104,6 +109,8 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         slurm_job_id=environ.get("SLURM_JOB_ID"),
         slurm_restart_count=int(restart) if restart and restart.isdigit() else None,
         data_cache=Path(environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data"),
+        launch_id=environ.get(LAUNCH_VAR, ""),
+        inject=inject.parse(environ.get(inject.VAR, "")),
     )
 
 

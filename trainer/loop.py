@@ -21,8 +21,10 @@ from trainer.env import RuntimeEnv
 from trainer.errors import UserError
 from trainer.metrics import MetricsWriter
 from trainer.model import GPT, loss_fn
+from trainer.monitors import Monitors
 from trainer.optim import build_optimizer, lr_at
 from trainer.stop import StopFlag
+from trainer.timing import peak_memory_mb
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,7 @@ def train(
     metrics: MetricsWriter,
     checkpoints: Checkpoints,
     stop: StopFlag,
+    mon: Monitors,
 ) -> bool:
     """Run optimizer steps from ``state.step`` to ``cfg.train.steps``; True if a stop signal ended it early.
 
@@ -141,10 +144,12 @@ def train(
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
     params = [p for p in comps.model.parameters() if p.requires_grad]
     ddp, opt = comps.ddp, comps.optimizer
+    clock, watch = mon.clock, mon.watchdog
     ddp.train()
     loss_acc = torch.zeros((), device=d.device)
-    last_log_time, last_log_step = time.perf_counter(), state.step
-    run_start, elapsed_before = time.time(), state.elapsed_s
+    interval_wall = interval_eval = 0.0
+    last_line = time.monotonic()
+    run_start, elapsed_before, first_step = time.time(), state.elapsed_s, state.step
     log.info(
         "training steps %d..%d: world %d (%d nodes x %d), grad accumulation %d, %s all-reduce, device %s",
         state.step,
@@ -157,85 +162,127 @@ def train(
         d.device,
     )
     while state.step < t.steps:
+        step = state.step + 1
+        step_start = time.perf_counter()
         lr = lr_at(state.step, t)
         for group in opt.param_groups:
             group["lr"] = lr
         for micro in range(accum):
-            ids = rank_slice(
-                order,
-                state.data.position,
-                global_batch=t.global_batch_size,
-                micro_batch=t.micro_batch_size,
-                world_size=world,
-                rank=env.rank,
-                micro=micro,
-            )
-            batch = torch.from_numpy(train_data.batch(ids)).to(d.device, non_blocking=True)
-            sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
-            with sync:
-                with _autocast(cfg, d.device):
-                    logits = ddp(batch[:, :-1])
-                loss = loss_fn(logits, batch[:, 1:]) / accum
-                loss.backward()
+            watch.enter("data", step)
+            with clock.part("data"):
+                ids = rank_slice(
+                    order,
+                    state.data.position,
+                    global_batch=t.global_batch_size,
+                    micro_batch=t.micro_batch_size,
+                    world_size=world,
+                    rank=env.rank,
+                    micro=micro,
+                )
+                batch = torch.from_numpy(train_data.batch(ids)).to(d.device, non_blocking=True)
+            last = micro == accum - 1
+            watch.enter("forward/backward", step)
+            with clock.backward(synchronizing=last and world > 1):
+                mon.injector.in_compute(step)
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    with _autocast(cfg, d.device):
+                        logits = ddp(batch[:, :-1])
+                    loss = loss_fn(logits, batch[:, 1:]) / accum
+                    loss.backward()
             loss_acc += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state.step += 1
+        watch.enter("optimizer", step)
+        with clock.part("optim"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        state.step = step
         state.data.position += t.global_batch_size
         state.tokens_seen += tokens_per_step
 
         is_last = state.step == t.steps
-        shared = torch.zeros(3, dtype=torch.float64, device=d.device)
-        shared[0] = loss_acc
-        shared[1] = float(stop.requested)
-        shared[2] = float(env.rank == 0 and checkpoints.due_by_time())
-        dist.all_reduce(shared)
-        step_loss, stop_now, due_by_time = shared.tolist()
+        watch.enter("metric all-reduce", step)
+        with clock.part("sync"):
+            shared = torch.zeros(3, dtype=torch.float64, device=d.device)
+            shared[0] = loss_acc
+            shared[1] = float(stop.requested)
+            shared[2] = float(env.rank == 0 and checkpoints.due_by_time())
+            dist.all_reduce(shared)
+            step_loss, stop_now, due_by_time = shared.tolist()
         loss_acc.zero_()
         state.last_loss = step_loss / world
         state.elapsed_s = elapsed_before + time.time() - run_start
-        record = None
-        if state.step % t.log_every == 0 or is_last:
-            now = time.perf_counter()
-            step_time = (now - last_log_time) / (state.step - last_log_step)
-            last_log_time, last_log_step = now, state.step
+        eval_s = 0.0
+        if t.eval_every and (state.step % t.eval_every == 0 or is_last):
+            watch.enter("eval", step)
+            eval_start = time.perf_counter()
+            state.last_eval_loss = evaluate(cfg, env, d, comps.model, val_data)
+            eval_s = time.perf_counter() - eval_start  # not step time; reported apart
+        if stop_now or due_by_time or checkpoints.due_by_steps(state.step, is_last):
+            watch.enter("checkpoint", step)
+            with clock.part("ckpt"):
+                checkpoints.save(state, block=bool(stop_now) or is_last)
+        step_parts = clock.end_step()
+        interval_wall += time.perf_counter() - step_start - eval_s
+        interval_eval += eval_s
+        mon.stragglers.add(step_parts["data"] + step_parts["compute"] + step_parts["optim"])
+        extra = mon.stragglers.check(step) if mon.stragglers.due(step) else None
+
+        logged = state.step % t.log_every == 0 or is_last or eval_s or extra
+        if logged:
+            parts, steps = clock.take()
+            step_time = interval_wall / steps
             record = {
                 "step": state.step,
                 "loss": state.last_loss,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": tokens_per_step / step_time,
+                "samples_per_s": t.global_batch_size / step_time,
                 "step_time_s": step_time,
+                **{f"time_{name}_s": seconds / steps for name, seconds in parts.items()},
+                "time_eval_s": interval_eval,
                 "tokens_seen": state.tokens_seen,
+                "peak_mem_mb": peak_memory_mb(d.device),
                 "time": time.time(),
+                "launch": env.launch_id,
             }
-        if t.eval_every and (state.step % t.eval_every == 0 or is_last):
-            eval_start = time.perf_counter()
-            state.last_eval_loss = evaluate(cfg, env, d, comps.model, val_data)
-            record = record or {"step": state.step, "time": time.time()}
-            record["eval_loss"] = state.last_eval_loss
-            last_log_time += time.perf_counter() - eval_start  # eval time is not step time
-        if record is not None:
+            if eval_s:
+                record["eval_loss"] = state.last_eval_loss
+            if mon.peak_flops:
+                record["mfu"] = tokens_per_step / step_time / world * mon.flops_per_token / mon.peak_flops
+            if extra:
+                record.update(extra)
+            interval_wall = interval_eval = 0.0
             metrics.write(record)
-            if env.rank == 0 and ("eval_loss" in record or state.step % max(1, t.steps // 20) == 0 or is_last):
+            mon.tensorboard.write(record)
+            if mon.progress is not None:
+                mon.progress.update(record)
+            now = time.monotonic()
+            if env.rank == 0 and (eval_s or is_last or now - last_line >= cfg.monitor.log_every_s):
+                last_line = now
+                done_steps = state.step - first_step
+                eta = (t.steps - state.step) * (time.time() - run_start) / max(1, done_steps)
                 log.info(
-                    "step %d/%d loss %s eval %s lr %.2e %.0f tok/s",
+                    "step %d/%d loss %s eval %s lr %.2e %.0f tok/s %.3f s/step ETA %s",
                     state.step,
                     t.steps,
                     _fmt(record.get("loss")),
                     _fmt(record.get("eval_loss")),
                     lr,
-                    record.get("tokens_per_s", float("nan")),
+                    record["tokens_per_s"],
+                    step_time,
+                    _hms(eta),
+                    extra={"progress": True},
                 )
-        if stop_now or due_by_time or checkpoints.due_by_steps(state.step, is_last):
-            ckpt_start = time.perf_counter()
-            checkpoints.save(state, block=bool(stop_now) or is_last)
-            last_log_time += time.perf_counter() - ckpt_start  # reported apart from step time
         if stop_now and not is_last:
             log.info("stop requested (signal); stopped at step %d with a committed checkpoint", state.step)
             return True
     return False
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def _fmt(x: float | None) -> str:

@@ -7,18 +7,24 @@ group is destroyed and files are closed on every path.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import logging
-import sys
-from pathlib import Path
+import time
 
-from mpi4py import MPI
+PROCESS_START = time.time()  # before the heavy imports: a launch's start-up cost counts from here
 
-from runconfig import ConfigError, RunDir, load_config
-from runconfig.load import config_hash
-from trainer.errors import UserError
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from mpi4py import MPI  # noqa: E402
+
+from runconfig import ConfigError, RunDir, load_config  # noqa: E402
+from runconfig.load import config_hash  # noqa: E402
+from trainer.errors import UserError  # noqa: E402
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75  # stopped by a signal with a committed checkpoint: resumable (EX_TEMPFAIL)
@@ -33,7 +39,10 @@ def setup_logging(rundir: RunDir, rank: int) -> None:
     if rundir.logs.is_dir():
         handlers.append(logging.FileHandler(rundir.rank_log(rank)))
     if rank == 0:
-        handlers.append(logging.StreamHandler(sys.stdout))
+        console = logging.StreamHandler(sys.stdout)
+        if sys.stdout.isatty():  # a progress bar is drawn there instead of the periodic step lines
+            console.addFilter(lambda record: not getattr(record, "progress", False))
+        handlers.append(console)
     for h in handlers:
         h.setFormatter(fmt)
         root.addHandler(h)
@@ -51,6 +60,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     from trainer.fingerprint import params_sha256
     from trainer.loop import TrainState, build, train
     from trainer.metrics import MetricsWriter, append_event, truncate_metrics, write_json_atomic
+    from trainer.monitors import build_monitors
     from trainer.stop import StopFlag
 
     try:  # deterministic checks: every rank fails the same way
@@ -63,7 +73,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     stop = StopFlag(cfg.checkpoint.stop_signals)  # early: a signal during start-up is honoured at step 1
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
     log.info(
-        "rank %d/%d on %s%s: node %d local rank %d%s, %d threads",
+        "rank %d/%d on %s%s: node %d local rank %d%s, %d threads, pid %d",
         env.rank,
         env.world_size,
         env.hostname,
@@ -72,18 +82,21 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         env.local_rank,
         " (simulated nodes)" if env.simulated_nodes else "",
         torch.get_num_threads(),
+        os.getpid(),
     )
     train_data, val_data = open_splits(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, env, comm)
     device = pick_device(env, cfg.train.device)
     d = init_distributed(env, cfg.comm, device, comm)
-    checkpoints = metrics = None
+    checkpoints = metrics = mon = None
     try:
         comps = build(cfg, env, d)
+        mon = build_monitors(cfg, env, d, comps.model, rundir)
         checkpoints = Checkpointer(cfg=cfg, env=env, rundir=rundir, comps=comps, comm=comm)
         state = TrainState()
         resumed = cfg.checkpoint.resume and checkpoints.restore(state)
         if env.rank == 0:
-            truncate_metrics(rundir.metrics, state.step)  # steps after the checkpoint are recomputed
+            # Steps after the checkpoint are recomputed: their records move to metrics.discarded.jsonl.
+            truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
             append_event(
                 rundir.history,
                 {
@@ -92,16 +105,30 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
                     "world_size": env.world_size,
                     "slurm_job_id": env.slurm_job_id,
                     "slurm_restart_count": env.slurm_restart_count,
+                    "launch": env.launch_id,
+                    "process_start": PROCESS_START,
                 },
             )
         metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
         n_params = sum(p.numel() for p in comps.model.parameters())
         log.info("model: %d parameters; train %d windows, val %d windows", n_params, len(train_data), len(val_data))
-        stopped = train(cfg, env, d, comps, train_data, val_data, state, metrics, checkpoints, stop)
+        try:
+            stopped = train(cfg, env, d, comps, train_data, val_data, state, metrics, checkpoints, stop, mon)
+        except RuntimeError as exc:  # a collective failed (a peer's connection closed): name who went away
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            diagnosis = mon.watchdog.diagnose(exc)
+            message = f"rank {env.rank}: a collective failed at step {state.step + 1}{diagnosis}. The error: {first}"
+            log.error("%s", message)
+            _report_failure(rundir, env.rank, message)
+            raise
+        mon.watchdog.close()
         checkpoints.close()  # a background save is committed before anything else happens
         if stopped:
             if env.rank == 0:
-                append_event(rundir.history, {"event": "stopped", "step": state.step, "signal": stop.signum})
+                append_event(
+                    rundir.history,
+                    {"event": "stopped", "step": state.step, "signal": stop.signum, "launch": env.launch_id},
+                )
             return EXIT_STOPPED
         summary = {
             "final_step": state.step,
@@ -116,20 +143,24 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             "allreduce": cfg.comm.allreduce,
             "backend": d.backend,
             "config_sha256": config_hash(cfg),
+            **mon.stragglers.summary(),
         }
         if env.rank == 0:
             write_json_atomic(rundir.summary, summary)
-            append_event(rundir.history, {"event": "done", "step": state.step})
+            append_event(rundir.history, {"event": "done", "step": state.step, "launch": env.launch_id})
             log.info(
                 "done: step %d loss %.4f params_sha256 %s", state.step, state.last_loss, summary["params_sha256"][:16]
             )
         return 0
     finally:
+        if mon is not None:
+            mon.close()
         if checkpoints is not None:
             checkpoints.close()
         if metrics is not None:
             metrics.close()
-        stop.restore()
+        # The handlers stay (they only set a flag) until the process ends: a stop signal arriving during the
+        # teardown, after the decision is recorded, must not kill a rank with the default action.
         train_data.close()
         val_data.close()
 
@@ -150,6 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 or not exc.collective:
             _report_failure(rundir, rank, str(exc))
         return EXIT_USER_ERROR
+    except Exception:
+        # Anything else (a collective failed because a peer went away, a bug): the other ranks may be blocked
+        # in a collective, or in MPI_Finalize's barrier waiting for a rank that is gone. Abort the whole MPI job
+        # so the launcher ends every rank at once; the traceback and failure.json are written first.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        comm.Abort(1)
+        raise  # not reached
     finally:
         if "torch.distributed" in sys.modules:  # nothing to tear down if torch was never imported
             from trainer.distributed import shutdown

@@ -43,23 +43,31 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after ``step`` (they are recomputed after a resume), atomically."""
+def truncate_metrics(path: Path, step: int, discarded: Path) -> int:
+    """Move records of steps after ``step`` (recomputed after a resume) to ``discarded``; return how many.
+
+    The discarded records are appended first and fsynced, then metrics.jsonl is replaced atomically: a kill in
+    between leaves a record in both files (counted twice by a report), never in neither."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
-        return
-    keep = []
+        return 0
+    keep, drop = [], []
     for line in lines:
         try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
+            (keep if json.loads(line)["step"] <= step else drop).append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line from a killed run
+    if drop:
+        with open(discarded, "a") as f:
+            f.write("".join(x + "\n" for x in drop))
+            f.flush()
+            os.fsync(f.fileno())
     if len(keep) != len(lines):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(k + "\n" for k in keep))
         os.replace(tmp, path)
+    return len(drop)
 
 
 def append_event(path: Path, event: dict) -> None:

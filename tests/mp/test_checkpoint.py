@@ -159,8 +159,26 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
 
     done = run(run_dir, resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert [e["event"] for e in history(run_dir)] == ["start", "stopped", "resume", "stopped", "resume", "done"]
+    events = history(run_dir)
+    assert [e["event"] for e in events] == ["start", "stopped", "resume", "stopped", "resume", "done"]
+    launches = [e["launch"] for e in events]  # each launch tags its events, so its launcher can read its outcome
+    assert launches[0] == launches[1] != launches[2] == launches[3] != launches[4] == launches[5]
+    assert all(launch.startswith("local-") for launch in launches)
     assert_same_as(reference, run_dir)
+
+    # The report of this 3-launch run: 2 restarts, recomputed steps, valid PNGs of non-trivial size.
+    report = subprocess.run([PY, "-m", "hpc", "report", str(run_dir)], capture_output=True, text=True, env=env())
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "restarts 2 (3 launches)" in report.stdout, report.stdout
+    markdown = (run_dir / "report" / "report.md").read_text()
+    assert "goodput" in markdown.lower() and "recomputed steps" in markdown
+    pngs = sorted((run_dir / "report").glob("*.png"))
+    assert len(pngs) >= 4
+    for png in pngs:
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert width >= 400 and height >= 300, (png, width, height)
 
 
 def test_sigkill_at_random_moments_and_mid_checkpoint(tmp_path, small_dataset, reference):

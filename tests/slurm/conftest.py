@@ -11,7 +11,13 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 
-PORTS = {"HPC_SLURM_CTLD_PORT": "16917", "HPC_SLURM_NODE_PORT": "17101"}  # apart from a developer's own cluster
+# Apart from a developer's own cluster (16817/17001); HPC_TEST_SLURM_CTLD_PORT / HPC_TEST_SLURM_NODE_PORT move them,
+# so that two test sessions can run at once. Nodes use NODE_PORT, NODE_PORT + 1; the accounting test's own cluster
+# the same + 10 (tests/slurm/test_accounting.py).
+PORTS = {
+    "HPC_SLURM_CTLD_PORT": os.environ.get("HPC_TEST_SLURM_CTLD_PORT", "16917"),
+    "HPC_SLURM_NODE_PORT": os.environ.get("HPC_TEST_SLURM_NODE_PORT", "17101"),
+}
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +80,17 @@ def wait_step(run_dir, step, timeout=120) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"step {step} not reached in {run_dir}")
+
+
+def job_log(run_dir, job_id, lines=40) -> str:
+    """The end of the driver's Slurm log and of each rank's log: what a failed assertion shows."""
+    parts = []
+    for path in sorted((Path(run_dir) / "slurm" / str(job_id)).glob("*.out")) + sorted(
+        (Path(run_dir) / "logs").glob("rank_*.log")
+    ):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {path}\n" + "\n".join(tail))
+    return "\n".join(parts)
 
 
 def summary(run_dir) -> dict:

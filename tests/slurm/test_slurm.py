@@ -12,7 +12,7 @@ import pytest
 
 from runconfig import RunDir, dump_yaml, load_config
 from tests.conftest import PY, ROOT
-from tests.slurm.conftest import history, rank_nodes, sets_for, submit, summary, wait_state, wait_step
+from tests.slurm.conftest import history, job_log, rank_nodes, sets_for, submit, summary, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
 
@@ -32,7 +32,7 @@ def test_two_nodes_two_ranks_each(slurm, small_dataset, reference, tmp_path):
 
 def resumed_bitwise(run_dir, job_id, reference) -> dict:
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
-    assert info["JobState"] == "COMPLETED", info
+    assert info["JobState"] == "COMPLETED", f"{info}\n{job_log(run_dir, job_id)}"
     assert int(info["Restarts"]) >= 1, info
     events = history(run_dir)
     resumes = [e for e in events if e["event"] == "resume"]
@@ -102,3 +102,15 @@ def test_restart_cap_and_real_errors_are_not_requeued(slurm, small_dataset, tmp_
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"})
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", info
     assert "does not exist" in json.loads((broken / "failure.json").read_text())["message"]
+
+
+def test_a_vanished_rank_is_named_and_the_job_ends(slurm, small_dataset, tmp_path):
+    """Rank 3's process ends (status 0) in step 5: srun waits for the others, whose collective fails; they name
+    rank 3 from the watchdog's heartbeats and abort the MPI job instead of hanging in MPI_Finalize."""
+    run_dir = tmp_path / "run"
+    sets = [*sets_for(small_dataset), "monitor.heartbeat_s=1", "monitor.hang_timeout_s=30"]
+    job_id = submit(run_dir, [*sets, 'job.env={"HPC_INJECT": "exit:3:5"}'])
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{job_log(run_dir, job_id)}"
+    message = json.loads((run_dir / "failure.json").read_text())["message"]
+    assert "a collective failed at step 5" in message and "rank(s) 3 stopped publishing heartbeats" in message

@@ -1,0 +1,94 @@
+"""Observability with real processes: step-time breakdown, TensorBoard, stragglers and the hang watchdog.
+
+Faults are injected with HPC_INJECT (trainer/inject.py): a rank that sleeps in every step, a rank that hangs.
+"""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PY, ROOT
+
+pytestmark = pytest.mark.mp
+
+PARTS = ("time_data_s", "time_compute_s", "time_comm_s", "time_optim_s", "time_ckpt_s", "time_sync_s")
+
+
+def launch(run_dir, sets, inject="", timeout=300) -> subprocess.CompletedProcess:
+    args = [PY, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HPC_INJECT": inject}
+    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+def small(data, steps=20) -> list[str]:
+    return [
+        f"data.path={data}", f"train.steps={steps}", "train.warmup_steps=2", "train.eval_every=10",
+        "model.d_model=64", "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=10",
+    ]  # fmt: skip
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset):
+    run_dir = tmp_path / "run"
+    sets = [*small(small_dataset), "monitor.straggler_every=5", "monitor.straggler_margin=1.0"]
+    proc = launch(run_dir, sets, inject="slow:2:0.15")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 21))
+    for r in recs:
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "peak_mem_mb", *PARTS):
+            assert isinstance(r[key], float) and r[key] >= 0, (key, r)
+        # The parts are measured one by one (nothing is computed as a remainder): they add up to the step.
+        assert abs(sum(r[p] for p in PARTS) - r["step_time_s"]) <= 0.05 * r["step_time_s"], r
+        assert r["time_compute_s"] + r["time_comm_s"] >= 0.15  # every rank waits for the slowed one
+    assert all(r["time_ckpt_s"] > 0 for r in recs if r["step"] % 10 == 0)
+
+    # Straggler checks at steps 5, 10, 15, 20: rank 2 (slept 0.15 s per step) each time, nobody else.
+    checks = [r for r in recs if "rank_step_time_s" in r]
+    assert [r["step"] for r in checks] == [5, 10, 15, 20]
+    for r in checks:
+        assert [s["rank"] for s in r["stragglers"]] == [2], r["stragglers"]
+        assert r["stragglers"][0]["node"] == 1 and r["stragglers"][0]["ratio"] > 2
+        assert r["rank_step_time_s"][2] >= 0.15
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["straggler_checks_flagged"] == {"2": 4}
+    assert "straggler: rank 2" in (run_dir / "logs" / "rank_00000.log").read_text()
+
+    # TensorBoard event files hold the same scalars.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    losses = [e.value for e in acc.Scalars("train/loss")]
+    assert losses == pytest.approx([r["loss"] for r in recs], rel=1e-6)
+    assert {"time/exposed_comm_s", "time/data_wait_s", "throughput/tokens_per_s"} <= set(acc.Tags()["scalars"])
+
+
+def test_a_hung_rank_is_named_and_every_rank_dumps_its_stack(tmp_path, small_dataset):
+    run_dir = tmp_path / "run"
+    sets = [*small(small_dataset, steps=40), "monitor.hang_timeout_s=6", "monitor.heartbeat_s=1"]
+    start = time.monotonic()
+    proc = launch(run_dir, sets, inject="hang:3:4", timeout=180)
+    took = time.monotonic() - start
+    assert proc.returncode == 1  # the job failed (not "bad input", not "stopped")
+    assert took < 90, took  # ended by the watchdog, not by the one-hour sleep
+    failure = json.loads((run_dir / "failure.json").read_text())["message"]
+    assert "rank 3 (" in failure and "did not arrive" in failure and "of step 4" in failure, failure
+    assert "rank(s) 0, 1, 2 waited" in failure, failure
+    assert failure in proc.stderr  # the launcher prints it
+    for rank in range(4):
+        text = (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
+        assert "Python stacks of all threads (hang watchdog)" in text, rank
+        assert "trainer/loop.py" in text, rank  # the main thread's stack, in the training loop
+    assert "in_compute" in (run_dir / "logs" / "rank_00003.log").read_text()  # where rank 3 is stuck
+    events = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "hang" and events[-1]["step"] == 4

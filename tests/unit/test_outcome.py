@@ -1,0 +1,41 @@
+"""A launch's outcome comes from what that launch recorded in the run directory, not from the launcher's status."""
+
+import json
+
+from runconfig import RunDir
+from runconfig.outcome import launch_outcome, new_launch_id
+from tests.unit.test_checkpoint_layout import make_generation
+
+
+def record(rundir, **event):
+    with open(rundir.history, "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def test_a_stop_counts_only_with_its_checkpoint_committed(tmp_path):
+    rundir = RunDir(tmp_path)
+    launch = new_launch_id("slurm-7.0")
+    assert launch_outcome(rundir, launch) is None  # no history at all
+    record(rundir, event="start", step=0, launch=launch)
+    make_generation(rundir.checkpoints, 10)
+    record(rundir, event="stopped", step=12, launch=launch)
+    assert launch_outcome(rundir, launch) is None  # step 12 is not committed: not resumable from there
+    make_generation(rundir.checkpoints, 12)
+    assert launch_outcome(rundir, launch) == "stopped"
+    assert launch_outcome(rundir, new_launch_id("slurm-7.1")) is None  # another launch recorded nothing
+
+
+def test_done_needs_the_summary_and_ignores_other_launches_and_torn_lines(tmp_path):
+    rundir = RunDir(tmp_path)
+    earlier, launch = new_launch_id(), new_launch_id()
+    assert earlier != launch
+    record(rundir, event="done", step=60, launch=earlier)
+    rundir.summary.write_text("{}")
+    with open(rundir.history, "a") as f:
+        f.write('{"event": "do')  # cut short by a kill
+        f.write("\n")
+    assert launch_outcome(rundir, launch) is None
+    record(rundir, event="done", step=60, launch=launch)
+    assert launch_outcome(rundir, launch) == "done"
+    rundir.summary.unlink()
+    assert launch_outcome(rundir, launch) is None

@@ -1,0 +1,58 @@
+"""Faults injected on purpose, to test the straggler detector and the hang watchdog with real processes.
+
+``HPC_INJECT`` (read by trainer/env.py) holds comma-separated faults:
+
+- ``slow:RANK:SECONDS``: that rank sleeps SECONDS inside forward+backward of every step (a slow GPU or node);
+- ``hang:RANK:STEP``: that rank sleeps for an hour when it reaches STEP (a hung rank);
+- ``exit:RANK:STEP``: that rank's process ends at once, status 0, when it reaches STEP (a rank that vanishes).
+
+Nothing is injected when the variable is unset; a malformed value is a user error naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from trainer.errors import UserError
+
+VAR = "HPC_INJECT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    value: float
+
+
+def parse(text: str) -> tuple[Fault, ...]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            kind, rank, value = item.split(":")
+            fault = Fault(kind, int(rank), float(value))
+        except ValueError:
+            fault = Fault("", -1, 0.0)
+        if fault.kind not in ("slow", "hang", "exit") or fault.rank < 0:
+            raise UserError(
+                f"environment variable {VAR}: {item!r} is not KIND:RANK:VALUE with KIND slow, hang or exit."
+            )
+        faults.append(fault)
+    return tuple(faults)
+
+
+class Injector:
+    def __init__(self, faults: tuple[Fault, ...], rank: int) -> None:
+        self.faults = [f for f in faults if f.rank == rank]
+
+    def in_compute(self, step: int) -> None:
+        """Called inside forward+backward of ``step`` (1-based: the step being computed)."""
+        for f in self.faults:
+            if f.kind == "slow":
+                time.sleep(f.value)
+            elif f.kind == "hang" and step == int(f.value):
+                time.sleep(3600)
+            elif f.kind == "exit" and step == int(f.value):
+                os._exit(0)

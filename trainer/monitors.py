@@ -1,0 +1,63 @@
+"""What watches the training loop, built in one place: the step clock, the hang watchdog, straggler checks,
+TensorBoard, rank 0's terminal progress bar, injected faults (tests) and the MFU constants."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from runconfig import RunConfig, RunDir
+from runconfig.progress import Progress
+from trainer.distributed import Distributed
+from trainer.env import RuntimeEnv
+from trainer.inject import Injector
+from trainer.stragglers import StragglerCheck
+from trainer.tboard import TensorBoard
+from trainer.timing import StepClock, flops_per_token, peak_tflops
+from trainer.watchdog import Watchdog
+
+
+@dataclass
+class Monitors:
+    """What watches the loop: the step clock, the hang watchdog, straggler checks, TensorBoard, the terminal
+    progress bar and injected faults (tests). Built by ``trainer.main``; each has one job."""
+
+    clock: StepClock
+    watchdog: Watchdog
+    stragglers: StragglerCheck
+    tensorboard: TensorBoard
+    progress: Progress | None  # rank 0 on a terminal only; batch logs get plain lines
+    injector: Injector
+    flops_per_token: float
+    peak_flops: float | None  # per device, FLOP/s; None: no MFU (CPU or unknown GPU)
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.clock.close()
+        self.tensorboard.close()
+        if self.progress is not None:
+            self.progress.close()
+
+
+def build_monitors(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: torch.nn.Module, rundir: RunDir) -> Monitors:
+    watchdog = Watchdog(env, cfg.monitor, rundir, d.store_addr, d.store_port)
+    watchdog.start()
+    d.groups.blocked.on_block = watchdog.block
+    params = [p for p in model.parameters() if p.requires_grad]
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    m = cfg.model
+    tflops = peak_tflops(d.device, cfg.monitor.peak_tflops)
+    return Monitors(
+        clock=StepClock(
+            d.device, params, d.groups.blocked, lambda: watchdog.enter("waiting for the gradient all-reduce")
+        ),
+        watchdog=watchdog,
+        stragglers=StragglerCheck(env, cfg.monitor, d.device),
+        tensorboard=TensorBoard(rundir.tensorboard, cfg.monitor.tensorboard and env.rank == 0),
+        progress=Progress(cfg.train.steps) if env.rank == 0 and sys.stdout.isatty() else None,
+        injector=Injector(env.inject, env.rank),
+        flops_per_token=flops_per_token(matmul, m.n_layers, m.d_model, m.seq_len),
+        peak_flops=tflops * 1e12 if tflops else None,
+    )

@@ -1,0 +1,167 @@
+"""Where a step's time goes: data wait, forward+backward, exposed communication, optimizer, checkpoint, sync.
+
+``StepClock`` times the phases of each step with the host clock. On CUDA it synchronizes the device at each
+phase boundary (a handful per step) so the host clock measures device work, and it finds the moment the last
+gradient was produced with CUDA events recorded by per-parameter hooks.
+
+Exposed communication is the time the backward pass spends waiting on gradient communication rather than
+computing: from the moment the last gradient is ready to the end of ``backward()`` (DDP waits there for its
+all-reduce), plus, for a synchronous communication hook such as the hierarchical one, the time spent blocked
+inside the hook before that moment. Communication that overlaps with computing gradients is not exposed and is
+not counted. With a synchronous hook on GPU the hook's waits inside backward show up as compute.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from trainer.comm import BlockedIntervals
+
+PARTS = ("data", "compute", "comm", "optim", "ckpt", "sync")
+
+
+class StepClock:
+    def __init__(
+        self,
+        device: torch.device,
+        params: list[torch.nn.Parameter],
+        blocked: BlockedIntervals,
+        on_grads_ready: Callable[[], None] | None = None,
+    ) -> None:
+        self.cuda = device.type == "cuda"
+        self.on_grads_ready = on_grads_ready  # every gradient of a synchronizing backward exists: comm remains
+        self._n_params = len(params)
+        self._grads_seen = 0
+        self._synchronizing = False
+        self.device = device
+        self.blocked = blocked
+        self.parts = dict.fromkeys(PARTS, 0.0)  # seconds accumulated since the last take()
+        self.steps = 0
+        self._step = dict.fromkeys(PARTS, 0.0)  # seconds of the step in progress
+        self._last_grad: float | None = None
+        self._last_grad_event: torch.cuda.Event | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        self._grads_seen += 1
+        if self._synchronizing and self._grads_seen == self._n_params and self.on_grads_ready is not None:
+            self.on_grads_ready()
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._last_grad_event = event
+        else:
+            self._last_grad = time.perf_counter()
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self._step[name] += time.perf_counter() - start
+
+    @contextmanager
+    def backward(self, synchronizing: bool) -> Iterator[None]:
+        """Forward+backward of one micro-batch; when ``synchronizing`` (the micro-batch whose backward reduces
+        gradients), the tail after the last gradient is counted as exposed communication."""
+        self._sync()
+        self.blocked.take()
+        self._last_grad, self._last_grad_event = None, None
+        self._grads_seen, self._synchronizing = 0, synchronizing
+        start = time.perf_counter()
+        end_event = None
+        try:
+            yield
+            if self.cuda:
+                end_event = torch.cuda.Event(enable_timing=True)
+                end_event.record()
+        finally:
+            self._sync()
+            end = time.perf_counter()
+        total = end - start
+        exposed = 0.0
+        if synchronizing:
+            if self.cuda and end_event is not None and self._last_grad_event is not None:
+                exposed = self._last_grad_event.elapsed_time(end_event) / 1000.0
+            elif self._last_grad is not None:
+                last = self._last_grad
+                exposed = end - last
+                exposed += sum(max(0.0, min(e, last) - max(s, start)) for s, e in self.blocked.take())
+            exposed = min(max(exposed, 0.0), total)
+        self.blocked.take()
+        self._step["compute"] += total - exposed
+        self._step["comm"] += exposed
+
+    def end_step(self) -> dict[str, float]:
+        """The finished step's parts (seconds); they are added to the totals that take() returns."""
+        step, self._step = self._step, dict.fromkeys(PARTS, 0.0)
+        for name, seconds in step.items():
+            self.parts[name] += seconds
+        self.steps += 1
+        return step
+
+    def take(self) -> tuple[dict[str, float], int]:
+        """Per-part seconds summed since the last take, and the number of steps they cover."""
+        parts, steps = self.parts, self.steps
+        self.parts, self.steps = dict.fromkeys(PARTS, 0.0), 0
+        return parts, steps
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak device memory allocated by torch on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# Dense bf16 peak TFLOP/s (no sparsity) by device name fragment, from the vendors' data sheets.
+PEAK_BF16_TFLOPS = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),  # SXM
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+    ("L4", 121.0),
+    ("MI300X", 1307.0),
+    ("MI250X", 383.0),
+)
+
+
+def peak_tflops(device: torch.device, configured: float) -> float | None:
+    if configured:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, tflops in PEAK_BF16_TFLOPS:
+        if fragment in name:
+            return tflops
+    return None
+
+
+def flops_per_token(n_matmul_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N (forward 2 N + backward 4 N over the matmul weights: attention projections,
+    MLP and the output head; embedding lookups are not matmuls) plus 12 L d T for the attention scores and their
+    weighted sum (forward 4 L d T for QK^T and AV, times 3 with the backward pass). The PaLM paper's formula
+    (appendix B), without activation recomputation."""
+    return 6.0 * n_matmul_params + 12.0 * n_layers * d_model * seq_len

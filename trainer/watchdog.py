@@ -1,0 +1,218 @@
+"""Hang watchdog: a collective or step phase that does not finish in time ends the job with a diagnosis.
+
+The main thread only notes which phase of which step it enters (``enter``: two attribute writes and a counter).
+A daemon thread per rank publishes that progress every ``monitor.heartbeat_s`` to the rendezvous TCPStore (its
+own client connection) and checks its own phase's age. Every rank passes through the same sequence of phases,
+so the sequence number says who is behind: when a phase outlasts ``monitor.hang_timeout_s``, the first rank to
+notice claims the hang in the store and names the ranks that did not arrive (a lower sequence number, with the
+phase and step they are stuck in) and the ranks that stopped publishing (process gone or frozen). Every live rank
+that sees the claim dumps the Python stacks of all its threads (faulthandler) into its log; then the claiming
+rank writes ``failure.json`` and a ``hang`` history event and every rank exits with status EXIT_HUNG, which the
+launcher does not requeue. Nothing here runs in a signal handler.
+
+A collective that fails outright (gloo notices a peer's closed connection) is diagnosed the same way from the
+heartbeats (``diagnose``), so the error names the rank that went away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from runconfig import RunDir
+from runconfig.schema import MonitorConfig
+from trainer.env import RuntimeEnv
+
+EXIT_HUNG = 3
+HANG_KEY = "hpc/watchdog/hang"
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    def __init__(self, env: RuntimeEnv, cfg: MonitorConfig, rundir: RunDir, store_addr: str, store_port: int) -> None:
+        self.env, self.cfg, self.rundir = env, cfg, rundir
+        self._addr, self._port = store_addr, store_port
+        self.seq = 0
+        self.phase = "start-up"
+        self.step = 0
+        self.since = time.time()
+        self._stop = threading.Event()
+        self._store: dist.TCPStore | None = None
+        self._thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
+        self.enabled = cfg.hang_timeout_s > 0
+
+    # -- main thread ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.enabled:
+            self._thread.start()
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        """Note the phase the main thread starts (also called from autograd hooks: no locks, no I/O)."""
+        self.seq += 1
+        self.phase, self.since = phase, time.time()
+        if step is not None:
+            self.step = step
+
+    def block(self, blocking: bool) -> None:
+        """The hierarchical all-reduce hook starts or ends blocking inside the backward pass."""
+        self.enter("gradient all-reduce (hierarchical hook)" if blocking else "forward/backward")
+
+    def close(self) -> None:
+        """Stop watching (the run is over on this rank); later readers see this rank as finished, not dead."""
+        self.enter("finished", self.step)
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.cfg.heartbeat_s + 5)
+        with contextlib.suppress(Exception):
+            self._client().set(self._key(self.env.rank), self._beat())
+
+    def diagnose(self, error: BaseException) -> str:
+        """Why a collective failed, from the heartbeats: which ranks stopped publishing (waits out 4 beats, so a
+        rank gone is silent for longer than the 3-beat limit)."""
+        if not self.enabled:
+            return ""
+        time.sleep(4 * self.cfg.heartbeat_s)
+        try:
+            beats = self._read_beats()
+        except Exception:
+            return "; the rendezvous store on rank 0's host is unreachable too (rank 0 ended?)"
+        silent = self._silent(beats)
+        return f"; rank(s) {_ranks(silent)} stopped publishing heartbeats (ended or frozen)" if silent else ""
+
+    # -- watchdog thread --------------------------------------------------------------------------------------
+    def _key(self, rank: int) -> str:
+        return f"hpc/watchdog/beat/{rank}"
+
+    def _client(self) -> dist.TCPStore:
+        if self._store is None:
+            timeout = timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s))
+            self._store = dist.TCPStore(self._addr, self._port, self.env.world_size, is_master=False, timeout=timeout)
+        return self._store
+
+    def _beat(self) -> str:
+        return json.dumps(
+            {"seq": self.seq, "phase": self.phase, "step": self.step, "since": self.since, "beat": time.time()}
+        )
+
+    def _run(self) -> None:
+        unreachable_since: float | None = None
+        while not self._stop.wait(self.cfg.heartbeat_s):
+            try:
+                store = self._client()
+                store.set(self._key(self.env.rank), self._beat())
+                unreachable_since = None
+                if store.check([HANG_KEY]):
+                    self._follow(store)
+                    return
+                if self.phase != "finished" and time.time() - self.since > self.cfg.hang_timeout_s:
+                    self._claim(store)
+                    return
+            except Exception as exc:  # the store went away with rank 0
+                self._store = None
+                unreachable_since = unreachable_since or time.time()
+                if time.time() - unreachable_since > self.cfg.hang_timeout_s and self.phase != "finished":
+                    self._dump()
+                    self._fail(f"rank {self.env.rank} lost the rendezvous store on rank 0's host ({exc}) for "
+                               f"{self.cfg.hang_timeout_s:g} s while in {self._where()}")  # fmt: skip
+
+    def _where(self) -> str:
+        return f"'{self.phase}' of step {self.step}"
+
+    def _read_beats(self) -> dict[int, dict]:
+        store = self._client()
+        beats = {}
+        for rank in range(self.env.world_size):
+            if store.check([self._key(rank)]):
+                beats[rank] = json.loads(store.get(self._key(rank)))
+        return beats
+
+    def _silent(self, beats: dict[int, dict]) -> list[int]:
+        now, limit = time.time(), 3 * self.cfg.heartbeat_s
+        return [
+            r
+            for r in range(self.env.world_size)
+            if r not in beats or (beats[r]["phase"] != "finished" and now - beats[r]["beat"] > limit)
+        ]
+
+    def _claim(self, store: dist.TCPStore) -> None:
+        beats = self._read_beats()
+        now = time.time()
+        silent = self._silent(beats)
+        live = {r: b for r, b in beats.items() if r not in silent and b["phase"] != "finished"}
+        ahead = max((b["seq"] for b in live.values()), default=self.seq)
+        behind = sorted(r for r, b in live.items() if b["seq"] < ahead)
+        waiting = sorted(r for r, b in live.items() if b["seq"] == ahead)
+        parts = []
+        if waiting and (behind or silent):
+            b = live[waiting[0]]
+            parts.append(
+                f"rank(s) {_ranks(waiting)} waited {now - b['since']:.0f} s in '{b['phase']}' of step {b['step']}"
+            )
+        for r in behind:
+            b = live[r]
+            parts.append(f"rank {r} ({self.env.hosts[r]}) did not arrive: still in '{b['phase']}' of step "
+                         f"{b['step']} for {now - b['since']:.0f} s")  # fmt: skip
+        if silent:
+            parts.append(f"rank(s) {_ranks(silent)} stopped publishing heartbeats (ended or frozen)")
+        if not parts:
+            b = live.get(self.env.rank) or json.loads(self._beat())
+            parts.append(f"all ranks are in '{b['phase']}' of step {b['step']} for {now - b['since']:.0f} s: the "
+                         "collective itself does not complete (network or communication library)")  # fmt: skip
+        message = (
+            f"hang: a step phase did not finish within monitor.hang_timeout_s={self.cfg.hang_timeout_s:g} s: "
+            + "; ".join(parts)
+            + f". Python stacks of every live rank are in {self.rundir.logs}/rank_*.log."
+        )
+        if store.compare_set(HANG_KEY, "", message) != message.encode():
+            self._follow(store)  # another rank claimed it first
+            return
+        log.error("%s", message)
+        self._dump()
+        deadline = time.time() + 3 * self.cfg.heartbeat_s + 5
+        expected = [r for r in live if r != self.env.rank]
+        while time.time() < deadline and not all(store.check([f"hpc/watchdog/dumped/{r}"]) for r in expected):
+            time.sleep(0.2)
+        self._fail(message)
+
+    def _follow(self, store: dist.TCPStore) -> None:
+        message = store.get(HANG_KEY).decode()
+        log.error("hang declared by another rank: %s", message)
+        self._dump()
+        with contextlib.suppress(Exception):
+            store.set(f"hpc/watchdog/dumped/{self.env.rank}", "1")
+        time.sleep(3 * self.cfg.heartbeat_s + 5)  # let the claiming rank write the report, then end
+        os._exit(EXIT_HUNG)
+
+    def _dump(self) -> None:
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        path = self.rundir.rank_log(self.env.rank)
+        try:
+            with open(path, "a") as f:
+                f.write(f"--- rank {self.env.rank}: Python stacks of all threads (hang watchdog) ---\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError:
+            faulthandler.dump_traceback(all_threads=True)  # to stderr
+
+    def _fail(self, message: str) -> None:
+        with contextlib.suppress(OSError):
+            self.rundir.failure.write_text(json.dumps({"rank": self.env.rank, "message": message}) + "\n")
+        with contextlib.suppress(OSError), open(self.rundir.history, "a") as f:
+            event = {"time": time.time(), "event": "hang", "step": self.step, "launch": self.env.launch_id}
+            f.write(json.dumps({**event, "message": message}) + "\n")
+        print(f"error: {message}", flush=True)
+        os._exit(EXIT_HUNG)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
