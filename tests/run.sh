@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm and munge
-# from Debian's packages, Python packages into .venv), then lints and runs the whole suite: unit, multi-process
-# under mpirun, and Slurm tests against a real local cluster that the tests start and stop.
+# The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm, munge,
+# slurmdbd and MariaDB from Debian's packages; Python packages into .venv), then lints and runs the whole suite:
+# unit, multi-process under mpirun, and Slurm tests against real local clusters that the tests start and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

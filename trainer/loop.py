@@ -147,7 +147,8 @@ def train(
     clock, watch = mon.clock, mon.watchdog
     ddp.train()
     loss_acc = torch.zeros((), device=d.device)
-    interval_wall = interval_eval = 0.0
+    interval_eval = 0.0
+    boundary = time.perf_counter()  # the end of the last record's interval
     last_line = time.monotonic()
     run_start, elapsed_before, first_step = time.time(), state.elapsed_s, state.step
     log.info(
@@ -163,7 +164,6 @@ def train(
     )
     while state.step < t.steps:
         step = state.step + 1
-        step_start = time.perf_counter()
         lr = lr_at(state.step, t)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -211,26 +211,31 @@ def train(
         loss_acc.zero_()
         state.last_loss = step_loss / world
         state.elapsed_s = elapsed_before + time.time() - run_start
+        # Straggler check on this step's busy time (before end_step: its all-gather is sync time of this step).
+        mon.stragglers.add(clock.busy_so_far())
+        extra = None
+        if mon.stragglers.due(step):
+            watch.enter("straggler all-gather", step)
+            with clock.part("sync"):
+                extra = mon.stragglers.check(step)
         eval_s = 0.0
         if t.eval_every and (state.step % t.eval_every == 0 or is_last):
             watch.enter("eval", step)
             eval_start = time.perf_counter()
             state.last_eval_loss = evaluate(cfg, env, d, comps.model, val_data)
             eval_s = time.perf_counter() - eval_start  # not step time; reported apart
-        if stop_now or due_by_time or checkpoints.due_by_steps(state.step, is_last):
-            watch.enter("checkpoint", step)
-            with clock.part("ckpt"):
-                checkpoints.save(state, block=bool(stop_now) or is_last)
-        step_parts = clock.end_step()
-        interval_wall += time.perf_counter() - step_start - eval_s
-        interval_eval += eval_s
-        mon.stragglers.add(step_parts["data"] + step_parts["compute"] + step_parts["optim"])
-        extra = mon.stragglers.check(step) if mon.stragglers.due(step) else None
+            interval_eval += eval_s
+        clock.end_step()
 
-        logged = state.step % t.log_every == 0 or is_last or eval_s or extra
-        if logged:
+        # The record is written before this step's checkpoint: a kill between a commit and its record would
+        # otherwise lose the record for good (the resumed run starts after it). A checkpoint's blocking time
+        # is therefore counted in the next record (wall and time_ckpt_s); the last one of a launch (at a stop or
+        # at the end) in no record: it is teardown.
+        if state.step % t.log_every == 0 or is_last or eval_s or extra:
+            now_pc = time.perf_counter()
             parts, steps = clock.take()
-            step_time = interval_wall / steps
+            step_time = (now_pc - boundary - interval_eval) / steps
+            boundary = now_pc
             record = {
                 "step": state.step,
                 "loss": state.last_loss,
@@ -252,7 +257,7 @@ def train(
                 record["mfu"] = tokens_per_step / step_time / world * mon.flops_per_token / mon.peak_flops
             if extra:
                 record.update(extra)
-            interval_wall = interval_eval = 0.0
+            interval_eval = 0.0
             metrics.write(record)
             mon.tensorboard.write(record)
             if mon.progress is not None:
@@ -274,6 +279,10 @@ def train(
                     _hms(eta),
                     extra={"progress": True},
                 )
+        if stop_now or due_by_time or checkpoints.due_by_steps(state.step, is_last):
+            watch.enter("checkpoint", step)
+            with clock.part("ckpt"):
+                checkpoints.save(state, block=bool(stop_now) or is_last)
         if stop_now and not is_last:
             log.info("stop requested (signal); stopped at step %d with a committed checkpoint", state.step)
             return True

@@ -104,6 +104,11 @@ class StepClock:
         self._step["compute"] += total - exposed
         self._step["comm"] += exposed
 
+    def busy_so_far(self) -> float:
+        """Seconds this rank was busy in the step in progress: data, forward+backward and optimizer (not the
+        time it waited for others in collectives, nor checkpoint writes)."""
+        return self._step["data"] + self._step["compute"] + self._step["optim"]
+
     def end_step(self) -> dict[str, float]:
         """The finished step's parts (seconds); they are added to the totals that take() returns."""
         step, self._step = self._step, dict.fromkeys(PARTS, 0.0)
