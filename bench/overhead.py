@@ -4,6 +4,7 @@ Runs, alternated round by round so machine noise hits every variant alike:
 
 - ``plain``: ``torchrun --standalone --nproc-per-node R bench/plain_ddp.py``
 - ``trainer-flat`` / ``trainer-hier``: ``python -m hpc.submit tiny --local`` with comm.allreduce=flat / hierarchical
+- ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
 
 all on 1 node x R ranks, 1 thread per rank, eval off. The first ``--skip`` steps of every run are warm-up; the
 figure is the median step time over the remaining steps of all rounds. Prints a table and a JSON object.
@@ -34,7 +35,10 @@ from trainer.data.prepare import prepare  # noqa: E402
 from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
 from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
-VARIANTS = ("plain", "trainer-flat", "trainer-hier")
+VARIANTS = ("plain", "trainer-flat", "trainer-hier", "trainer-quiet")
+# trainer-quiet: flat all-reduce with TensorBoard, straggler checks and the hang watchdog off (the step clock stays):
+# the cost of the monitors, side by side.
+QUIET = ["monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.hang_timeout_s=0"]
 TARGET = 0.95
 OTHER_LOAD_LIMIT = 0.1  # cores used by other processes during a run above which its figures are suspect
 
@@ -46,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     p.add_argument("--skip", type=int, default=10, help="warm-up steps left out of every run (default 10)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of (plain, trainer-flat, trainer-hier)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of (plain, trainer-flat, trainer-hier, trainer-quiet)")
     p.add_argument("--data", type=Path, help="prepared dataset folder (default: the config's, prepared if missing)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--work-dir", type=Path, help="keep run directories and logs here (default: a temporary folder)")
@@ -76,9 +80,10 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
         script = [str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config, "--data", str(args.data)]
         return [*launcher, *script, *sets, "--out", str(out)]
-    allreduce = variant.removeprefix("trainer-").replace("hier", "hierarchical")
+    allreduce = {"trainer-hier": "hierarchical"}.get(variant, "flat")
     submit = [sys.executable, "-m", "hpc.submit", args.config, "--local", "--run-dir", str(out)]
-    return [*submit, *sets, "--set", f"comm.allreduce={allreduce}"]
+    quiet = [a for kv in QUIET for a in ("--set", kv)] if variant == "trainer-quiet" else []
+    return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet]
 
 
 def step_times(variant: str, out: Path) -> list[float]:
@@ -129,7 +134,8 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
     env["OMP_NUM_THREADS"] = str(args.threads)
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for rnd in range(args.rounds):
-        order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]  # rotate, so no variant always runs first
+        k = rnd % len(VARIANTS)
+        order = VARIANTS[k:] + VARIANTS[:k]  # rotate, so no variant always runs first
         for variant in order:
             folder = work / f"{variant}-r{rnd}"
             folder.mkdir(parents=True, exist_ok=True)
