@@ -98,6 +98,9 @@ def one(method: str, data: Path, work: Path) -> dict:
         "resumed_s": resume["time"] - issued,
         "first_new_step_s": first["time"] - issued,
         "steps_recomputed": (stopped[0]["step"] if stopped else 0) - resume["step"],
+        # RUNNING -> the new launch's first process started (submitit, the driver, srun), then its start-up phases
+        "to_process_start_s": resume["process_start"] - running_at,
+        "startup_s": resume.get("startup_s", {}),
     }
 
 
@@ -131,6 +134,12 @@ def main() -> int:
                else None for k in keys}  # fmt: skip
         summary[method] = med
         print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>17}" for v in med.values()))
+    phases = sorted({k for r in rows for k in r["startup_s"]}, key=list(rows[0]["startup_s"]).index)
+    print("\nafter RUNNING again, per rep (s): until the ranks' processes start, then the trainer's start-up phases")
+    print(f"{'interruption':14} {'to start':>8} " + " ".join(f"{k:>10}" for k in phases))
+    for r in rows:
+        cells = " ".join(f"{r['startup_s'].get(k, float('nan')):>10.2f}" for k in phases)
+        print(f"{r['method']:14} {r['to_process_start_s']:>8.2f} {cells}")
     result = {"benchmark": "preemption", "setup": {"reps": args.reps, "config": SETS}, "summary": summary,
               "runs": rows}  # fmt: skip
     print(json.dumps(result, indent=2))

@@ -3,8 +3,11 @@
 submitit pickles a ``Driver`` and calls it on the first node of the allocation. The ranks are one ``srun`` step
 (``srun --mpi=PLUGIN python -m trainer``), so the scheduler's signal (sent to job steps, not the batch shell)
 reaches every rank, and the trainer stops at a step boundary with a committed checkpoint and exit status 75.
-Only then does the driver requeue the job; a cap on restarts stops endless loops, and any other failure is not
-requeued. A job of a chain whose run is already complete ends at once.
+Only then does the driver requeue the job, and only for the job's own signal: a stop by SIGTERM is Slurm ending
+the job (scancel must stay cancelled; scontrol requeue and preemption requeue it themselves). How the launch ended
+is read from the run directory (runconfig/outcome.py), not from srun's status alone. A cap on restarts stops
+endless loops, and any other failure is not requeued. A job of a chain whose run is already complete ends at
+once.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from runconfig import RunConfig, RunDir, load_config
-from runconfig.outcome import launch_outcome, new_launch_id
+from runconfig.outcome import launch_outcome, new_launch_id, stop_signal
 
 EXIT_STOPPED = 75  # the trainer's "stopped by a signal, checkpoint committed, resumable"
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
@@ -94,6 +97,19 @@ class Driver:
         if outcome == "stopped" or status == EXIT_STOPPED:
             if not self.last_in_chain:
                 print("stopped with a committed checkpoint; the next job of the chain continues", flush=True)
+                return {"status": "stopped"}
+            signum = stop_signal(rundir, launch_id)
+            if signum == signal.SIGTERM:
+                # SIGTERM is Slurm ending the job itself: scancel (the user ends it: requeueing would undo that),
+                # scontrol requeue and preemption in REQUEUE mode (Slurm requeues the job itself), or a time
+                # limit reached without the job's signal first (job.signal_lead_s too short). Only the job's
+                # own signal (job.signal, before the time limit or on preemption) is requeued by the driver.
+                print(
+                    f"stopped by {signal.Signals(signum).name} with a committed checkpoint; not requeued by the "
+                    f"driver (scancel ends the job; scontrol requeue and preemption requeue it themselves). "
+                    f"Continue a cancelled run with: python -m hpc resume {rundir.root}",
+                    flush=True,
+                )
                 return {"status": "stopped"}
             return self._requeue(rundir, cfg, job)
         raise RuntimeError(f"the ranks failed with exit status {status}; not requeued (logs in {rundir.logs})")

@@ -56,13 +56,23 @@ def launch_outcome(rundir: RunDir, launch_id: str) -> Outcome | None:
     return None
 
 
+def stop_signal(rundir: RunDir, launch_id: str) -> int | None:
+    """The signal number that stopped this launch (the first one a rank received), if it recorded a stop."""
+    stops = [e for e in launch_events(rundir, launch_id) if e.get("event") == "stopped"]
+    signum = stops[-1].get("signal") if stops else None
+    return int(signum) if isinstance(signum, int) else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m runconfig.outcome RUN_DIR LAUNCH_ID`` prints done, stopped or none (for sbatch/common.sh)."""
+    """``python -m runconfig.outcome RUN_DIR LAUNCH_ID`` prints "done", "stopped SIGNUM" or "none" (for
+    sbatch/common.sh)."""
     import sys
     from pathlib import Path
 
     run_dir, launch_id = sys.argv[1:] if argv is None else argv
-    print(launch_outcome(RunDir(Path(run_dir)), launch_id) or "none")
+    rundir = RunDir(Path(run_dir))
+    outcome = launch_outcome(rundir, launch_id)
+    print(f"stopped {stop_signal(rundir, launch_id) or 0}" if outcome == "stopped" else outcome or "none")
     return 0
 
 

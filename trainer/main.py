@@ -63,11 +63,15 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     from trainer.monitors import build_monitors
     from trainer.stop import StopFlag
 
+    # Where a launch's start-up goes (rank 0's clock; "imports" is the slowest rank's), in the start/resume event.
+    marks = {"imports": time.time()}
     try:  # deterministic checks: every rank fails the same way
         cfg = load_config(str(rundir.config))
         env = from_mpi(comm)
     except (ConfigError, UserError) as exc:
         raise UserError(str(exc), collective=True) from None
+    slowest_imports = comm.allreduce(marks["imports"] - PROCESS_START, op=MPI.MAX)
+    marks["mpi"] = time.time()
     agree(comm, rundir.writable_error() if env.rank == 0 else None)
     setup_logging(rundir, env.rank)
     stop = StopFlag(cfg.checkpoint.stop_signals)  # early: a signal during start-up is honoured at step 1
@@ -85,15 +89,19 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         os.getpid(),
     )
     train_data, val_data = open_splits(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, env, comm)
+    marks["data"] = time.time()
     device = pick_device(env, cfg.train.device)
     d = init_distributed(env, cfg.comm, device, comm)
+    marks["rendezvous"] = time.time()
     checkpoints = metrics = mon = None
     try:
         comps = build(cfg, env, d)
         mon = build_monitors(cfg, env, d, comps.model, rundir)
         checkpoints = Checkpointer(cfg=cfg, env=env, rundir=rundir, comps=comps, comm=comm)
+        marks["build"] = time.time()
         state = TrainState()
         resumed = cfg.checkpoint.resume and checkpoints.restore(state)
+        marks["restore"] = time.time()
         if env.rank == 0:
             # Steps after the checkpoint are recomputed: their records move to metrics.discarded.jsonl.
             truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
@@ -107,6 +115,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
                     "slurm_restart_count": env.slurm_restart_count,
                     "launch": env.launch_id,
                     "process_start": PROCESS_START,
+                    "startup_s": _startup(marks, slowest_imports),
                 },
             )
         metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
@@ -196,6 +205,16 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.distributed import shutdown
 
             shutdown(comm, clean=clean)
+
+
+def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float]:
+    """Seconds per start-up phase: process start -> imports done (slowest rank) -> MPI environment -> data
+    opened -> process groups -> model, DDP and monitors built -> checkpoint restored."""
+    out = {"imports": round(slowest_imports, 3)}
+    names, times = list(marks), list(marks.values())
+    for name, before, after in zip(names[1:], times, times[1:], strict=False):
+        out[name] = round(after - before, 3)
+    return out
 
 
 def _report_failure(rundir: RunDir, rank: int, message: str) -> None:

@@ -20,7 +20,8 @@ class StopFlag:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = signum  # nothing else: no I/O, no collectives, no pickling in a handler
+        if self.signum is None:  # the first one says why (the job's signal before the SIGTERM that follows it)
+            self.signum = signum  # nothing else: no I/O, no collectives, no pickling in a handler
 
     @property
     def requested(self) -> bool:

@@ -62,8 +62,18 @@ def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path)
     wait_step(run_dir, resumed[0]["step"] + 5)
 
     # cancel, then resume as a new job that finishes the run
+    restarts = job_info(job_id)["Restarts"]
     assert hpc("cancel", str(run_dir)).returncode == 0
-    wait_state(job_id, {"CANCELLED", "COMPLETED", "FAILED"})
+    assert wait_state(job_id, {"CANCELLED", "COMPLETED", "FAILED"})["JobState"] == "CANCELLED"
+    # The ranks stop on scancel's SIGTERM with a checkpoint, and the driver must not requeue a cancelled job
+    # (it did once: the job came back 6 s later, cred_expire + 1). Watched for longer than that.
+    deadline = time.monotonic() + 12
+    while time.monotonic() < deadline:
+        info = job_info(job_id)
+        assert info["JobState"] == "CANCELLED" and info["Restarts"] == restarts, info
+        time.sleep(0.5)
+    last = history(run_dir)[-1]
+    assert last["event"] != "stopped" or last["signal"] == 15  # stopped by scancel's SIGTERM (when in time)
     assert hpc("cancel", str(run_dir)).returncode == 2  # nothing left to cancel: a clear error
     proc = hpc("resume", str(run_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
