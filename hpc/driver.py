@@ -22,9 +22,8 @@ from pathlib import Path
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from runconfig import RunConfig, RunDir, load_config
-from runconfig.outcome import launch_outcome, new_launch_id, stop_signal
+from runconfig.outcome import EXIT_STOPPED, how_it_ended, new_launch_id
 
-EXIT_STOPPED = 75  # the trainer's "stopped by a signal, checkpoint committed, resumable"
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
 
 
@@ -89,25 +88,24 @@ class Driver:
         status = subprocess.call(command, env=trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id))
         # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
         # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
-        outcome = launch_outcome(rundir, launch_id)
-        if outcome is not None and status not in (0, EXIT_STOPPED):
-            print(f"srun exit status {status}, but this launch recorded: {outcome}", flush=True)
-        if outcome == "done" or (status == 0 and outcome is None):
+        ended = how_it_ended(rundir, launch_id, status)
+        if ended.recorded and status not in (0, EXIT_STOPPED):
+            print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
+        if ended.how == "done":
             return {"status": "done"}
-        if outcome == "stopped" or status == EXIT_STOPPED:
+        if ended.how == "stopped":
             if not self.last_in_chain:
                 print("stopped with a committed checkpoint; the next job of the chain continues", flush=True)
                 return {"status": "stopped"}
-            signum = stop_signal(rundir, launch_id)
-            if signum == signal.SIGTERM:
+            if ended.signal == signal.SIGTERM:
                 # SIGTERM is Slurm ending the job itself: scancel (the user ends it: requeueing would undo that),
                 # scontrol requeue and preemption in REQUEUE mode (Slurm requeues the job itself), or a time
                 # limit reached without the job's signal first (job.signal_lead_s too short). Only the job's
                 # own signal (job.signal, before the time limit or on preemption) is requeued by the driver.
                 print(
-                    f"stopped by {signal.Signals(signum).name} with a committed checkpoint; not requeued by the "
-                    f"driver (scancel ends the job; scontrol requeue and preemption requeue it themselves). "
-                    f"Continue a cancelled run with: python -m hpc resume {rundir.root}",
+                    "stopped by SIGTERM with a committed checkpoint; not requeued by the driver (scancel ends the "
+                    "job; scontrol requeue and preemption requeue it themselves). Continue a cancelled run with: "
+                    f"python -m hpc resume {rundir.root}",
                     flush=True,
                 )
                 return {"status": "stopped"}

@@ -3,12 +3,12 @@ from sacct when accounting (slurmdbd) is there."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 from dataclasses import dataclass
 
 from runconfig import RunDir
+from runconfig.rundir import read_jsonl
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
@@ -32,11 +32,7 @@ class JobState:
 
 
 def job_ids(rundir: RunDir) -> list[str]:
-    try:
-        lines = rundir.jobs.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [str(json.loads(line)["job_id"]) for line in lines if line.strip()]
+    return [str(j["job_id"]) for j in read_jsonl(rundir.jobs) if "job_id" in j]
 
 
 def query(job_id: str) -> JobState:

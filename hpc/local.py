@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 from hpc.mpi import MpiLauncher
 from hpc.progress import MetricsFollower, Progress
 from runconfig import RunConfig, RunDir
-from runconfig.outcome import LAUNCH_VAR, Outcome, launch_outcome, new_launch_id
+from runconfig.outcome import LAUNCH_VAR, Ended, how_it_ended, new_launch_id
 
 #: Environment variable the trainer reads to lay one host's ranks out as simulated nodes (trainer/env.py).
 SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"
@@ -45,9 +44,8 @@ def trainer_environment(
 
 @dataclass
 class LaunchResult:
-    status: int
+    ended: Ended  # how the launch ended (runconfig/outcome.py): recorded in the run directory, else mpirun's status
     output_tail: list[str]  # the last lines mpirun printed (kept in memory: the log's disk may be full)
-    outcome: Outcome | None = None  # what this launch recorded in the run directory (runconfig/outcome.py)
 
     def error_line(self) -> str | None:
         """The trainer's one-paragraph user error, as printed by the reporting rank."""
@@ -97,7 +95,7 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
         if progress:
             progress.close()
         copier.join(timeout=10)
-    return LaunchResult(proc.returncode, list(tail_lines), launch_outcome(rundir, launch_id))
+    return LaunchResult(how_it_ended(rundir, launch_id, proc.returncode), list(tail_lines))
 
 
 def _copy_output(proc: subprocess.Popen, path: Path, command: list[str], tail_lines: deque[str]) -> None:
@@ -117,11 +115,3 @@ def _copy_output(proc: subprocess.Popen, path: Path, command: list[str], tail_li
     if log is not None:
         with contextlib.suppress(OSError):
             log.close()
-
-
-def read_failure(rundir: RunDir) -> str | None:
-    try:
-        data = json.loads(rundir.failure.read_text())
-        return str(data["message"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None

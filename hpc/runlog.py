@@ -35,31 +35,14 @@ import math
 import signal
 from dataclasses import dataclass, field
 from itertools import pairwise
-from pathlib import Path
 
 from runconfig import RunDir
+from runconfig.rundir import read_jsonl
 
 #: The parts of a step's time, in the order the report stacks them.
 PARTS = ("time_data_s", "time_compute_s", "time_comm_s", "time_optim_s", "time_ckpt_s", "time_sync_s")
 START_EVENTS = ("start", "resume")
 END_EVENTS = ("stopped", "done", "hang")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a JSON-lines file, skipping unparsable lines; [] when the file does not exist."""
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
 
 
 def number(obj: dict, key: str) -> float | None:

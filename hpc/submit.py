@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 
 from hpc.driver import Driver
-from hpc.local import LaunchResult, read_failure, run_local, trainer_command
+from hpc.local import LaunchResult, run_local, trainer_command
 from hpc.mpi import LauncherError, find_launcher
 from hpc.slurm import make_executor, sbatch_script
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
+from runconfig.outcome import EXIT_STOPPED
 
 EXIT_USER_ERROR = 2
 EXIT_JOB_FAILED = 1
-EXIT_STOPPED = 75  # the trainer's "stopped by a signal, checkpoint committed, resumable"
 
 
 class SubmitError(Exception):
@@ -171,13 +171,9 @@ def submit_slurm(cfg, rundir: RunDir, *, chain: int) -> int:
 
 
 def report(rundir: RunDir, result: LaunchResult) -> int:
-    status = result.status
-    failure = read_failure(rundir) or result.error_line()
-    if result.outcome == "done":
-        status = 0  # every rank finished; the launcher's status can still tell of a rank killed in teardown
-    elif result.outcome == "stopped":
-        status = EXIT_STOPPED
-    if status == EXIT_STOPPED and not failure:
+    ended, status = result.ended, result.ended.status
+    failure = rundir.failure_message() or result.error_line()
+    if ended.how == "stopped" and not failure:
         print(
             f"stopped by a signal with a committed checkpoint; continue with: python -m hpc.submit --resume "
             f"{rundir.root}"
@@ -186,7 +182,7 @@ def report(rundir: RunDir, result: LaunchResult) -> int:
     if failure:  # diagnosed by the trainer: bad input (status 2), or a hang / a rank gone (the job failed)
         print(f"error: {failure}", file=sys.stderr)
         return EXIT_USER_ERROR if status == EXIT_USER_ERROR else EXIT_JOB_FAILED
-    if status != 0 or not rundir.summary.exists():
+    if ended.how != "done" or not rundir.summary.exists():
         log = rundir.logs / "mpirun.log"
         print(
             f"error: the job failed (mpirun exit status {status}); its last output (all of it in {log}):",

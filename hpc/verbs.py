@@ -26,6 +26,7 @@ from pathlib import Path
 from hpc.jobs import job_ids, query, run
 from runconfig import ConfigError, RunDir, load_config
 from runconfig.checkpoints import latest_committed
+from runconfig.rundir import read_jsonl
 
 EXIT_USER_ERROR = 2
 
@@ -42,23 +43,8 @@ def open_run(path: str) -> RunDir:
 
 
 def _last_metrics(rundir: RunDir) -> dict | None:
-    try:
-        lines = rundir.metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return None
-
-
-def _history(rundir: RunDir) -> list[dict]:
-    try:
-        return [json.loads(x) for x in rundir.history.read_text().splitlines() if x.strip()]
-    except (FileNotFoundError, ValueError):
-        return []
+    records = read_jsonl(rundir.metrics)
+    return records[-1] if records else None
 
 
 def status(rundir: RunDir) -> dict:
@@ -67,7 +53,7 @@ def status(rundir: RunDir) -> dict:
     jobs = [query(j) for j in ids]
     ckpt = latest_committed(rundir.checkpoints)
     last = _last_metrics(rundir)
-    history = _history(rundir)
+    history = read_jsonl(rundir.history)
     done = rundir.summary.is_file()
     active = [j for j in jobs if not j.finished]
     state = "completed" if done else ("paused" if rundir.pause_marker.exists() else "")
@@ -97,13 +83,14 @@ def status(rundir: RunDir) -> dict:
 
 def _failure(rundir: RunDir, history: list[dict]) -> str | None:
     """The message of failure.json when it was written after the latest launch started (else it is stale)."""
-    try:
-        written = rundir.failure.stat().st_mtime
-        message = json.loads(rundir.failure.read_text())["message"]
-    except (OSError, ValueError, KeyError, TypeError):
+    message = rundir.failure_message()
+    if message is None:
         return None
     starts = [e.get("time", 0) for e in history if e.get("event") in ("start", "resume")]
-    return str(message) if not starts or written >= max(starts) else None
+    try:
+        return message if not starts or rundir.failure.stat().st_mtime >= max(starts) else None
+    except OSError:
+        return None
 
 
 def print_status(info: dict) -> None:

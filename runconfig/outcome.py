@@ -9,18 +9,30 @@ an id (``HPC_LAUNCH_ID``); rank 0 writes it into every ``history.jsonl`` event, 
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
+from dataclasses import dataclass
 from typing import Literal
 
 from runconfig.checkpoints import latest_committed
-from runconfig.rundir import RunDir
+from runconfig.rundir import RunDir, read_jsonl
 
 #: Environment variable carrying the launch id from the launcher to the ranks.
 LAUNCH_VAR = "HPC_LAUNCH_ID"
+#: The trainer's exit status for "stopped by a signal at a step boundary, checkpoint committed, resumable".
+EXIT_STOPPED = 75
 
 Outcome = Literal["done", "stopped"]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a launch ended: what it recorded, else what the launcher's exit status says."""
+
+    how: Literal["done", "stopped", "failed"]
+    status: int  # the launcher's exit status
+    signal: int | None = None  # the first signal a rank got, for a recorded stop
+    recorded: bool = False  # confirmed by the run directory (not only by the exit status)
 
 
 def new_launch_id(prefix: str = "local") -> str:
@@ -28,24 +40,10 @@ def new_launch_id(prefix: str = "local") -> str:
 
 
 def launch_events(rundir: RunDir, launch_id: str) -> list[dict]:
-    try:
-        lines = rundir.history.read_text().splitlines()
-    except OSError:
-        return []
-    events = []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a full disk or a kill
-        if isinstance(event, dict) and event.get("launch") == launch_id:
-            events.append(event)
-    return events
+    return [e for e in read_jsonl(rundir.history) if e.get("launch") == launch_id]
 
 
-def launch_outcome(rundir: RunDir, launch_id: str) -> Outcome | None:
-    """ "done" if this launch finished training, "stopped" if it stopped with its checkpoint committed, else None."""
-    events = launch_events(rundir, launch_id)
+def _recorded(rundir: RunDir, events: list[dict]) -> Outcome | None:
     if any(e.get("event") == "done" for e in events) and rundir.summary.exists():
         return "done"
     stops = [e for e in events if e.get("event") == "stopped"]
@@ -56,23 +54,34 @@ def launch_outcome(rundir: RunDir, launch_id: str) -> Outcome | None:
     return None
 
 
-def stop_signal(rundir: RunDir, launch_id: str) -> int | None:
-    """The signal number that stopped this launch (the first one a rank received), if it recorded a stop."""
-    stops = [e for e in launch_events(rundir, launch_id) if e.get("event") == "stopped"]
-    signum = stops[-1].get("signal") if stops else None
-    return int(signum) if isinstance(signum, int) else None
+def launch_outcome(rundir: RunDir, launch_id: str) -> Outcome | None:
+    """ "done" if this launch finished training, "stopped" if it stopped with its checkpoint committed, else None."""
+    return _recorded(rundir, launch_events(rundir, launch_id))
+
+
+def how_it_ended(rundir: RunDir, launch_id: str, status: int) -> Ended:
+    """The launch's recorded outcome where there is one (it overrides the status: see the module docstring),
+    else the status: 0 done, EXIT_STOPPED stopped, anything else failed."""
+    events = launch_events(rundir, launch_id)
+    recorded = _recorded(rundir, events)
+    if recorded == "done":
+        return Ended("done", status, recorded=True)
+    if recorded == "stopped":
+        signum = [e for e in events if e.get("event") == "stopped"][-1].get("signal")
+        return Ended("stopped", status, signum if isinstance(signum, int) else None, recorded=True)
+    how = "done" if status == 0 else "stopped" if status == EXIT_STOPPED else "failed"
+    return Ended(how, status)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m runconfig.outcome RUN_DIR LAUNCH_ID`` prints "done", "stopped SIGNUM" or "none" (for
-    sbatch/common.sh)."""
+    """``python -m runconfig.outcome RUN_DIR LAUNCH_ID STATUS`` prints how the launch ended and the stop signal
+    (0 when none): "done 0", "stopped 15", "failed 0" (for sbatch/common.sh)."""
     import sys
     from pathlib import Path
 
-    run_dir, launch_id = sys.argv[1:] if argv is None else argv
-    rundir = RunDir(Path(run_dir))
-    outcome = launch_outcome(rundir, launch_id)
-    print(f"stopped {stop_signal(rundir, launch_id) or 0}" if outcome == "stopped" else outcome or "none")
+    run_dir, launch_id, status = sys.argv[1:] if argv is None else argv
+    ended = how_it_ended(RunDir(Path(run_dir)), launch_id, int(status))
+    print(ended.how, ended.signal or 0)
     return 0
 
 

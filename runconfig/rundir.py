@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,13 @@ class RunDir:
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank:05d}.log"
 
+    def failure_message(self) -> str | None:
+        """The trainer's diagnosis in failure.json (bad input, a hang, a rank gone), if there is one."""
+        try:
+            return str(json.loads(self.failure.read_text())["message"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def writable_error(self) -> str | None:
         """None when the run directory and its sub-folders accept new files, else what is wrong (one line)."""
         for path in (self.root, self.logs, self.checkpoints):
@@ -85,3 +93,21 @@ class RunDir:
         for path in (self.root, self.logs, self.checkpoints):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(path, 0o700)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a JSON-lines file of a run directory (metrics, history, jobs), skipping unparsable
+    lines (a line cut short by a kill or a full disk); [] when the file does not exist."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out

@@ -130,7 +130,7 @@ PY
 
 # hpc_main MODE: the whole job. MODE is "train" (create RUN_DIR from CONFIG when needed) or "resume".
 hpc_main() {
-  local mode=$1 out status restarts max_restarts verb line plugin outcome
+  local mode=$1 out status restarts max_restarts verb line plugin how signum
   # Set by eval'ing hpc_prepare's output:
   local hpc_complete=0 hpc_steps=0 hpc_max_restarts_cfg=20 hpc_world_cfg=0 hpc_mpi_cfg=auto
   local -a hpc_srun_args=() hpc_env=() hpc_setup=()
@@ -180,31 +180,29 @@ hpc_main() {
   echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${command[*]}"
   env "${hpc_env[@]}" "${command[@]}"
   status=$?
-  # srun's status misreads a stop whose slower ranks --kill-on-bad-exit killed in teardown, after the checkpoint
-  # was committed: the run directory says what this launch recorded (runconfig/outcome.py).
-  outcome=$("$PYTHON" -m runconfig.outcome "$RUN_DIR" "$HPC_LAUNCH_ID" 2> /dev/null || echo none)
-  if [ "$status" != 0 ] && [ "$status" != "$HPC_EXIT_STOPPED" ]; then
-    case $outcome in
-      done) echo "srun exit status $status, but this launch completed the run"; status=0 ;;
-      stopped*) echo "srun exit status $status, but this launch stopped with a committed checkpoint"
-        status=$HPC_EXIT_STOPPED ;;
-    esac
-  fi
-  if [ "$status" = "$HPC_EXIT_STOPPED" ] && [ "$outcome" = "stopped 15" ]; then
+  # How the launch ended, from what it recorded in the run directory where it did (srun's status misreads a stop
+  # whose slower ranks --kill-on-bad-exit killed in teardown, after the checkpoint was committed), else from
+  # srun's status: "done|stopped|failed SIGNUM" (runconfig/outcome.py, the driver's rules).
+  read -r how signum < <("$PYTHON" -m runconfig.outcome "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" 2> /dev/null ||
+    echo failed 0)
+  case $how in
+    done)
+      [ "$status" = 0 ] || echo "srun exit status $status, but this launch completed the run"
+      echo "done: run $RUN_DIR complete"
+      exit 0 ;;
+    stopped)
+      [ "$status" = "$HPC_EXIT_STOPPED" ] || echo "srun exit status $status, but this launch stopped with a checkpoint"
+      ;;
+    *)
+      echo "error: the ranks failed with exit status $status; not requeued (logs in $RUN_DIR/logs)" >&2
+      exit "$((status ? status : 1))" ;;
+  esac
+  if [ "$signum" = 15 ]; then
     # SIGTERM is Slurm ending the job itself: scancel (requeueing would undo it), scontrol requeue and preemption
     # (they requeue it themselves), or the time limit without the job's --signal first. Not requeued here.
     echo "stopped by SIGTERM with a committed checkpoint; not requeued (continue with: RUN_DIR=$RUN_DIR sbatch" \
       "sbatch/resume.sbatch)"
     exit "$HPC_EXIT_STOPPED"
-  fi
-
-  if [ "$status" = 0 ]; then
-    echo "done: run $RUN_DIR complete"
-    exit 0
-  fi
-  if [ "$status" != "$HPC_EXIT_STOPPED" ]; then
-    echo "error: the ranks failed with exit status $status; not requeued (logs in $RUN_DIR/logs)" >&2
-    exit "$status"
   fi
   max_restarts=${HPC_MAX_RESTARTS:-$hpc_max_restarts_cfg}
   if [ -e "$RUN_DIR/PAUSED" ]; then

@@ -40,6 +40,14 @@ def rank_results(folder: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
+def summary(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def history(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "history.jsonl").read_text().splitlines()]
+
+
 def run_cli(args: list[str], *, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)

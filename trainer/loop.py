@@ -258,27 +258,30 @@ def train(
             if extra:
                 record.update(extra)
             interval_eval = 0.0
-            metrics.write(record)
-            mon.tensorboard.write(record)
-            if mon.progress is not None:
-                mon.progress.update(record)
-            now = time.monotonic()
-            if env.rank == 0 and (eval_s or is_last or now - last_line >= cfg.monitor.log_every_s):
-                last_line = now
-                done_steps = state.step - first_step
-                eta = (t.steps - state.step) * (time.time() - run_start) / max(1, done_steps)
-                log.info(
-                    "step %d/%d loss %s eval %s lr %.2e %.0f tok/s %.3f s/step ETA %s",
-                    state.step,
-                    t.steps,
-                    _fmt(record.get("loss")),
-                    _fmt(record.get("eval_loss")),
-                    lr,
-                    record["tokens_per_s"],
-                    step_time,
-                    _hms(eta),
-                    extra={"progress": True},
-                )
+            # Publishing the record (file, TensorBoard, log line) is timed as sync; like this step's checkpoint,
+            # it falls in the next record's interval.
+            with clock.part("sync"):
+                metrics.write(record)
+                mon.tensorboard.write(record)
+                if mon.progress is not None:
+                    mon.progress.update(record)
+                now = time.monotonic()
+                if env.rank == 0 and (eval_s or is_last or now - last_line >= cfg.monitor.log_every_s):
+                    last_line = now
+                    done_steps = state.step - first_step
+                    eta = (t.steps - state.step) * (time.time() - run_start) / max(1, done_steps)
+                    log.info(
+                        "step %d/%d loss %s eval %s lr %.2e %.0f tok/s %.3f s/step ETA %s",
+                        state.step,
+                        t.steps,
+                        _fmt(record.get("loss")),
+                        _fmt(record.get("eval_loss")),
+                        lr,
+                        record["tokens_per_s"],
+                        step_time,
+                        _hms(eta),
+                        extra={"progress": True},
+                    )
         if stop_now or due_by_time or checkpoints.due_by_steps(state.step, is_last):
             watch.enter("checkpoint", step)
             with clock.part("ckpt"):

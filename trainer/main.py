@@ -24,10 +24,10 @@ from mpi4py import MPI  # noqa: E402
 
 from runconfig import ConfigError, RunDir, load_config  # noqa: E402
 from runconfig.load import config_hash  # noqa: E402
+from runconfig.outcome import EXIT_STOPPED  # noqa: E402  (75, EX_TEMPFAIL: stopped, resumable)
 from trainer.errors import UserError  # noqa: E402
 
 EXIT_USER_ERROR = 2
-EXIT_STOPPED = 75  # stopped by a signal with a committed checkpoint: resumable (EX_TEMPFAIL)
 log = logging.getLogger("trainer")
 
 

@@ -48,15 +48,17 @@ class StepClock:
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
     def _grad_ready(self, param: torch.Tensor) -> None:
+        """Per-parameter hook: counts; the last gradient of a synchronizing backward takes the time."""
         self._grads_seen += 1
-        if self._synchronizing and self._grads_seen == self._n_params and self.on_grads_ready is not None:
-            self.on_grads_ready()
+        if not self._synchronizing or self._grads_seen != self._n_params:
+            return
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._last_grad_event = event
+            self._last_grad_event = torch.cuda.Event(enable_timing=True)
+            self._last_grad_event.record()
         else:
             self._last_grad = time.perf_counter()
+        if self.on_grads_ready is not None:
+            self.on_grads_ready()
 
     def _sync(self) -> None:
         if self.cuda:
@@ -77,7 +79,7 @@ class StepClock:
         """Forward+backward of one micro-batch; when ``synchronizing`` (the micro-batch whose backward reduces
         gradients), the tail after the last gradient is counted as exposed communication."""
         self._sync()
-        self.blocked.take()
+        self.blocked.take()  # intervals of an earlier backward (a no_sync micro-batch has none)
         self._last_grad, self._last_grad_event = None, None
         self._grads_seen, self._synchronizing = 0, synchronizing
         start = time.perf_counter()
@@ -90,17 +92,15 @@ class StepClock:
         finally:
             self._sync()
             end = time.perf_counter()
-        total = end - start
+        total, blocked = end - start, self.blocked.take()
         exposed = 0.0
         if synchronizing:
             if self.cuda and end_event is not None and self._last_grad_event is not None:
                 exposed = self._last_grad_event.elapsed_time(end_event) / 1000.0
             elif self._last_grad is not None:
                 last = self._last_grad
-                exposed = end - last
-                exposed += sum(max(0.0, min(e, last) - max(s, start)) for s, e in self.blocked.take())
+                exposed = end - last + sum(max(0.0, min(e, last) - max(s, start)) for s, e in blocked)
             exposed = min(max(exposed, 0.0), total)
-        self.blocked.take()
         self._step["compute"] += total - exposed
         self._step["comm"] += exposed
 
@@ -109,13 +109,12 @@ class StepClock:
         time it waited for others in collectives, nor checkpoint writes)."""
         return self._step["data"] + self._step["compute"] + self._step["optim"]
 
-    def end_step(self) -> dict[str, float]:
-        """The finished step's parts (seconds); they are added to the totals that take() returns."""
-        step, self._step = self._step, dict.fromkeys(PARTS, 0.0)
-        for name, seconds in step.items():
+    def end_step(self) -> None:
+        """Add the finished step's parts to the totals that take() returns."""
+        for name, seconds in self._step.items():
             self.parts[name] += seconds
+        self._step = dict.fromkeys(PARTS, 0.0)
         self.steps += 1
-        return step
 
     def take(self) -> tuple[dict[str, float], int]:
         """Per-part seconds summed since the last take, and the number of steps they cover."""

@@ -66,9 +66,14 @@ class Watchdog:
         self.enter("gradient all-reduce (hierarchical hook)" if blocking else "forward/backward")
 
     def close(self) -> None:
-        """Stop watching (the run is over on this rank); later readers see this rank as finished, not dead."""
+        """Stop watching (the run is over on this rank); later readers see this rank as finished, not dead.
+        Idempotent; with the watchdog off there is nothing to publish."""
+        if self._stop.is_set():
+            return
         self.enter("finished", self.step)
         self._stop.set()
+        if not self.enabled:
+            return
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.cfg.heartbeat_s + 5)
         with contextlib.suppress(Exception):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from runconfig.checkpoints import generations, read_latest, validate
-from tests.conftest import PY, ROOT
+from tests.conftest import PY, ROOT, history, summary
 
 pytestmark = pytest.mark.mp
 
@@ -62,14 +62,6 @@ def run(run_dir, sets=(), resume=False) -> subprocess.CompletedProcess:
 def rows(run_dir) -> list[dict]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [{k: r.get(k) for k in KEYS} for r in map(json.loads, lines)]
-
-
-def summary(run_dir) -> dict:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
-
-
-def history(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "history.jsonl").read_text().splitlines()]
 
 
 def rank_pids(run_dir) -> dict[int, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, summary
 
 # Apart from a developer's own cluster (16817/17001); HPC_TEST_SLURM_CTLD_PORT / HPC_TEST_SLURM_NODE_PORT move them,
 # so that two test sessions can run at once. Nodes use NODE_PORT, NODE_PORT + 1; the accounting test's own cluster
@@ -91,14 +91,6 @@ def job_log(run_dir, job_id, lines=40) -> str:
         tail = path.read_text(errors="replace").splitlines()[-lines:]
         parts.append(f"--- {path}\n" + "\n".join(tail))
     return "\n".join(parts)
-
-
-def summary(run_dir) -> dict:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
-
-
-def history(run_dir) -> list[dict]:
-    return [json.loads(x) for x in (Path(run_dir) / "history.jsonl").read_text().splitlines()]
 
 
 def rank_nodes(run_dir) -> dict[int, str]:

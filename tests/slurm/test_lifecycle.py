@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli
-from tests.slurm.conftest import history, job_info, sets_for, submit, wait_state, wait_step
+from tests.conftest import history, run_cli
+from tests.slurm.conftest import job_info, sets_for, submit, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.slurm.conftest import history, rank_nodes, sets_for, summary, wait_state, wait_step
+from tests.conftest import ROOT, history, summary
+from tests.slurm.conftest import rank_nodes, sets_for, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
 

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from runconfig import RunDir, dump_yaml, load_config
-from tests.conftest import PY, ROOT
-from tests.slurm.conftest import history, job_log, rank_nodes, sets_for, submit, summary, wait_state, wait_step
+from tests.conftest import PY, ROOT, history, summary
+from tests.slurm.conftest import job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
 

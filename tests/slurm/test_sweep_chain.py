@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from runconfig import load_config
-from tests.conftest import run_cli
-from tests.slurm.conftest import history, job_info, sets_for, submit, wait_state
+from tests.conftest import history, run_cli
+from tests.slurm.conftest import job_info, sets_for, submit, wait_state
 
 pytestmark = pytest.mark.slurm
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}

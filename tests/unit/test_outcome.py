@@ -3,7 +3,7 @@
 import json
 
 from runconfig import RunDir
-from runconfig.outcome import launch_outcome, new_launch_id
+from runconfig.outcome import EXIT_STOPPED, Ended, how_it_ended, launch_outcome, new_launch_id
 from tests.unit.test_checkpoint_layout import make_generation
 
 
@@ -39,3 +39,15 @@ def test_done_needs_the_summary_and_ignores_other_launches_and_torn_lines(tmp_pa
     assert launch_outcome(rundir, launch) == "done"
     rundir.summary.unlink()
     assert launch_outcome(rundir, launch) is None
+
+
+def test_what_a_launch_recorded_overrides_the_launchers_status(tmp_path):
+    rundir = RunDir(tmp_path)
+    launch = new_launch_id("slurm-9.0")
+    assert how_it_ended(rundir, launch, 0).how == "done"  # nothing recorded: the status decides
+    assert how_it_ended(rundir, launch, EXIT_STOPPED).how == "stopped"
+    assert how_it_ended(rundir, launch, 137) == Ended("failed", 137)
+    record(rundir, event="stopped", step=10, signal=15, launch=launch)
+    make_generation(rundir.checkpoints, 10)
+    # srun said 137 (a slow rank killed in teardown by --kill-on-bad-exit), but the stop was committed
+    assert how_it_ended(rundir, launch, 137) == Ended("stopped", 137, signal=15, recorded=True)
