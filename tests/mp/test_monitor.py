@@ -49,7 +49,12 @@ def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset
             assert isinstance(r[key], float) and r[key] >= 0, (key, r)
         # The parts are measured one by one (nothing is computed as a remainder): they add up to the step.
         assert abs(sum(r[p] for p in PARTS) - r["step_time_s"]) <= 0.05 * r["step_time_s"], r
-        assert r["time_compute_s"] + r["time_comm_s"] >= 0.15  # every rank waits for the slowed one
+        # Every rank waits for the slowed one: no step is shorter than its sleep. (Not compute + comm >= 0.15 per
+        # record: rank 2 may start sleeping while rank 0 still publishes the previous record or, in step 1, warms
+        # up its forward pass, so part of the sleep overlaps rank 0's other parts.)
+        assert r["step_time_s"] >= 0.15, r
+    # In the steady state rank 0's wait for rank 2 shows as exposed communication.
+    assert sorted(r["time_comm_s"] for r in recs)[len(recs) // 2] >= 0.1
     # The checkpoint of step 10 is written after that step's record: its stall shows in step 11's record. The
     # one at the end (step 20) is in no record (teardown).
     assert [r["step"] for r in recs if r["time_ckpt_s"] > 0] == [11]
