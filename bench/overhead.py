@@ -2,12 +2,15 @@
 
 Runs, alternated round by round so machine noise hits every variant alike:
 
-- ``plain``: ``torchrun --standalone --nproc-per-node R bench/plain_ddp.py``
+- ``plain``: ``torchrun --standalone --nproc-per-node N*R bench/plain_ddp.py``
 - ``trainer-flat`` / ``trainer-hier``: ``python -m hpc.submit tiny --local`` with comm.allreduce=flat / hierarchical
+  (trainer-hier only with more than one node and more than one rank per node: otherwise the trainer uses DDP's flat
+  all-reduce and the variant would repeat trainer-flat)
 - ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
 
-all on 1 node x R ranks, 1 thread per rank, eval off. The first ``--skip`` steps of every run are warm-up; the
-figure is the median step time over the remaining steps of all rounds. Prints a table and a JSON object.
+all on N simulated nodes x R ranks (``--nodes``, ``--ranks``; default 1 x 2) on this host, 1 thread per rank, eval
+off. The first ``--skip`` steps of every run are warm-up; the figure is the median step time over the remaining
+steps of all rounds. Prints a table and a JSON object.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from trainer.data.prepare import prepare  # noqa: E402
 from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
 from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
-VARIANTS = ("plain", "trainer-flat", "trainer-hier", "trainer-quiet")
+ALL_VARIANTS = ("plain", "trainer-flat", "trainer-hier", "trainer-quiet")
+VARIANTS = ALL_VARIANTS  # narrowed in main() to those that differ for the layout
 # trainer-quiet: flat all-reduce with TensorBoard, straggler checks and the hang watchdog off (the step clock stays):
 # the cost of the monitors, side by side.
 QUIET = ["monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.hang_timeout_s=0"]
@@ -46,7 +50,8 @@ OTHER_LOAD_LIMIT = 0.1  # cores used by other processes during a run above which
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny", help="config file or example name (default tiny)")
-    p.add_argument("--ranks", type=int, default=2, help="ranks on the one node (default 2)")
+    p.add_argument("--nodes", type=int, default=1, help="simulated nodes (default 1)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     p.add_argument("--skip", type=int, default=10, help="warm-up steps left out of every run (default 10)")
@@ -77,7 +82,8 @@ def data_folder(args: argparse.Namespace, overrides: list[str]) -> Path:
 def command(variant: str, args: argparse.Namespace, overrides: list[str], out: Path) -> list[str]:
     sets = [a for kv in overrides for a in ("--set", kv)]
     if variant == "plain":
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
+        nproc = f"--nproc-per-node={args.nodes * args.ranks}"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
         script = [str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config, "--data", str(args.data)]
         return [*launcher, *script, *sets, "--out", str(out)]
     allreduce = {"trainer-hier": "hierarchical"}.get(variant, "flat")
@@ -180,9 +186,9 @@ def summarize(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
 def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[dict]], summary: dict) -> None:
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     print(
-        f"\n{args.config}: 1 node x {args.ranks} ranks, {args.threads} thread(s)/rank, {args.steps} steps "
-        f"(first {args.skip} skipped), {args.rounds} rounds, {tokens_per_step} tokens/step, "
-        f"grad accumulation {cfg.grad_accum(args.ranks)}\n"
+        f"\n{args.config}: {args.nodes} node(s) x {args.ranks} ranks, {args.threads} thread(s)/rank, "
+        f"{args.steps} steps (first {args.skip} skipped), {args.rounds} rounds, {tokens_per_step} tokens/step, "
+        f"grad accumulation {cfg.grad_accum(args.nodes * args.ranks)}\n"
         f"ratio = tokens/s / plain DDP's (target >= {TARGET}) from the median step time over all rounds;\n"
         "p25: the same from the lower-quartile step time (less hit by bursts of machine noise);\n"
         "per round: the round's median step ms / ratio of the round's medians\n"
@@ -201,11 +207,15 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
 
 
 def main(argv: list[str] | None = None) -> int:
+    global VARIANTS
     args = parse_args(argv)
+    if args.nodes < 2 or args.ranks < 2:
+        VARIANTS = tuple(v for v in ALL_VARIANTS if v != "trainer-hier")
+        print(f"{args.nodes} node(s) x {args.ranks} ranks: no trainer-hier (the trainer falls back to flat all-reduce)")
     sys.stdout.reconfigure(line_buffering=True)  # progress lines show up live through a pipe too
     started = time.perf_counter()
     overrides = [
-        "job.nodes=1",
+        f"job.nodes={args.nodes}",
         f"job.ranks_per_node={args.ranks}",
         f"job.threads_per_rank={args.threads}",
         f"train.steps={args.steps}",
@@ -239,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {
             "config": args.config,
             "overrides": overrides,
-            "ranks": args.ranks,
+            "nodes": args.nodes,
+            "ranks_per_node": args.ranks,
             "threads_per_rank": args.threads,
             "steps": args.steps,
             "skip": args.skip,

@@ -32,9 +32,15 @@ SLUG_RE = re.compile(r"[^A-Za-z0-9._=-]+")
 
 def read_grid(path: Path) -> dict[str, list]:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"sweep file {path} does not exist.") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"sweep file {path} is not UTF-8 text: the byte at offset {exc.start} is not valid UTF-8; save it as UTF-8."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"sweep file {path} cannot be read: {exc.strerror or exc}.") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"sweep file {path} is not valid YAML: {str(exc).splitlines()[0]}.") from None
     if not isinstance(data, dict) or set(data) != {"grid"} or not isinstance(data["grid"], dict) or not data["grid"]:

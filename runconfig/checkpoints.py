@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -165,20 +165,27 @@ def commit(tmp: Path, final: Path, manifest: dict) -> None:
     write_latest(final.parent, final.name)
 
 
-def prune(root: Path, *, keep_last: int, keep_every: int) -> list[Path]:
-    """Delete committed generations beyond the newest ``keep_last`` (and not multiples of ``keep_every``).
+def prune(root: Path, *, keep_last: int, keep_every: int, trusted: Collection[str] = ()) -> list[Path]:
+    """Delete valid generations beyond the newest ``keep_last`` valid ones (and not multiples of ``keep_every``).
 
-    Called only after a commit; uncommitted step directories and set-aside ones are never touched here.
+    Called only after a commit. A generation counts toward ``keep_last`` only if it validates, with every file
+    hashed unless its name is in ``trusted`` (committed or verified by this process): a damaged newer generation
+    must not push a good one out. Invalid generations, uncommitted and set-aside directories are never touched.
     """
-    committed = [(s, p) for s, p in generations(root) if (p / MANIFEST).is_file()]
-    keep = {p for _, p in committed[-keep_last:]}
+    valid: list[tuple[int, Path]] = []
+    for step, path in reversed(generations(root)):
+        try:
+            validate(path, verify_hashes=len(valid) < keep_last and path.name not in trusted)
+        except CheckpointInvalid:
+            continue
+        valid.append((step, path))
     removed = []
-    for step, path in committed:
-        if path in keep or (keep_every and step % keep_every == 0):
+    for step, path in valid[keep_last:]:
+        if keep_every and step % keep_every == 0:
             continue
         shutil.rmtree(path)
         removed.append(path)
-    return removed
+    return sorted(removed)
 
 
 def remove_stale_tmp(root: Path) -> list[Path]:

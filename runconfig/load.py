@@ -52,7 +52,13 @@ def load_raw(spec: str, overrides: list[str] = ()) -> tuple[dict, Path]:
     """The config file as plain data with overrides applied, not yet validated (sweeps add keys to it)."""
     path = resolve_config_path(spec)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        byte = f"0x{exc.object[exc.start]:02x}"
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text: the byte at offset {exc.start} ({byte}) is not valid UTF-8 "
+            f"({exc.reason}); save the config as UTF-8 (or check that it is the YAML file you meant)."
+        ) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""

@@ -197,9 +197,18 @@ class DataConfig:
     val_fraction: float = doc("Fraction of source files held out for the eval loss.", 0.05)
     shard_tokens: int = doc("Tokens per HDF5 shard when preparing.", 4_000_000)
     seed: int = doc("Seed of the global sample order (with the epoch).", 1234)
+    verify: str = doc(
+        "Start-up check of the prepared shards against manifest.json: 'checksum' = each shard's SHA-256 (every "
+        "byte read once, the shards split over the ranks); 'size' = only each shard's token count and dtype, for "
+        "datasets too large to read at every start. Both refuse a vocabulary larger than model.vocab_size, and "
+        "every window read is range-checked while training.",
+        "checksum",
+    )
 
     def check(self) -> Problems:
         out: Problems = []
+        if self.verify not in ("checksum", "size"):
+            out.append(("verify", f"must be 'checksum' or 'size', got {self.verify!r}"))
         if not self.source:
             out.append(("source", "must not be empty"))
         if not self.include:
@@ -296,8 +305,9 @@ class CheckpointConfig:
     )
     resume: bool = doc("Continue from the newest valid checkpoint in the run directory when there is one.", True)
     allow_shape_change: bool = doc(
-        "Resume even if the model or optimizer config changed since the checkpoint (loading then fails "
-        "wherever tensor shapes differ).",
+        "Resume even if the model or optimizer config changed since the checkpoint (a warm start: parameters "
+        "whose name and shape still match are loaded, the others keep their fresh initialisation, and the "
+        "optimizer state is reset unless every parameter loaded). A dropout change never needs it.",
         False,
     )
 

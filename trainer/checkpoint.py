@@ -24,7 +24,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mpi4py import MPI
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from runconfig import RunConfig, RunDir
 from runconfig.checkpoints import (
@@ -113,6 +119,7 @@ class Checkpointer:
         self._staging: dict | None = None  # CPU buffers reused by async saves
         self.last_commit_time = time.monotonic()
         self.blocking_s: list[float] = []  # time the training loop waited per save
+        self.verified: set[str] = set()  # generations this process committed or fully verified (rank 0)
 
     # -- when ---------------------------------------------------------------------------------------------
     def due_by_steps(self, step: int, final: bool) -> bool:
@@ -149,8 +156,8 @@ class Checkpointer:
                 path = tmp / "train_state.json"
                 path.write_text(json.dumps(self._train_state(state), indent=2) + "\n")
                 _fsync_file(path)
-        except OSError as exc:
-            error = f"cannot write {path}: {exc.strerror or exc}"
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+            error = f"cannot write {path}: {_root_cause(exc)}{_space_note(tmp)}"
         self._agree(error, state.step, tmp)
         msd, osd = get_state_dict(self.comps.model, self.comps.optimizer)
         meta = self._manifest(state)
@@ -200,7 +207,10 @@ class Checkpointer:
         self._agree(error, step, tmp)
         self.last_commit_time = time.monotonic()
         if self.env.rank == 0:
-            removed = prune(self.root, keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every)
+            self.verified.add(name)
+            removed = prune(
+                self.root, keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every, trusted=self.verified
+            )
             log.info("checkpoint %s committed%s", name, f"; pruned {[p.name for p in removed]}" if removed else "")
 
     def _agree(self, error: str | None, step: int, tmp: Path | None = None) -> None:
@@ -261,6 +271,8 @@ class Checkpointer:
                 remove_stale_tmp(self.root)
                 hit = newest_valid(self.root, warnings.append)
                 found = str(hit[0]) if hit else None
+                if hit:
+                    self.verified.add(hit[0].name)
             except (CheckpointInvalid, OSError) as exc:
                 error = str(exc)
         found, error, warnings = self.comm.bcast((found, error, warnings), root=0)
@@ -273,14 +285,18 @@ class Checkpointer:
             return False
         path = Path(found)
         manifest = json.loads((path / "manifest.json").read_text())
-        self._check_compatible(manifest, path)
-        msd, osd = get_state_dict(self.comps.model, self.comps.optimizer)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path / "dcp", process_group=self.group)
-        set_state_dict(self.comps.model, self.comps.optimizer, model_state_dict=msd, optim_state_dict=osd)
-        if params_sha256(self.comps.model) != manifest["params_sha256"]:
-            raise UserError(
-                f"checkpoint {path}: the loaded parameters do not match the manifest's params_sha256.", collective=True
-            )
+        changed = self._check_compatible(manifest, path)
+        if changed:
+            self._warm_start(path, changed)
+        else:
+            msd, osd = get_state_dict(self.comps.model, self.comps.optimizer)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=path / "dcp", process_group=self.group)
+            set_state_dict(self.comps.model, self.comps.optimizer, model_state_dict=msd, optim_state_dict=osd)
+            if params_sha256(self.comps.model) != manifest["params_sha256"]:
+                raise UserError(
+                    f"checkpoint {path}: the loaded parameters do not match the manifest's params_sha256.",
+                    collective=True,
+                )
         ts = json.loads((path / "train_state.json").read_text())
         state.step, state.tokens_seen = ts["step"], ts["tokens_seen"]
         state.data.load_state_dict(ts["data"])
@@ -290,24 +306,67 @@ class Checkpointer:
             rank_file = path / f"rank_{self.env.rank:05d}.pt"
             set_rng_state(torch.load(rank_file, weights_only=True)["rng"])
         else:  # per-rank streams cannot be mapped to another world size: derive fresh ones deterministically
-            torch.manual_seed(self.cfg.train.seed * 1_000_003 + 7919 * state.step + self.env.rank)
+            seed = self.cfg.train.seed * 1_000_003 + 7919 * state.step + self.env.rank
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
         if self.env.rank == 0:
             log.info("resumed from %s (step %d, saved by %d ranks)", path.name, state.step, manifest["world_size"])
         self.last_commit_time = time.monotonic()
         return True
 
-    def _check_compatible(self, manifest: dict, path: Path) -> None:
+    def _check_compatible(self, manifest: dict, path: Path) -> dict[str, tuple]:
+        """The model/optimizer settings that differ from the checkpoint's; refused unless allow_shape_change.
+
+        Dropout is left out: it changes no tensor and no optimizer state.
+        """
         saved, now = manifest["model_config"], to_dict(self.cfg)["model"]
-        changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        changed = {k: (saved.get(k), v) for k, v in now.items() if k != "dropout" and saved.get(k) != v}
         if manifest["optimizer"]["type"] != type(self.comps.optimizer).__name__:
             changed["optimizer"] = (manifest["optimizer"]["type"], type(self.comps.optimizer).__name__)
         if changed and not self.ccfg.allow_shape_change:
             detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
             raise UserError(
                 f"checkpoint {path} was saved with another model or optimizer ({detail}); refusing to resume. "
-                "Set checkpoint.allow_shape_change=true to force it, or use a new run directory. Nothing was "
-                "deleted.",
+                "Set checkpoint.allow_shape_change=true to force it (a warm start: tensors whose shape still "
+                "matches are loaded, the rest keep their fresh initialisation), or use a new run directory. "
+                "Nothing was deleted.",
                 collective=True,
+            )
+        return changed
+
+    def _warm_start(self, path: Path, changed: dict[str, tuple]) -> None:
+        """Forced resume across a model/optimizer change: load every parameter whose name and shape still match.
+
+        The optimizer state is loaded only when every parameter loaded and the optimizer type is unchanged;
+        otherwise it starts fresh (its moments would belong to other tensors).
+        """
+        model, optimizer = self.comps.model, self.comps.optimizer
+        msd, osd = get_state_dict(model, optimizer)
+        saved = dcp.FileSystemReader(path / "dcp").read_metadata().state_dict_metadata
+        fits = {
+            k: v
+            for k, v in msd.items()
+            if (m := saved.get(f"model.{k}")) is not None and tuple(getattr(m, "size", ())) == tuple(v.shape)
+        }
+        fresh = sorted(set(msd) - set(fits))
+        with_optim = not fresh and "optimizer" not in changed
+        state = {"model": fits, "optim": osd} if with_optim else {"model": fits}
+        dcp.load(state, checkpoint_id=path / "dcp", process_group=self.group)
+        set_model_state_dict(model, fits, options=StateDictOptions(strict=False))
+        if with_optim:
+            set_optimizer_state_dict(model, optimizer, osd)
+        if self.env.rank == 0:
+            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            log.warning(
+                "checkpoint.allow_shape_change: resuming from %s across a change (%s): loaded %d of %d tensors%s; "
+                "optimizer state %s",
+                path.name,
+                detail,
+                len(fits),
+                len(msd),
+                f", fresh initialisation kept for {fresh}" if fresh else "",
+                "loaded" if with_optim else "reset",
             )
 
 

@@ -189,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if rank == 0 or not exc.collective:
             _report_failure(rundir, rank, str(exc))
+        if not exc.collective and comm.Get_size() > 1:
+            # Only this rank stopped (say, on a corrupt window it read mid-training): the others may be blocked in
+            # a collective waiting for it. End every rank now with the user-error status, the report written.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            comm.Abort(EXIT_USER_ERROR)
         return EXIT_USER_ERROR
     except Exception:
         # Anything else (a collective failed because a peer went away, a bug): the other ranks may be blocked

@@ -2,6 +2,7 @@
 
 The guarantee pinned here: however a run is interrupted and resumed, it ends with the uninterrupted run's
 params_sha256 and per-step losses (bitwise, on CPU); at another world size it continues the same sample order.
+The runs use dropout, so a resume that did not restore every rank's RNG streams would not end bit-identical.
 """
 
 import json
@@ -28,13 +29,14 @@ def common(data) -> list[str]:
     return [
         f"data.path={data}", "train.steps=24", "train.warmup_steps=2", "train.eval_every=8",
         "model.d_model=64", "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=4",
-        "checkpoint.keep_last=3",
+        "checkpoint.keep_last=3", "model.dropout=0.1",
     ]  # fmt: skip
 
 
 def submit_args(target, sets, resume=False) -> list[str]:
+    """``resume``: False, True (``--resume RUN_DIR``) or "plain" (just ``RUN_DIR``, which resumes too)."""
     args = [PY, "-m", "hpc.submit", str(target), "--local"]
-    args += ["--resume"] if resume else []
+    args += ["--resume"] if resume is True else []
     for s in sets:
         args += ["--set", s]
     return args
@@ -126,6 +128,8 @@ def test_generations_retention_and_manifest(reference):
     assert manifest["params_sha256"] == summary(reference)["params_sha256"]
     assert set(manifest["versions"]) >= {"python", "torch", "mpi4py", "h5py"}
     assert len(manifest["config_sha256"]) == 64 and "git_commit" in manifest
+    assert 0 < manifest["wall_time_s"] <= summary(reference)["wall_time_s"]
+    assert manifest["slurm_job_id"] is None and manifest["slurm_restart_count"] is None  # set under Slurm
     assert {"rank_00000.pt", "rank_00003.pt", "train_state.json", "dcp/.metadata"} <= set(manifest["files"])
     assert not list(ckpts.glob(".tmp-*"))
 
@@ -149,7 +153,7 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, out + err
 
-    done = run(run_dir, resume=True)
+    done = run(run_dir, resume="plain")  # `python -m hpc.submit RUN_DIR` resumes as --resume does
     assert done.returncode == 0, done.stdout + done.stderr
     events = history(run_dir)
     assert [e["event"] for e in events] == ["start", "stopped", "resume", "stopped", "resume", "done"]
@@ -186,6 +190,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint(tmp_path, small_dataset, r
             deadline = time.monotonic() + 30
             while not list((run_dir / "checkpoints").glob(".tmp-step_*")) and time.monotonic() < deadline:
                 time.sleep(0.0005)
+            assert list((run_dir / "checkpoints").glob(".tmp-step_*")), "no save in progress was seen"
         else:  # once this attempt has resumed (metrics then hold no step past its checkpoint), at a random time
             resumed = wait_for_event(run_dir, "resume", kills, proc)
             wait_for_step(run_dir, resumed["step"] + 1, proc)
@@ -207,10 +212,17 @@ def test_sigkill_at_random_moments_and_mid_checkpoint(tmp_path, small_dataset, r
     assert_same_as(reference, run_dir)
 
 
-def test_resume_on_more_ranks_keeps_the_sample_order(tmp_path, small_dataset, reference):
-    """2 ranks (1 node x 2) stopped at a step boundary, resumed on 4 (2 nodes x 2), same global batch."""
+def test_resume_on_more_ranks_keeps_the_sample_order(tmp_path, small_dataset):
+    """2 ranks (1 node x 2) stopped at a step boundary, resumed on 4 (2 nodes x 2), same global batch.
+
+    Without dropout: dropout masks come from per-rank RNG streams, which cannot carry over to another world size.
+    """
+    sets = [*common(small_dataset), "model.dropout=0", "job.nodes=1"]
+    reference = tmp_path / "uninterrupted"
+    done = run(reference, sets)
+    assert done.returncode == 0, done.stdout + done.stderr
     run_dir = tmp_path / "run"
-    proc = start(run_dir, [*common(small_dataset), "job.nodes=1"])
+    proc = start(run_dir, sets)
     wait_for_step(run_dir, 9, proc)
     os.kill(rank_pids(run_dir)[0], signal.SIGUSR2)
     out, err = proc.communicate(timeout=120)
@@ -251,6 +263,10 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path, reference, damage):
     assert f"skipping checkpoint step_00000024: {victim}" in log
     assert "resumed from step_00000020" in log
     assert_same_as(reference, run_dir)
+    # nothing deleted: the damaged generation was set aside when step 24 was committed again
+    (aside,) = (run_dir / "checkpoints").glob("step_00000024.invalid-*")
+    assert (aside / victim.relative_to(newest)).exists() or damage == "no_manifest"
+    assert [s for s, _ in generations(run_dir / "checkpoints")] == [16, 20, 24]
 
 
 def test_all_checkpoints_invalid_is_an_error_and_deletes_nothing(tmp_path, reference):
@@ -269,16 +285,43 @@ def test_model_change_is_refused(tmp_path, reference):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    proc = run(run_dir, ["model.d_model=32", "model.n_heads=2"], resume=True)
+    proc = run(run_dir, ["model.d_model=32", "model.n_heads=2", "model.dropout=0.2"], resume=True)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "another model or optimizer (d_model: 64 -> 32" in proc.stderr
+    assert "dropout" not in proc.stderr  # changes no tensor: never a reason to refuse
     assert "allow_shape_change" in proc.stderr and "Traceback" not in proc.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
 
-def test_async_save_gives_the_same_result(tmp_path, small_dataset, reference):
+def test_forced_model_change_is_a_warm_start(tmp_path, reference):
+    """allow_shape_change with a third layer: the two saved layers, embeddings and norms load; the new one is fresh."""
     run_dir = tmp_path / "run"
-    done = run(run_dir, [*common(small_dataset), "checkpoint.async_save=true", "checkpoint.every_steps=2"])
+    shutil.copytree(reference, run_dir)
+    sets = ["model.n_layers=3", "checkpoint.allow_shape_change=true", "train.steps=26"]
+    done = run(run_dir, sets, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert "resuming from step_00000024 across a change (n_layers: 2 -> 3)" in log
+    assert "fresh initialisation kept for ['blocks.2." in log and "optimizer state reset" in log
+    got = {r["step"]: r["loss"] for r in rows(run_dir)}
+    want = [r["loss"] for r in rows(reference)]
+    assert sorted(got)[-2:] == [25, 26]
+    assert got[25] < (want[0] + want[-1]) / 2  # warm: near where the run was, not where a fresh model starts
+
+
+def test_async_save_gives_the_same_result_and_commits_before_exit(tmp_path, small_dataset, reference):
+    """Async saves every 2 steps, a stop in the middle: the stop's generation is committed before the exit."""
+    run_dir = tmp_path / "run"
+    sets = [*common(small_dataset), "checkpoint.async_save=true", "checkpoint.every_steps=2"]
+    proc = start(run_dir, sets)
+    wait_for_step(run_dir, 7, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGUSR2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    stop_step = history(run_dir)[-1]["step"]
+    assert read_latest(run_dir / "checkpoints") == f"step_{stop_step:08d}"
+    assert validate(run_dir / "checkpoints" / f"step_{stop_step:08d}")["step"] == stop_step
+    done = run(run_dir, resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_as(reference, run_dir)
     assert validate(run_dir / "checkpoints" / "step_00000024")["params_sha256"] == summary(reference)["params_sha256"]
@@ -306,6 +349,7 @@ def test_disk_full_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, sma
     ckpts = run_dir / "checkpoints"
     assert [s for s, _ in generations(ckpts)] == [4]
     assert validate(ckpts / "step_00000004")["step"] == 4
+    assert read_latest(ckpts) == "step_00000004"  # the pointer never moved to the failed save
     assert not list(ckpts.glob(".tmp-*"))  # the failed write was cleaned up
     # the surviving checkpoint still loads: resume on a roomy disk and finish identically
     moved = tmp_path / "moved"
@@ -319,10 +363,13 @@ def test_disk_full_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, sma
 def test_unwritable_run_directory_is_refused(tmp_path, reference, small_fs):
     run_dir = small_fs / "run"
     shutil.copytree(reference, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
     proc = run(run_dir, resume=True)
     assert proc.returncode == 2
     assert f"run directory {run_dir} is not writable" in proc.stderr and "Read-only file system" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
 
 
 def test_time_based_checkpoints(tmp_path, small_dataset, reference):

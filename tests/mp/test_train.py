@@ -3,9 +3,13 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 
+from runconfig.schema import DataConfig
 from tests.conftest import run_cli, run_mpi
+from tests.unit.test_data import copy_dataset, flip_high_byte
+from trainer.data.dataset import GlobalOrder, TokenShards, rank_slice
 
 pytestmark = pytest.mark.mp
 
@@ -112,6 +116,45 @@ def test_corrupt_shard_is_named(tmp_path, small_dataset):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"data shard {victim}" in proc.stderr and "rank 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+SMALL_MODEL = ["model.d_model=64", "model.n_layers=1", "model.seq_len=64", "train.steps=4"]
+
+
+def test_changed_byte_in_a_shard_stops_before_training(tmp_path, small_dataset):
+    """data.verify=checksum (the default): the rank that hashes the damaged shard names it; nobody trains."""
+    manifest = copy_dataset(small_dataset, tmp_path / "data")
+    victim = tmp_path / "data" / manifest["splits"]["train"][1]["file"]  # shard 1: hashed by rank 1 of 4
+    assert flip_high_byte(victim, 1000) >= 256
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, f"data.path={tmp_path / 'data'}", *SMALL_MODEL)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: rank 1: data shard {victim} failed its checksum"), proc.stderr
+    assert manifest["splits"]["train"][1]["sha256"] in proc.stderr and "prepare the data again" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()
+
+
+def test_bad_token_read_by_one_rank_ends_the_job_clearly(tmp_path, small_dataset):
+    """data.verify=size cannot see a changed byte; the window range check on the rank that reads it can. That
+    rank alone stops, mid-step, while the others wait in the gradient all-reduce: the job still ends at once with
+    its message and status 2."""
+    manifest = copy_dataset(small_dataset, tmp_path / "data")
+    train = TokenShards(tmp_path / "data", manifest, "train", seq_len=64)
+    order = GlobalOrder(len(train), seed=DataConfig().seed)
+    first = int(rank_slice(order, 0, global_batch=32, micro_batch=8, world_size=4, rank=2, micro=0)[0])
+    shard = int(np.searchsorted(train.starts, first, side="right") - 1)
+    offset = (first - int(train.starts[shard])) * train.window + 10  # in rank 2's first window of step 1
+    victim = tmp_path / "data" / manifest["splits"]["train"][shard]["file"]
+    flip_high_byte(victim, offset)
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, f"data.path={tmp_path / 'data'}", "data.verify=size", *SMALL_MODEL)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: rank 2: data shard {victim} holds token"), proc.stderr
+    assert f"at token offset {offset}" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert json.loads((run_dir / "failure.json").read_text())["rank"] == 2
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()  # no step done
 
 
 def test_impossible_topology_is_refused(tmp_path):

@@ -95,3 +95,25 @@ def test_commit_sets_aside_an_invalid_generation_of_the_same_step(tmp_path):
     make_generation(tmp_path, 4, payload=b"new")
     assert validate(tmp_path / "step_00000004")["step"] == 4
     assert len(list(tmp_path.glob("step_00000004.invalid-*"))) == 1
+
+
+@pytest.mark.parametrize("damage", ["tamper", "flip"])
+def test_a_damaged_newer_generation_does_not_push_a_good_one_out(tmp_path, damage):
+    """Resume fell back from a damaged 24 to 20 and then committed 22: 20 and 22 are the two to keep."""
+    make_generation(tmp_path, 20)
+    bad = make_generation(tmp_path, 24)
+    if damage == "tamper":
+        m = json.loads((bad / "manifest.json").read_text())
+        m["step"] = 25
+        (bad / "manifest.json").write_text(json.dumps(m))
+    else:  # same size, other bytes: only the file hash shows it
+        raw = bytearray((bad / "data.bin").read_bytes())
+        raw[0] ^= 1
+        (bad / "data.bin").write_bytes(bytes(raw))
+    make_generation(tmp_path, 22)
+    assert prune(tmp_path, keep_last=2, keep_every=0, trusted={"step_00000022"}) == []
+    assert [s for s, _ in generations(tmp_path)] == [20, 22, 24]  # the damaged one is left for inspection
+    make_generation(tmp_path, 23)
+    removed = prune(tmp_path, keep_last=2, keep_every=0, trusted={"step_00000022", "step_00000023"})
+    assert removed == [tmp_path / "step_00000020"]
+    assert [s for s, _ in generations(tmp_path)] == [22, 23, 24]

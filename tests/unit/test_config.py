@@ -34,6 +34,8 @@ def test_overrides_by_dotted_path():
     assert cfg.comm.allreduce == "flat"
     assert cfg.train.lr == pytest.approx(1e-3)
     assert cfg.data.include == ["a", "b"]
+    assert load_config("tiny").data.verify == "checksum"
+    assert load_config("tiny", ["data.verify=size"]).data.verify == "size"
 
 
 def test_ints_accepted_for_floats(tmp_path):
@@ -57,6 +59,7 @@ def test_ints_accepted_for_floats(tmp_path):
         ("train: 5\n", ["'train' must be a mapping"]),
         ("- a\n- b\n", ["top level must be a mapping"]),
         ("train:\n  steps: [1\n", ["not valid YAML", "line"]),
+        ("data:\n  verify: sha1\n", ["'data.verify'", "'checksum' or 'size'", "'sha1'"]),
         (
             "job:\n  nodes: 3\n  ranks_per_node: 1\ntrain:\n  global_batch_size: 32\n  micro_batch_size: 4\n",
             ["'train.global_batch_size'", "32 is not a multiple", "3 nodes"],
@@ -112,6 +115,28 @@ def test_cli_user_errors_exit_2_without_traceback(args, needle):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.parametrize(
+    "content,offset",
+    [
+        ("train:\n  steps: 3  # café\n".encode("latin-1"), 24),  # Latin-1 é
+        (b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)), 136),  # a binary file: 0x80 is the first non-UTF-8 byte
+    ],
+    ids=["latin-1", "binary"],
+)
+def test_non_utf8_config_is_a_config_error(tmp_path, content, offset):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    message = str(info.value)
+    assert str(path) in message and "not UTF-8" in message and f"offset {offset}" in message, message
+    assert "\n" not in message.strip()
+    proc = run_cli(["-m", "hpc.submit", str(path), "--local", "--dry-run"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and str(path) in proc.stderr and f"offset {offset}" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
 def test_dry_run_is_torch_free_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     code = (
@@ -148,3 +173,14 @@ def test_hpc_does_not_import_torch():
     proc = run_cli(["-c", "import sys, hpc.submit, hpc.local, hpc.mpi, hpc.progress; print('torch' in sys.modules)"])
     assert proc.stdout.strip() == "False", proc.stderr
     assert sys.executable
+
+
+def test_sweep_grid_file_errors_name_the_file(tmp_path):
+    from hpc.sweep import read_grid
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_bytes(b"grid:\n  train.lr: [1e-3, \xe9]\n")
+    with pytest.raises(ConfigError, match=rf"sweep file {grid} is not UTF-8 text: the byte at offset 25"):
+        read_grid(grid)
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_grid(tmp_path / "missing.yaml")

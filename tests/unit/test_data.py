@@ -1,6 +1,8 @@
 """Data preparation, lazy shard reading, and a global sample order that does not depend on the world size."""
 
 import json
+import shutil
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from tests.conftest import run_cli
 from trainer.data.dataset import DataState, GlobalOrder, TokenShards, rank_slice, read_manifest
 from trainer.data.prepare import EOS, PrepareSpec, prepare
+from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.errors import UserError
 
 
@@ -92,7 +95,7 @@ def test_prepare_cli(text_dir, tmp_path):
 def test_windows_are_lazy_and_correct(small_dataset):
     manifest = read_manifest(small_dataset)
     shards = TokenShards(small_dataset, manifest, "train", seq_len=63)
-    shards.verify(257)
+    shards.verify()
     assert not shards._files or len(shards._files) == len(manifest["splits"]["train"])
     shards.close()
     lazy = TokenShards(small_dataset, manifest, "train", seq_len=63)
@@ -169,4 +172,111 @@ def test_missing_and_corrupt_data_are_named(small_dataset, tmp_path):
     victim.write_bytes(victim.read_bytes()[:1000])  # truncated HDF5
     shards = TokenShards(broken, manifest, "train", seq_len=63)
     with pytest.raises(UserError, match=str(victim)):
-        shards.verify(257)
+        shards.verify()
+
+
+def copy_dataset(src: Path, dst: Path) -> dict:
+    shutil.copytree(src, dst)
+    return read_manifest(dst)
+
+
+def flip_high_byte(shard: Path, token: int) -> int:
+    """Flip the high byte of token ``token`` in a shard file, in place (as a bad disk or a stray write would);
+    return the token's new value (>= 256: outside a byte vocabulary)."""
+    with h5py.File(shard, "r") as f:
+        at = f["tokens"].id.get_offset() + 2 * token + 1  # uint16 little-endian: the high byte is the second
+    with open(shard, "r+b") as fh:
+        fh.seek(at)
+        old = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([old ^ 0xFF]))
+    with h5py.File(shard, "r") as f:
+        return int(f["tokens"][token])
+
+
+def test_checksums_are_split_over_ranks_and_a_changed_byte_is_named(small_dataset, tmp_path):
+    manifest = copy_dataset(small_dataset, tmp_path / "data")
+    everything = [*manifest["splits"]["train"], *manifest["splits"]["val"]]
+    shares = [shards_of_rank(manifest, r, 4) for r in range(4)]
+    assert sorted(s["file"] for share in shares for s in share) == sorted(s["file"] for s in everything)
+    assert shares[1][0] == manifest["splits"]["train"][1]  # shard i goes to rank i % world size
+    for r, share in enumerate(shares):
+        check_checksums(tmp_path / "data", share, r)  # a clean copy passes
+    victim = tmp_path / "data" / manifest["splits"]["train"][1]["file"]
+    assert flip_high_byte(victim, 1000) >= 256
+    with pytest.raises(UserError) as info:
+        check_checksums(tmp_path / "data", shares[1], 1)
+    message = str(info.value)
+    assert message.startswith("rank 1: ") and f"data shard {victim}" in message
+    assert manifest["splits"]["train"][1]["sha256"] in message and "prepare the data again" in message
+    shards = TokenShards(tmp_path / "data", manifest, "train", seq_len=63)
+    shards.verify()  # the cheap checks cannot see a changed byte
+    shards.close()
+
+
+def test_size_and_dtype_must_match_the_manifest(small_dataset, tmp_path):
+    manifest = copy_dataset(small_dataset, tmp_path / "data")
+    victim = tmp_path / "data" / manifest["splits"]["train"][0]["file"]
+    with h5py.File(victim, "r") as f:
+        tokens = f["tokens"][:]
+    for data in (tokens[:-7], tokens.astype(np.int32)):  # a shorter shard; the same tokens in another dtype
+        with h5py.File(victim, "w") as f:
+            f.create_dataset("tokens", data=data)
+        shards = TokenShards(tmp_path / "data", manifest, "train", seq_len=63)
+        with pytest.raises(UserError, match=f"data shard {victim} holds {data.dtype}") as info:
+            shards.verify()
+        assert f"uint16[{len(tokens)}]" in str(info.value)
+        shards.close()
+
+
+def test_vocabulary_larger_than_the_model_is_refused(small_dataset):
+    manifest = read_manifest(small_dataset)
+    check_vocab(small_dataset, manifest, 257)
+    check_vocab(small_dataset, manifest, 512)
+    with pytest.raises(UserError) as info:
+        check_vocab(small_dataset, manifest, 256)
+    message = str(info.value)
+    assert "model.vocab_size=256" in message and f"vocab_size=257 in {small_dataset / 'manifest.json'}" in message
+
+
+def test_window_with_a_token_outside_the_vocabulary_is_named(small_dataset, tmp_path):
+    manifest = copy_dataset(small_dataset, tmp_path / "data")
+    victim = tmp_path / "data" / manifest["splits"]["train"][1]["file"]
+    shards = TokenShards(tmp_path / "data", manifest, "train", seq_len=63, rank=3)
+    first = int(shards.starts[1])  # the first window of shard 1: its tokens [0, 64)
+    value = flip_high_byte(victim, 70)  # inside the second window
+    assert shards.sample(first).max() < 257  # the window before it still reads
+    with pytest.raises(UserError) as info:
+        shards.batch(np.array([first, first + 1]))
+    message = str(info.value)
+    assert message.startswith("rank 3: ") and f"data shard {victim}" in message
+    assert f"token {value} at token offset 70" in message and "vocabulary of 257" in message
+    shards.close()
+
+
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [
+        ("--shard-tokens", "0", "argument --shard-tokens: must be an integer >= 1024, got '0'"),
+        ("--shard-tokens", "-5", "argument --shard-tokens"),
+        ("--max-bytes", "-1", "argument --max-bytes: must be an integer >= 0"),
+        ("--val-fraction", "0", "argument --val-fraction: must be a number in (0, 1)"),
+        ("--val-fraction", "1.5", "argument --val-fraction"),
+        ("--val-fraction", "nan", "argument --val-fraction"),
+    ],
+)
+def test_prepare_cli_refuses_bad_numbers_before_any_work(tmp_path, flag, value, needle):
+    out = tmp_path / "out"
+    args = ["-m", "trainer.data", "prepare", "--source", "stdlib", "--out", str(out), flag, value]
+    proc = run_cli(args, timeout=60)  # shard_tokens=0 used to loop forever
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize(
+    "field,value", [("shard_tokens", 0), ("max_source_bytes", -1), ("val_fraction", 1.0), ("include", ())]
+)
+def test_prepare_spec_refuses_bad_arguments(field, value):
+    with pytest.raises(ValueError, match=field):
+        spec("stdlib", **{field: value})

@@ -36,15 +36,27 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
+def reprepare_hint(folder: Path) -> str:
+    """What to do about a damaged prepared dataset."""
+    return (
+        f"prepare the data again: delete {folder} (a data.source dataset in the cache is prepared again on the "
+        "next start; for data.path re-run `python -m trainer.data prepare`)"
+    )
+
+
 class TokenShards:
     """The windows of one split, read lazily: a shard file is opened on first use, and only the rows asked for
-    are read."""
+    are read. Every window read is checked against the manifest's vocabulary (cheap: one max per window), so a
+    damaged token stops this rank with the shard and offset named instead of an IndexError in the model."""
 
-    def __init__(self, folder: Path, manifest: dict, split: str, seq_len: int) -> None:
+    def __init__(self, folder: Path, manifest: dict, split: str, seq_len: int, *, rank: int = 0) -> None:
         self.folder = Path(folder)
         self.window = seq_len + 1
         self.shards = manifest["splits"][split]
         self.split = split
+        self.vocab_size = int(manifest["vocab_size"])
+        self.dtype = np.dtype(manifest.get("dtype", "uint16"))
+        self.rank = rank
         per_shard = np.array([s["tokens"] // self.window for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(per_shard)])
         self._files: dict[int, h5py.Dataset] = {}
@@ -57,25 +69,34 @@ class TokenShards:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def verify(self, vocab_size: int) -> None:
-        """Open every shard and check it against the manifest; a corrupt file is named (cheap: no data read)."""
+    def verify(self) -> None:
+        """Open every shard and check its length and dtype against the manifest (cheap: no token is read)."""
         for i, shard in enumerate(self.shards):
             ds = self._dataset(i)
-            if ds.shape != (shard["tokens"],) or ds.dtype != np.uint16:
+            if ds.shape != (shard["tokens"],) or ds.dtype != self.dtype:
                 raise UserError(
-                    f"data shard {self.folder / shard['file']} holds {ds.dtype}{list(ds.shape)}, but the manifest "
-                    f"says uint16[{shard['tokens']}]: the shard or manifest is corrupt; prepare the data again."
+                    f"rank {self.rank}: data shard {self.folder / shard['file']} holds {ds.dtype}{list(ds.shape)}, "
+                    f"but the manifest says {self.dtype}[{shard['tokens']}]: the shard or manifest is corrupt; "
+                    f"{reprepare_hint(self.folder)}."
                 )
-        if vocab_size < 257:
-            raise UserError(f"model.vocab_size={vocab_size} is smaller than the data's vocabulary (257).")
 
     def sample(self, index: int) -> np.ndarray:
         shard = int(np.searchsorted(self.starts, index, side="right") - 1)
         offset = (index - int(self.starts[shard])) * self.window
         try:
-            return self._dataset(shard)[offset : offset + self.window].astype(np.int64)
+            window = self._dataset(shard)[offset : offset + self.window]
         except OSError as exc:
-            raise UserError(f"data shard {self.folder / self.shards[shard]['file']} cannot be read: {exc}.") from None
+            path = self.folder / self.shards[shard]["file"]
+            raise UserError(f"rank {self.rank}: data shard {path} cannot be read: {exc}.") from None
+        if len(window) and int(window.max()) >= self.vocab_size:
+            at = int(np.argmax(window >= self.vocab_size))
+            raise UserError(
+                f"rank {self.rank}: data shard {self.folder / self.shards[shard]['file']} holds token {window[at]} "
+                f"at token offset {offset + at}, outside the dataset's vocabulary of {self.vocab_size} "
+                f"(manifest.json): the shard is corrupt; {reprepare_hint(self.folder)}. data.verify=checksum finds "
+                "such damage at start-up."
+            )
+        return window.astype(np.int64)
 
     def batch(self, indices: np.ndarray) -> np.ndarray:
         return np.stack([self.sample(int(i)) for i in indices]) if len(indices) else np.empty((0, self.window))
@@ -94,7 +115,8 @@ class TokenShards:
                 ds = f["tokens"]
             except (OSError, KeyError) as exc:
                 raise UserError(
-                    f"data shard {path} is not a readable HDF5 token file ({exc}); prepare the data again."
+                    f"rank {self.rank}: data shard {path} is not a readable HDF5 token file ({exc}); "
+                    f"{reprepare_hint(self.folder)}."
                 ) from None
             self._files[shard] = ds
         return ds

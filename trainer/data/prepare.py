@@ -33,6 +33,8 @@ DTYPE = "uint16"
 STDLIB = "stdlib"
 #: Folders never taken from the standard library: installed packages differ between machines.
 STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__")
+#: Smallest shard accepted (the same floor as data.shard_tokens in runconfig/schema.py).
+MIN_SHARD_TOKENS = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +45,25 @@ class PrepareSpec:
     val_fraction: float
     shard_tokens: int
 
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(f"{name} {what}" for name, what in problems))
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(field, what is wrong) for every out-of-range field; checked before any work is done."""
+        out = []
+        if not self.include:
+            out.append(("include", "needs at least one pattern"))
+        if _not_int(self.max_source_bytes) or self.max_source_bytes < 0:
+            out.append(("max_source_bytes", f"must be an integer >= 0, got {self.max_source_bytes!r}"))
+        fraction = self.val_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0.0 < fraction < 1.0:
+            out.append(("val_fraction", f"must be a number in (0, 1), got {self.val_fraction!r}"))
+        if _not_int(self.shard_tokens) or self.shard_tokens < MIN_SHARD_TOKENS:
+            out.append(("shard_tokens", f"must be an integer >= {MIN_SHARD_TOKENS}, got {self.shard_tokens!r}"))
+        return out
+
     def source_dir(self) -> Path:
         return Path(sysconfig.get_paths()["stdlib"]) if self.source == STDLIB else Path(self.source).expanduser()
 
@@ -51,6 +72,10 @@ class PrepareSpec:
         parts = [str(FORMAT), TOKENIZER, str(self.source_dir().resolve()), *self.include]
         parts += [str(self.max_source_bytes), repr(self.val_fraction), str(self.shard_tokens)]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int | np.integer)
 
 
 def list_files(spec: PrepareSpec) -> list[tuple[str, Path]]:
@@ -103,10 +128,10 @@ class _ShardWriter:
             f.attrs["format"] = FORMAT
         with open(path, "rb") as fh:
             os.fsync(fh.fileno())
-        self.shards.append({"file": name, "tokens": int(len(head)), "sha256": _sha256_file(path)})
+        self.shards.append({"file": name, "tokens": int(len(head)), "sha256": sha256_file(path)})
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
