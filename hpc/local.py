@@ -81,6 +81,8 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
             for record in follower.poll():
                 if progress:
                     progress.update(record)
+            if progress:
+                progress.tick()
         for record in follower.poll():
             if progress:
                 progress.update(record)

@@ -39,8 +39,19 @@ class Progress:
             self.stream.flush()
             self.next_line_step = self.step + max(1, self.total // 20)
 
+    def tick(self) -> None:
+        """Before the first record, on a terminal: show that start-up is under way (it can take a while the first
+        time, when the dataset is prepared)."""
+        if self.tty and self.first_step_at is None:
+            elapsed = int(time.monotonic() - self.start)
+            self.stream.write(
+                f"\r[{'.' * self.width}] starting ranks: {elapsed}s (imports, MPI, data; a first run also "
+                "prepares the dataset)\x1b[K"
+            )
+            self.stream.flush()
+
     def close(self) -> None:
-        if self.tty and self.step:
+        if self.tty:
             self.stream.write("\n")
             self.stream.flush()
 

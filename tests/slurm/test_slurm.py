@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from runconfig import RunDir, dump_yaml, load_config
+from runconfig.checkpoints import read_latest, validate
 from tests.conftest import PY, ROOT, history, summary
 from tests.slurm.conftest import job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
@@ -38,6 +39,9 @@ def resumed_bitwise(run_dir, job_id, reference) -> dict:
     resumes = [e for e in events if e["event"] == "resume"]
     assert resumes and resumes[0]["slurm_restart_count"] >= 1 and resumes[0]["slurm_job_id"] == job_id
     assert summary(run_dir)["params_sha256"] == reference
+    ckpts = run_dir / "checkpoints"
+    manifest = validate(ckpts / read_latest(ckpts))  # written by the requeued job: it records which one
+    assert manifest["slurm_job_id"] == job_id and manifest["slurm_restart_count"] >= 1, manifest
     return info
 
 
