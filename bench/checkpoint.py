@@ -229,6 +229,9 @@ def worker(args: argparse.Namespace) -> int:
             mode: Checkpointer(cfg=cfg, env=env, rundir=rundir, comps=comps, comm=comm)
             for mode, cfg in (("sync", cfg_sync), ("async", cfg_async))
         }
+        # One run directory, two writers: share what each has committed, as one trainer process would know it
+        # (otherwise each prune hashes the other writer's newest generation again).
+        ckpts["async"].verified = ckpts["sync"].verified
         state = TrainState()
         gen = torch.Generator().manual_seed(1000 + rank)
         seq, vocab = cfg_sync.model.seq_len, cfg_sync.model.vocab_size

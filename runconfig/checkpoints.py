@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -165,25 +165,31 @@ def commit(tmp: Path, final: Path, manifest: dict) -> None:
     write_latest(final.parent, final.name)
 
 
-def prune(root: Path, *, keep_last: int, keep_every: int, trusted: Collection[str] = ()) -> list[Path]:
+def prune(root: Path, *, keep_last: int, keep_every: int, verified: set[str] | None = None) -> list[Path]:
     """Delete valid generations beyond the newest ``keep_last`` valid ones (and not multiples of ``keep_every``).
 
     Called only after a commit. A generation counts toward ``keep_last`` only if it validates, with every file
-    hashed unless its name is in ``trusted`` (committed or verified by this process): a damaged newer generation
-    must not push a good one out. Invalid generations, uncommitted and set-aside directories are never touched.
+    hashed unless its name is in ``verified`` (generations this process committed or already verified; the ones
+    hashed here are added to it): a damaged newer generation must not push a good one out. Invalid generations,
+    uncommitted and set-aside directories are never touched.
     """
+    verified = set() if verified is None else verified
     valid: list[tuple[int, Path]] = []
     for step, path in reversed(generations(root)):
+        hash_files = len(valid) < keep_last and path.name not in verified
         try:
-            validate(path, verify_hashes=len(valid) < keep_last and path.name not in trusted)
+            validate(path, verify_hashes=hash_files)
         except CheckpointInvalid:
             continue
+        if hash_files:
+            verified.add(path.name)
         valid.append((step, path))
     removed = []
     for step, path in valid[keep_last:]:
         if keep_every and step % keep_every == 0:
             continue
         shutil.rmtree(path)
+        verified.discard(path.name)
         removed.append(path)
     return sorted(removed)
 

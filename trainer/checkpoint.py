@@ -209,7 +209,7 @@ class Checkpointer:
         if self.env.rank == 0:
             self.verified.add(name)
             removed = prune(
-                self.root, keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every, trusted=self.verified
+                self.root, keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every, verified=self.verified
             )
             log.info("checkpoint %s committed%s", name, f"; pruned {[p.name for p in removed]}" if removed else "")
 

@@ -111,9 +111,13 @@ def test_a_damaged_newer_generation_does_not_push_a_good_one_out(tmp_path, damag
         raw[0] ^= 1
         (bad / "data.bin").write_bytes(bytes(raw))
     make_generation(tmp_path, 22)
-    assert prune(tmp_path, keep_last=2, keep_every=0, trusted={"step_00000022"}) == []
+    verified = {"step_00000022"}  # committed by this process
+    assert prune(tmp_path, keep_last=2, keep_every=0, verified=verified) == []
     assert [s for s, _ in generations(tmp_path)] == [20, 22, 24]  # the damaged one is left for inspection
+    assert verified == {"step_00000020", "step_00000022"}  # 20 was hashed once, and is remembered
     make_generation(tmp_path, 23)
-    removed = prune(tmp_path, keep_last=2, keep_every=0, trusted={"step_00000022", "step_00000023"})
+    verified.add("step_00000023")
+    removed = prune(tmp_path, keep_last=2, keep_every=0, verified=verified)
     assert removed == [tmp_path / "step_00000020"]
     assert [s for s, _ in generations(tmp_path)] == [22, 23, 24]
+    assert verified == {"step_00000022", "step_00000023"}
