@@ -105,6 +105,16 @@ def wait_for_event(run_dir, event, count, proc, timeout=120) -> dict:
     raise AssertionError(f"no {event} event #{count}")
 
 
+def stopped_by_a_signal(run_dir, sets, *, at_step, rank) -> int:
+    """Start a run, send SIGUSR2 to one rank once ``at_step`` is logged; return the step it stopped at."""
+    proc = start(run_dir, sets)
+    wait_for_step(run_dir, at_step, proc)
+    os.kill(rank_pids(run_dir)[rank], signal.SIGUSR2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    return history(run_dir)[-1]["step"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_dataset):
     run_dir = tmp_path_factory.mktemp("reference") / "run"
@@ -222,12 +232,7 @@ def test_resume_on_more_ranks_keeps_the_sample_order(tmp_path, small_dataset):
     done = run(reference, sets)
     assert done.returncode == 0, done.stdout + done.stderr
     run_dir = tmp_path / "run"
-    proc = start(run_dir, sets)
-    wait_for_step(run_dir, 9, proc)
-    os.kill(rank_pids(run_dir)[0], signal.SIGUSR2)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED, out + err
-    stop_step = history(run_dir)[-1]["step"]
+    stop_step = stopped_by_a_signal(run_dir, sets, at_step=9, rank=0)
     assert validate(run_dir / "checkpoints" / f"step_{stop_step:08d}")["world_size"] == 2
 
     done = run(run_dir, ["job.nodes=2"], resume=True)
@@ -313,12 +318,7 @@ def test_async_save_gives_the_same_result_and_commits_before_exit(tmp_path, smal
     """Async saves every 2 steps, a stop in the middle: the stop's generation is committed before the exit."""
     run_dir = tmp_path / "run"
     sets = [*common(small_dataset), "checkpoint.async_save=true", "checkpoint.every_steps=2"]
-    proc = start(run_dir, sets)
-    wait_for_step(run_dir, 7, proc)
-    os.kill(rank_pids(run_dir)[1], signal.SIGUSR2)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED, out + err
-    stop_step = history(run_dir)[-1]["step"]
+    stop_step = stopped_by_a_signal(run_dir, sets, at_step=7, rank=1)
     assert read_latest(run_dir / "checkpoints") == f"step_{stop_step:08d}"
     assert validate(run_dir / "checkpoints" / f"step_{stop_step:08d}")["step"] == stop_step
     done = run(run_dir, resume=True)
