@@ -5,17 +5,8 @@ summary.json, config.yaml) and writes report.md plus PNG figures into RUN_DIR/re
 user (0700). Works on a finished run and on one still in progress; torch-free, and matplotlib is imported only
 when the figures are drawn (hpc/plots.py), with the Agg canvas, so no display is needed.
 
-Definitions (implemented in hpc/runlog.py; report.md repeats them):
-
-- Launch wall time: from the start/resume event's ``process_start`` (else the event's ``time``) to the launch's
-  stopped/done/hang event, else the latest ``time`` of its records (kept or discarded), else its start.
-- Total wall = the sum of the launches' wall times (time queued before and between launches is listed apart).
-- productive = sum over kept records of (step_time_s - time_ckpt_s - time_data_s); goodput = productive / total
-  wall. Lost time: start-up + teardown (launch wall - step time and eval time of all its records), evaluation
-  (time_eval_s), recomputed steps (step time of discarded records), checkpoint stalls and data wait (kept
-  records); they and productive add to the total wall, any remainder is "other". Restarts = launches - 1.
-- Metrics may be logged every train.log_every steps: each record's times count for ``step - previous step``
-  steps (the previous record of the same launch, or the step the launch started from).
+The definitions (launch, total wall, goodput, lost time) are DEFINITIONS below, which report.md repeats;
+hpc/runlog.py implements them.
 """
 
 from __future__ import annotations

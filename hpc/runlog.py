@@ -1,27 +1,8 @@
 """Where a run's wall-clock time went (torch-free): launches from history.jsonl, logged steps from metrics.jsonl and
 metrics.discarded.jsonl, the goodput accounting and the straggler counts that ``python -m hpc report`` shows.
 
-Definitions (the report's Definitions section says the same):
-
-- A *launch* is one start of the ranks: a ``start`` or ``resume`` event in history.jsonl. Its wall time runs from
-  the event's ``process_start`` (when rank 0's process started; the event's ``time`` when absent) to its end: its
-  ``stopped``, ``done`` or ``hang`` event, else the latest ``time`` of a record of that launch in metrics.jsonl or
-  metrics.discarded.jsonl (a launch killed hard writes no end event), else its start. Restarts = launches - 1.
-- *Total wall* = the sum of the launches' wall times. Time queued before and between launches is not in it; it is
-  listed apart, for information.
-- *Step time* of a record = ``step_time_s`` x the number of steps it stands for. Metrics may be logged every
-  ``train.log_every`` steps: a record stands for ``step - previous step`` steps, the previous step being the
-  previous record of the same launch (kept or discarded), or for the launch's first record the step the launch
-  started from. The six step-time parts (``time_data_s`` ... ``time_sync_s``, per step) are scaled the same way.
-- *productive* = the sum over kept records (metrics.jsonl) of step time - ``time_ckpt_s`` - ``time_data_s``;
-  *goodput* = productive / total wall.
-- *Lost time*: start-up + teardown (per launch: its wall minus the step time of all its records, kept or
-  discarded, minus their evaluation time), evaluation (``time_eval_s``, the eval time since the previous record,
-  which the trainer keeps out of the step time; of all records, not scaled), recomputed steps (the step time of
-  discarded records: computed, then thrown away when a resume went back to an earlier checkpoint), checkpoint
-  stalls (``time_ckpt_s`` of kept records) and data wait (``time_data_s`` of kept records). Productive + lost =
-  total wall; a remainder (records that belong to no launch, clocks that disagree) is shown as *other* and is ~0
-  for consistent files.
+The definitions implemented here (launch, total wall, step time, productive, goodput, lost time) are stated
+once, in hpc/report.py's DEFINITIONS, which report.md repeats.
 
 Records are matched to launches by their ``launch`` id, else by time. Without any start event in history.jsonl
 one launch is assumed, from step 0 and from the start of the first logged step. Unparsable lines (the torn last

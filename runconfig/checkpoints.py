@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from runconfig.digest import sha256_file
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -33,14 +35,6 @@ class CheckpointInvalid(Exception):
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_path(path: Path) -> None:

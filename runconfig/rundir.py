@@ -69,6 +69,10 @@ class RunDir:
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank:05d}.log"
 
+    def write_failure(self, rank: int, message: str) -> None:
+        """Record the trainer's diagnosis (the rank that found it and the message) for the launcher and status."""
+        self.failure.write_text(json.dumps({"rank": rank, "message": message}) + "\n")
+
     def failure_message(self) -> str | None:
         """The trainer's diagnosis in failure.json (bad input, a hang, a rank gone), if there is one."""
         try:

@@ -181,6 +181,10 @@ class ModelConfig:
         return out
 
 
+#: Smallest shard of a prepared dataset (data.shard_tokens, and `python -m trainer.data prepare`).
+MIN_SHARD_TOKENS = 1024
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str = doc(
@@ -200,8 +204,8 @@ class DataConfig:
     verify: str = doc(
         "Start-up check of the prepared shards against manifest.json: 'checksum' = each shard's SHA-256 (every "
         "byte read once, the shards split over the ranks); 'size' = only each shard's token count and dtype, for "
-        "datasets too large to read at every start. Both refuse a vocabulary larger than model.vocab_size, and "
-        "every window read is range-checked while training.",
+        "datasets too large to read at every start, and then every window read while training is range-checked. "
+        "Both refuse a vocabulary larger than model.vocab_size.",
         "checksum",
     )
 
@@ -217,8 +221,8 @@ class DataConfig:
             out.append(("max_source_bytes", f"must be >= 0, got {self.max_source_bytes}"))
         if not 0.0 < self.val_fraction < 1.0:
             out.append(("val_fraction", f"must be in (0, 1), got {self.val_fraction}"))
-        if self.shard_tokens < 1024:
-            out.append(("shard_tokens", f"must be >= 1024, got {self.shard_tokens}"))
+        if self.shard_tokens < MIN_SHARD_TOKENS:
+            out.append(("shard_tokens", f"must be >= {MIN_SHARD_TOKENS}, got {self.shard_tokens}"))
         return out
 
 

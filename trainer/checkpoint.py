@@ -325,9 +325,9 @@ class Checkpointer:
         if manifest["optimizer"]["type"] != type(self.comps.optimizer).__name__:
             changed["optimizer"] = (manifest["optimizer"]["type"], type(self.comps.optimizer).__name__)
         if changed and not self.ccfg.allow_shape_change:
-            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
             raise UserError(
-                f"checkpoint {path} was saved with another model or optimizer ({detail}); refusing to resume. "
+                f"checkpoint {path} was saved with another model or optimizer ({_describe(changed)}); refusing to "
+                "resume. "
                 "Set checkpoint.allow_shape_change=true to force it (a warm start: tensors whose shape still "
                 "matches are loaded, the rest keep their fresh initialisation), or use a new run directory. "
                 "Nothing was deleted.",
@@ -357,17 +357,20 @@ class Checkpointer:
         if with_optim:
             set_optimizer_state_dict(model, optimizer, osd)
         if self.env.rank == 0:
-            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
             log.warning(
                 "checkpoint.allow_shape_change: resuming from %s across a change (%s): loaded %d of %d tensors%s; "
                 "optimizer state %s",
                 path.name,
-                detail,
+                _describe(changed),
                 len(fits),
                 len(msd),
                 f", fresh initialisation kept for {fresh}" if fresh else "",
                 "loaded" if with_optim else "reset",
             )
+
+
+def _describe(changed: dict[str, tuple]) -> str:
+    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
 
 
 def fsync_all_dirs(root: Path) -> None:

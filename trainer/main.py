@@ -13,7 +13,6 @@ PROCESS_START = time.time()  # before the heavy imports: a launch's start-up cos
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -192,26 +191,28 @@ def main(argv: list[str] | None = None) -> int:
         if not exc.collective and comm.Get_size() > 1:
             # Only this rank stopped (say, on a corrupt window it read mid-training): the others may be blocked in
             # a collective waiting for it. End every rank now with the user-error status, the report written.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            logging.shutdown()
-            comm.Abort(EXIT_USER_ERROR)
+            _abort_job(comm, EXIT_USER_ERROR)
         return EXIT_USER_ERROR
     except Exception:
         # Anything else (a collective failed because a peer went away, a bug): the other ranks may be blocked
         # in a collective, or in MPI_Finalize's barrier waiting for a rank that is gone. Abort the whole MPI job
         # so the launcher ends every rank at once; the traceback and failure.json are written first.
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        comm.Abort(1)
+        _abort_job(comm, 1)
         raise  # not reached
     finally:
         if "torch.distributed" in sys.modules:  # nothing to tear down if torch was never imported
             from trainer.distributed import shutdown
 
             shutdown(comm, clean=clean)
+
+
+def _abort_job(comm: MPI.Comm, status: int) -> None:
+    """End every rank of the MPI job with ``status``, after flushing what this rank has written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    comm.Abort(status)
 
 
 def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float]:
@@ -228,4 +229,4 @@ def _report_failure(rundir: RunDir, rank: int, message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     if rundir.root.is_dir():
         with contextlib.suppress(OSError):
-            rundir.failure.write_text(json.dumps({"rank": rank, "message": message}) + "\n")
+            rundir.write_failure(rank, message)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from runconfig import RunDir
 from runconfig.schema import MonitorConfig
 from trainer.env import RuntimeEnv
+from trainer.metrics import append_event
 
 EXIT_HUNG = 3
 HANG_KEY = "hpc/watchdog/hang"
@@ -211,10 +212,10 @@ class Watchdog:
 
     def _fail(self, message: str) -> None:
         with contextlib.suppress(OSError):
-            self.rundir.failure.write_text(json.dumps({"rank": self.env.rank, "message": message}) + "\n")
-        with contextlib.suppress(OSError), open(self.rundir.history, "a") as f:
-            event = {"time": time.time(), "event": "hang", "step": self.step, "launch": self.env.launch_id}
-            f.write(json.dumps({**event, "message": message}) + "\n")
+            self.rundir.write_failure(self.env.rank, message)
+        with contextlib.suppress(OSError):
+            event = {"event": "hang", "step": self.step, "launch": self.env.launch_id, "message": message}
+            append_event(self.rundir.history, event)
         print(f"error: {message}", flush=True)
         os._exit(EXIT_HUNG)
 

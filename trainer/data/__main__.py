@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.data.prepare import MIN_SHARD_TOKENS, STDLIB, PrepareSpec, prepare
+from runconfig.schema import MIN_SHARD_TOKENS
+from trainer.data.prepare import STDLIB, PrepareSpec, prepare
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

@@ -46,10 +46,13 @@ def reprepare_hint(folder: Path) -> str:
 
 class TokenShards:
     """The windows of one split, read lazily: a shard file is opened on first use, and only the rows asked for
-    are read. Every window read is checked against the manifest's vocabulary (cheap: one max per window), so a
-    damaged token stops this rank with the shard and offset named instead of an IndexError in the model."""
+    are read. With ``check_range`` every window read is checked against the manifest's vocabulary (one max per
+    window), so a damaged token stops this rank with the shard and offset named instead of an IndexError in the
+    model; a dataset whose shards were verified by checksum at start-up does not need it."""
 
-    def __init__(self, folder: Path, manifest: dict, split: str, seq_len: int, *, rank: int = 0) -> None:
+    def __init__(
+        self, folder: Path, manifest: dict, split: str, seq_len: int, *, rank: int = 0, check_range: bool = True
+    ) -> None:
         self.folder = Path(folder)
         self.window = seq_len + 1
         self.shards = manifest["splits"][split]
@@ -57,6 +60,7 @@ class TokenShards:
         self.vocab_size = int(manifest["vocab_size"])
         self.dtype = np.dtype(manifest.get("dtype", "uint16"))
         self.rank = rank
+        self.check_range = check_range
         per_shard = np.array([s["tokens"] // self.window for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(per_shard)])
         self._files: dict[int, h5py.Dataset] = {}
@@ -88,7 +92,7 @@ class TokenShards:
         except OSError as exc:
             path = self.folder / self.shards[shard]["file"]
             raise UserError(f"rank {self.rank}: data shard {path} cannot be read: {exc}.") from None
-        if len(window) and int(window.max()) >= self.vocab_size:
+        if self.check_range and len(window) and int(window.max()) >= self.vocab_size:
             at = int(np.argmax(window >= self.vocab_size))
             raise UserError(
                 f"rank {self.rank}: data shard {self.folder / self.shards[shard]['file']} holds token {window[at]} "

@@ -25,6 +25,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from runconfig.digest import sha256_file
+from runconfig.schema import MIN_SHARD_TOKENS
+
 FORMAT = 1
 TOKENIZER = "bytes"
 EOS = 256
@@ -33,8 +36,6 @@ DTYPE = "uint16"
 STDLIB = "stdlib"
 #: Folders never taken from the standard library: installed packages differ between machines.
 STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__")
-#: Smallest shard accepted (the same floor as data.shard_tokens in runconfig/schema.py).
-MIN_SHARD_TOKENS = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,14 +130,6 @@ class _ShardWriter:
         with open(path, "rb") as fh:
             os.fsync(fh.fileno())
         self.shards.append({"file": name, "tokens": int(len(head)), "sha256": sha256_file(path)})
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def prepare(spec: PrepareSpec, out: Path, *, progress: bool = False) -> dict:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from runconfig.digest import sha256_file
 from trainer.data.dataset import reprepare_hint
-from trainer.data.prepare import sha256_file
 from trainer.errors import UserError
 
 
