@@ -1,8 +1,8 @@
 """Bus bandwidth of flat vs hierarchical all-reduce on 2 (simulated) nodes x 2 ranks.
 
 ``python bench/allreduce.py`` starts itself under the venv's mpirun with 4 ranks (``--worker``); every rank
-bootstraps like the trainer (``trainer.env.from_mpi`` + ``trainer.distributed.init_distributed``) and times
-``dist.all_reduce`` on the default group against ``trainer.comm.hierarchical_all_reduce``, alternated per
+bootstraps like the trainer (``trainer.env.from_mpi`` + ``trainer.parallel.distributed.init_distributed``) and times
+``dist.all_reduce`` on the default group against ``trainer.parallel.comm.hierarchical_all_reduce``, alternated per
 iteration. Figures follow nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0 prints a
 table and a JSON object. ``--link-mbit RATE`` puts ranks 0-1 and 2-3 in two network namespaces joined by a veth
 pair rate-limited with tbf (root only), so the inter-node link is slow as between real nodes.
@@ -73,9 +73,9 @@ def worker(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from runconfig.schema import CommConfig
-    from trainer.comm import hierarchical_all_reduce
-    from trainer.distributed import init_distributed, pick_device, shutdown
     from trainer.env import from_mpi
+    from trainer.parallel.comm import hierarchical_all_reduce
+    from trainer.parallel.distributed import init_distributed, pick_device, shutdown
 
     comm = MPI.COMM_WORLD
     env = from_mpi(comm)

@@ -16,7 +16,8 @@ noise hits every measure alike), in one temporary folder:
 - ``step``: one training step of the same model (forward, backward, AdamW step) on a random batch.
 
 Each figure is the slowest rank's time; the tables show medians over repetitions. Where the time goes is measured
-by timing wrappers around the functions trainer.checkpoint calls (rank 0's view). With ``--ranks N`` (N > 1) the
+by timing wrappers around the functions trainer.checkpoint.checkpointer calls (rank 0's view).
+With ``--ranks N`` (N > 1) the
 script starts itself under the venv's mpirun with HPC_SIMULATE_RANKS_PER_NODE=N. Prints a table and a JSON object.
 """
 
@@ -76,7 +77,7 @@ def n_layers_for(size_mb: float, d_model: int, vocab: int = 257, seq_len: int = 
     return max(1, round((size_mb * 1e6 / 12 - fixed) / per_layer))
 
 
-# --- timing of the phases inside trainer.checkpoint -------------------------------------------------------------
+# --- timing of the phases inside trainer.checkpoint.checkpointer -----------------------------------------------
 
 
 class Phases:
@@ -118,11 +119,11 @@ class Phases:
 
 
 def instrument(phases: Phases) -> None:
-    """Wrap what trainer.checkpoint calls (its module globals only; torch itself is not patched)."""
+    """Wrap what trainer.checkpoint.checkpointer calls (its module globals only; torch itself is not patched)."""
     import torch.distributed.checkpoint as dcp
 
     import runconfig.checkpoints as layout
-    import trainer.checkpoint as ck
+    import trainer.checkpoint.checkpointer as ck
 
     ck.dcp = types.SimpleNamespace(save=dcp.save, load=dcp.load, FileSystemWriter=dcp.FileSystemWriter)
     phases.wrap(ck.dcp, "save", "dcp_save")
@@ -182,11 +183,11 @@ def worker(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from runconfig import RunDir, load_config
-    from trainer.checkpoint import Checkpointer
-    from trainer.distributed import init_distributed, shutdown
+    from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.env import from_mpi
-    from trainer.loop import TrainState, build
-    from trainer.model import loss_fn
+    from trainer.loop.train import TrainState, build
+    from trainer.models.gpt import loss_fn
+    from trainer.parallel.distributed import init_distributed, shutdown
 
     comm = MPI.COMM_WORLD
     env = from_mpi(comm)

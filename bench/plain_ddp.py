@@ -1,7 +1,7 @@
 """Plain torch DDP on the trainer's model, config and prepared data: the baseline of bench/overhead.py.
 
 Launched by torchrun (``torchrun --standalone --nproc-per-node 2 bench/plain_ddp.py --data DIR``). Builds
-``trainer.model.GPT`` from the same config as the trainer (the tiny example plus ``--set`` overrides) and trains it
+``trainer.models.gpt.GPT`` from the same config as the trainer (the tiny example plus ``--set`` overrides) and trains it
 with the same batch, gradient accumulation, bucket size, AdamW settings and clipping; batches are random windows
 of ``seq_len + 1`` tokens read from the HDF5 shards. Rank 0 prints one JSON object with the per-step times.
 """
@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runconfig import load_config  # noqa: E402
-from trainer.model import GPT  # noqa: E402
+from trainer.models.gpt import GPT  # noqa: E402
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float:

@@ -102,6 +102,8 @@ def set_key(raw: dict, key: str, value: Any, *, what: str) -> None:
 def _check_path(parts: list[str], what: str) -> None:
     cls: Any = RunConfig
     for depth, part in enumerate(parts):
+        if typing.get_origin(cls) is dict and typing.get_args(cls)[1] is Any:
+            return  # a free mapping (recipe_args): any key below it
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"{what}: {'.'.join(parts[:depth])} is a value, not a section.")
         names = [f.name for f in dataclasses.fields(cls)]
@@ -126,7 +128,11 @@ def from_dict(raw: dict, *, source: str = "<config>") -> RunConfig:
 
 
 def _sections() -> list[str]:
-    return [f.name for f in dataclasses.fields(RunConfig)]
+    return [
+        f.name
+        for f in dataclasses.fields(RunConfig)
+        if dataclasses.is_dataclass(typing.get_type_hints(RunConfig)[f.name])
+    ]
 
 
 def _build(cls: type, raw: Any, source: str, prefix: str):
@@ -168,6 +174,10 @@ def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
             raise ConfigError(
                 f"config {source}: key {key!r} must be one of {', '.join(map(repr, args))}, got {value!r}."
             )
+        return value
+    if origin is dict and args[1] is Any:  # a free mapping (recipe_args): plain YAML data, string keys
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"config {source}: key {key!r} must be a mapping with string keys, got {_kind(value)}.")
         return value
     if origin is dict:
         if not isinstance(value, dict):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # What may reach an #SBATCH line unquoted: no spaces, quotes, '$', backticks, ';' or newlines.
@@ -21,6 +21,9 @@ TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{2}))?(?::(\d{2}))?$")
 OPTION_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 OPTION_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:/=+@%-]{0,256}$")
 SRUN_ARG_RE = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/=+@%-]*)?$")
+#: The built-in recipe's name; any other recipe is "module.path:function".
+BUILTIN_RECIPE = "gpt"
+RECIPE_RE = re.compile(r"^(gpt|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
@@ -161,6 +164,8 @@ class JobConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    """The built-in GPT's shape: the arguments of ``recipe: gpt``. Another recipe takes its own from recipe_args."""
+
     vocab_size: int = doc("Vocabulary size; must cover the dataset's tokenizer (byte-level: 257).", 257)
     seq_len: int = doc("Context length in tokens of each training sequence.", 128)
     d_model: int = doc("Width of the residual stream.", 128)
@@ -209,8 +214,21 @@ class DataConfig:
         "checksum",
     )
 
+    tokenizer: str | None = doc(
+        "A tokenizers-package tokenizer.json used when preparing data.source on first use (its ids are stored in the "
+        "same HDF5 shards; the vocabulary size comes from it). Unset: bytes (vocabulary 257).",
+        None,
+    )
+    prefetch: int = doc(
+        "Micro-batches fetched and collated ahead of the step by as many background threads (hides a dataset slower "
+        "than a step when its items can be fetched in parallel, e.g. file reads); 0 = fetch in the training thread.",
+        2,
+    )
+
     def check(self) -> Problems:
         out: Problems = []
+        if self.prefetch < 0:
+            out.append(("prefetch", f"must be >= 0, got {self.prefetch}"))
         if self.verify not in ("checksum", "size"):
             out.append(("verify", f"must be 'checksum' or 'size', got {self.verify!r}"))
         if not self.source:
@@ -374,9 +392,19 @@ class MonitorConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
+    recipe: str = doc(
+        "What to train: 'module:function' of a recipe (the user's model, data and loss; see trainer/recipes/api.py), "
+        "or 'gpt', the built-in byte-level GPT. The module is found in the config file's folder, the current folder "
+        "or the installed packages, and snapshotted into the run directory at submit time.",
+        "gpt",
+    )
+    recipe_args: dict[str, Any] = doc("Keyword arguments of the recipe function (free mapping).", factory=dict)
     job: JobConfig = doc("Job shape: nodes and ranks.", factory=JobConfig)
-    model: ModelConfig = doc("Decoder-only transformer.", factory=ModelConfig)
-    data: DataConfig = doc("Token data.", factory=DataConfig)
+    model: ModelConfig = doc("The built-in GPT's shape (recipe: gpt only).", factory=ModelConfig)
+    data: DataConfig = doc(
+        "Sample order (seed), prefetch, and the prepared HDF5 token data that token-based recipes read.",
+        factory=DataConfig,
+    )
     train: TrainConfig = doc("Optimisation loop.", factory=TrainConfig)
     comm: CommConfig = doc("Gradient communication.", factory=CommConfig)
     checkpoint: CheckpointConfig = doc("Checkpoints, stop signals and resume.", factory=CheckpointConfig)
@@ -385,6 +413,17 @@ class RunConfig:
     def check(self) -> Problems:
         """Checks that span sections."""
         out: Problems = []
+        if not RECIPE_RE.match(self.recipe):
+            out.append(("recipe", f"{self.recipe!r} must be 'gpt' or 'package.module:function'"))
+        elif self.recipe != BUILTIN_RECIPE and self.model != ModelConfig():
+            out.append(
+                (
+                    "model",
+                    f"configures the built-in gpt recipe; recipe {self.recipe} takes its settings from recipe_args",
+                )
+            )
+        if self.recipe == BUILTIN_RECIPE and self.recipe_args:
+            out.append(("recipe_args", "the built-in gpt recipe takes its settings from the model section"))
         if self.job.signal not in self.checkpoint.stop_signals:
             out.append(
                 (

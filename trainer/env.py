@@ -13,10 +13,10 @@ from pathlib import Path
 from mpi4py import MPI
 
 from runconfig.outcome import LAUNCH_VAR
-from trainer import inject
 from trainer.errors import UserError
-from trainer.inject import Fault
-from trainer.topology import Topology
+from trainer.observe import inject
+from trainer.observe.inject import Fault
+from trainer.parallel.topology import Topology
 
 #: Folder of datasets prepared on first use (default ~/.cache/hpc-trainer/data).
 DATA_CACHE_VAR = "HPC_DATA_CACHE"
@@ -41,7 +41,7 @@ class RuntimeEnv:
     slurm_restart_count: int | None
     data_cache: Path  # where datasets prepared on first use are kept ($HPC_DATA_CACHE)
     launch_id: str = ""  # the launcher's id for this start of the ranks ($HPC_LAUNCH_ID), in history events
-    inject: tuple[Fault, ...] = ()  # faults injected on purpose by tests ($HPC_INJECT, trainer/inject.py)
+    inject: tuple[Fault, ...] = ()  # faults injected on purpose by tests ($HPC_INJECT, trainer/observe/inject.py)
 
     @property
     def node(self) -> int:

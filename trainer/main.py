@@ -52,15 +52,15 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     # Imported here so that `--help` and config errors do not pay for importing torch.
     import torch
 
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.fingerprint import params_sha256
     from trainer.data.resolve import open_splits
-    from trainer.distributed import init_distributed, pick_device
     from trainer.env import agree, from_mpi
-    from trainer.fingerprint import params_sha256
-    from trainer.loop import TrainState, build, train
-    from trainer.metrics import MetricsWriter, append_event, truncate_metrics, write_json_atomic
-    from trainer.monitors import build_monitors
-    from trainer.stop import StopFlag
+    from trainer.loop.stop import StopFlag
+    from trainer.loop.train import TrainState, build, train
+    from trainer.observe.metrics import MetricsWriter, append_event, truncate_metrics, write_json_atomic
+    from trainer.observe.monitors import build_monitors
+    from trainer.parallel.distributed import init_distributed, pick_device
 
     # Where a launch's start-up goes (rank 0's clock; "imports" is the slowest rank's), in the start/resume event.
     marks = {"imports": time.time()}
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         raise  # not reached
     finally:
         if "torch.distributed" in sys.modules:  # nothing to tear down if torch was never imported
-            from trainer.distributed import shutdown
+            from trainer.parallel.distributed import shutdown
 
             shutdown(comm, clean=clean)
 

@@ -1,6 +1,6 @@
 """Observability with real processes: step-time breakdown, TensorBoard, stragglers and the hang watchdog.
 
-Faults are injected with HPC_INJECT (trainer/inject.py): a rank that sleeps in every step, a rank that hangs.
+Faults are injected with HPC_INJECT (trainer/observe/inject.py): a rank that sleeps in every step, a rank that hangs.
 """
 
 import json
@@ -95,7 +95,7 @@ def test_a_hung_rank_is_named_and_every_rank_dumps_its_stack(tmp_path, small_dat
     for rank in range(4):
         text = (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
         assert "Python stacks of all threads (hang watchdog)" in text, rank
-        assert "trainer/loop.py" in text, rank  # the main thread's stack, in the training loop
+        assert "trainer/loop/" in text, rank  # the main thread's stack, in the training loop
     assert "in_compute" in (run_dir / "logs" / "rank_00003.log").read_text()  # where rank 3 is stuck
     events = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "hang" and events[-1]["step"] == 4

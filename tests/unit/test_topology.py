@@ -1,7 +1,7 @@
 import pytest
 
 from trainer.errors import UserError
-from trainer.topology import Topology
+from trainer.parallel.topology import Topology
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from runconfig.schema import CommConfig
-from trainer.comm import hierarchical_all_reduce
-from trainer.distributed import init_distributed, shutdown
 from trainer.env import from_mpi
+from trainer.parallel.comm import hierarchical_all_reduce
+from trainer.parallel.distributed import init_distributed, shutdown
 
 comm = MPI.COMM_WORLD
 env = from_mpi(comm)

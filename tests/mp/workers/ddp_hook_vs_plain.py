@@ -1,6 +1,6 @@
 """Worker: DDP with the hierarchical hook vs plain DDP, K AdamW steps from the same weights on the same batches.
 
-Built through trainer.loop.build, the trainer's own code path, for several bucket sizes.
+Built through trainer.loop.train.build, the trainer's own code path, for several bucket sizes.
 argv: OUT_DIR STEPS
 """
 
@@ -13,10 +13,10 @@ import torch
 from mpi4py import MPI
 
 from runconfig import load_config
-from trainer.distributed import init_distributed, shutdown
 from trainer.env import from_mpi
-from trainer.loop import build
-from trainer.model import loss_fn
+from trainer.loop.train import build
+from trainer.models.gpt import loss_fn
+from trainer.parallel.distributed import init_distributed, shutdown
 
 out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
 comm = MPI.COMM_WORLD

@@ -45,11 +45,11 @@ from runconfig.checkpoints import (
     step_name,
 )
 from runconfig.load import config_hash, to_dict
+from trainer.checkpoint.fingerprint import params_sha256, tensors_sha256
+from trainer.checkpoint.provenance import git_commit, versions
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.fingerprint import params_sha256, tensors_sha256
-from trainer.loop import Components, TrainState
-from trainer.provenance import git_commit, versions
+from trainer.loop.train import Components, TrainState
 
 log = logging.getLogger(__name__)
 FORMAT = 1

@@ -14,17 +14,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from runconfig.schema import RunConfig
-from trainer.comm import hierarchical_hook
 from trainer.data.dataset import DataState, GlobalOrder, TokenShards, rank_slice
-from trainer.distributed import Distributed
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.metrics import MetricsWriter
-from trainer.model import GPT, loss_fn
-from trainer.monitors import Monitors
-from trainer.optim import build_optimizer, lr_at
-from trainer.stop import StopFlag
-from trainer.timing import peak_memory_mb
+from trainer.loop.optim import build_optimizer, lr_at
+from trainer.loop.stop import StopFlag
+from trainer.models.gpt import GPT, loss_fn
+from trainer.observe.metrics import MetricsWriter
+from trainer.observe.monitors import Monitors
+from trainer.observe.timing import peak_memory_mb
+from trainer.parallel.comm import hierarchical_hook
+from trainer.parallel.distributed import Distributed
 
 log = logging.getLogger(__name__)
 

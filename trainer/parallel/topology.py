@@ -2,7 +2,7 @@
 
 The layout is a 2-D mesh of shape (nodes, ranks_per_node) in row-major rank order: rank r sits on node
 ``r // ranks_per_node`` at local index ``r % ranks_per_node``. Process groups (and a DeviceMesh) are built from
-this in ``trainer.distributed``; nothing here needs a process group, so it is testable on its own.
+this in ``trainer.parallel.distributed``; nothing here needs a process group, so it is testable on its own.
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ import torch
 
 from runconfig import RunConfig, RunDir
 from runconfig.progress import Progress
-from trainer.distributed import Distributed
 from trainer.env import RuntimeEnv
-from trainer.inject import Injector
-from trainer.stragglers import StragglerCheck
-from trainer.tboard import TensorBoard
-from trainer.timing import StepClock, flops_per_token, peak_tflops
-from trainer.watchdog import Watchdog
+from trainer.observe.inject import Injector
+from trainer.observe.stragglers import StragglerCheck
+from trainer.observe.tboard import TensorBoard
+from trainer.observe.timing import StepClock, flops_per_token, peak_tflops
+from trainer.observe.watchdog import Watchdog
+from trainer.parallel.distributed import Distributed
 
 
 @dataclass

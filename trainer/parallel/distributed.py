@@ -14,10 +14,10 @@ from mpi4py import MPI
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from runconfig.schema import CommConfig
-from trainer.comm import HierGroups
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.topology import MESH_DIMS
+from trainer.parallel.comm import HierGroups
+from trainer.parallel.topology import MESH_DIMS
 
 
 @dataclass(frozen=True)

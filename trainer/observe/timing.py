@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from trainer.comm import BlockedIntervals
+from trainer.parallel.comm import BlockedIntervals
 
 PARTS = ("data", "compute", "comm", "optim", "ckpt", "sync")
 

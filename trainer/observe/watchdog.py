@@ -30,7 +30,7 @@ import torch.distributed as dist
 from runconfig import RunDir
 from runconfig.schema import MonitorConfig
 from trainer.env import RuntimeEnv
-from trainer.metrics import append_event
+from trainer.observe.metrics import append_event
 
 EXIT_HUNG = 3
 HANG_KEY = "hpc/watchdog/hang"

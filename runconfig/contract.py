@@ -1,0 +1,62 @@
+"""The run directory's contract, defined once: exit statuses, history events, environment variables, step-time
+parts, and the two ways files of a run directory are written (JSON lines appended, JSON replaced atomically).
+
+Torch-free: the login-node side (``hpc``), the sbatch scripts (through ``python -m``), the trainer and the tests
+import these names; a literal that names one of them anywhere else is a bug waiting for a rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+# -- exit statuses (of the trainer, the launchers and the CLI) ----------------------------------------------------
+EXIT_DONE = 0  # training complete
+EXIT_FAILED = 1  # the job failed (a bug, a rank gone, a hang): not requeued
+EXIT_USER_ERROR = 2  # bad input: one message naming the file, key or rank; nothing lost
+EXIT_HANG = 3  # the hang watchdog ended the job (ranks named in failure.json)
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal at a step boundary, checkpoint committed, resumable
+
+# -- history.jsonl events (one JSON object per line, each with "event", "time" and the "launch" that wrote it) ----
+EVENT_START = "start"  # a launch began training from step 0
+EVENT_RESUME = "resume"  # a launch restored a checkpoint
+EVENT_STOPPED = "stopped"  # stopped by a signal with a committed checkpoint
+EVENT_DONE = "done"  # training complete, summary.json written
+EVENT_HANG = "hang"  # the hang watchdog ended the job
+EVENT_CODE = "code"  # the recipe's code snapshot was taken or refreshed (login node)
+
+# -- environment variables from the launchers to the ranks -----------------------------------------------------
+LAUNCH_VAR = "HPC_LAUNCH_ID"  # this start of the ranks, written into every history event
+SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"  # lay one host's ranks out as simulated nodes of this many ranks
+DATA_CACHE_VAR = "HPC_DATA_CACHE"  # datasets prepared on first use (default ~/.cache/hpc-trainer/data)
+INJECT_VAR = "HPC_INJECT"  # faults injected on purpose by tests (trainer/observe/inject.py)
+
+# -- step-time parts: metrics.jsonl has time_<part>_s for each ----------------------------------------------------
+PARTS = ("data", "compute", "comm", "optim", "ckpt", "sync")
+PART_KEYS = tuple(f"time_{p}_s" for p in PARTS)
+
+
+def append_jsonl(path: Path, obj: dict) -> None:
+    """Append one JSON object as a line (history, jobs). One write call, so a line is never interleaved."""
+    with open(path, "a") as f:
+        f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+
+def append_event(path: Path, event: str, **fields) -> None:
+    """One line in a run's history.jsonl: the event name, the time, then ``fields``."""
+    append_jsonl(path, {"event": event, "time": time.time(), **fields})
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Replace ``path`` with ``data`` as JSON: written to a temporary file, fsynced, renamed; readers see the old
+    file or the new one, never a partial one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

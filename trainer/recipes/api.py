@@ -1,0 +1,116 @@
+"""The recipe interface: how a user's model, data and loss enter the trainer (the built-in GPT uses it too).
+
+A recipe is a function named in the config as ``recipe: module:function`` (``recipe: gpt`` for the built-in one),
+called once per rank as ``function(ctx, **recipe_args)`` and returning a :class:`Recipe`::
+
+    from trainer.recipes import Recipe, RecipeContext
+
+    def recipe(ctx: RecipeContext, hidden: int = 64) -> Recipe:
+        model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+        return Recipe(
+            model=model,
+            train_data=MyDataset("train"),          # map-style: __len__ and __getitem__
+            loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
+            eval_data=MyDataset("val"),
+        )
+
+The trainer does the rest: it seeds torch with ``train.seed`` before calling the recipe (so every rank builds the
+same initial weights), moves the model to the device, wraps it in DDP with the configured all-reduce, splits a
+global sample order (a pure function of ``data.seed`` and the epoch, independent of the world size) over ranks and
+micro-batches, prefetches batches in background threads, steps the optimizer, checkpoints and resumes exactly.
+
+Raise ``ValueError`` (or ``TypeError``) from the recipe function for ``recipe_args`` it rejects: the message is
+shown to the user with the recipe named, and the job ends with status 2 before any training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: (model, batch) -> the mean loss of the batch, a scalar tensor. ``model`` is the DDP-wrapped model: call it.
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+#: (model, batch) -> named per-batch means, e.g. {"accuracy": ...}; reported as eval_<name> (sample-weighted).
+MetricsFn = Callable[[nn.Module, Any], Mapping[str, Any]]
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    """What a recipe returns. Only ``model``, ``train_data`` and ``loss`` are required."""
+
+    model: nn.Module
+    """A plain ``torch.nn.Module`` with parameters, built on the CPU (the trainer moves it to the device)."""
+    train_data: Any
+    """A map-style dataset: ``len(ds)`` and ``ds[i]`` for ``0 <= i < len(ds)``; items are tensors, numpy arrays,
+    numbers, or tuples/dicts of them, batched by ``collate``. ``ds[i]`` must depend on ``i`` only (no randomness
+    of its own): the trainer's order and resume guarantees rest on it."""
+    loss: LossFn
+    """(model, batch) -> scalar loss tensor, the mean over the batch. Called under autocast on GPU (bf16)."""
+    eval_data: Any | None = None
+    """Held-out map-style dataset; ``train.eval_sequences`` evenly spaced items of it are evaluated every
+    ``train.eval_every`` steps. Reported: ``eval_loss`` (the loss, sample-weighted mean over ranks)."""
+    eval_metrics: MetricsFn | None = None
+    """Extra eval numbers per batch (means over the batch), reported as ``eval_<name>``."""
+    collate: Callable[[list], Any] | None = None
+    """list of items -> batch; default ``torch.utils.data.default_collate`` (stacks arrays into tensors)."""
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    """model -> optimizer; default AdamW from ``train.*`` (decay on matrices only)."""
+    lr_schedule: Callable[[int], float] | None = None
+    """optimizer step (0-based) -> learning rate, set on every param group before the step (times the group's
+    ``lr_scale`` if it has one); default: linear warmup + cosine decay from ``train.*``. Must be a pure function of
+    the step: resume needs nothing else."""
+    flops_per_sample: float | None = None
+    """Training FLOPs of one sample (forward + backward) for MFU; default: counted once with
+    ``torch.utils.flop_counter.FlopCounterMode`` on one micro-batch (only when MFU is reported: on GPU)."""
+    unit: str = "samples"
+    """What throughput counts, e.g. "tokens" or "images": the log line shows ``<unit>/s``."""
+    units_per_sample: float = 1.0
+    """Units in one sample (a language model's window of seq_len tokens: seq_len)."""
+    architecture: Mapping[str, Any] = field(default_factory=dict)
+    """Settings that define the model beyond its parameter shapes (e.g. attention heads). A resume across a
+    change of these, of a parameter's name, shape or dtype, or of the optimizer's type is refused unless
+    ``checkpoint.allow_shape_change`` (a warm start)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeContext:
+    """What the trainer tells a recipe. Read-only facts, and the set-up helpers that must be collective."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    seed: int
+    """``train.seed``; torch's global RNG is seeded with it just before the recipe is called."""
+    device: torch.device
+    """Where the model will be trained (informational: build on the CPU, the trainer moves it)."""
+    micro_batch_size: int
+    config: Any
+    """The whole run config (``runconfig.RunConfig``), read-only: ``config.data``, ``config.train``..."""
+    run_dir: Path
+    _barrier: Callable[[], None] = lambda: None
+    _token_data: Callable[..., tuple[Any, Any]] | None = None
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first, the other ranks after it (e.g. to build a cache on first use)."""
+        if self.rank != 0:
+            self._barrier()
+        try:
+            yield
+        finally:
+            if self.rank == 0:
+                self._barrier()
+
+    def token_data(self, seq_len: int, *, vocab_size: int | None = None) -> tuple[Any, Any]:
+        """(train, val) windows of ``seq_len + 1`` tokens from the prepared HDF5 token dataset of the ``data:``
+        section (``data.path``, or ``data.source`` prepared on first use), checked against its manifest
+        (``data.verify``). Each is a map-style dataset of int64 numpy arrays with ``.vocab_size`` from the
+        manifest; ``vocab_size`` (the model's) must cover it. Collective: every rank calls it."""
+        assert self._token_data is not None
+        return self._token_data(seq_len, vocab_size)
