@@ -1,4 +1,5 @@
-"""``python -m trainer.data prepare --source DIR --out OUT``: text files -> sharded HDF5 tokens + manifest."""
+"""``python -m trainer.data prepare --source DIR --out OUT [--tokenizer tokenizer.json]``: text files -> sharded
+HDF5 tokens + manifest (bytes, or the ids of a ``tokenizers`` tokenizer)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runconfig.schema import MIN_SHARD_TOKENS
-from trainer.data.prepare import STDLIB, PrepareSpec, prepare
+from trainer.data.prepare import STDLIB, PrepareSpec, TokenizerError, prepare
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         default=4_000_000,
         help=f"tokens per shard (>= {MIN_SHARD_TOKENS})",
     )
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a `tokenizers` tokenizer.json to encode the text with (default: bytes, vocabulary 257)",
+    )
     args = parser.parse_args(argv)
     try:
         spec = PrepareSpec(
@@ -62,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             max_source_bytes=args.max_bytes,
             val_fraction=args.val_fraction,
             shard_tokens=args.shard_tokens,
+            tokenizer=None if args.tokenizer is None else str(args.tokenizer),
         )
     except ValueError as exc:  # the argument types above already refuse these; kept for the spec's own checks
         print(f"error: bad prepare arguments: {exc}.", file=sys.stderr)
@@ -75,13 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         manifest = prepare(spec, args.out, progress=True)
+    except TokenizerError as exc:
+        print(f"error: --tokenizer: {exc}.", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"error: cannot prepare {args.source}: {exc}.", file=sys.stderr)
         return 2
     shards = sum(len(s) for s in manifest["splits"].values())
     print(
         f"prepared {manifest['source_files']} files ({manifest['source_bytes'] / 1e6:.1f} MB) into {shards} shards "
-        f"in {args.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} val tokens, "
+        f"in {args.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} val tokens "
+        f"(tokenizer {manifest['tokenizer']}, vocabulary {manifest['vocab_size']:,}), "
         f"{time.perf_counter() - start:.1f} s"
     )
     return 0

@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from runconfig.schema import DataConfig
 from trainer.data.dataset import TokenShards, read_manifest
-from trainer.data.prepare import STDLIB, PrepareSpec, prepare
+from trainer.data.prepare import STDLIB, PrepareSpec, TokenizerError, prepare, tokenizer_sha256
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.env import RuntimeEnv, agree
 from trainer.errors import UserError
@@ -26,27 +26,42 @@ def prepare_spec(cfg: DataConfig) -> PrepareSpec:
         max_source_bytes=cfg.max_source_bytes,
         val_fraction=cfg.val_fraction,
         shard_tokens=cfg.shard_tokens,
+        tokenizer=cfg.tokenizer,
     )
 
 
 def dataset_folder(cfg: DataConfig, cache: Path) -> Path:
+    """The prepared dataset's folder: data.path, or a cache folder keyed by the preparation (tokenizer included).
+    Raises UserError when data.tokenizer cannot be read."""
     if cfg.path:
         return Path(cfg.path).expanduser()
     spec = prepare_spec(cfg)
     stem = "stdlib" if cfg.source == STDLIB else Path(cfg.source).name or "data"
-    return cache / f"{stem}-{spec.key()}"
+    try:
+        key = spec.key()
+    except TokenizerError as exc:
+        raise UserError(_tokenizer_problem(exc)) from None
+    return cache / f"{stem}-{key}"
 
 
 def open_splits(
-    cfg: DataConfig, seq_len: int, vocab_size: int, env: RuntimeEnv, comm: MPI.Comm
+    cfg: DataConfig, seq_len: int, vocab_size: int | None, env: RuntimeEnv, comm: MPI.Comm
 ) -> tuple[TokenShards, TokenShards]:
     """Collective: every rank returns (train, val) readers, or every rank raises the same UserError.
 
     Rank 0 prepares the data if needed and runs the cheap checks (manifest, vocabulary, each shard's length and
     dtype); with data.verify=checksum every rank then hashes its share of the shards. Either way the ranks agree
     on the outcome before any training, so a bad shard stops the job with its file and finder named.
+    ``vocab_size=None`` skips the vocabulary check (a model sized from the manifest's ``vocab_size``).
     """
-    folder = dataset_folder(cfg, env.data_cache)
+    folder: Path | None = None
+
+    def find() -> None:
+        nonlocal folder
+        folder = dataset_folder(cfg, env.data_cache)
+
+    agree(comm, _error_of(find))
+    assert folder is not None
     agree(comm, _error_of(lambda: _prepare_and_check(cfg, folder, seq_len, vocab_size)) if env.rank == 0 else None)
     manifest = read_manifest(folder)
     checksummed = cfg.verify == "checksum"
@@ -67,24 +82,52 @@ def _error_of(check: Callable[[], None]) -> str | None:
     return None
 
 
-def _prepare_and_check(cfg: DataConfig, folder: Path, seq_len: int, vocab_size: int) -> None:
+def _tokenizer_problem(exc: TokenizerError) -> str:
+    return f"data.tokenizer: {exc}. Unset data.tokenizer to train on bytes (vocabulary 257)."
+
+
+def _prepare_and_check(cfg: DataConfig, folder: Path, seq_len: int, vocab_size: int | None) -> None:
     if not (folder / "manifest.json").exists() and not cfg.path:
         spec = prepare_spec(cfg)
         if not spec.source_dir().is_dir():
             raise UserError(f"data.source {cfg.source!r}: folder {spec.source_dir()} does not exist.")
-        log.info("preparing %s into %s (first use)", spec.source_dir(), folder)
+        log.info(
+            "preparing %s into %s (first use%s)",
+            spec.source_dir(),
+            folder,
+            f", tokenizer {cfg.tokenizer}" if cfg.tokenizer else "",
+        )
         try:
             prepare(spec, folder)
+        except TokenizerError as exc:
+            raise UserError(_tokenizer_problem(exc)) from None
         except (OSError, ValueError) as exc:
             raise UserError(f"data.source {cfg.source!r} cannot be prepared into {folder}: {exc}.") from None
     manifest = read_manifest(folder)
-    check_vocab(folder, manifest, vocab_size)
+    if cfg.path and cfg.tokenizer:
+        _check_tokenizer_matches(cfg, folder, manifest)
+    if vocab_size is not None:
+        check_vocab(folder, manifest, vocab_size)
     for split in ("train", "val"):
         reader = TokenShards(folder, manifest, split, seq_len)
         try:
             reader.verify()
         finally:
             reader.close()
+
+
+def _check_tokenizer_matches(cfg: DataConfig, folder: Path, manifest: dict) -> None:
+    """data.path with data.tokenizer: the dataset must have been prepared with that tokenizer."""
+    try:
+        sha = tokenizer_sha256(Path(cfg.tokenizer).expanduser())
+    except TokenizerError as exc:
+        raise UserError(_tokenizer_problem(exc)) from None
+    if manifest.get("tokenizer_sha256") != sha:
+        raise UserError(
+            f"data.tokenizer {cfg.tokenizer} is not the tokenizer the dataset at data.path {folder} was prepared "
+            f"with (its manifest.json records tokenizer {manifest.get('tokenizer', '?')!r}, SHA-256 "
+            f"{manifest.get('tokenizer_sha256', 'none')}); unset data.tokenizer, or prepare the data again with it."
+        )
 
 
 def _check_my_shards(folder: Path, manifest: dict, env: RuntimeEnv) -> None:
