@@ -12,17 +12,11 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from runconfig.outcome import LAUNCH_VAR
+from runconfig.contract import DATA_CACHE_VAR, INJECT_VAR, LAUNCH_VAR, SIMULATE_VAR
 from trainer.errors import UserError
 from trainer.observe import inject
 from trainer.observe.inject import Fault
 from trainer.parallel.topology import Topology
-
-#: Folder of datasets prepared on first use (default ~/.cache/hpc-trainer/data).
-DATA_CACHE_VAR = "HPC_DATA_CACHE"
-#: Set by the local launcher (or by hand) to lay the ranks of one host out as several simulated nodes of this
-#: many ranks each, so hierarchical collectives can be exercised on one machine.
-SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"
 
 
 @dataclass(frozen=True)
@@ -110,7 +104,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         slurm_restart_count=int(restart) if restart and restart.isdigit() else None,
         data_cache=Path(environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data"),
         launch_id=environ.get(LAUNCH_VAR, ""),
-        inject=inject.parse(environ.get(inject.VAR, "")),
+        inject=inject.parse(environ.get(INJECT_VAR, "")),
     )
 
 

@@ -22,11 +22,21 @@ from pathlib import Path  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from runconfig import ConfigError, RunDir, load_config  # noqa: E402
+from runconfig.contract import (  # noqa: E402
+    EVENT_DONE,
+    EVENT_RESUME,
+    EVENT_START,
+    EVENT_STOPPED,
+    EXIT_DONE,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    append_event,
+    write_json_atomic,
+)
 from runconfig.load import config_hash  # noqa: E402
-from runconfig.outcome import EXIT_STOPPED  # noqa: E402  (75, EX_TEMPFAIL: stopped, resumable)
 from trainer.errors import UserError  # noqa: E402
 
-EXIT_USER_ERROR = 2
 log = logging.getLogger("trainer")
 
 
@@ -48,24 +58,28 @@ def setup_logging(rundir: RunDir, rank: int) -> None:
 
 
 def run(rundir: RunDir, comm: MPI.Comm) -> int:
-    """Train to the configured step count; return the exit status (0 done, EXIT_STOPPED stopped by a signal)."""
+    """Train to the configured step count; return the exit status (0 done, EXIT_STOPPED stopped by a signal).
+
+    Bootstrap: config and code snapshot -> MPI environment -> process groups -> the parts (recipe, data, model,
+    monitors, checkpointer: ``trainer.build``) -> restore -> loop -> summary. Everything built is closed on every
+    path (an ExitStack)."""
     # Imported here so that `--help` and config errors do not pay for importing torch.
     import torch
 
-    from trainer.checkpoint.checkpointer import Checkpointer
+    from runconfig import code
+    from trainer.build import build_parts, restore_or_start
     from trainer.checkpoint.fingerprint import params_sha256
-    from trainer.data.resolve import open_splits
     from trainer.env import agree, from_mpi
     from trainer.loop.stop import StopFlag
-    from trainer.loop.train import TrainState, build, train
-    from trainer.observe.metrics import MetricsWriter, append_event, truncate_metrics, write_json_atomic
-    from trainer.observe.monitors import build_monitors
+    from trainer.loop.train import train
+    from trainer.observe.metrics import truncate_metrics
     from trainer.parallel.distributed import init_distributed, pick_device
 
     # Where a launch's start-up goes (rank 0's clock; "imports" is the slowest rank's), in the start/resume event.
     marks = {"imports": time.time()}
     try:  # deterministic checks: every rank fails the same way
         cfg = load_config(str(rundir.config))
+        code_sha256 = code.activate(rundir)  # the recipe's code as submitted, first on sys.path
         env = from_mpi(comm)
     except (ConfigError, UserError) as exc:
         raise UserError(str(exc), collective=True) from None
@@ -87,90 +101,82 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         torch.get_num_threads(),
         os.getpid(),
     )
-    train_data, val_data = open_splits(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, env, comm)
-    marks["data"] = time.time()
     device = pick_device(env, cfg.train.device)
     d = init_distributed(env, cfg.comm, device, comm)
     marks["rendezvous"] = time.time()
-    checkpoints = metrics = mon = None
-    try:
-        comps = build(cfg, env, d)
-        mon = build_monitors(cfg, env, d, comps.model, rundir)
-        checkpoints = Checkpointer(cfg=cfg, env=env, rundir=rundir, comps=comps, comm=comm)
+    with contextlib.ExitStack() as stack:
+        p = build_parts(cfg, env, d, rundir, comm, stop, stack, code_sha256=code_sha256, marks=marks)
         marks["build"] = time.time()
-        state = TrainState()
-        resumed = cfg.checkpoint.resume and checkpoints.restore(state)
+        resumed = restore_or_start(p)
         marks["restore"] = time.time()
+        state = p.state
         if env.rank == 0:
             # Steps after the checkpoint are recomputed: their records move to metrics.discarded.jsonl.
             truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
             append_event(
                 rundir.history,
-                {
-                    "event": "resume" if resumed else "start",
-                    "step": state.step,
-                    "world_size": env.world_size,
-                    "slurm_job_id": env.slurm_job_id,
-                    "slurm_restart_count": env.slurm_restart_count,
-                    "launch": env.launch_id,
-                    "process_start": PROCESS_START,
-                    "startup_s": _startup(marks, slowest_imports),
-                },
+                EVENT_RESUME if resumed else EVENT_START,
+                step=state.step,
+                world_size=env.world_size,
+                slurm_job_id=env.slurm_job_id,
+                slurm_restart_count=env.slurm_restart_count,
+                launch=env.launch_id,
+                process_start=PROCESS_START,
+                startup_s=_startup(marks, slowest_imports),
+                recipe=cfg.recipe,
+                code_sha256=code_sha256,
             )
-        metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
-        n_params = sum(p.numel() for p in comps.model.parameters())
-        log.info("model: %d parameters; train %d windows, val %d windows", n_params, len(train_data), len(val_data))
+        n_params = sum(q.numel() for q in p.model.parameters())
+        log.info(
+            "recipe %s: %s with %d parameters; train %d samples, eval %s",
+            cfg.recipe,
+            type(p.model).__name__,
+            n_params,
+            len(p.recipe.train_data),
+            len(p.recipe.eval_data) if p.recipe.eval_data is not None else "none",
+        )
         try:
-            stopped = train(cfg, env, d, comps, train_data, val_data, state, metrics, checkpoints, stop, mon)
+            stopped = train(p)
         except RuntimeError as exc:  # a collective failed (a peer's connection closed): name who went away
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            diagnosis = mon.watchdog.diagnose(exc)
+            diagnosis = p.mon.watchdog.diagnose(exc)
             message = f"rank {env.rank}: a collective failed at step {state.step + 1}{diagnosis}. The error: {first}"
             log.error("%s", message)
             _report_failure(rundir, env.rank, message)
             raise
-        mon.watchdog.close()
-        checkpoints.close()  # a background save is committed before anything else happens
+        p.mon.watchdog.close()
+        p.checkpoints.close()  # a background save is committed before anything else happens
         if stopped:
             if env.rank == 0:
-                append_event(
-                    rundir.history,
-                    {"event": "stopped", "step": state.step, "signal": stop.signum, "launch": env.launch_id},
-                )
+                append_event(rundir.history, EVENT_STOPPED, step=state.step, signal=stop.signum, launch=env.launch_id)
             return EXIT_STOPPED
         summary = {
             "final_step": state.step,
             "final_loss": state.last_loss,
             "final_eval_loss": state.last_eval_loss,
             "tokens_seen": state.tokens_seen,
+            "unit": p.recipe.unit,
             "wall_time_s": state.elapsed_s,
-            "params_sha256": params_sha256(comps.model),
+            "params_sha256": params_sha256(p.model),
             "n_params": n_params,
+            "recipe": cfg.recipe,
+            "code_sha256": code_sha256,
             "world_size": env.world_size,
             "topology": env.topology.describe(),
-            "allreduce": cfg.comm.allreduce,
+            "allreduce": p.allreduce,
             "backend": d.backend,
             "config_sha256": config_hash(cfg),
-            **mon.stragglers.summary(),
+            **p.mon.stragglers.summary(),
         }
         if env.rank == 0:
             write_json_atomic(rundir.summary, summary)
-            append_event(rundir.history, {"event": "done", "step": state.step, "launch": env.launch_id})
+            append_event(rundir.history, EVENT_DONE, step=state.step, launch=env.launch_id)
             log.info(
                 "done: step %d loss %.4f params_sha256 %s", state.step, state.last_loss, summary["params_sha256"][:16]
             )
-        return 0
-    finally:
-        if mon is not None:
-            mon.close()
-        if checkpoints is not None:
-            checkpoints.close()
-        if metrics is not None:
-            metrics.close()
-        # The handlers stay (they only set a flag) until the process ends: a stop signal arriving during the
+        return EXIT_DONE
+        # The stop handlers stay (they only set a flag) until the process ends: a stop signal arriving during the
         # teardown, after the decision is recorded, must not kill a rank with the default action.
-        train_data.close()
-        val_data.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         # in a collective, or in MPI_Finalize's barrier waiting for a rank that is gone. Abort the whole MPI job
         # so the launcher ends every rank at once; the traceback and failure.json are written first.
         traceback.print_exc()
-        _abort_job(comm, 1)
+        _abort_job(comm, EXIT_FAILED)
         raise  # not reached
     finally:
         if "torch.distributed" in sys.modules:  # nothing to tear down if torch was never imported
@@ -216,8 +222,8 @@ def _abort_job(comm: MPI.Comm, status: int) -> None:
 
 
 def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float]:
-    """Seconds per start-up phase: process start -> imports done (slowest rank) -> MPI environment -> data
-    opened -> process groups -> model, DDP and monitors built -> checkpoint restored."""
+    """Seconds per start-up phase: process start -> imports done (slowest rank) -> MPI environment -> process
+    groups -> recipe built (its data opened and checked) -> model wrapped, checks, monitors -> checkpoint restored."""
     out = {"imports": round(slowest_imports, 3)}
     names, times = list(marks), list(marks.values())
     for name, before, after in zip(names[1:], times, times[1:], strict=False):

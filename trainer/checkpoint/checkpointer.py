@@ -44,15 +44,15 @@ from runconfig.checkpoints import (
     sha256_file,
     step_name,
 )
-from runconfig.load import config_hash, to_dict
+from runconfig.load import config_hash
 from trainer.checkpoint.fingerprint import params_sha256, tensors_sha256
 from trainer.checkpoint.provenance import git_commit, versions
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.loop.train import Components, TrainState
+from trainer.loop.state import TrainState, rank_seed
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2  # 2: the recipe, its architecture and the parameter shapes identify the model (1: the GPT's config)
 
 
 class CheckpointError(UserError):
@@ -107,15 +107,35 @@ def _fsync_file(path: Path) -> None:
 
 
 class Checkpointer:
-    def __init__(self, *, cfg: RunConfig, env: RuntimeEnv, rundir: RunDir, comps: Components, comm: MPI.Comm) -> None:
-        self.cfg, self.env, self.comps, self.comm = cfg, env, comps, comm
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        env: RuntimeEnv,
+        rundir: RunDir,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: MPI.Comm,
+        architecture: dict | None = None,
+        code_sha256: str | None = None,
+    ) -> None:
+        """``model`` is the bare module (parameter names without DDP's "module."); ``architecture`` the recipe's
+        settings that define the model beyond its shapes; ``code_sha256`` the recipe's code snapshot."""
+        self.cfg, self.env, self.comm = cfg, env, comm
+        self.model, self.optimizer = model, optimizer
+        self.identity = {
+            "recipe": cfg.recipe,
+            "architecture": dict(architecture or {}),
+            "param_shapes": {n: [*p.shape, str(p.dtype)] for n, p in model.named_parameters()},
+        }
+        self.code_sha256 = code_sha256
         self.root = rundir.checkpoints
         self.ccfg = cfg.checkpoint
         # Its own group, so a background save never interleaves with the training collectives.
         self.group = dist.new_group(backend="gloo")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
         self.pending: Future | None = None
-        self.param_names = [name for name, _ in comps.model.named_parameters()]
+        self.param_names = [name for name, _ in model.named_parameters()]
         self._staging: dict | None = None  # CPU buffers reused by async saves
         self.last_commit_time = time.monotonic()
         self.blocking_s: list[float] = []  # time the training loop waited per save
@@ -154,12 +174,12 @@ class Checkpointer:
             _fsync_file(path)
             if self.env.rank == 0:
                 path = tmp / "train_state.json"
-                path.write_text(json.dumps(self._train_state(state), indent=2) + "\n")
+                path.write_text(json.dumps(state.state_dict(), indent=2) + "\n")
                 _fsync_file(path)
         except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
             error = f"cannot write {path}: {_root_cause(exc)}{_space_note(tmp)}"
         self._agree(error, state.step, tmp)
-        msd, osd = get_state_dict(self.comps.model, self.comps.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer)
         meta = self._manifest(state)
         if self.pool is None:
             self._write_and_commit({"model": msd, "optim": osd}, tmp, name, meta, state.step)
@@ -229,28 +249,20 @@ class Checkpointer:
             collective=True,
         )
 
-    def _train_state(self, state: TrainState) -> dict:
-        return {
-            "step": state.step,
-            "tokens_seen": state.tokens_seen,
-            "data": state.data.state_dict(),
-            "last_loss": state.last_loss,
-            "last_eval_loss": state.last_eval_loss,
-            "elapsed_s": state.elapsed_s,
-        }
-
     def _manifest(self, state: TrainState) -> dict:
         return {
             "format": FORMAT,
             "step": state.step,
             "tokens_seen": state.tokens_seen,
-            "data_position": state.data.position,
+            "data_position": state.data_position,
             "loss": state.last_loss,
             "world_size": self.env.world_size,
             "topology": self.env.topology.describe(),
             "config_sha256": config_hash(self.cfg),
-            "model_config": to_dict(self.cfg)["model"],
-            "optimizer": {"type": type(self.comps.optimizer).__name__},
+            **self.identity,
+            "recipe_args": self.cfg.recipe_args,
+            "code_sha256": self.code_sha256,
+            "optimizer": {"type": type(self.optimizer).__name__},
             "git_commit": git_commit(),
             "versions": versions(),
             "slurm_job_id": self.env.slurm_job_id,
@@ -289,24 +301,20 @@ class Checkpointer:
         if changed:
             self._warm_start(path, changed)
         else:
-            msd, osd = get_state_dict(self.comps.model, self.comps.optimizer)
+            msd, osd = get_state_dict(self.model, self.optimizer)
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=path / "dcp", process_group=self.group)
-            set_state_dict(self.comps.model, self.comps.optimizer, model_state_dict=msd, optim_state_dict=osd)
-            if params_sha256(self.comps.model) != manifest["params_sha256"]:
+            set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
+            if params_sha256(self.model) != manifest["params_sha256"]:
                 raise UserError(
                     f"checkpoint {path}: the loaded parameters do not match the manifest's params_sha256.",
                     collective=True,
                 )
-        ts = json.loads((path / "train_state.json").read_text())
-        state.step, state.tokens_seen = ts["step"], ts["tokens_seen"]
-        state.data.load_state_dict(ts["data"])
-        state.last_loss, state.last_eval_loss = ts["last_loss"], ts["last_eval_loss"]
-        state.elapsed_s = ts["elapsed_s"]
+        state.load_state_dict(json.loads((path / "train_state.json").read_text()))
         if manifest["world_size"] == self.env.world_size:
             rank_file = path / f"rank_{self.env.rank:05d}.pt"
             set_rng_state(torch.load(rank_file, weights_only=True)["rng"])
         else:  # per-rank streams cannot be mapped to another world size: derive fresh ones deterministically
-            seed = self.cfg.train.seed * 1_000_003 + 7919 * state.step + self.env.rank
+            seed = rank_seed(self.cfg.train.seed, self.env.rank, state.step)
             random.seed(seed)
             np.random.seed(seed % 2**32)
             torch.manual_seed(seed)
@@ -316,14 +324,25 @@ class Checkpointer:
         return True
 
     def _check_compatible(self, manifest: dict, path: Path) -> dict[str, tuple]:
-        """The model/optimizer settings that differ from the checkpoint's; refused unless allow_shape_change.
-
-        Dropout is left out: it changes no tensor and no optimizer state.
-        """
-        saved, now = manifest["model_config"], to_dict(self.cfg)["model"]
-        changed = {k: (saved.get(k), v) for k, v in now.items() if k != "dropout" and saved.get(k) != v}
-        if manifest["optimizer"]["type"] != type(self.comps.optimizer).__name__:
-            changed["optimizer"] = (manifest["optimizer"]["type"], type(self.comps.optimizer).__name__)
+        """What identifies the model and optimizer and differs from the checkpoint's: the recipe, its
+        architecture settings, a parameter's name, shape or dtype, the optimizer's type. Refused unless
+        allow_shape_change. (Dropout and other settings that change no tensor are not part of it.)"""
+        if manifest.get("format") != FORMAT:
+            raise UserError(
+                f"checkpoint {path} has format {manifest.get('format')}, this trainer reads format {FORMAT}; resume "
+                "it with the trainer version that wrote it, or start a new run directory. Nothing was deleted.",
+                collective=True,
+            )
+        changed: dict[str, tuple] = {}
+        for key in ("recipe", "architecture"):
+            if manifest[key] != self.identity[key]:
+                changed[key] = (manifest[key], self.identity[key])
+        saved, now = manifest["param_shapes"], self.identity["param_shapes"]
+        for name in sorted(set(saved) | set(now)):
+            if saved.get(name) != now.get(name):
+                changed[f"parameter {name}"] = (saved.get(name), now.get(name))
+        if manifest["optimizer"]["type"] != type(self.optimizer).__name__:
+            changed["optimizer"] = (manifest["optimizer"]["type"], type(self.optimizer).__name__)
         if changed and not self.ccfg.allow_shape_change:
             raise UserError(
                 f"checkpoint {path} was saved with another model or optimizer ({_describe(changed)}); refusing to "
@@ -341,7 +360,7 @@ class Checkpointer:
         The optimizer state is loaded only when every parameter loaded and the optimizer type is unchanged;
         otherwise it starts fresh (its moments would belong to other tensors).
         """
-        model, optimizer = self.comps.model, self.comps.optimizer
+        model, optimizer = self.model, self.optimizer
         msd, osd = get_state_dict(model, optimizer)
         saved = dcp.FileSystemReader(path / "dcp").read_metadata().state_dict_metadata
         fits = {
@@ -370,7 +389,8 @@ class Checkpointer:
 
 
 def _describe(changed: dict[str, tuple]) -> str:
-    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+    items = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()]
+    return ", ".join(items[:6]) + (f" and {len(items) - 6} more" if len(items) > 6 else "")
 
 
 def fsync_all_dirs(root: Path) -> None:

@@ -10,6 +10,7 @@ that stream (samples consumed over all ranks), so a run can resume at any world 
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,7 @@ class TokenShards:
         per_shard = np.array([s["tokens"] // self.window for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(per_shard)])
         self._files: dict[int, h5py.Dataset] = {}
+        self._lock = threading.Lock()  # prefetch threads open shards lazily
         if len(self) == 0:
             raise UserError(
                 f"data split {split!r} in {folder} has no window of {self.window} tokens "
@@ -102,6 +104,12 @@ class TokenShards:
             )
         return window.astype(np.int64)
 
+    def __getitem__(self, index: int) -> np.ndarray:
+        """Window ``index`` (``seq_len + 1`` int64 tokens): a map-style dataset for the batch loader."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range [0, {len(self)})")
+        return self.sample(index)
+
     def batch(self, indices: np.ndarray) -> np.ndarray:
         return np.stack([self.sample(int(i)) for i in indices]) if len(indices) else np.empty((0, self.window))
 
@@ -111,6 +119,10 @@ class TokenShards:
         self._files.clear()
 
     def _dataset(self, shard: int) -> h5py.Dataset:
+        with self._lock:
+            return self._open(shard)
+
+    def _open(self, shard: int) -> h5py.Dataset:
         ds = self._files.get(shard)
         if ds is None:
             path = self.folder / self.shards[shard]["file"]
@@ -153,19 +165,6 @@ class GlobalOrder:
             out[done : done + n] = self.permutation(epoch)[offset : offset + n]
             done += n
         return out
-
-
-@dataclass
-class DataState:
-    """Position in the global stream: samples consumed over all ranks. The whole resumable data state."""
-
-    position: int = 0
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
 
 
 def rank_slice(

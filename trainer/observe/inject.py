@@ -15,9 +15,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
-
-VAR = "HPC_INJECT"
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ def parse(text: str) -> tuple[Fault, ...]:
             fault = Fault("", -1, 0.0)
         if fault.kind not in ("slow", "hang", "exit") or fault.rank < 0:
             raise UserError(
-                f"environment variable {VAR}: {item!r} is not KIND:RANK:VALUE with KIND slow, hang or exit."
+                f"environment variable {INJECT_VAR}: {item!r} is not KIND:RANK:VALUE with KIND slow, hang or exit."
             )
         faults.append(fault)
     return tuple(faults)

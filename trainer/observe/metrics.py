@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from pathlib import Path
 
 from trainer.errors import UserError
@@ -33,16 +32,6 @@ class MetricsWriter:
                 file.close()
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def truncate_metrics(path: Path, step: int, discarded: Path) -> int:
     """Move records of steps after ``step`` (recomputed after a resume) to ``discarded``; return how many.
 
@@ -68,9 +57,3 @@ def truncate_metrics(path: Path, step: int, discarded: Path) -> int:
         tmp.write_text("".join(k + "\n" for k in keep))
         os.replace(tmp, path)
     return len(drop)
-
-
-def append_event(path: Path, event: dict) -> None:
-    """One line in the run's history (start, resume, stop, done), with the time."""
-    with open(path, "a") as f:
-        f.write(json.dumps({"time": time.time(), **event}) + "\n")

@@ -4,6 +4,7 @@ TensorBoard, rank 0's terminal progress bar, injected faults (tests) and the MFU
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from trainer.env import RuntimeEnv
 from trainer.observe.inject import Injector
 from trainer.observe.stragglers import StragglerCheck
 from trainer.observe.tboard import TensorBoard
-from trainer.observe.timing import StepClock, flops_per_token, peak_tflops
+from trainer.observe.timing import StepClock, peak_tflops
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import Distributed
 
@@ -30,7 +31,7 @@ class Monitors:
     tensorboard: TensorBoard
     progress: Progress | None  # rank 0 on a terminal only; batch logs get plain lines
     injector: Injector
-    flops_per_token: float
+    flops_per_sample: float | None  # training FLOPs of one sample (the recipe's, or counted); None without MFU
     peak_flops: float | None  # per device, FLOP/s; None: no MFU (CPU or unknown GPU)
 
     def close(self) -> None:
@@ -41,13 +42,19 @@ class Monitors:
             self.progress.close()
 
 
-def build_monitors(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: torch.nn.Module, rundir: RunDir) -> Monitors:
+def build_monitors(
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    d: Distributed,
+    model: torch.nn.Module,
+    rundir: RunDir,
+    flops_per_sample: Callable[[], float | None],
+) -> Monitors:
+    """``flops_per_sample`` is asked only where MFU is reported (a known peak: GPU, or monitor.peak_tflops)."""
     watchdog = Watchdog(env, cfg.monitor, rundir, d.store_addr, d.store_port)
     watchdog.start()
     d.groups.blocked.on_block = watchdog.block
     params = [p for p in model.parameters() if p.requires_grad]
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    m = cfg.model
     tflops = peak_tflops(d.device, cfg.monitor.peak_tflops)
     return Monitors(
         clock=StepClock(
@@ -58,6 +65,6 @@ def build_monitors(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: torch
         tensorboard=TensorBoard(rundir.tensorboard, cfg.monitor.tensorboard and env.rank == 0),
         progress=Progress(cfg.train.steps) if env.rank == 0 and sys.stdout.isatty() else None,
         injector=Injector(env.inject, env.rank),
-        flops_per_token=flops_per_token(matmul, m.n_layers, m.d_model, m.seq_len),
+        flops_per_sample=flops_per_sample() if tflops else None,
         peak_flops=tflops * 1e12 if tflops else None,
     )

@@ -7,7 +7,7 @@ so the sequence number says who is behind: when a phase outlasts ``monitor.hang_
 notice claims the hang in the store and names the ranks that did not arrive (a lower sequence number, with the
 phase and step they are stuck in) and the ranks that stopped publishing (process gone or frozen). Every live rank
 that sees the claim dumps the Python stacks of all its threads (faulthandler) into its log; then the claiming
-rank writes ``failure.json`` and a ``hang`` history event and every rank exits with status EXIT_HUNG, which the
+rank writes ``failure.json`` and a ``hang`` history event and every rank exits with status EXIT_HANG, which the
 launcher does not requeue. Nothing here runs in a signal handler.
 
 A collective that fails outright (gloo notices a peer's closed connection) is diagnosed the same way from the
@@ -28,11 +28,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from runconfig import RunDir
+from runconfig.contract import EVENT_HANG, EXIT_HANG, append_event
 from runconfig.schema import MonitorConfig
 from trainer.env import RuntimeEnv
-from trainer.observe.metrics import append_event
 
-EXIT_HUNG = 3
 HANG_KEY = "hpc/watchdog/hang"
 log = logging.getLogger(__name__)
 
@@ -195,7 +194,7 @@ class Watchdog:
         with contextlib.suppress(Exception):
             store.set(f"hpc/watchdog/dumped/{self.env.rank}", "1")
         time.sleep(3 * self.cfg.heartbeat_s + 5)  # let the claiming rank write the report, then end
-        os._exit(EXIT_HUNG)
+        os._exit(EXIT_HANG)
 
     def _dump(self) -> None:
         for handler in logging.getLogger().handlers:
@@ -214,10 +213,9 @@ class Watchdog:
         with contextlib.suppress(OSError):
             self.rundir.write_failure(self.env.rank, message)
         with contextlib.suppress(OSError):
-            event = {"event": "hang", "step": self.step, "launch": self.env.launch_id, "message": message}
-            append_event(self.rundir.history, event)
+            append_event(self.rundir.history, EVENT_HANG, step=self.step, launch=self.env.launch_id, message=message)
         print(f"error: {message}", flush=True)
-        os._exit(EXIT_HUNG)
+        os._exit(EXIT_HANG)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -1,0 +1,265 @@
+"""Building the training parts from a config, once per launch: the recipe (the user's model, data and loss), the
+wrapped model and its all-reduce, the batch loader, the optimizer and schedule, the monitors and the checkpointer.
+Start-up checks that can run before training do: the recipe's result, dataset lengths, items of one structure, and
+one throw-away forward/backward whose loss must be a finite scalar (it also settles DDP's buckets).
+Used by ``trainer.main`` and by the benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import default_collate
+
+from runconfig import RunConfig, RunDir
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.data.loader import BatchLoader, fetch, to_device
+from trainer.data.resolve import open_splits
+from trainer.env import RuntimeEnv, agree
+from trainer.errors import UserError
+from trainer.loop.optim import build_optimizer, lr_at
+from trainer.loop.parts import Parts, autocast
+from trainer.loop.state import TrainState, rank_seed
+from trainer.loop.stop import StopFlag
+from trainer.observe.metrics import MetricsWriter
+from trainer.observe.monitors import build_monitors
+from trainer.parallel.comm import hierarchical_hook
+from trainer.parallel.distributed import Distributed
+from trainer.recipes.api import Recipe, RecipeContext
+from trainer.recipes.load import build_recipe, check_lengths
+
+log = logging.getLogger(__name__)
+STRUCTURE_SAMPLES = 8  # items compared for one structure at start-up (default collate only)
+
+
+def make_recipe(
+    cfg: RunConfig, env: RuntimeEnv, d: Distributed, rundir: RunDir, comm: MPI.Comm, stack: contextlib.ExitStack
+) -> Recipe:
+    """Seed torch with train.seed (same initial weights on every rank) and build the recipe. Collective: every rank
+    gets the recipe or the same UserError (the first failing rank's)."""
+
+    def token_data(seq_len: int, vocab_size: int | None):
+        train, val = open_splits(cfg.data, seq_len, vocab_size, env, comm)
+        stack.callback(train.close)
+        stack.callback(val.close)
+        return train, val
+
+    ctx = RecipeContext(
+        rank=env.rank,
+        world_size=env.world_size,
+        local_rank=env.local_rank,
+        seed=cfg.train.seed,
+        device=d.device,
+        micro_batch_size=cfg.train.micro_batch_size,
+        config=cfg,
+        run_dir=rundir.root,
+        _barrier=comm.Barrier,
+        _token_data=token_data,
+    )
+    torch.manual_seed(cfg.train.seed)
+    recipe, error = None, None
+    try:
+        recipe = build_recipe(cfg.recipe, dict(cfg.recipe_args), ctx)
+        check_lengths(cfg.recipe, recipe, global_batch=cfg.train.global_batch_size)
+    except UserError as exc:
+        error = str(exc)
+    agree(comm, error)
+    return recipe
+
+
+def build_parts(
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    d: Distributed,
+    rundir: RunDir,
+    comm: MPI.Comm,
+    stop: StopFlag,
+    stack: contextlib.ExitStack,
+    *,
+    code_sha256: str | None = None,
+    marks: dict[str, float] | None = None,
+) -> Parts:
+    """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``marks`` gets the
+    time the recipe was built (start-up phases)."""
+    recipe = make_recipe(cfg, env, d, rundir, comm, stack)
+    if marks is not None:
+        marks["recipe"] = time.time()
+    model = recipe.model.to(d.device)
+    ddp = DDP(
+        model,
+        device_ids=[d.device.index] if d.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.comm.bucket_mb,
+    )
+    allreduce = wire_allreduce(cfg, env, d, ddp)
+    t = cfg.train
+    loader = BatchLoader(
+        recipe.train_data,
+        collate=recipe.collate,
+        seed=cfg.data.seed,
+        global_batch=t.global_batch_size,
+        micro_batch=t.micro_batch_size,
+        world_size=env.world_size,
+        rank=env.rank,
+        device=d.device,
+        prefetch=cfg.data.prefetch,
+    )
+    stack.callback(loader.close)
+    agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
+    settle(cfg, env, ddp, recipe, loader, comm)
+    # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
+    seed = rank_seed(t.seed, env.rank)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
+    mon = build_monitors(cfg, env, d, model, rundir, functools.partial(count_flops_per_sample, cfg, recipe, d))
+    stack.callback(mon.close)
+    checkpoints = Checkpointer(
+        cfg=cfg,
+        env=env,
+        rundir=rundir,
+        model=model,
+        optimizer=optimizer,
+        comm=comm,
+        architecture=dict(recipe.architecture),
+        code_sha256=code_sha256,
+    )
+    stack.callback(checkpoints.close)
+    metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
+    stack.callback(metrics.close)
+    return Parts(
+        cfg=cfg,
+        env=env,
+        d=d,
+        recipe=recipe,
+        model=model,
+        ddp=ddp,
+        optimizer=optimizer,
+        lr_schedule=recipe.lr_schedule or functools.partial(lr_at, cfg=t),
+        loader=loader,
+        allreduce=allreduce,
+        state=TrainState(),
+        checkpoints=checkpoints,
+        metrics=metrics,
+        stop=stop,
+        mon=mon,
+    )
+
+
+def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) -> str:
+    """Register the hierarchical hook where there are two levels; return the all-reduce that actually runs."""
+    topo = env.topology
+    if cfg.comm.allreduce == "hierarchical" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
+        ddp.register_comm_hook(d.groups, hierarchical_hook)
+        return "hierarchical"
+    if cfg.comm.allreduce == "hierarchical" and env.rank == 0 and env.world_size > 1:
+        # One node (or one rank per node): the hierarchy has a single level, and DDP's own all-reduce, which
+        # overlaps with the backward pass, is strictly better than the synchronous three-phase hook.
+        log.info("hierarchical all-reduce needs >1 node and >1 rank per node; using DDP's flat all-reduce")
+    return "flat"
+
+
+def settle(cfg: RunConfig, env: RuntimeEnv, ddp: DDP, recipe: Recipe, loader: BatchLoader, comm: MPI.Comm) -> None:
+    """One throw-away forward/backward on this rank's first micro-batch, so DDP rebuilds its gradient buckets (in
+    gradient-ready order) before the first real step in every run: without it the first step after a restart
+    reduces in the initial bucket layout while the uninterrupted run used the rebuilt one, and resume would not
+    be bit-exact. It doubles as the check that the loss is a finite scalar. Gradients are discarded."""
+    error, loss = None, None
+    try:
+        batch = loader.batch_at(0, 0)
+        with autocast(cfg, loader.device):
+            loss = recipe.loss(ddp, batch)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
+            what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:200]
+            raise UserError(
+                f"rank {env.rank}: recipe {cfg.recipe!r}: the loss of the first batch is {what}; Recipe.loss must "
+                "return a floating-point scalar tensor (the mean loss of the batch)."
+            )
+        if not torch.isfinite(loss.detach()):
+            raise UserError(
+                f"rank {env.rank}: recipe {cfg.recipe!r}: the loss of the first batch is {float(loss)} before any "
+                "training step (check the data and the loss function)."
+            )
+    except UserError as exc:
+        error = str(exc)
+    agree(comm, error)  # before backward: its all-reduce needs every rank
+    loss.backward()
+    ddp.zero_grad(set_to_none=True)
+
+
+def _error_of(check) -> str | None:
+    try:
+        check()
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def structure(x: Any) -> Any:
+    """The shape of an item for comparison: types, tensor/array shapes and dtypes, nested."""
+    if isinstance(x, torch.Tensor | np.ndarray):
+        return f"{type(x).__name__}{list(x.shape)} {x.dtype}"
+    if isinstance(x, dict):
+        return {k: structure(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, list | tuple):
+        return [structure(v) for v in x]
+    return type(x).__name__
+
+
+def check_structure(spec: str, recipe: Recipe) -> None:
+    """Items of a dataset batched by the default collate must share one structure: compare a few, evenly spaced."""
+    for name in ("train_data", "eval_data"):
+        data = getattr(recipe, name)
+        if data is None or recipe.collate not in (None, default_collate):
+            continue
+        ids = np.unique(np.linspace(0, len(data) - 1, STRUCTURE_SAMPLES).astype(np.int64))
+        first = None
+        for i in ids:
+            try:
+                item = structure(data[int(i)])
+            except UserError:
+                raise
+            except Exception as exc:
+                lines = str(exc).strip().splitlines()
+                raise UserError(
+                    f"recipe {spec!r}: {name}[{int(i)}] raised {type(exc).__name__}: {lines[0] if lines else ''}"
+                ) from None
+            if first is None:
+                first = (int(i), item)
+            elif item != first[1]:
+                raise UserError(
+                    f"recipe {spec!r}: {name} items differ in structure, shape or dtype: item {first[0]} is "
+                    f"{first[1]}, item {int(i)} is {item}. Items batched by the default collate must match (or give "
+                    "the recipe a collate function that pads)."
+                )
+
+
+def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, d: Distributed) -> float | None:
+    """The recipe's FLOPs per sample, else counted with FlopCounterMode on one forward/backward of one
+    micro-batch of the bare model (the counted gradients are discarded)."""
+    if recipe.flops_per_sample:
+        return float(recipe.flops_per_sample)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids = np.arange(min(cfg.train.micro_batch_size, len(recipe.train_data)))
+    batch = to_device(
+        fetch(recipe.train_data, ids, recipe.collate or default_collate, what="train_data", rank=0), d.device
+    )
+    counter = FlopCounterMode(display=False)
+    with counter:
+        recipe.loss(recipe.model, batch).backward()
+    recipe.model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / len(ids)
+
+
+def restore_or_start(p: Parts) -> bool:
+    """Resume from the newest valid checkpoint when there is one (and checkpoint.resume); True if resumed."""
+    return bool(p.cfg.checkpoint.resume) and p.checkpoints.restore(p.state)

@@ -1,0 +1,150 @@
+"""One rank's micro-batches from any map-style dataset, in the global sample order, prefetched in the background.
+
+The global order (``GlobalOrder``: a permutation per epoch, a pure function of (seed, epoch)) is consumed as one
+endless stream; optimizer step k covers stream positions [p, p + global_batch), and micro-batch a on rank r takes
+block (a * world_size + r) of it (``rank_slice``). So the samples of a step do not depend on the world size, and the
+stream position is the only data state. Batches are fetched and collated by ``prefetch`` background threads, in
+order, ahead of the step that needs them; a dataset whose items take I/O time (file reads, decoding that releases
+the GIL) is then hidden behind the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from trainer.data.dataset import GlobalOrder, rank_slice
+from trainer.errors import UserError
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of a (nested) batch on ``device``; other values unchanged."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def fetch(dataset: Any, ids: np.ndarray, collate: Callable[[list], Any], *, what: str, rank: int) -> Any:
+    """The collated items ``ids`` of ``dataset``; a failing item or collate names the dataset, index and rank."""
+    items = []
+    for i in ids:
+        try:
+            items.append(dataset[int(i)])
+        except UserError:
+            raise
+        except Exception as exc:  # the user's dataset: any error is theirs to see, with where it happened
+            raise UserError(f"rank {rank}: {what}[{int(i)}] raised {_first_line(exc)}.", collective=False) from None
+    try:
+        return collate(items)
+    except Exception as exc:
+        raise UserError(
+            f"rank {rank}: collating {what} items {[int(i) for i in ids]} failed: {_first_line(exc)}. Items of a "
+            "batch must have the same structure, shapes and dtypes (or give the recipe a collate function).",
+            collective=False,
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+
+
+class BatchLoader:
+    """The micro-batches of one rank for consecutive optimizer steps from stream position ``start(position)``."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        collate: Callable[[list], Any] | None,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        prefetch: int,
+        what: str = "train_data",
+    ) -> None:
+        self.dataset, self.collate = dataset, collate or default_collate
+        self.order = GlobalOrder(len(dataset), seed)
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.world_size, self.rank, self.device = world_size, rank, device
+        self.accum = global_batch // (micro_batch * world_size)
+        self.what = what
+        self.prefetch = prefetch
+        self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="prefetch") if prefetch else None
+        self._pending: deque[Future] = deque()
+        self._next_key = (0, 0)  # (stream position of the step, micro-batch) of the next batch to fetch
+
+    def ids(self, position: int, micro: int) -> np.ndarray:
+        return rank_slice(
+            self.order,
+            position,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            world_size=self.world_size,
+            rank=self.rank,
+            micro=micro,
+        )
+
+    def start(self, position: int) -> None:
+        """The next batch is micro-batch 0 of the step that starts at stream ``position``."""
+        self._drop_pending()
+        self._next_key = (position, 0)
+        if self._pool is not None:
+            for _ in range(self.prefetch):
+                self._submit()
+
+    def next(self) -> Any:
+        """The next micro-batch (collated, on the device)."""
+        if self._pool is None:
+            batch = self._fetch_key(self._advance())
+        else:
+            future = self._pending.popleft()
+            self._submit()
+            batch = future.result()
+        return to_device(batch, self.device)
+
+    def batch_at(self, position: int, micro: int) -> Any:
+        """One micro-batch fetched now, outside the stream (start-up checks)."""
+        return to_device(self._fetch_key((position, micro)), self.device)
+
+    def close(self) -> None:
+        self._drop_pending()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _advance(self) -> tuple[int, int]:
+        key = position, micro = self._next_key
+        self._next_key = (position, micro + 1) if micro + 1 < self.accum else (position + self.global_batch, 0)
+        return key
+
+    def _submit(self) -> None:
+        assert self._pool is not None
+        self._pending.append(self._pool.submit(self._fetch_key, self._advance()))
+
+    def _fetch_key(self, key: tuple[int, int]) -> Any:
+        return fetch(self.dataset, self.ids(*key), self.collate, what=self.what, rank=self.rank)
+
+    def _drop_pending(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        for future in self._pending:  # a batch nobody will use: wait for it, its error is not this run's
+            if not future.cancelled():
+                with contextlib.suppress(Exception):
+                    future.result()
+        self._pending.clear()

@@ -1,0 +1,59 @@
+"""Held-out evaluation: the recipe's loss (and extra metrics) over a fixed, evenly spaced set of eval samples,
+split over the ranks, sample-weighted means over all of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from trainer.data.loader import fetch, to_device
+from trainer.loop.parts import Parts, autocast
+from trainer.loop.step import check_loss
+
+
+def eval_ids(n: int, count: int) -> np.ndarray:
+    """``count`` evenly spaced sample indices of a dataset of ``n`` (fewer when n < count)."""
+    return np.unique(np.linspace(0, n - 1, count).astype(np.int64))
+
+
+def evaluate(p: Parts, step: int) -> dict[str, float]:
+    """{"eval_loss": ..., "eval_<metric>": ...}. Collective."""
+    data, recipe, cfg = p.recipe.eval_data, p.recipe, p.cfg
+    mine = eval_ids(len(data), cfg.train.eval_sequences)[p.env.rank :: p.env.world_size]
+    names: list[str] | None = None
+    totals: torch.Tensor | None = None  # [samples, loss sum, metric sums...] in float64
+    was_training = p.model.training
+    p.model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(mine), cfg.train.micro_batch_size):
+                ids = mine[start : start + cfg.train.micro_batch_size]
+                batch = to_device(
+                    fetch(data, ids, recipe.collate or default_collate, what="eval_data", rank=p.env.rank),
+                    p.d.device,
+                )
+                with autocast(cfg, p.d.device):
+                    loss = recipe.loss(p.model, batch)
+                    metrics = dict(recipe.eval_metrics(p.model, batch)) if recipe.eval_metrics else {}
+                check_loss(loss, recipe=cfg.recipe, rank=p.env.rank, step=step)
+                if names is None:
+                    names = sorted(metrics)
+                values = [float(len(ids)), float(loss) * len(ids), *(float(metrics[k]) * len(ids) for k in names)]
+                row = torch.tensor(values, dtype=torch.float64, device=p.d.device)
+                totals = row if totals is None else totals + row
+    finally:
+        p.model.train(was_training)
+    # Every rank must bring the same vector: a rank without eval samples (more ranks than samples) brings zeros.
+    width = torch.tensor([0 if totals is None else totals.numel()], device=p.d.device)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    if totals is None:
+        totals = torch.zeros(int(width), dtype=torch.float64, device=p.d.device)
+    dist.all_reduce(totals)
+    n = float(totals[0])
+    out = {"eval_loss": float(totals[1]) / n}
+    names = names or []
+    for i, name in enumerate(names):
+        out[f"eval_{name}"] = float(totals[2 + i]) / n
+    return out

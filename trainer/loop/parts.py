@@ -1,0 +1,64 @@
+"""The parts the training loop drives, built once by ``trainer.build`` (and by the benchmarks through it)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from runconfig.schema import RunConfig
+from trainer.data.loader import BatchLoader
+from trainer.env import RuntimeEnv
+from trainer.loop.state import TrainState
+from trainer.loop.stop import StopFlag
+from trainer.observe.metrics import MetricsWriter
+from trainer.observe.monitors import Monitors
+from trainer.parallel.distributed import Distributed
+from trainer.recipes.api import Recipe
+
+
+class Checkpoints(Protocol):
+    def due_by_steps(self, step: int, final: bool) -> bool: ...
+    def due_by_time(self) -> bool: ...
+    def save(self, state: TrainState, *, block: bool) -> None: ...
+
+
+@dataclass
+class Parts:
+    cfg: RunConfig
+    env: RuntimeEnv
+    d: Distributed
+    recipe: Recipe
+    model: torch.nn.Module  # the bare module (parameter names without DDP's "module.")
+    ddp: DDP
+    optimizer: torch.optim.Optimizer
+    lr_schedule: Callable[[int], float]  # optimizer step (0-based) -> learning rate
+    loader: BatchLoader
+    allreduce: str  # the gradient all-reduce that actually runs: "hierarchical" or "flat"
+    state: TrainState
+    checkpoints: Checkpoints
+    metrics: MetricsWriter
+    stop: StopFlag
+    mon: Monitors
+
+    @property
+    def accum(self) -> int:
+        return self.loader.accum
+
+    @property
+    def units_per_step(self) -> float:
+        """The recipe's units (tokens, images...) in one optimizer step over all ranks."""
+        units = self.cfg.train.global_batch_size * self.recipe.units_per_sample
+        return int(units) if float(units).is_integer() else units
+
+
+def autocast(cfg: RunConfig, device: torch.device):
+    """bf16 autocast where the config asks for it (auto: on CUDA), else nothing."""
+    use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+    if use_bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

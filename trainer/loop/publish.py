@@ -1,0 +1,95 @@
+"""The record of a step: built from the step clock and the boundary decision, then published to metrics.jsonl,
+TensorBoard, rank 0's progress bar and, at most every ``monitor.log_every_s``, a plain log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from trainer.loop.boundary import Decision
+from trainer.loop.parts import Parts
+from trainer.loop.step import StepResult
+from trainer.observe.timing import peak_memory_mb
+
+log = logging.getLogger("trainer.loop")
+
+
+class Publisher:
+    def __init__(self, p: Parts) -> None:
+        self.p = p
+        self.boundary = time.perf_counter()  # the end of the last record's interval
+        self.interval_eval = 0.0  # eval seconds inside the interval (not step time; reported apart)
+        self.last_line = time.monotonic()
+        self.run_start, self.first_step = time.time(), p.state.step
+
+    def due(self, step: int, decision: Decision, evaluated: bool, extra: dict | None) -> bool:
+        return step % self.p.cfg.train.log_every == 0 or decision.last or evaluated or bool(extra)
+
+    def publish(self, step: int, result: StepResult, decision: Decision, evals: dict, extra: dict | None) -> None:
+        """Write the record of ``step`` (covering the steps since the last record). Its publishing is timed as
+        sync, and like the checkpoint after it, falls in the next record's interval."""
+        p, t = self.p, self.p.cfg.train
+        now_pc = time.perf_counter()
+        parts, steps = p.mon.clock.take()
+        step_time = (now_pc - self.boundary - self.interval_eval) / steps
+        self.boundary = now_pc
+        units = p.units_per_step
+        record = {
+            "step": step,
+            "loss": decision.loss,
+            "lr": result.lr,
+            "grad_norm": float(result.grad_norm),
+            "tokens_per_s": units / step_time,
+            "samples_per_s": t.global_batch_size / step_time,
+            "step_time_s": step_time,
+            **{f"time_{name}_s": seconds / steps for name, seconds in parts.items()},
+            "time_eval_s": self.interval_eval,
+            "tokens_seen": p.state.tokens_seen,
+            "peak_mem_mb": peak_memory_mb(p.d.device),
+            "time": time.time(),
+            "launch": p.env.launch_id,
+            **evals,
+        }
+        if p.mon.peak_flops and p.mon.flops_per_sample:
+            samples_per_rank_s = t.global_batch_size / step_time / p.env.world_size
+            record["mfu"] = samples_per_rank_s * p.mon.flops_per_sample / p.mon.peak_flops
+        if extra:
+            record.update(extra)
+        self.interval_eval = 0.0
+        with p.mon.clock.part("sync"):
+            p.metrics.write(record)
+            p.mon.tensorboard.write(record)
+            if p.mon.progress is not None:
+                p.mon.progress.update({**record, "unit": p.recipe.unit})
+            self._line(step, record, step_time, bool(evals) or decision.last)
+
+    def _line(self, step: int, record: dict, step_time: float, force: bool) -> None:
+        p = self.p
+        now = time.monotonic()
+        if p.env.rank != 0 or not (force or now - self.last_line >= p.cfg.monitor.log_every_s):
+            return
+        self.last_line = now
+        steps = p.cfg.train.steps
+        eta = (steps - step) * (time.time() - self.run_start) / max(1, step - self.first_step)
+        log.info(
+            "step %d/%d loss %s eval %s lr %.2e %.0f %s/s %.3f s/step ETA %s",
+            step,
+            steps,
+            _fmt(record.get("loss")),
+            _fmt(record.get("eval_loss")),
+            record["lr"],
+            record["tokens_per_s"],
+            p.recipe.unit,
+            step_time,
+            _hms(eta),
+            extra={"progress": True},
+        )
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"

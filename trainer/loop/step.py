@@ -1,0 +1,67 @@
+"""One optimizer step (``train_step``) over micro-batches (``forward_backward_step``): the torchtitan split."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer.errors import UserError
+from trainer.loop.parts import Parts, autocast
+
+
+@dataclass
+class StepResult:
+    lr: float
+    grad_norm: torch.Tensor
+    loss: torch.Tensor  # this rank's loss of the step (mean over its micro-batches), not yet shared
+
+
+def check_loss(loss: Any, *, recipe: str, rank: int, step: int) -> None:
+    """The loss must be a floating-point scalar tensor (finiteness is checked across ranks at the boundary)."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
+        what = f"a tensor of shape {list(loss.shape)} ({loss.dtype})" if isinstance(loss, torch.Tensor) else repr(loss)
+        raise UserError(
+            f"rank {rank}: recipe {recipe!r}: the loss at step {step} is {what[:200]}; Recipe.loss must return a "
+            "floating-point scalar tensor (the mean loss of the batch).",
+            collective=False,
+        )
+
+
+def forward_backward_step(p: Parts, batch: Any, *, step: int, synchronizing: bool) -> torch.Tensor:
+    """Forward and backward of one micro-batch; gradients are reduced over ranks when ``synchronizing`` (the last
+    micro-batch of the step), accumulated locally otherwise. Returns the micro-batch's share of the step loss."""
+    mon = p.mon
+    with mon.clock.backward(synchronizing=synchronizing and p.env.world_size > 1):
+        mon.injector.in_compute(step)
+        with contextlib.nullcontext() if synchronizing else p.ddp.no_sync():
+            with autocast(p.cfg, p.d.device):
+                loss = p.recipe.loss(p.ddp, batch)
+            check_loss(loss, recipe=p.cfg.recipe, rank=p.env.rank, step=step)
+            loss = loss / p.accum
+            loss.backward()
+    return loss.detach()
+
+
+def train_step(p: Parts, step: int) -> StepResult:
+    """Optimizer step ``step`` (1-based): learning rate, micro-batches, clipping, update."""
+    t, opt, clock, watch = p.cfg.train, p.optimizer, p.mon.clock, p.mon.watchdog
+    lr = p.lr_schedule(step - 1)
+    for group in opt.param_groups:
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
+    loss = torch.zeros((), device=p.d.device)
+    for micro in range(p.accum):
+        watch.enter("data", step)
+        with clock.part("data"):
+            batch = p.loader.next()
+        watch.enter("forward/backward", step)
+        loss += forward_backward_step(p, batch, step=step, synchronizing=micro == p.accum - 1)
+    watch.enter("optimizer", step)
+    with clock.part("optim"):
+        params = [q for q in p.model.parameters() if q.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return StepResult(lr=lr, grad_norm=grad_norm, loss=loss)

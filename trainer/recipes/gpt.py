@@ -1,0 +1,35 @@
+"""The built-in recipe (``recipe: gpt``): the byte-level (or tokenizer-prepared) GPT of trainer/models/gpt.py on
+the prepared HDF5 token data of the ``data:`` section, shaped by the ``model:`` section."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from trainer.models.gpt import GPT, loss_fn
+from trainer.observe.timing import flops_per_token
+from trainer.recipes.api import Recipe, RecipeContext
+
+
+def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting window[:, 1:] from window[:, :-1]."""
+    return loss_fn(model(batch[:, :-1]), batch[:, 1:])
+
+
+def recipe(ctx: RecipeContext) -> Recipe:
+    cfg = ctx.config.model
+    model = GPT(cfg)
+    train, val = ctx.token_data(cfg.seq_len, vocab_size=cfg.vocab_size)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return Recipe(
+        model=model,
+        train_data=train,
+        eval_data=val,
+        loss=next_token_loss,
+        unit="tokens",
+        units_per_sample=cfg.seq_len,
+        flops_per_sample=flops_per_token(matmul, cfg.n_layers, cfg.d_model, cfg.seq_len) * cfg.seq_len,
+        architecture={k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"},
+    )
