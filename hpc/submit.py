@@ -2,6 +2,10 @@
 
 With no Slurm on this machine (no ``sbatch`` on PATH), or with ``--local``, the job runs here under mpirun with
 its nodes simulated on one host. Exit status: 0 done, 2 bad input (one message, no traceback), 1 the job failed.
+
+A new run's recipe module (``recipe: module.path:function``, found next to the config file or in the current
+folder) is copied into RUN_DIR/code/ (runconfig/code.py): every launch of the run imports that snapshot, so edits
+made while the job waits in the queue do not reach it. A resume keeps the snapshot unless ``--refresh-code``.
 """
 
 from __future__ import annotations
@@ -20,10 +24,9 @@ from hpc.local import LaunchResult, run_local, trainer_command
 from hpc.mpi import LauncherError, find_launcher
 from hpc.slurm import make_executor, sbatch_script
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
-from runconfig.outcome import EXIT_STOPPED
-
-EXIT_USER_ERROR = 2
-EXIT_JOB_FAILED = 1
+from runconfig import code as codesnap
+from runconfig.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
+from runconfig.schema import BUILTIN_RECIPE
 
 
 class SubmitError(Exception):
@@ -51,6 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="override a config key by dotted path, e.g. --set train.steps=40 (repeatable)",
+    )
+    p.add_argument(
+        "--refresh-code",
+        action="store_true",
+        help="with a resume: copy the recipe's code again from where the run's snapshot was taken (RUN_DIR/code/); "
+        "without it a resumed run keeps the code it was submitted with",
     )
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script (or local launch) and exit")
     p.add_argument("--slurm", action="store_true", help="target Slurm even where no sbatch is on PATH (dry runs)")
@@ -100,16 +109,70 @@ def resume_target(args: argparse.Namespace) -> Path | None:
     return path
 
 
+def config_search(config: str) -> list[Path]:
+    """Where a new run's recipe module is looked for: next to CONFIG when it is a file (a built-in example name
+    has no folder of the user's), and in the current folder."""
+    return codesnap.search_path(Path(config) if Path(config).is_file() else None)
+
+
+def snapshot_new_run(rundir: RunDir, recipe: str, search: list[Path]) -> codesnap.Snapshot | None:
+    """Copy the recipe's code into a new run directory, say so, and record it in the run's history."""
+    snap = codesnap.take(rundir, recipe, search)
+    if snap is not None:
+        print(f"code snapshot: {snap.module} {snap.sha256[:12]} ({snap.files} files)", flush=True)
+        append_event(
+            rundir.history, EVENT_CODE, module=snap.module, sha256=snap.sha256, source=snap.source, refreshed=False
+        )
+    return snap
+
+
+def refresh_code(rundir: RunDir, recipe: str) -> codesnap.Snapshot | None:
+    """``--refresh-code``: take the resumed run's snapshot again, from the folder the old one was taken from (then
+    the current folder), and record it in the run's history."""
+    old = codesnap.read(rundir)
+    search = ([Path(old.source).parent] if old else []) + codesnap.search_path(None)
+    snap = codesnap.refresh(rundir, recipe, search)
+    if snap is None:
+        print(f"code snapshot: none (recipe {recipe} is built in or installed)", flush=True)
+        return None
+    same = " (unchanged)" if old and old.sha256 == snap.sha256 else ""
+    print(f"code snapshot refreshed: {snap.module} {snap.sha256[:12]} ({snap.files} files){same}", flush=True)
+    append_event(rundir.history, EVENT_CODE, module=snap.module, sha256=snap.sha256, source=snap.source, refreshed=True)
+    return snap
+
+
+def check_resumed_code(rundir: RunDir, recipe: str) -> None:
+    """A resume keeps the run's snapshot; a recipe changed (--set recipe=...) to another top-level module than the
+    snapshot's would silently run code that is not in it."""
+    snap = codesnap.read(rundir)
+    if snap is None or recipe == BUILTIN_RECIPE:
+        return
+    module = recipe.partition(":")[0].split(".")[0]
+    if module != snap.module:
+        raise SubmitError(
+            f"recipe {recipe} is not in the run's code snapshot ({snap.module}, taken from {snap.source}); add "
+            "--refresh-code to take a new snapshot of the recipe's module."
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    created = None
     try:
         resume_dir = resume_target(args)
+        if args.refresh_code and not resume_dir:
+            raise SubmitError("--refresh-code applies to a resumed run only (--resume RUN_DIR, or a RUN_DIR).")
         config_spec = str(RunDir(resume_dir).config) if resume_dir else args.config
         cfg = load_config(config_spec, args.overrides)
         use_slurm = args.slurm or (not args.local and slurm_available())
         if args.chain < 1:
             raise SubmitError(f"--chain must be >= 1, got {args.chain}.")
         run_path = (resume_dir or args.run_dir or default_run_dir(cfg.job.name)).absolute()
+        search = None if resume_dir else config_search(args.config)
+        if search is not None:
+            codesnap.locate(cfg.recipe, search)  # a recipe module found nowhere is an error before anything is made
+        elif not args.refresh_code:
+            check_resumed_code(RunDir(run_path), cfg.recipe)
         if args.dry_run:
             print(f"# run directory: {run_path}")
             if use_slurm:
@@ -119,12 +182,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
             return 0
         launcher = None if use_slurm else find_launcher()
-        rundir = RunDir(run_path) if resume_dir else prepare_run_dir(run_path)
+        if resume_dir:
+            rundir = RunDir(run_path)
+        else:
+            created = None if run_path.exists() else run_path
+            rundir = prepare_run_dir(run_path)
         problem = rundir.writable_error()
         if problem:
             raise SubmitError(problem + "; nothing was changed.")
+        if resume_dir and args.refresh_code:
+            refresh_code(rundir, cfg.recipe)
+        elif not resume_dir:
+            snapshot_new_run(rundir, cfg.recipe, search)
+            created = None  # the run directory is complete once its config is written below
         rundir.config.write_text(dump_yaml(cfg))
     except (ConfigError, SubmitError, LauncherError) as exc:
+        if created is not None:  # a new run directory left without its code snapshot: remove what was made
+            shutil.rmtree(created, ignore_errors=True)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
 
@@ -181,7 +255,7 @@ def report(rundir: RunDir, result: LaunchResult) -> int:
         return EXIT_STOPPED
     if failure:  # diagnosed by the trainer: bad input (status 2), or a hang / a rank gone (the job failed)
         print(f"error: {failure}", file=sys.stderr)
-        return EXIT_USER_ERROR if status == EXIT_USER_ERROR else EXIT_JOB_FAILED
+        return EXIT_USER_ERROR if status == EXIT_USER_ERROR else EXIT_FAILED
     if ended.how != "done" or not rundir.summary.exists():
         log = rundir.logs / "mpirun.log"
         print(
@@ -189,7 +263,7 @@ def report(rundir: RunDir, result: LaunchResult) -> int:
             file=sys.stderr,
         )
         print("\n".join(result.output_tail[-20:]), file=sys.stderr)
-        return EXIT_JOB_FAILED
+        return EXIT_FAILED
     summary = json.loads(rundir.summary.read_text())
     eval_part = f", eval loss {summary['final_eval_loss']:.4f}" if summary.get("final_eval_loss") else ""
     print(

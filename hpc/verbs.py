@@ -4,7 +4,8 @@
     python -m hpc cancel  RUN_DIR            cancel the run's unfinished jobs
     python -m hpc pause   RUN_DIR            stop at a step boundary with a checkpoint, then hold the job
     python -m hpc release RUN_DIR            let a paused run continue
-    python -m hpc resume  RUN_DIR [--set K=V] resubmit a finished, failed or cancelled run from its checkpoint
+    python -m hpc resume  RUN_DIR [--set K=V] [--refresh-code]
+                                             resubmit a finished, failed or cancelled run from its checkpoint
     python -m hpc logs    RUN_DIR [--rank N | --all] [--follow]
     python -m hpc sweep   CONFIG GRID.yaml [--run-dir DIR] [--set K=V]   a grid as one job array (hpc/sweep.py)
     python -m hpc report  RUN_DIR [--out DIR]  PNG plots and report.md with goodput and restarts (hpc/report.py)
@@ -26,9 +27,8 @@ from pathlib import Path
 from hpc.jobs import job_ids, query, run
 from runconfig import ConfigError, RunDir, load_config
 from runconfig.checkpoints import latest_committed
+from runconfig.contract import EVENT_CODE, EXIT_USER_ERROR
 from runconfig.rundir import read_jsonl
-
-EXIT_USER_ERROR = 2
 
 
 class VerbError(Exception):
@@ -64,7 +64,8 @@ def status(rundir: RunDir) -> dict:
         elif failure:
             state = "failed"
         else:
-            state = "stopped" if history else "not started"
+            launched = any(e.get("event") != EVENT_CODE for e in history)  # the snapshot's event is no launch
+            state = "stopped" if launched else "not started"
     return {
         "run_dir": str(rundir.root),
         "state": state,
@@ -182,13 +183,19 @@ def sweep(args: argparse.Namespace) -> int:
     from hpc import sweep as sw
     from hpc.driver import Driver
     from hpc.slurm import make_executor
+    from hpc.submit import config_search, slurm_available, snapshot_new_run
     from hpc.submit import main as submit_main
-    from hpc.submit import slurm_available
+    from runconfig.code import locate
 
     elements = sw.expand(args.config, args.grid, args.overrides)
     name = elements[0][1].job.name
     sweep_dir = (args.run_dir or Path("runs") / f"sweep-{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    search = config_search(args.config)
+    for _, cfg in elements:  # every element's recipe module is found before anything is made
+        locate(cfg.recipe, search)
     dirs = sw.create(sweep_dir, elements)
+    for d, (_, cfg) in zip(dirs, elements, strict=True):  # each element runs the code of submit time
+        snapshot_new_run(d, cfg.recipe, search)
     if args.local or not slurm_available():
         sw.record(sweep_dir, elements, dirs, [""] * len(dirs))
         statuses = [submit_main(["--resume", str(d.root), "--local"]) for d in dirs]
@@ -215,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument("--json", action="store_true", help="print the status as JSON")
         if verb == "resume":
             sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+            sp.add_argument(
+                "--refresh-code",
+                action="store_true",
+                help="copy the recipe's code again (RUN_DIR/code/) instead of running the code of the first submit",
+            )
         if verb == "logs":
             sp.add_argument("--rank", type=int, default=0)
             sp.add_argument("--all", action="store_true", help="every rank's log")
@@ -253,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             from hpc.submit import main as submit_main
 
             overrides = [x for item in args.overrides for x in ("--set", item)]
-            return submit_main(["--resume", str(rundir.root), *overrides])
+            refresh = ["--refresh-code"] if args.refresh_code else []
+            return submit_main(["--resume", str(rundir.root), *overrides, *refresh])
         elif args.verb == "logs":
             logs(rundir, rank=args.rank, all_ranks=args.all, follow=args.follow)
     except (VerbError, ConfigError, RuntimeError) as exc:

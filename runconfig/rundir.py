@@ -63,6 +63,12 @@ class RunDir:
         return self.root / "logs"
 
     @property
+    def code(self) -> Path:
+        """The recipe's code snapshot taken at submit time (its package or module, and manifest.json); every launch
+        checks it and imports the recipe from here (runconfig/code.py)."""
+        return self.root / "code"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

@@ -6,6 +6,8 @@
 #   srun --mpi=PLUGIN --kill-on-bad-exit=1 PYTHON -u -m trainer --run-dir RUN_DIR
 # and then finish (status 0), requeue the job (status 75: the trainer stopped on a signal at a step boundary and
 # committed a checkpoint), or give up (any other status, passed on unchanged, never requeued).
+# A new run (train.sbatch) also gets the recipe's code snapshot in RUN_DIR/code/ (runconfig/code.py), taken from
+# the CONFIG file's folder, its parent or the submit directory; every launch, requeues included, imports that copy.
 #
 # Environment (read by hpc_main; see sbatch/README.md):
 #   RUN_DIR           run directory (required); relative paths are taken from the submit directory
@@ -18,8 +20,6 @@
 #   HPC_MAX_RESTARTS  requeues after a stop before giving up (default: the config's job.max_restarts, 20)
 #   HPC_SETUP         a file sourced before anything else (module loads, e.g. envs/modules.sh)
 #   HPC_REPO          the checkout holding sbatch/common.sh (found by the .sbatch scripts, see there)
-
-HPC_EXIT_STOPPED=75  # the trainer's "stopped by a signal, checkpoint committed, resumable"
 
 hpc_die() {  # hpc_die STATUS MESSAGE...: one clear line in the job's output, then exit
   local status=$1
@@ -41,6 +41,8 @@ import sys
 from pathlib import Path
 
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
+from runconfig.code import search_path, take
+from runconfig.contract import EVENT_CODE, EXIT_STOPPED, append_event
 
 mode, root = sys.argv[1], Path(sys.argv[2])
 rundir = RunDir(root)
@@ -96,8 +98,15 @@ try:
         problem = rundir.writable_error()
         if problem:
             fail(problem)
+        # The recipe's code before the config: config.yaml marks the run as made, and its code must be there then.
+        config_file = Path(os.environ["CONFIG"])
+        snap = take(rundir, cfg.recipe, search_path(config_file if config_file.is_file() else None))
         write_config(cfg)
         print(f"created run directory {root} from {os.environ['CONFIG']}")
+        if snap is not None:
+            print(f"code snapshot: {snap.module} {snap.sha256[:12]} ({snap.files} files)")
+            append_event(rundir.history, EVENT_CODE, module=snap.module, sha256=snap.sha256, source=snap.source,
+                         refreshed=False)
 except ConfigError as exc:
     fail(exc)
 except OSError as exc:
@@ -116,6 +125,7 @@ if job.threads_per_rank and "OMP_NUM_THREADS" not in os.environ:
     env["OMP_NUM_THREADS"] = str(job.threads_per_rank)
 q = shlex.quote
 print("#HPC-VARS")  # everything below is eval'ed by the batch script
+print(f"hpc_exit_stopped={EXIT_STOPPED}")  # runconfig/contract.py: stopped by a signal, checkpoint committed
 print(f"hpc_complete={int(complete)}")
 print(f"hpc_steps={cfg.train.steps}")
 print(f"hpc_max_restarts_cfg={job.max_restarts}")
@@ -132,7 +142,7 @@ PY
 hpc_main() {
   local mode=$1 out status restarts max_restarts verb line plugin how signum
   # Set by eval'ing hpc_prepare's output:
-  local hpc_complete=0 hpc_steps=0 hpc_max_restarts_cfg=20 hpc_world_cfg=0 hpc_mpi_cfg=auto
+  local hpc_exit_stopped= hpc_complete=0 hpc_steps=0 hpc_max_restarts_cfg=20 hpc_world_cfg=0 hpc_mpi_cfg=auto
   local -a hpc_srun_args=() hpc_env=() hpc_setup=()
   # Files and folders the job writes are private, like the run directory (it may hold pickles and configs).
   umask 077
@@ -191,7 +201,7 @@ hpc_main() {
       echo "done: run $RUN_DIR complete"
       exit 0 ;;
     stopped)
-      [ "$status" = "$HPC_EXIT_STOPPED" ] || echo "srun exit status $status, but this launch stopped with a checkpoint"
+      [ "$status" = "$hpc_exit_stopped" ] || echo "srun exit status $status, but this launch stopped with a checkpoint"
       ;;
     *)
       echo "error: the ranks failed with exit status $status; not requeued (logs in $RUN_DIR/logs)" >&2
@@ -202,7 +212,7 @@ hpc_main() {
     # (they requeue it themselves), or the time limit without the job's --signal first. Not requeued here.
     echo "stopped by SIGTERM with a committed checkpoint; not requeued (continue with: RUN_DIR=$RUN_DIR sbatch" \
       "sbatch/resume.sbatch)"
-    exit "$HPC_EXIT_STOPPED"
+    exit "$hpc_exit_stopped"
   fi
   max_restarts=${HPC_MAX_RESTARTS:-$hpc_max_restarts_cfg}
   if [ -e "$RUN_DIR/PAUSED" ]; then
@@ -210,13 +220,13 @@ hpc_main() {
   elif [ "$restarts" -ge "$max_restarts" ]; then
     echo "error: the run stopped again after $restarts restarts (HPC_MAX_RESTARTS=$max_restarts); not requeued." \
       "Continue with: RUN_DIR=$RUN_DIR sbatch sbatch/resume.sbatch" >&2
-    exit "$HPC_EXIT_STOPPED"
+    exit "$hpc_exit_stopped"
   else
     verb=requeue
   fi
-  [ -n "${SLURM_JOB_ID:-}" ] || hpc_die "$HPC_EXIT_STOPPED" "stopped with a committed checkpoint, but not in a Slurm job: nothing to requeue"
+  [ -n "${SLURM_JOB_ID:-}" ] || hpc_die "$hpc_exit_stopped" "stopped with a committed checkpoint, but not in a Slurm job: nothing to requeue"
   echo "checkpoint committed; scontrol $verb $SLURM_JOB_ID"
   # Requeueing from inside the job ends it at once: everything is already committed.
-  scontrol "$verb" "$SLURM_JOB_ID" || hpc_die "$HPC_EXIT_STOPPED" "scontrol $verb $SLURM_JOB_ID failed; resume by hand"
+  scontrol "$verb" "$SLURM_JOB_ID" || hpc_die "$hpc_exit_stopped" "scontrol $verb $SLURM_JOB_ID failed; resume by hand"
   exit 0
 }
