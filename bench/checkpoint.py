@@ -1,9 +1,11 @@
 """Checkpoint save throughput vs raw disk bandwidth, sync vs async blocking time, and resume time.
 
 ``python bench/checkpoint.py`` builds the trainer's GPT (``tiny`` config, widened so that model + AdamW state is
-about ``--size-mb``), bootstraps like ``trainer.main.run`` (``from_mpi``, ``init_distributed``, ``build``,
-``Checkpointer``, ``TrainState``) and times, interleaved repetition by repetition (the order rotates, so machine
-noise hits every measure alike), in one temporary folder:
+about ``--size-mb``) through the trainer's own bootstrap (``from_mpi``, ``init_distributed``, then
+``trainer.build.build_parts``: recipe, DDP, loader, optimizer, monitors and its ``Checkpointer``, as
+``trainer.main.run`` does; a second ``Checkpointer`` on the same model and optimizer writes asynchronously) and
+times, interleaved repetition by repetition (the order rotates, so machine noise hits every measure alike), in one
+temporary folder:
 
 - ``raw``: writing the checkpoint's byte count to one file in 4 MiB blocks + fsync (what ``dd bs=4M conv=fsync``
   does), split evenly over the ranks;
@@ -13,7 +15,8 @@ noise hits every measure alike), in one temporary folder:
   then ``wait()`` until the background thread committed (so two writes never overlap);
 - ``restore``: ``Checkpointer.restore()`` of the newest generation (SHA-256 of every file, DCP load,
   set_state_dict);
-- ``step``: one training step of the same model (forward, backward, AdamW step) on a random batch.
+- ``step``: one training step of the same model: ``trainer.loop.step.train_step`` (the loader's next batch,
+  forward, backward, clipping, AdamW step).
 
 Each figure is the slowest rank's time; the tables show medians over repetitions. Where the time goes is measured
 by timing wrappers around the functions trainer.checkpoint.checkpointer calls (rank 0's view).
@@ -36,6 +39,7 @@ import tempfile
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +129,9 @@ def instrument(phases: Phases) -> None:
     import runconfig.checkpoints as layout
     import trainer.checkpoint.checkpointer as ck
 
-    ck.dcp = types.SimpleNamespace(save=dcp.save, load=dcp.load, FileSystemWriter=dcp.FileSystemWriter)
+    ck.dcp = types.SimpleNamespace(
+        save=dcp.save, load=dcp.load, FileSystemWriter=dcp.FileSystemWriter, FileSystemReader=dcp.FileSystemReader
+    )
     phases.wrap(ck.dcp, "save", "dcp_save")
     phases.wrap(ck.dcp, "load", "dcp_load")
     for attr, phase in [
@@ -179,14 +185,18 @@ def fs_info(path: Path) -> dict:
 
 
 def worker(args: argparse.Namespace) -> int:
+    import contextlib
+
     import torch
     from mpi4py import MPI
 
     from runconfig import RunDir, load_config
+    from trainer.build import build_parts
     from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.env import from_mpi
-    from trainer.loop.train import TrainState, build
-    from trainer.models.gpt import loss_fn
+    from trainer.loop.state import TrainState
+    from trainer.loop.step import train_step
+    from trainer.loop.stop import StopFlag
     from trainer.parallel.distributed import init_distributed, shutdown
 
     comm = MPI.COMM_WORLD
@@ -202,8 +212,13 @@ def worker(args: argparse.Namespace) -> int:
         f"model.n_heads={args.heads}",
         f"train.micro_batch_size={args.batch}",
         f"train.global_batch_size={args.batch * world}",
+        "train.eval_every=0",
         "comm.allreduce=flat",
         "checkpoint.keep_last=2",
+        # The monitors would only add their own work (TensorBoard files, a watchdog thread) to the timings.
+        "monitor.tensorboard=false",
+        "monitor.straggler_every=0",
+        "monitor.hang_timeout_s=0",
     ]
     cfg_sync = load_config("tiny", [*overrides, "checkpoint.async_save=false"])
     cfg_async = load_config("tiny", [*overrides, "checkpoint.async_save=true"])
@@ -222,113 +237,139 @@ def worker(args: argparse.Namespace) -> int:
     phases = Phases()
     instrument(phases)
     d = init_distributed(env, cfg_sync.comm, torch.device("cpu"), comm)
-    ckpts: dict[str, Checkpointer] = {}
     clean = False  # after an error nobody waits for the other ranks at shutdown
     try:
-        comps = build(cfg_sync, env, d)
-        ckpts = {
-            mode: Checkpointer(cfg=cfg, env=env, rundir=rundir, comps=comps, comm=comm)
-            for mode, cfg in (("sync", cfg_sync), ("async", cfg_async))
-        }
-        # One run directory, two writers: share what each has committed, as one trainer process would know it
-        # (otherwise each prune hashes the other writer's newest generation again).
-        ckpts["async"].verified = ckpts["sync"].verified
-        state = TrainState()
-        gen = torch.Generator().manual_seed(1000 + rank)
-        seq, vocab = cfg_sync.model.seq_len, cfg_sync.model.vocab_size
+        with contextlib.ExitStack() as stack:
+            parts = build_parts(cfg_sync, env, d, rundir, comm, StopFlag(cfg_sync.checkpoint.stop_signals), stack)
+            async_ckpt = Checkpointer(
+                cfg=cfg_async,
+                env=env,
+                rundir=rundir,
+                model=parts.model,
+                optimizer=parts.optimizer,
+                comm=comm,
+                architecture=dict(parts.recipe.architecture),
+            )
+            stack.callback(async_ckpt.close)
+            ckpts = {"sync": parts.checkpoints, "async": async_ckpt}
+            # One run directory, two writers: share what each has committed, as one trainer process would know it
+            # (otherwise each prune hashes the other writer's newest generation again).
+            async_ckpt.verified = ckpts["sync"].verified
+            state = TrainState()
+            parts.loader.start(0)
+            parts.ddp.train()
+            steps = 0
 
-        def train_step() -> None:
-            batch = torch.randint(0, vocab, (args.batch, seq + 1), generator=gen)
-            loss_fn(comps.ddp(batch[:, :-1]), batch[:, 1:]).backward()
-            comps.optimizer.step()
-            comps.optimizer.zero_grad(set_to_none=True)
+            def one_step() -> None:
+                nonlocal steps
+                steps += 1
+                train_step(parts, steps)
+                parts.mon.clock.end_step()
 
-        train_step()  # AdamW's exp_avg / exp_avg_sq exist from here on
-        raw_bytes = nfiles = 0  # set from the first committed generation
-
-        def measure(name: str) -> dict:
-            """Run one measure on every rank; returns the slowest rank's seconds (and the async split)."""
-            comm.Barrier()
-            phases.reset()
-            out: dict = {}
-            start = time.perf_counter()
-            if name == "raw":
-                path = work / f"raw_{rank:05d}.bin"
-                share = raw_bytes // world + (1 if rank < raw_bytes % world else 0)
-                raw_write(path, share)
-                out["seconds"] = time.perf_counter() - start
-                path.unlink()
-            elif name in ("sync", "async"):
-                state.step += 1
-                ckpts[name].save(state, block=name == "sync")
-                out["blocking_s"] = time.perf_counter() - start
-                ckpts[name].wait()
-                out["seconds"] = time.perf_counter() - start
-            elif name == "restore":
-                if not ckpts["sync"].restore(state):
-                    raise RuntimeError("restore found no checkpoint")
-                out["seconds"] = time.perf_counter() - start
-            else:
-                train_step()
-                out["seconds"] = time.perf_counter() - start
-            out["phases"] = phases.reset()
-            for key in ("seconds", "blocking_s"):
-                if key in out:
-                    out[key] = comm.allreduce(out[key], op=MPI.MAX)
-            return out
-
-        samples: dict[str, list[dict]] = {m: [] for m in MEASURES}
-        wall, load_before = time.perf_counter(), os.getloadavg()
-        for rep in range(args.warmup + args.reps):
-            if rep == 0:  # the size of what a save writes, from the first committed generation
-                measure("sync")
-                if rank == 0:
-                    newest = rundir.checkpoints / (rundir.checkpoints / "latest").read_text().strip()
-                    manifest = json.loads((newest / "manifest.json").read_text())
-                    raw_bytes = sum(f["size"] for f in manifest["files"].values())
-                    nfiles = len(manifest["files"])
-                raw_bytes = comm.bcast(raw_bytes, root=0)
-            k = rep % len(MEASURES)
-            for name in MEASURES[k:] + MEASURES[:k]:
-                result = measure(name)
-                if rep >= args.warmup:
-                    samples[name].append(result)
-        wall = time.perf_counter() - wall
-        for ck in ckpts.values():
-            ck.close()
-        ckpts = {}
-        if rank == 0:
-            n_params = sum(p.numel() for p in comps.model.parameters())
-            setup = {
-                "world_size": world,
-                "threads_per_rank": torch.get_num_threads(),
-                "cpus": os.cpu_count(),
-                "host": platform.node(),
-                "torch": torch.__version__,
-                "model": {"d_model": args.d_model, "n_layers": layers, "n_heads": args.heads, "params": n_params},
-                "checkpoint_bytes": raw_bytes,
-                "checkpoint_files": nfiles,
-                "batch_per_rank": args.batch,
-                "seq_len": seq,
-                "reps": args.reps,
-                "warmup_reps": args.warmup,
-                "dir": fs_info(work),
-                "raw_write": "one file per rank, 4 MiB os.write blocks of zeros, fsync (= dd bs=4M conv=fsync)",
-                "timing": "per repetition the slowest rank; medians over repetitions; order rotates per repetition",
-                "phases": "rank 0, seconds inside wrapped functions; bg: = on the background checkpoint thread",
-                "restore_cache": "warm: the generation was just written and is in the page cache",
-                "measure_wall_s": wall,
-                "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]],
-            }
-            report(setup, samples, args.json)
+            one_step()  # AdamW's exp_avg / exp_avg_sq exist from here on
+            measure_reps(args, parts, ckpts, state, one_step, phases, work, rundir, comm, layers)
         clean = True
     finally:
-        for ck in ckpts.values():
-            ck.close()
         shutdown(comm, clean=clean)
         if rank == 0:
             shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def measure_reps(
+    args: argparse.Namespace,
+    parts: Any,  # trainer.loop.parts.Parts
+    ckpts: dict[str, Any],  # "sync" / "async" -> Checkpointer
+    state: Any,  # trainer.loop.state.TrainState
+    one_step: Callable[[], None],
+    phases: Phases,
+    work: Path,
+    rundir: Any,  # runconfig.RunDir
+    comm: Any,  # mpi4py.MPI.Comm
+    layers: int,
+) -> None:
+    """The interleaved repetitions of every measure (every rank); rank 0 prints the report."""
+    import torch
+    from mpi4py import MPI
+
+    rank, world = parts.env.rank, parts.env.world_size
+    seq = parts.cfg.model.seq_len
+    raw_bytes = nfiles = 0  # set from the first committed generation
+
+    def measure(name: str) -> dict:
+        """Run one measure on every rank; returns the slowest rank's seconds (and the async split)."""
+        comm.Barrier()
+        phases.reset()
+        out: dict = {}
+        start = time.perf_counter()
+        if name == "raw":
+            path = work / f"raw_{rank:05d}.bin"
+            share = raw_bytes // world + (1 if rank < raw_bytes % world else 0)
+            raw_write(path, share)
+            out["seconds"] = time.perf_counter() - start
+            path.unlink()
+        elif name in ("sync", "async"):
+            state.step += 1
+            ckpts[name].save(state, block=name == "sync")
+            out["blocking_s"] = time.perf_counter() - start
+            ckpts[name].wait()
+            out["seconds"] = time.perf_counter() - start
+        elif name == "restore":
+            if not ckpts["sync"].restore(state):
+                raise RuntimeError("restore found no checkpoint")
+            out["seconds"] = time.perf_counter() - start
+        else:
+            one_step()
+            out["seconds"] = time.perf_counter() - start
+        out["phases"] = phases.reset()
+        for key in ("seconds", "blocking_s"):
+            if key in out:
+                out[key] = comm.allreduce(out[key], op=MPI.MAX)
+        return out
+
+    samples: dict[str, list[dict]] = {m: [] for m in MEASURES}
+    wall, load_before = time.perf_counter(), os.getloadavg()
+    for rep in range(args.warmup + args.reps):
+        if rep == 0:  # the size of what a save writes, from the first committed generation
+            measure("sync")
+            if rank == 0:
+                newest = rundir.checkpoints / (rundir.checkpoints / "latest").read_text().strip()
+                manifest = json.loads((newest / "manifest.json").read_text())
+                raw_bytes = sum(f["size"] for f in manifest["files"].values())
+                nfiles = len(manifest["files"])
+            raw_bytes = comm.bcast(raw_bytes, root=0)
+        k = rep % len(MEASURES)
+        for name in MEASURES[k:] + MEASURES[:k]:
+            result = measure(name)
+            if rep >= args.warmup:
+                samples[name].append(result)
+    wall = time.perf_counter() - wall
+    for ck in ckpts.values():
+        ck.close()  # the last async generation is committed
+    if rank == 0:
+        n_params = sum(p.numel() for p in parts.model.parameters())
+        setup = {
+            "world_size": world,
+            "threads_per_rank": torch.get_num_threads(),
+            "cpus": os.cpu_count(),
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "model": {"d_model": args.d_model, "n_layers": layers, "n_heads": args.heads, "params": n_params},
+            "checkpoint_bytes": raw_bytes,
+            "checkpoint_files": nfiles,
+            "batch_per_rank": args.batch,
+            "seq_len": seq,
+            "reps": args.reps,
+            "warmup_reps": args.warmup,
+            "dir": fs_info(work),
+            "raw_write": "one file per rank, 4 MiB os.write blocks of zeros, fsync (= dd bs=4M conv=fsync)",
+            "timing": "per repetition the slowest rank; medians over repetitions; order rotates per repetition",
+            "phases": "rank 0, seconds inside wrapped functions; bg: = on the background checkpoint thread",
+            "restore_cache": "warm: the generation was just written and is in the page cache",
+            "measure_wall_s": wall,
+            "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]],
+        }
+        report(setup, samples, args.json)
 
 
 # --- report (rank 0) --------------------------------------------------------------------------------------------
