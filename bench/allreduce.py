@@ -25,6 +25,8 @@ from pathlib import Path
 
 from common import ROOT, mpirun_and_env  # bench/common.py (scripts run from bench/ on sys.path)
 
+from runconfig.contract import EXIT_USER_ERROR
+
 WORLD = 4
 PER_NODE = 2
 LINK_IFNAME = "ic0"  # both veth ends carry this name, so one GLOO_SOCKET_IFNAME fits every rank
@@ -213,14 +215,14 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 def launch(args: argparse.Namespace) -> int:
     found = mpirun_and_env(per_node=PER_NODE, threads=1)  # simulated nodes also in link mode: MPI sees one host
     if found is None:
-        return 2
+        return EXIT_USER_ERROR
     mpirun, env = found
     worker_cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker", *worker_args(args)]
     start = time.perf_counter()
     if args.link_mbit:
         if os.geteuid() != 0:
             print("error: --link-mbit needs root (network namespaces)", file=sys.stderr)
-            return 2
+            return EXIT_USER_ERROR
         env["GLOO_SOCKET_IFNAME"] = LINK_IFNAME
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns it cannot resolve the veth addresses' names
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are removed on TERM too
@@ -231,7 +233,7 @@ def launch(args: argparse.Namespace) -> int:
                 status = subprocess.run(cmd, env=env, cwd=ROOT).returncode
         except RuntimeError as exc:
             print(f"error: cannot emulate the link: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_USER_ERROR
     else:
         status = subprocess.run([str(mpirun), "-n", str(WORLD), *worker_cmd], env=env, cwd=ROOT).returncode
     print(f"(wall time {time.perf_counter() - start:.1f} s)", file=sys.stderr)

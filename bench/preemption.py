@@ -25,6 +25,8 @@ from pathlib import Path
 
 from common import ROOT
 
+from runconfig.contract import EVENT_RESUME, EVENT_STOPPED
+
 PORTS = {"HPC_SLURM_CTLD_PORT": "18917", "HPC_SLURM_NODE_PORT": "19101"}
 SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
         "model.seq_len=64", "checkpoint.every_steps=50"]  # fmt: skip
@@ -87,9 +89,9 @@ def one(method: str, data: Path, work: Path) -> dict:
 
     wait(running_again)
     running_at = time.time()
-    resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == "resume"])[0]
+    resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESUME])[0]
     first = wait(lambda: [r for r in lines(run_dir / "metrics.jsonl") if r["step"] == resume["step"] + 1])[0]
-    stopped = [e for e in lines(run_dir / "history.jsonl") if e["event"] == "stopped"]
+    stopped = [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_STOPPED]
     subprocess.run(["scancel", job], check=False)
     return {
         "method": method,

@@ -22,7 +22,8 @@ from pathlib import Path
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from runconfig import RunConfig, RunDir, load_config
-from runconfig.outcome import EXIT_STOPPED, how_it_ended, new_launch_id
+from runconfig.contract import EXIT_DONE, EXIT_STOPPED
+from runconfig.outcome import how_it_ended, new_launch_id
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
 
@@ -89,7 +90,7 @@ class Driver:
         # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
         # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
         ended = how_it_ended(rundir, launch_id, status)
-        if ended.recorded and status not in (0, EXIT_STOPPED):
+        if ended.recorded and status not in (EXIT_DONE, EXIT_STOPPED):
             print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
         if ended.how == "done":
             return {"status": "done"}

@@ -15,10 +15,8 @@ from pathlib import Path
 from hpc.mpi import MpiLauncher
 from hpc.progress import MetricsFollower, Progress
 from runconfig import RunConfig, RunDir
-from runconfig.outcome import LAUNCH_VAR, Ended, how_it_ended, new_launch_id
-
-#: Environment variable the trainer reads to lay one host's ranks out as simulated nodes (trainer/env.py).
-SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"
+from runconfig.contract import LAUNCH_VAR, SIMULATE_VAR
+from runconfig.outcome import Ended, how_it_ended, new_launch_id
 
 
 def trainer_command(rundir: RunDir) -> list[str]:

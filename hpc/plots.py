@@ -10,16 +10,18 @@ import math
 from itertools import pairwise
 from pathlib import Path
 
-from hpc.runlog import PARTS, RunLog, Step
+from hpc.runlog import RunLog, Step
+from runconfig.contract import EVENT_DONE, EVENT_HANG, EVENT_STOPPED, PART_KEYS, PARTS
 
 DPI = 110
+#: The legend of each step-time part (runconfig.contract.PARTS), stacked in PARTS order.
 PART_LABELS = {
-    "time_data_s": "data wait",
-    "time_compute_s": "forward + backward",
-    "time_comm_s": "exposed communication",
-    "time_optim_s": "optimizer",
-    "time_ckpt_s": "checkpoint stall",
-    "time_sync_s": "metrics sync / logging",
+    "data": "data wait",
+    "compute": "forward + backward",
+    "comm": "exposed communication",
+    "optim": "optimizer",
+    "ckpt": "checkpoint stall",
+    "sync": "metrics sync / logging",
 }
 RESTART = {"color": "tab:red", "linestyle": "--", "linewidth": 1.0}
 OUTSIDE = {"loc": "center left", "bbox_to_anchor": (1.0, 0.5)}
@@ -153,9 +155,9 @@ def _step_time(Figure, log: RunLog, title: str):
     fig = Figure(figsize=(13, 5), layout="constrained")
     ax = fig.subplots()
     xs = [s.step for s in timed]
-    layers = [[s.get(p) or 0.0 for s in timed] for p in PARTS]
+    layers = [[s.get(k) or 0.0 for s in timed] for k in PART_KEYS]
     labels = [PART_LABELS[p] for p in PARTS]
-    rest = [max(0.0, (s.get("step_time_s") or 0.0) - sum(s.get(p) or 0.0 for p in PARTS)) for s in timed]
+    rest = [max(0.0, (s.get("step_time_s") or 0.0) - sum(s.get(k) or 0.0 for k in PART_KEYS)) for s in timed]
     if any(r > 1e-9 for r in rest):
         layers.append(rest)
         labels.append("unattributed")
@@ -229,7 +231,7 @@ def _wall(Figure, log: RunLog, unit: tuple[float, str], title: str):
     fig = Figure(figsize=(13, 5), layout="constrained")
     fig.suptitle(f"{title}: wall-clock time")
     timeline, split = fig.subplots(2, 1, height_ratios=[1, 1])
-    colors = {"done": "tab:green", "stopped": "tab:orange", "hang": "tab:purple"}
+    colors = {EVENT_DONE: "tab:green", EVENT_STOPPED: "tab:orange", EVENT_HANG: "tab:purple"}
     for launch in log.launches:
         kind = launch.end_event["event"] if launch.end_event else "none"
         start = (launch.start - log.t0) / div

@@ -19,8 +19,7 @@ from pathlib import Path
 from hpc.plots import render
 from hpc.runlog import RunLog, analyze
 from runconfig import RunDir
-
-EXIT_USER_ERROR = 2
+from runconfig.contract import EXIT_USER_ERROR
 
 DEFINITIONS = """\
 - **Launch**: one start of the ranks (a `start` or `resume` event in history.jsonl). Its wall time runs from the

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from runconfig import RunDir
+from runconfig.contract import EVENT_DONE, EVENT_HANG, EVENT_RESUME, EVENT_START, EVENT_STOPPED
 from runconfig.rundir import read_jsonl
 
-#: The parts of a step's time, in the order the report stacks them.
-PARTS = ("time_data_s", "time_compute_s", "time_comm_s", "time_optim_s", "time_ckpt_s", "time_sync_s")
-START_EVENTS = ("start", "resume")
-END_EVENTS = ("stopped", "done", "hang")
+START_EVENTS = (EVENT_START, EVENT_RESUME)
+END_EVENTS = (EVENT_STOPPED, EVENT_DONE, EVENT_HANG)
 
 
 def number(obj: dict, key: str) -> float | None:
@@ -213,9 +212,9 @@ def _ending(launch: Launch, is_last: bool) -> str:
     e = launch.end_event
     if e is None:
         return "no end event (running, or killed)" if is_last else "killed (no end event)"
-    if e["event"] == "stopped":
+    if e["event"] == EVENT_STOPPED:
         return f"stopped ({_signal_name(e.get('signal'))})"
-    if e["event"] == "hang":
+    if e["event"] == EVENT_HANG:
         message = " ".join(str(e.get("message") or "").split())
         return f"hang: {message[:100]}" if message else "hang"
     return "done"

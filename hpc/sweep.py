@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, from_dict
+from runconfig.contract import append_jsonl
 from runconfig.load import load_raw, set_key
 
 SLUG_RE = re.compile(r"[^A-Za-z0-9._=-]+")
@@ -98,5 +99,4 @@ def record(sweep_dir: Path, elements: list[tuple[dict, RunConfig]], dirs: list[R
     (sweep_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
     for d, job_id in zip(dirs, ids, strict=True):
         if job_id:
-            with open(d.jobs, "a") as f:
-                f.write(json.dumps({"job_id": job_id, "array": True, "time": time.time()}) + "\n")
+            append_jsonl(d.jobs, {"job_id": job_id, "array": True, "time": time.time()})

@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from runconfig.contract import write_json_atomic
 from runconfig.digest import sha256_file
 
 MANIFEST = "manifest.json"
@@ -144,13 +145,7 @@ def commit(tmp: Path, final: Path, manifest: dict) -> None:
     """
     manifest = dict(manifest)
     manifest["manifest_sha256"] = manifest_digest(manifest)
-    mtmp = tmp / f"{MANIFEST}.tmp"
-    with open(mtmp, "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(mtmp, tmp / MANIFEST)
+    write_json_atomic(tmp / MANIFEST, manifest)
     fsync_path(tmp)
     if final.exists():
         final.rename(final.with_name(f"{final.name}.invalid-{os.getpid()}"))

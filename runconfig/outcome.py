@@ -15,12 +15,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runconfig.checkpoints import latest_committed
+from runconfig.contract import EVENT_DONE, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED, LAUNCH_VAR
 from runconfig.rundir import RunDir, read_jsonl
 
-#: Environment variable carrying the launch id from the launcher to the ranks.
-LAUNCH_VAR = "HPC_LAUNCH_ID"
-#: The trainer's exit status for "stopped by a signal at a step boundary, checkpoint committed, resumable".
-EXIT_STOPPED = 75
+# EXIT_STOPPED and LAUNCH_VAR are defined in runconfig.contract; re-exported here for the modules that still import
+# them from runconfig.outcome (hpc/submit.py, trainer/main.py, trainer/env.py).
+__all__ = [
+    "EXIT_STOPPED",
+    "LAUNCH_VAR",
+    "Ended",
+    "Outcome",
+    "how_it_ended",
+    "launch_events",
+    "launch_outcome",
+    "new_launch_id",
+]
 
 Outcome = Literal["done", "stopped"]
 
@@ -44,9 +53,9 @@ def launch_events(rundir: RunDir, launch_id: str) -> list[dict]:
 
 
 def _recorded(rundir: RunDir, events: list[dict]) -> Outcome | None:
-    if any(e.get("event") == "done" for e in events) and rundir.summary.exists():
+    if any(e.get("event") == EVENT_DONE for e in events) and rundir.summary.exists():
         return "done"
-    stops = [e for e in events if e.get("event") == "stopped"]
+    stops = [e for e in events if e.get("event") == EVENT_STOPPED]
     if stops:
         manifest = latest_committed(rundir.checkpoints)
         if manifest is not None and int(manifest.get("step", -1)) >= int(stops[-1].get("step", 0)):
@@ -67,9 +76,9 @@ def how_it_ended(rundir: RunDir, launch_id: str, status: int) -> Ended:
     if recorded == "done":
         return Ended("done", status, recorded=True)
     if recorded == "stopped":
-        signum = [e for e in events if e.get("event") == "stopped"][-1].get("signal")
+        signum = [e for e in events if e.get("event") == EVENT_STOPPED][-1].get("signal")
         return Ended("stopped", status, signum if isinstance(signum, int) else None, recorded=True)
-    how = "done" if status == 0 else "stopped" if status == EXIT_STOPPED else "failed"
+    how = "done" if status == EXIT_DONE else "stopped" if status == EXIT_STOPPED else "failed"
     return Ended(how, status)
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from runconfig.checkpoints import generations, read_latest, validate
+from runconfig.contract import EXIT_STOPPED
 from tests.conftest import PY, ROOT, history, summary
 
 pytestmark = pytest.mark.mp
 
-EXIT_STOPPED = 75
 KEYS = ("step", "loss", "lr", "grad_norm", "eval_loss", "tokens_seen")
 
 

@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from runconfig.contract import EVENT_HANG, EXIT_FAILED, INJECT_VAR, PART_KEYS
 from tests.conftest import PY, ROOT
 
 pytestmark = pytest.mark.mp
-
-PARTS = ("time_data_s", "time_compute_s", "time_comm_s", "time_optim_s", "time_ckpt_s", "time_sync_s")
 
 
 def launch(run_dir, sets, inject="", timeout=300) -> subprocess.CompletedProcess:
     args = [PY, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HPC_INJECT": inject}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), INJECT_VAR: inject}
     return subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
 
 
@@ -44,11 +43,12 @@ def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 21))
+    keys = ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "peak_mem_mb", *PART_KEYS)
     for r in recs:
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "peak_mem_mb", *PARTS):
+        for key in keys:
             assert isinstance(r[key], float) and r[key] >= 0, (key, r)
         # The parts are measured one by one (nothing is computed as a remainder): they add up to the step.
-        assert abs(sum(r[p] for p in PARTS) - r["step_time_s"]) <= 0.05 * r["step_time_s"], r
+        assert abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) <= 0.05 * r["step_time_s"], r
         # Every rank waits for the slowed one: no step is shorter than its sleep. (Not compute + comm >= 0.15 per
         # record: rank 2 may start sleeping while rank 0 still publishes the previous record or, in step 1, warms
         # up its forward pass, so part of the sleep overlaps rank 0's other parts.)
@@ -86,7 +86,7 @@ def test_a_hung_rank_is_named_and_every_rank_dumps_its_stack(tmp_path, small_dat
     start = time.monotonic()
     proc = launch(run_dir, sets, inject="hang:3:4", timeout=180)
     took = time.monotonic() - start
-    assert proc.returncode == 1  # the job failed (not "bad input", not "stopped")
+    assert proc.returncode == EXIT_FAILED  # the job failed (not "bad input", not "stopped")
     assert took < 90, took  # ended by the watchdog, not by the one-hour sleep
     failure = json.loads((run_dir / "failure.json").read_text())["message"]
     assert "rank 3 (" in failure and "did not arrive" in failure and "of step 4" in failure, failure
@@ -98,4 +98,4 @@ def test_a_hung_rank_is_named_and_every_rank_dumps_its_stack(tmp_path, small_dat
         assert "trainer/loop/" in text, rank  # the main thread's stack, in the training loop
     assert "in_compute" in (run_dir / "logs" / "rank_00003.log").read_text()  # where rank 3 is stuck
     events = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
-    assert events[-1]["event"] == "hang" and events[-1]["step"] == 4
+    assert events[-1]["event"] == EVENT_HANG and events[-1]["step"] == 4

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from runconfig.contract import EXIT_USER_ERROR
 from tests.conftest import ROOT, run_cli
 from tests.slurm.conftest import PORTS, job_info, sets_for, submit, wait_state
 
@@ -90,7 +91,7 @@ def test_status_after_the_controller_forgot_the_jobs(accounting_cluster, small_d
     job = status(cancelled_dir)["jobs"][0]
     assert (job["state"], job["reason"], job["source"]) == ("CANCELLED", "by 0", "sacct")  # sacct: "CANCELLED by 0"
     proc = hpc("cancel", str(cancelled_dir))  # the verbs see it finished
-    assert proc.returncode == 2 and "no unfinished Slurm job" in proc.stderr
+    assert proc.returncode == EXIT_USER_ERROR and "no unfinished Slurm job" in proc.stderr
 
     # without accounting (the same controller state, slurmdbd gone): UNKNOWN, with the reason
     cluster("stop", accounting_cluster, accounting=False)
@@ -105,4 +106,4 @@ def test_status_after_the_controller_forgot_the_jobs(accounting_cluster, small_d
     assert f"job {done_id}: UNKNOWN (the controller no longer knows it" in text
     assert status(cancelled_dir)["jobs"][0]["state"] == "UNKNOWN"
     proc = hpc("cancel", str(cancelled_dir))
-    assert proc.returncode == 2 and "no unfinished Slurm job" in proc.stderr
+    assert proc.returncode == EXIT_USER_ERROR and "no unfinished Slurm job" in proc.stderr

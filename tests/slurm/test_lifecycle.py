@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from runconfig.contract import EVENT_RESUME, EVENT_STOPPED, EXIT_USER_ERROR
 from tests.conftest import history, run_cli
 from tests.slurm.conftest import job_info, sets_for, submit, wait_state, wait_step
 
@@ -47,7 +48,7 @@ def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path)
     assert hpc("pause", str(run_dir)).returncode == 0
     wait_for(lambda: "held" in job_info(job_id).get("Reason", "").lower(), "the job to be held")
     info = status(run_dir)
-    stopped = [e for e in history(run_dir) if e["event"] == "stopped"]
+    stopped = [e for e in history(run_dir) if e["event"] == EVENT_STOPPED]
     assert info["state"] == "paused" and stopped
     assert info["checkpoint"]["step"] == stopped[-1]["step"] >= 10
 
@@ -57,7 +58,7 @@ def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path)
 
     # release: it runs again from the checkpoint
     assert hpc("release", str(run_dir)).returncode == 0
-    resumed = wait_for(lambda: [e for e in history(run_dir) if e["event"] == "resume"], "the resume")
+    resumed = wait_for(lambda: [e for e in history(run_dir) if e["event"] == EVENT_RESUME], "the resume")
     assert resumed[0]["step"] == stopped[-1]["step"]
     wait_step(run_dir, resumed[0]["step"] + 5)
 
@@ -73,8 +74,8 @@ def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path)
         assert info["JobState"] == "CANCELLED" and info["Restarts"] == restarts, info
         time.sleep(0.5)
     last = history(run_dir)[-1]
-    assert last["event"] != "stopped" or last["signal"] == 15  # stopped by scancel's SIGTERM (when in time)
-    assert hpc("cancel", str(run_dir)).returncode == 2  # nothing left to cancel: a clear error
+    assert last["event"] != EVENT_STOPPED or last["signal"] == 15  # stopped by scancel's SIGTERM (when in time)
+    assert hpc("cancel", str(run_dir)).returncode == EXIT_USER_ERROR  # nothing left to cancel: a clear error
     proc = hpc("resume", str(run_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     new_id = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]

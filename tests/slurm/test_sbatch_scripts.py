@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from runconfig.contract import EVENT_DONE, EVENT_RESUME, EVENT_START, EVENT_STOPPED
 from tests.conftest import ROOT, history, summary
 from tests.slurm.conftest import rank_nodes, sets_for, wait_state, wait_step
 
@@ -59,7 +60,7 @@ def test_train_creates_the_run_and_completes_on_two_nodes(slurm, small_dataset, 
     assert rank_nodes(run_dir) == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}  # really on both nodes
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     assert "nodes: 2" in (run_dir / "config.yaml").read_text()
-    assert [e["event"] for e in history(run_dir)] == ["start", "done"]
+    assert [e["event"] for e in history(run_dir)] == [EVENT_START, EVENT_DONE]
     assert history(run_dir)[0]["slurm_job_id"] == job_id
 
 
@@ -78,8 +79,8 @@ def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(slurm, small_dat
     assert f"checkpoint committed; scontrol requeue {job_id}" in output
     assert "exists: resuming this run" in output  # the requeued job did not create the run again
     events = history(run_dir)
-    stopped = [e for e in events if e["event"] == "stopped"]
-    resumes = [e for e in events if e["event"] == "resume"]
+    stopped = [e for e in events if e["event"] == EVENT_STOPPED]
+    resumes = [e for e in events if e["event"] == EVENT_RESUME]
     assert len(stopped) == 1 and 10 <= stopped[0]["step"] < 60, events
     assert resumes and resumes[0]["step"] == stopped[0]["step"], events
     assert resumes[0]["slurm_job_id"] == job_id and resumes[0]["slurm_restart_count"] >= 1, events

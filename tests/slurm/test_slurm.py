@@ -12,6 +12,7 @@ import pytest
 
 from runconfig import RunDir, dump_yaml, load_config
 from runconfig.checkpoints import read_latest, validate
+from runconfig.contract import EVENT_RESUME, EVENT_STOPPED, INJECT_VAR
 from tests.conftest import PY, ROOT, history, summary
 from tests.slurm.conftest import job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
@@ -36,7 +37,7 @@ def resumed_bitwise(run_dir, job_id, reference) -> dict:
     assert info["JobState"] == "COMPLETED", f"{info}\n{job_log(run_dir, job_id)}"
     assert int(info["Restarts"]) >= 1, info
     events = history(run_dir)
-    resumes = [e for e in events if e["event"] == "resume"]
+    resumes = [e for e in events if e["event"] == EVENT_RESUME]
     assert resumes and resumes[0]["slurm_restart_count"] >= 1 and resumes[0]["slurm_job_id"] == job_id
     assert summary(run_dir)["params_sha256"] == reference
     ckpts = run_dir / "checkpoints"
@@ -51,7 +52,7 @@ def test_preempted_by_the_job_signal(slurm, small_dataset, reference, tmp_path):
     wait_step(run_dir, 10)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # to the job's steps: every rank
     resumed_bitwise(run_dir, job_id, reference)
-    stopped = [e for e in history(run_dir) if e["event"] == "stopped"]
+    stopped = [e for e in history(run_dir) if e["event"] == EVENT_STOPPED]
     assert len(stopped) == 1 and stopped[0]["step"] >= 10
 
 
@@ -74,7 +75,7 @@ def test_preempted_by_a_higher_priority_partition(slurm, small_dataset, referenc
     ).stdout.strip()  # fmt: skip
     wait_state(urgent, {"COMPLETED"}, timeout=180)
     resumed_bitwise(run_dir, job_id, reference)
-    assert any(e["event"] == "stopped" for e in history(run_dir))  # the trainer saw the preemption signal
+    assert any(e["event"] == EVENT_STOPPED for e in history(run_dir))  # the trainer saw the preemption signal
 
 
 def test_wrong_mpi_plugin_is_detected(slurm, small_dataset, tmp_path):
@@ -99,7 +100,7 @@ def test_restart_cap_and_real_errors_are_not_requeued(slurm, small_dataset, tmp_
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"})
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", info
-    assert history(capped)[-1]["event"] == "stopped"  # the checkpoint was committed; `hpc resume` continues it
+    assert history(capped)[-1]["event"] == EVENT_STOPPED  # the checkpoint was committed; `hpc resume` continues it
 
     broken = tmp_path / "broken"
     job_id = submit(broken, [*sets_for(small_dataset), f"data.path={tmp_path / 'missing'}"])
@@ -113,7 +114,7 @@ def test_a_vanished_rank_is_named_and_the_job_ends(slurm, small_dataset, tmp_pat
     rank 3 from the watchdog's heartbeats and abort the MPI job instead of hanging in MPI_Finalize."""
     run_dir = tmp_path / "run"
     sets = [*sets_for(small_dataset), "monitor.heartbeat_s=1", "monitor.hang_timeout_s=30"]
-    job_id = submit(run_dir, [*sets, 'job.env={"HPC_INJECT": "exit:3:5"}'])
+    job_id = submit(run_dir, [*sets, f"job.env={json.dumps({INJECT_VAR: 'exit:3:5'})}"])
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{job_log(run_dir, job_id)}"
     message = json.loads((run_dir / "failure.json").read_text())["message"]

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from runconfig import load_config
+from runconfig.contract import EVENT_RESUME, EVENT_START, EVENT_STOPPED, EXIT_USER_ERROR
 from tests.conftest import history, run_cli
 from tests.slurm.conftest import job_info, sets_for, submit, wait_state
 
@@ -46,7 +47,7 @@ def test_sweep_refuses_job_keys(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"grid": {"job.nodes": [1, 2]}}))
     proc = run_cli(["-m", "hpc", "sweep", "tiny", str(grid), "--run-dir", str(tmp_path / "s")])
-    assert proc.returncode == 2 and "job shape is shared" in proc.stderr
+    assert proc.returncode == EXIT_USER_ERROR and "job shape is shared" in proc.stderr
 
 
 def test_chain_of_three_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path):
@@ -64,9 +65,9 @@ def test_chain_of_three_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 1200
     events = history(run_dir)
-    worked = {e["slurm_job_id"] for e in events if e["event"] in ("start", "resume")}
+    worked = {e["slurm_job_id"] for e in events if e["event"] in (EVENT_START, EVENT_RESUME)}
     assert len(worked) >= 2, events  # one job could not finish it
-    assert any(e["event"] == "stopped" for e in events)
+    assert any(e["event"] == EVENT_STOPPED for e in events)
     last_log = subprocess.run(["bash", "-c", f"cat {run_dir}/slurm/{ids[-1]}/*_log.out"], capture_output=True,
                               text=True).stdout  # fmt: skip
     if ids[-1] not in worked:  # the chain's last job found the run complete and ended without work

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from runconfig import ConfigError, RunDir, load_config
+from runconfig.contract import EXIT_USER_ERROR
 from runconfig.load import example_names
 from tests.conftest import run_cli
 
@@ -109,7 +110,7 @@ def test_missing_config_lists_examples():
 )
 def test_cli_user_errors_exit_2_without_traceback(args, needle):
     proc = run_cli(["-m", "hpc.submit", "--local", *args])
-    assert proc.returncode == 2
+    assert proc.returncode == EXIT_USER_ERROR
     assert proc.stderr.startswith("error: ")
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -132,7 +133,7 @@ def test_non_utf8_config_is_a_config_error(tmp_path, content, offset):
     assert str(path) in message and "not UTF-8" in message and f"offset {offset}" in message, message
     assert "\n" not in message.strip()
     proc = run_cli(["-m", "hpc.submit", str(path), "--local", "--dry-run"])
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == EXIT_USER_ERROR, proc.stderr
     assert proc.stderr.startswith("error: ") and str(path) in proc.stderr and f"offset {offset}" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
 
@@ -166,7 +167,7 @@ def test_existing_run_dir_is_refused(tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "something").write_text("x")
     proc = run_cli(["-m", "hpc.submit", "tiny", "--local", "--run-dir", str(tmp_path / "r")])
-    assert proc.returncode == 2 and "already exists" in proc.stderr
+    assert proc.returncode == EXIT_USER_ERROR and "already exists" in proc.stderr
 
 
 def test_hpc_does_not_import_torch():

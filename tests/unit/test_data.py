@@ -8,11 +8,13 @@ import h5py
 import numpy as np
 import pytest
 
+from runconfig.contract import EXIT_USER_ERROR
 from tests.conftest import run_cli
-from trainer.data.dataset import DataState, GlobalOrder, TokenShards, rank_slice, read_manifest
+from trainer.data.dataset import GlobalOrder, TokenShards, rank_slice, read_manifest
 from trainer.data.prepare import EOS, PrepareSpec, prepare
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.errors import UserError
+from trainer.loop.state import TrainState
 
 
 @pytest.fixture
@@ -85,11 +87,12 @@ def test_prepare_cli(text_dir, tmp_path):
     assert "prepared 40 files" in proc.stdout
     assert (out / "manifest.json").is_file()
     again = run_cli(["-m", "trainer.data", "prepare", "--source", str(text_dir), "--out", str(out)])
-    assert again.returncode == 2 and "already holds" in again.stderr
+    assert again.returncode == EXIT_USER_ERROR and "already holds" in again.stderr
     missing = run_cli(
         ["-m", "trainer.data", "prepare", "--source", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]
     )
-    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.returncode == EXIT_USER_ERROR and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 def test_windows_are_lazy_and_correct(small_dataset):
@@ -144,17 +147,17 @@ def test_step_samples_do_not_depend_on_world_size(world):
 def test_data_state_resumes_the_stream_at_another_world_size():
     """Steps after a save at 2 ranks and a restore at 4 ranks are the uninterrupted run's steps."""
     order = GlobalOrder(100, seed=1)
-    state = DataState()
+    state = TrainState()
     for _ in range(5):
-        step_samples(order, state.position, 2)
-        state.position += 24
-    restored = DataState()
+        step_samples(order, state.data_position, 2)
+        state.data_position += 24
+    restored = TrainState()
     restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
     fresh = GlobalOrder(100, seed=1)
     for step in range(5, 10):
-        got = step_samples(fresh, restored.position, 4)
+        got = step_samples(fresh, restored.data_position, 4)
         assert np.array_equal(np.sort(got), np.sort(order.take(step * 24, 24)))
-        restored.position += 24
+        restored.data_position += 24
 
 
 def test_missing_and_corrupt_data_are_named(small_dataset, tmp_path):
@@ -269,7 +272,7 @@ def test_prepare_cli_refuses_bad_numbers_before_any_work(tmp_path, flag, value, 
     out = tmp_path / "out"
     args = ["-m", "trainer.data", "prepare", "--source", "stdlib", "--out", str(out), flag, value]
     proc = run_cli(args, timeout=60)  # shard_tokens=0 used to loop forever
-    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert proc.returncode == EXIT_USER_ERROR and needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 

@@ -14,14 +14,24 @@ from hpc.report import main as report_main
 from hpc.report import write_report
 from hpc.runlog import analyze
 from runconfig import RunDir
+from runconfig.contract import (
+    EVENT_DONE,
+    EVENT_HANG,
+    EVENT_RESUME,
+    EVENT_START,
+    EVENT_STOPPED,
+    EXIT_USER_ERROR,
+    PART_KEYS,
+    PARTS,
+)
 from tests.conftest import ROOT, run_cli
-
-PARTS = ("time_data_s", "time_compute_s", "time_comm_s", "time_optim_s", "time_ckpt_s", "time_sync_s")
 
 
 def record(step: int, t: float, launch: str, step_time: float, *, data: float, ckpt: float = 0.0, **extra) -> dict:
     """A metrics record; the six parts add up to step_time (compute takes what the others leave)."""
     comm, optim, sync = 0.1 * step_time, 0.05 * step_time, 0.01 * step_time
+    compute = step_time - data - ckpt - comm - optim - sync
+    parts = {"data": data, "compute": compute, "comm": comm, "optim": optim, "ckpt": ckpt, "sync": sync}
     return {
         "step": step,
         "loss": 5.0 - 0.1 * step,
@@ -33,12 +43,7 @@ def record(step: int, t: float, launch: str, step_time: float, *, data: float, c
         "tokens_seen": 4096 * step,
         "time": t,
         "launch": launch,
-        "time_data_s": data,
-        "time_compute_s": step_time - data - ckpt - comm - optim - sync,
-        "time_comm_s": comm,
-        "time_optim_s": optim,
-        "time_ckpt_s": ckpt,
-        "time_sync_s": sync,
+        **{key: parts[p] for p, key in zip(PARTS, PART_KEYS, strict=True)},
         **extra,
     }
 
@@ -78,14 +83,14 @@ def make_three_launch_run(root: Path) -> RunDir:
     write_lines(
         rundir.history,
         [
-            {"time": 1000, "event": "start", "step": 0, **slurm, "slurm_restart_count": 0, "launch": "L1"}
+            {"time": 1000, "event": EVENT_START, "step": 0, **slurm, "slurm_restart_count": 0, "launch": "L1"}
             | {"process_start": 990},
-            {"time": 1012, "event": "stopped", "step": 10, "signal": 12, "launch": "L1"},
-            {"time": 1100, "event": "resume", "step": 10, **slurm, "slurm_restart_count": 1, "launch": "L2"}
+            {"time": 1012, "event": EVENT_STOPPED, "step": 10, "signal": 12, "launch": "L1"},
+            {"time": 1100, "event": EVENT_RESUME, "step": 10, **slurm, "slurm_restart_count": 1, "launch": "L2"}
             | {"process_start": 1090},
-            {"time": 1200, "event": "resume", "step": 14, "world_size": 4, "slurm_job_id": "101"}
+            {"time": 1200, "event": EVENT_RESUME, "step": 14, "world_size": 4, "slurm_job_id": "101"}
             | {"slurm_restart_count": 0, "launch": "L3", "process_start": 1195},
-            {"time": 1210, "event": "done", "step": 20, "launch": "L3"},
+            {"time": 1210, "event": EVENT_DONE, "step": 20, "launch": "L3"},
         ],
         torn='{"time": 12',
     )
@@ -172,7 +177,7 @@ def test_run_in_progress_without_summary(tmp_path):
     rundir.create()  # no config.yaml either: the report needs only the metrics
     write_lines(
         rundir.history,
-        [{"time": 50.0, "event": "start", "step": 0, "world_size": 1, "launch": "L1", "process_start": 45.0}],
+        [{"time": 50.0, "event": EVENT_START, "step": 0, "world_size": 1, "launch": "L1", "process_start": 45.0}],
     )
     recs = [record(s, 50.0 + s, "L1", 1.0, data=0.25) for s in (1, 2, 3)]
     recs.append({"step": 3, "time": 53.5, "eval_loss": 4.5, "time_eval_s": 0.5, "launch": "L1"})  # eval only
@@ -210,10 +215,10 @@ def test_hang_event_ends_a_launch_and_records_without_launch_id_are_matched_by_t
     write_lines(
         rundir.history,
         [
-            {"time": 10.0, "event": "start", "step": 0, "launch": "A"},
-            {"time": 20.0, "event": "hang", "step": 2, "launch": "A", "message": "rank 3 | stuck in all-reduce"},
-            {"time": 30.0, "event": "resume", "step": 0, "launch": "B"},
-            {"time": 40.0, "event": "done", "step": 3, "launch": "B"},
+            {"time": 10.0, "event": EVENT_START, "step": 0, "launch": "A"},
+            {"time": 20.0, "event": EVENT_HANG, "step": 2, "launch": "A", "message": "rank 3 | stuck in all-reduce"},
+            {"time": 30.0, "event": EVENT_RESUME, "step": 0, "launch": "B"},
+            {"time": 40.0, "event": EVENT_DONE, "step": 3, "launch": "B"},
         ],
     )
     write_lines(rundir.metrics, [record(s, 30.0 + s, "", 2.0, data=0.0) for s in (1, 2, 3)])
@@ -228,24 +233,24 @@ def test_hang_event_ends_a_launch_and_records_without_launch_id_are_matched_by_t
 
 def test_bad_run_directories_exit_2_naming_the_file(tmp_path, capsys):
     missing = tmp_path / "nope"
-    assert report_main(str(missing)) == 2
+    assert report_main(str(missing)) == EXIT_USER_ERROR
     assert f"error: {missing} does not exist" in capsys.readouterr().err
 
     rundir = RunDir(tmp_path / "run")
     rundir.create()
-    assert report_main(str(rundir.root)) == 2
+    assert report_main(str(rundir.root)) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert f"{rundir.metrics} does not exist: the run has no metrics yet" in err
 
     rundir.metrics.write_text('{"step": 1, "lo')  # only a torn line
-    assert report_main(str(rundir.root)) == 2
+    assert report_main(str(rundir.root)) == EXIT_USER_ERROR
     assert f"{rundir.metrics} has no complete step record yet" in capsys.readouterr().err
     assert not (rundir.root / "report").exists()
 
 
 def test_cli_wiring_and_lazy_imports(tmp_path):
     proc = run_cli(["-m", "hpc", "report", str(tmp_path / "nope")], timeout=60)
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert proc.returncode == EXIT_USER_ERROR and "does not exist" in proc.stderr
     assert "report" in run_cli(["-m", "hpc", "--help"], timeout=60).stdout
     code = "import sys, hpc.report, hpc.verbs; print(sorted({'torch', 'matplotlib'} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
