@@ -15,21 +15,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runconfig.checkpoints import latest_committed
-from runconfig.contract import EVENT_DONE, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED, LAUNCH_VAR
+from runconfig.contract import EVENT_DONE, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED
 from runconfig.rundir import RunDir, read_jsonl
-
-# EXIT_STOPPED and LAUNCH_VAR are defined in runconfig.contract; re-exported here for the modules that still import
-# them from runconfig.outcome (hpc/submit.py, trainer/main.py, trainer/env.py).
-__all__ = [
-    "EXIT_STOPPED",
-    "LAUNCH_VAR",
-    "Ended",
-    "Outcome",
-    "how_it_ended",
-    "launch_events",
-    "launch_outcome",
-    "new_launch_id",
-]
 
 Outcome = Literal["done", "stopped"]
 
