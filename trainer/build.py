@@ -110,6 +110,7 @@ def build_parts(
         rank=env.rank,
         device=d.device,
         prefetch=cfg.data.prefetch,
+        what=f"recipe {cfg.recipe!r}: train_data",
     )
     stack.callback(loader.close)
     agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
@@ -220,7 +221,8 @@ def check_structure(spec: str, recipe: Recipe) -> None:
         data = getattr(recipe, name)
         if data is None or recipe.collate not in (None, default_collate):
             continue
-        ids = np.unique(np.linspace(0, len(data) - 1, STRUCTURE_SAMPLES).astype(np.int64))
+        spread = np.linspace(0, len(data) - 1, STRUCTURE_SAMPLES).astype(np.int64)
+        ids = np.unique(np.concatenate([np.arange(min(4, len(data))), spread]))  # neighbours and far ones
         first = None
         for i in ids:
             try:

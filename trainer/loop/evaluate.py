@@ -31,7 +31,13 @@ def evaluate(p: Parts, step: int) -> dict[str, float]:
             for start in range(0, len(mine), cfg.train.micro_batch_size):
                 ids = mine[start : start + cfg.train.micro_batch_size]
                 batch = to_device(
-                    fetch(data, ids, recipe.collate or default_collate, what="eval_data", rank=p.env.rank),
+                    fetch(
+                        data,
+                        ids,
+                        recipe.collate or default_collate,
+                        what=f"recipe {cfg.recipe!r}: eval_data",
+                        rank=p.env.rank,
+                    ),
                     p.d.device,
                 )
                 with autocast(cfg, p.d.device):

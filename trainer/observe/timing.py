@@ -20,9 +20,8 @@ from contextlib import contextmanager
 
 import torch
 
+from runconfig.contract import PARTS  # noqa: E402
 from trainer.parallel.comm import BlockedIntervals
-
-PARTS = ("data", "compute", "comm", "optim", "ckpt", "sync")
 
 
 class StepClock:

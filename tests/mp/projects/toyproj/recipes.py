@@ -1,0 +1,107 @@
+"""Recipes of a toy user project: a small MLP on synthetic points (each item a pure function of its index), with
+knobs for a slow dataset and slow compute, and recipes that break one rule each (the trainer must say which)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.recipes import Recipe, RecipeContext
+
+DIM = 8
+
+
+class Points(torch.utils.data.Dataset):
+    def __init__(self, n: int, *, offset: int = 0, delay: float = 0.0, ragged: bool = False) -> None:
+        self.n, self.offset, self.delay, self.ragged = n, offset, delay, ragged
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.delay:
+            time.sleep(self.delay)  # an I/O-bound dataset (a slow file system): the GIL is free meanwhile
+        x = np.random.default_rng(i + self.offset).standard_normal(DIM + (i % 3 if self.ragged else 0))
+        return torch.from_numpy(x.astype(np.float32)), int(x[:DIM].sum() > 0)
+
+
+def mlp(hidden: int, dropout: float) -> nn.Module:
+    return nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 2))
+
+
+def classify(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def accuracy(model: nn.Module, batch) -> dict:
+    x, y = batch
+    return {"accuracy": (model(x).argmax(1) == y).float().mean()}
+
+
+def recipe(
+    ctx: RecipeContext, hidden: int = 32, dropout: float = 0.1, n: int = 512, delay: float = 0.0, compute_s: float = 0.0
+) -> Recipe:
+    if hidden <= 0:
+        raise ValueError(f"hidden must be a positive width, got {hidden}")
+
+    def loss(model, batch):
+        if compute_s:
+            time.sleep(compute_s)  # a step that takes time without taking the CPU from the prefetch threads
+        return classify(model, batch)
+
+    return Recipe(
+        model=mlp(hidden, dropout),
+        train_data=Points(n, delay=delay),
+        eval_data=Points(64, offset=10**6),
+        loss=loss,
+        eval_metrics=accuracy,
+        unit="points",
+    )
+
+
+def no_params(ctx: RecipeContext) -> Recipe:
+    return Recipe(model=nn.ReLU(), train_data=Points(64), loss=classify)
+
+
+def empty(ctx: RecipeContext) -> Recipe:
+    return Recipe(model=mlp(8, 0.0), train_data=Points(0), loss=classify)
+
+
+def short(ctx: RecipeContext) -> Recipe:
+    return Recipe(model=mlp(8, 0.0), train_data=Points(10), loss=classify)
+
+
+def ragged(ctx: RecipeContext) -> Recipe:
+    return Recipe(model=mlp(8, 0.0), train_data=Points(64, ragged=True), loss=classify)
+
+
+def wrong_kind(ctx: RecipeContext):
+    return {"model": mlp(8, 0.0), "train_data": Points(64), "loss": classify}
+
+
+not_callable = 42
+
+
+def vector_loss(ctx: RecipeContext) -> Recipe:
+    def loss(model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    return Recipe(model=mlp(8, 0.0), train_data=Points(64), loss=loss)
+
+
+def nan_loss(ctx: RecipeContext, bad_rank: int = 1, from_call: int = 10) -> Recipe:
+    """The loss turns NaN on one rank from its ``from_call``-th call on (call 1 is the start-up check)."""
+    calls = [0]
+
+    def loss(model, batch):
+        calls[0] += 1
+        value = classify(model, batch)
+        return value * float("nan") if ctx.rank == bad_rank and calls[0] >= from_call else value
+
+    return Recipe(model=mlp(8, 0.0), train_data=Points(512), loss=loss)

@@ -1,0 +1,141 @@
+"""A user's recipe through `python -m hpc.submit`: bad input named clearly, the prefetch hiding a slow dataset, and
+the code snapshot that makes a resumed launch run the submitted code. The project lives outside the package
+(tests/mp/projects/toyproj, copied next to a config in tmp_path), as a user's would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runconfig.checkpoints import read_latest
+from runconfig.contract import EXIT_USER_ERROR
+from tests.conftest import history, run_cli, summary
+
+pytestmark = pytest.mark.mp
+PROJECT = Path(__file__).parent / "projects" / "toyproj"
+
+
+def make_project(tmp_path: Path, recipe: str, args: dict | None = None, **sections) -> Path:
+    """A config next to a copy of the toy project; returns the config file."""
+    folder = tmp_path / "proj"
+    if not (folder / "toyproj").exists():
+        shutil.copytree(PROJECT, folder / "toyproj", ignore=shutil.ignore_patterns("__pycache__"))
+    config = {
+        "recipe": f"toyproj.{recipe}",
+        "recipe_args": args or {},
+        "job": {"name": "toy", "nodes": 1, "ranks_per_node": 2},
+        "train": {"steps": 8, "global_batch_size": 16, "micro_batch_size": 4, "warmup_steps": 2, "eval_every": 0},
+        "checkpoint": {"every_steps": 2},
+        "monitor": {"tensorboard": False},
+    }
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def submit(target, run_dir=None, *sets, resume=False):
+    args = ["-m", "hpc.submit", str(target), "--local"]
+    args += ["--run-dir", str(run_dir)] if run_dir else []
+    args += ["--resume"] if resume is True else [resume] if resume else []
+    for s in sets:
+        args += ["--set", s] if not s.startswith("--") else [s]
+    return run_cli(args)
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+BAD = [
+    (
+        "broken:recipe",
+        {},
+        "module 'toyproj.broken' does not import: ModuleNotFoundError: No module named 'not_a_module",
+    ),
+    ("recipes:nope", {}, "module 'toyproj.recipes' ("),
+    ("recipes:not_callable", {}, "'not_callable' is a int, not a function"),
+    ("recipes:wrong_kind", {}, "returned dict, not a trainer.recipes.Recipe"),
+    ("recipes:no_params", {}, "the model (ReLU) has no trainable parameters"),
+    ("recipes:empty", {}, "train_data is empty (length 0)"),
+    ("recipes:short", {}, "train_data holds 10 samples, fewer than one global batch (train.global_batch_size=16)"),
+    ("recipes:ragged", {}, "train_data items differ in structure, shape or dtype: item 0 is"),
+    ("recipes:vector_loss", {}, "the loss of the first batch is a tensor of shape [4]"),
+    ("recipes:recipe", {"hidden": 0}, "rejected its recipe_args: ValueError: hidden must be a positive width, got 0"),
+    ("recipes:recipe", {"widht": 3}, "does not take these recipe_args: got an unexpected keyword argument 'widht'"),
+]
+
+
+@pytest.mark.parametrize("recipe,args,needle", BAD, ids=[f"{r}-{sorted(a)}" for r, a, _ in BAD])
+def test_bad_recipe_is_named_before_training(tmp_path, recipe, args, needle):
+    run_dir = tmp_path / "run"
+    proc = submit(make_project(tmp_path, recipe, args), run_dir)
+    assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: ") and needle in proc.stderr, proc.stderr
+    assert f"toyproj.{recipe}" in proc.stderr, proc.stderr  # the recipe is named
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()
+
+
+def test_missing_tokenizer_is_named(tmp_path):
+    proc = submit("tiny", tmp_path / "run", "data.tokenizer=/nonexistent/tokenizer.json", "train.steps=2")
+    assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
+    assert "/nonexistent/tokenizer.json" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_non_finite_loss_stops_with_the_last_checkpoint_intact(tmp_path):
+    """Rank 1's loss turns NaN at step 5 (its 10th call; call 1 is the start-up check): every rank stops, rank 1 and
+    the step are named, nothing of step 5 is saved and step 4's checkpoint stays the latest."""
+    run_dir = tmp_path / "run"
+    proc = submit(make_project(tmp_path, "recipes:nan_loss", {"bad_rank": 1, "from_call": 10}), run_dir)
+    assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
+    assert "rank 1: recipe 'toyproj.recipes:nan_loss': the loss at step 5 is not finite (rank 1: nan)" in proc.stderr
+    assert "is intact" in proc.stderr and "Traceback" not in proc.stderr
+    assert read_latest(run_dir / "checkpoints") == "step_00000004"
+    assert not (run_dir / "checkpoints" / "step_00000005").exists()
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]
+    assert json.loads((run_dir / "failure.json").read_text())["rank"] == 1
+
+
+def test_prefetch_hides_a_dataset_slower_than_a_step(tmp_path):
+    """Each micro-batch takes 4 x 25 ms to fetch, longer than the 40 ms a micro-batch computes; 4 prefetch threads
+    fetch 4 batches at once, so the data wait vanishes, while without prefetch every step waits for its batches."""
+    args = {"delay": 0.025, "compute_s": 0.04, "dropout": 0.0}
+    config = make_project(tmp_path, "recipes:recipe", args, train={"steps": 14}, checkpoint={"every_steps": 0})
+    waits = {}
+    for prefetch in (0, 4):
+        run_dir = tmp_path / f"prefetch{prefetch}"
+        proc = submit(config, run_dir, f"data.prefetch={prefetch}", "checkpoint.at_end=false")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        waits[prefetch] = statistics.median(r["time_data_s"] for r in records(run_dir)[4:])
+    assert waits[0] > 0.15, waits  # 2 micro-batches x 100 ms per step
+    assert waits[4] < 0.2 * waits[0], waits
+    # Same samples in the same order either way: the runs end bit-identical.
+    assert summary(tmp_path / "prefetch0")["params_sha256"] == summary(tmp_path / "prefetch4")["params_sha256"]
+
+
+def test_a_resumed_launch_runs_the_submitted_code(tmp_path):
+    """Editing the project after submit changes nothing for the run; --refresh-code takes the edit on purpose."""
+    config = make_project(tmp_path, "recipes:recipe", train={"steps": 4})
+    run_dir = tmp_path / "run"
+    first = submit(config, run_dir)
+    assert first.returncode == 0, first.stdout + first.stderr
+    taken = summary(run_dir)["code_sha256"]
+    assert taken and len(taken) == 64 and "code snapshot: toyproj" in first.stdout
+    edited = tmp_path / "proj" / "toyproj" / "recipes.py"
+    edited.write_text(edited.read_text() + "\nraise RuntimeError('edited after submit')\n")
+
+    again = submit(run_dir, None, "train.steps=6", resume=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert summary(run_dir)["final_step"] == 6 and summary(run_dir)["code_sha256"] == taken
+    assert history(run_dir)[-2]["code_sha256"] == taken  # the resume event
+
+    refreshed = submit(run_dir, None, "train.steps=8", "--refresh-code", resume=True)
+    assert refreshed.returncode == EXIT_USER_ERROR, refreshed.stdout + refreshed.stderr
+    assert "RuntimeError: edited after submit" in refreshed.stderr
