@@ -27,7 +27,7 @@ from pathlib import Path
 from hpc.jobs import job_ids, query, run
 from runconfig import ConfigError, RunDir, load_config
 from runconfig.checkpoints import latest_committed
-from runconfig.contract import EVENT_CODE, EXIT_USER_ERROR
+from runconfig.contract import EVENT_CODE, EVENT_RESUME, EXIT_USER_ERROR
 from runconfig.rundir import read_jsonl
 
 
@@ -73,7 +73,7 @@ def status(rundir: RunDir) -> dict:
             {"job_id": j.job_id, "state": j.state, "reason": j.reason, "restarts": j.restarts, "source": j.source}
             for j in jobs
         ],
-        "restarts": sum(1 for e in history if e["event"] == "resume"),
+        "restarts": sum(1 for e in history if e["event"] == EVENT_RESUME),
         "step": (last or {}).get("step", 0),
         "steps": cfg.train.steps,
         "loss": (last or {}).get("loss"),

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from runconfig.contract import DATA_CACHE_VAR
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
@@ -57,13 +59,13 @@ def run_cli(args: list[str], *, timeout: float = 600, cwd: Path = ROOT) -> subpr
 @pytest.fixture(scope="session", autouse=True)
 def isolated_data_cache(tmp_path_factory):
     """Datasets prepared on first use go to a per-session folder, not the user's ~/.cache."""
-    old = os.environ.get("HPC_DATA_CACHE")
-    os.environ["HPC_DATA_CACHE"] = str(tmp_path_factory.mktemp("data-cache"))
-    yield Path(os.environ["HPC_DATA_CACHE"])
+    old = os.environ.get(DATA_CACHE_VAR)
+    os.environ[DATA_CACHE_VAR] = str(tmp_path_factory.mktemp("data-cache"))
+    yield Path(os.environ[DATA_CACHE_VAR])
     if old is None:
-        os.environ.pop("HPC_DATA_CACHE", None)
+        os.environ.pop(DATA_CACHE_VAR, None)
     else:
-        os.environ["HPC_DATA_CACHE"] = old
+        os.environ[DATA_CACHE_VAR] = old
 
 
 @pytest.fixture(scope="session")

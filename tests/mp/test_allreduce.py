@@ -1,5 +1,6 @@
 import pytest
 
+from runconfig.contract import SIMULATE_VAR
 from tests.conftest import rank_results, run_mpi
 
 pytestmark = pytest.mark.mp
@@ -12,7 +13,7 @@ def test_hierarchical_equals_flat_exactly(nodes, per_node, tmp_path):
     proc = run_mpi(
         world,
         ["tests/mp/workers/allreduce_equal.py", str(tmp_path)],
-        env={"HPC_SIMULATE_RANKS_PER_NODE": str(per_node)},
+        env={SIMULATE_VAR: str(per_node)},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = rank_results(tmp_path)

@@ -1,5 +1,6 @@
 import pytest
 
+from runconfig.contract import SIMULATE_VAR
 from tests.conftest import rank_results, run_mpi
 
 pytestmark = pytest.mark.mp
@@ -10,9 +11,7 @@ def test_hierarchical_hook_matches_plain_ddp(tmp_path):
     the two sum in different orders), for one bucket and for many small, padded buckets. AdamW magnifies
     rounding in parameters whose gradients are tiny, so the bound is relative to how far training moved the
     parameters: a hook that lost or double-counted a rank's gradient misses it by orders of magnitude."""
-    proc = run_mpi(
-        4, ["tests/mp/workers/ddp_hook_vs_plain.py", str(tmp_path), "10"], env={"HPC_SIMULATE_RANKS_PER_NODE": "2"}
-    )
+    proc = run_mpi(4, ["tests/mp/workers/ddp_hook_vs_plain.py", str(tmp_path), "10"], env={SIMULATE_VAR: "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = rank_results(tmp_path)
     assert len(results) == 4

@@ -6,6 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
+from runconfig.contract import SIMULATE_VAR
 from runconfig.schema import DataConfig
 from tests.conftest import run_cli, run_mpi
 from tests.unit.test_data import copy_dataset, flip_high_byte
@@ -166,7 +167,7 @@ def test_impossible_topology_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     shutil.copy("runconfig/examples/tiny.yaml", run_dir / "config.yaml")
-    proc = run_mpi(3, ["-m", "trainer", "--run-dir", str(run_dir)], env={"HPC_SIMULATE_RANKS_PER_NODE": "2"})
+    proc = run_mpi(3, ["-m", "trainer", "--run-dir", str(run_dir)], env={SIMULATE_VAR: "2"})
     assert proc.returncode != 0
     assert proc.stderr.count("error: impossible topology: world size 3 is not divisible by 2") == 1, proc.stderr
     assert "Traceback" not in proc.stderr

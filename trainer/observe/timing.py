@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from runconfig.contract import PARTS  # noqa: E402
+from runconfig.contract import PARTS
 from trainer.parallel.comm import BlockedIntervals
 
 
