@@ -268,7 +268,7 @@ def report(rundir: RunDir, result: LaunchResult) -> int:
     eval_part = f", eval loss {summary['final_eval_loss']:.4f}" if summary.get("final_eval_loss") else ""
     print(
         f"done: {summary['final_step']} steps, final loss {summary['final_loss']:.4f}{eval_part}, "
-        f"{summary['tokens_seen']:,} tokens in {summary['wall_time_s']:.1f} s\n"
+        f"{summary['tokens_seen']:,} {summary.get('unit', 'tokens')} in {summary['wall_time_s']:.1f} s\n"
         f"results: {rundir.root}/ (summary.json, metrics.jsonl, logs/)"
     )
     return 0

@@ -118,4 +118,4 @@ def agree(comm: MPI.Comm, error: str | None) -> None:
     for rank, message in enumerate(errors):
         if message is not None:
             text = message if message.startswith("rank ") else f"rank {rank}: {message}"
-            raise UserError(text, collective=True)
+            raise UserError(text, collective=True, rank=rank)

@@ -5,9 +5,10 @@ class UserError(Exception):
     """A problem with the user's input (config, data, topology); the message names what is at fault.
 
     ``collective`` is true when every rank raised the same error (a deterministic check, or one agreed on with
-    a collective), so only rank 0 needs to report it.
+    a collective), so only rank 0 needs to report it; ``rank`` is then the rank that found it, when known.
     """
 
-    def __init__(self, message: str, *, collective: bool = False) -> None:
+    def __init__(self, message: str, *, collective: bool = False, rank: int | None = None) -> None:
         super().__init__(message)
         self.collective = collective
+        self.rank = rank

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except UserError as exc:
         if rank == 0 or not exc.collective:
-            _report_failure(rundir, rank, str(exc))
+            _report_failure(rundir, rank if exc.rank is None else exc.rank, str(exc))
         if not exc.collective and comm.Get_size() > 1:
             # Only this rank stopped (say, on a corrupt window it read mid-training): the others may be blocked in
             # a collective waiting for it. End every rank now with the user-error status, the report written.

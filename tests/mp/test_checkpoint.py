@@ -306,7 +306,7 @@ def test_forced_model_change_is_a_warm_start(tmp_path, reference):
     done = run(run_dir, sets, resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
     log = (run_dir / "logs" / "rank_00000.log").read_text()
-    assert "resuming from step_00000024 across a change (n_layers: 2 -> 3)" in log
+    assert "resuming from step_00000024 across a change (n_layers: 2 -> 3, parameters: 12 new (blocks.2." in log
     assert "fresh initialisation kept for ['blocks.2." in log and "optimizer state reset" in log
     got = {r["step"]: r["loss"] for r in rows(run_dir)}
     want = [r["loss"] for r in rows(reference)]

@@ -323,7 +323,7 @@ class Checkpointer:
         self.last_commit_time = time.monotonic()
         return True
 
-    def _check_compatible(self, manifest: dict, path: Path) -> dict[str, tuple]:
+    def _check_compatible(self, manifest: dict, path: Path) -> dict[str, tuple | str]:
         """What identifies the model and optimizer and differs from the checkpoint's: the recipe, its
         architecture settings, a parameter's name, shape or dtype, the optimizer's type. Refused unless
         allow_shape_change. (Dropout and other settings that change no tensor are not part of it.)"""
@@ -333,14 +333,25 @@ class Checkpointer:
                 "it with the trainer version that wrote it, or start a new run directory. Nothing was deleted.",
                 collective=True,
             )
-        changed: dict[str, tuple] = {}
-        for key in ("recipe", "architecture"):
-            if manifest[key] != self.identity[key]:
-                changed[key] = (manifest[key], self.identity[key])
+        changed: dict[str, tuple | str] = {}
+        if manifest["recipe"] != self.identity["recipe"]:
+            changed["recipe"] = (manifest["recipe"], self.identity["recipe"])
+        saved_arch, arch = manifest["architecture"], self.identity["architecture"]
+        for key in [*arch, *(k for k in saved_arch if k not in arch)]:
+            if saved_arch.get(key) != arch.get(key):
+                changed[key] = (saved_arch.get(key), arch.get(key))
         saved, now = manifest["param_shapes"], self.identity["param_shapes"]
-        for name in sorted(set(saved) | set(now)):
-            if saved.get(name) != now.get(name):
-                changed[f"parameter {name}"] = (saved.get(name), now.get(name))
+        differ = {
+            "new": sorted(set(now) - set(saved)),
+            "gone": sorted(set(saved) - set(now)),
+            "reshaped": sorted(n for n in set(now) & set(saved) if now[n] != saved[n]),
+        }
+        if any(differ.values()):
+            changed["parameters"] = "; ".join(
+                f"{len(names)} {kind} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                for kind, names in differ.items()
+                if names
+            )
         if manifest["optimizer"]["type"] != type(self.optimizer).__name__:
             changed["optimizer"] = (manifest["optimizer"]["type"], type(self.optimizer).__name__)
         if changed and not self.ccfg.allow_shape_change:
@@ -354,7 +365,7 @@ class Checkpointer:
             )
         return changed
 
-    def _warm_start(self, path: Path, changed: dict[str, tuple]) -> None:
+    def _warm_start(self, path: Path, changed: dict[str, tuple | str]) -> None:
         """Forced resume across a model/optimizer change: load every parameter whose name and shape still match.
 
         The optimizer state is loaded only when every parameter loaded and the optimizer type is unchanged;
@@ -388,8 +399,8 @@ class Checkpointer:
             )
 
 
-def _describe(changed: dict[str, tuple]) -> str:
-    items = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()]
+def _describe(changed: dict[str, tuple | str]) -> str:
+    items = [f"{k}: {v}" if isinstance(v, str) else f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changed.items()]
     return ", ".join(items[:6]) + (f" and {len(items) - 6} more" if len(items) > 6 else "")
 
 

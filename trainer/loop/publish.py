@@ -39,7 +39,8 @@ class Publisher:
             "loss": decision.loss,
             "lr": result.lr,
             "grad_norm": float(result.grad_norm),
-            "tokens_per_s": units / step_time,
+            "tokens_per_s": units / step_time,  # the recipe's units ("unit") per second
+            "unit": p.recipe.unit,
             "samples_per_s": t.global_batch_size / step_time,
             "step_time_s": step_time,
             **{f"time_{name}_s": seconds / steps for name, seconds in parts.items()},
@@ -60,7 +61,7 @@ class Publisher:
             p.metrics.write(record)
             p.mon.tensorboard.write(record)
             if p.mon.progress is not None:
-                p.mon.progress.update({**record, "unit": p.recipe.unit})
+                p.mon.progress.update(record)
             self._line(step, record, step_time, bool(evals) or decision.last)
 
     def _line(self, step: int, record: dict, step_time: float, force: bool) -> None:

@@ -11,21 +11,26 @@ from trainer.errors import UserError
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step and flushes it, so a launcher can follow the file live."""
+    """Appends one JSON object per logged step and flushes it, so a launcher can follow the file live. The file is
+    opened at the first record, after a resume has moved recomputed records out of it (truncate_metrics replaces
+    the file: a writer opened before would append to the replaced one)."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
-        self._file = open(path, "a", buffering=1) if enabled else None  # noqa: SIM115 (closed in close())
+        self.path, self.enabled = Path(path), enabled
+        self._file = None
 
     def write(self, record: dict) -> None:
-        if self._file is not None:
-            try:
-                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            except OSError as exc:
-                raise UserError(
-                    f"rank 0: cannot append to {self._file.name}: {exc.strerror or exc}", collective=False
-                ) from None
+        if not self.enabled:
+            return
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            raise UserError(f"rank 0: cannot append to {self.path}: {exc.strerror or exc}", collective=False) from None
 
     def close(self) -> None:
+        self.enabled = False
         if self._file is not None:
             file, self._file = self._file, None
             with contextlib.suppress(OSError):  # a full disk already reported where it happened

@@ -1,6 +1,6 @@
 """Worker: DDP with the hierarchical hook vs plain DDP, K AdamW steps from the same weights on the same batches.
 
-Built through trainer.loop.train.build, the trainer's own code path, for several bucket sizes.
+The all-reduce is wired by trainer.build.wire_allreduce, the trainer's own code path, for several bucket sizes.
 argv: OUT_DIR STEPS
 """
 
@@ -13,9 +13,10 @@ import torch
 from mpi4py import MPI
 
 from runconfig import load_config
+from trainer.build import wire_allreduce
 from trainer.env import from_mpi
-from trainer.loop.train import build
-from trainer.models.gpt import loss_fn
+from trainer.loop.optim import build_optimizer
+from trainer.models.gpt import GPT, loss_fn
 from trainer.parallel.distributed import init_distributed, shutdown
 
 out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
@@ -28,17 +29,21 @@ d = init_distributed(env, base.comm, torch.device("cpu"), comm)
 
 def train(allreduce: str, bucket_mb: float) -> tuple[dict, str | None]:
     cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, allreduce=allreduce, bucket_mb=bucket_mb))
-    comps = build(cfg, env, d)
-    initial = {n: p.detach().clone() for n, p in comps.model.named_parameters()}
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.comm.bucket_mb)
+    assert wire_allreduce(cfg, env, d, ddp) == allreduce
+    optimizer = build_optimizer(model, cfg.train)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(100 + env.rank)  # different data on every rank, same for both runs
     for _ in range(steps):
         batch = torch.randint(0, 257, (4, 17), generator=g)
-        loss = loss_fn(comps.ddp(batch[:, :-1]), batch[:, 1:])
+        loss = loss_fn(ddp(batch[:, :-1]), batch[:, 1:])
         loss.backward()
-        comps.optimizer.step()
-        comps.optimizer.zero_grad(set_to_none=True)
-    hook = comps.ddp._get_ddp_logging_data().get("comm_hook")
-    final = {n: p.detach().clone() for n, p in comps.model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    hook = ddp._get_ddp_logging_data().get("comm_hook")
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
     moved = max(float((final[n] - initial[n]).abs().max()) for n in final)
     return final, hook, moved
 
