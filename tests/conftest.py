@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,67 @@ def small_dataset(tmp_path_factory) -> Path:
     )
     prepare(spec, out)
     return out
+
+
+def rank_pids(run_dir) -> dict[int, int]:
+    """rank -> pid of the trainer processes of this run (MPICH puts PMI_RANK in each rank's environment)."""
+    out = {}
+    for pid in subprocess.run(
+        ["pgrep", "-f", f"trainer --run-dir {run_dir}"], capture_output=True, text=True
+    ).stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"PMI_RANK="):
+                out[int(item.split(b"=")[1])] = int(pid)
+    return out
+
+
+def wait_for_step(run_dir, step, proc, timeout=120) -> None:
+    deadline = time.monotonic() + timeout
+    path = Path(run_dir) / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+#: The user projects under examples/, shortened for the tests (steps, checkpoints; dropout on, so that a resume that
+#: did not restore every rank's RNG streams would not end bit-identical). Their local runs (2 simulated nodes x 2
+#: ranks) are the references the interrupted local runs and the Slurm runs must reproduce bit for bit.
+EXAMPLES = {
+    "digits": ["train.steps=40", "train.warmup_steps=4", "train.eval_every=20", "checkpoint.every_steps=4"],
+    "lm_bpe": [
+        "train.steps=24", "train.warmup_steps=4", "train.eval_every=12", "checkpoint.every_steps=4",
+        "recipe_args.dropout=0.1", "data.max_source_bytes=1500000", "data.val_fraction=0.1",
+    ],
+}  # fmt: skip
+
+
+def example_args(name: str, run_dir: Path | None, *extra: str) -> list[str]:
+    """``python -m hpc.submit examples/NAME/config.yaml`` with the test's overrides (run from the repository root,
+    as the examples' READMEs say)."""
+    args = ["-m", "hpc.submit", f"examples/{name}/config.yaml", *(["--run-dir", str(run_dir)] if run_dir else [])]
+    for s in EXAMPLES[name]:
+        args += ["--set", s]
+    return [*args, *extra]
+
+
+@pytest.fixture(scope="session")
+def example_reference(tmp_path_factory):
+    """name -> the run directory of the example's uninterrupted local run (run once per session)."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            run_dir = tmp_path_factory.mktemp(f"example-{name}") / "run"
+            proc = run_cli(example_args(name, run_dir, "--local"))
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            done[name] = run_dir
+        return done[name]
+
+    return get

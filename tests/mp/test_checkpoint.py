@@ -18,7 +18,7 @@ import pytest
 
 from runconfig.checkpoints import generations, read_latest, validate
 from runconfig.contract import EXIT_STOPPED
-from tests.conftest import PY, ROOT, history, summary
+from tests.conftest import PY, ROOT, history, rank_pids, summary, wait_for_step
 
 pytestmark = pytest.mark.mp
 
@@ -64,33 +64,6 @@ def run(run_dir, sets=(), resume=False) -> subprocess.CompletedProcess:
 def rows(run_dir) -> list[dict]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [{k: r.get(k) for k in KEYS} for r in map(json.loads, lines)]
-
-
-def rank_pids(run_dir) -> dict[int, int]:
-    """rank -> pid of the trainer processes of this run (MPICH puts PMI_RANK in each rank's environment)."""
-    out = {}
-    for pid in subprocess.run(
-        ["pgrep", "-f", f"trainer --run-dir {run_dir}"], capture_output=True, text=True
-    ).stdout.split():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for item in environ:
-            if item.startswith(b"PMI_RANK="):
-                out[int(item.split(b"=")[1])] = int(pid)
-    return out
-
-
-def wait_for_step(run_dir, step, proc, timeout=120) -> None:
-    deadline = time.monotonic() + timeout
-    path = Path(run_dir) / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached")
 
 
 def wait_for_event(run_dir, event, count, proc, timeout=120) -> dict:

@@ -1,0 +1,58 @@
+"""The user projects under examples/ as a user runs them (from the repository root, through `python -m hpc.submit`):
+they train on 2 simulated nodes x 2 ranks with the loss falling, and a run stopped by a signal and later killed
+with SIGKILL, each time resumed, ends bit-identical to the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from runconfig.contract import EXIT_STOPPED, INJECT_VAR
+from tests.conftest import PY, ROOT, example_args, history, rank_pids, summary, wait_for_step
+
+pytestmark = pytest.mark.mp
+KEYS = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_accuracy", "tokens_seen")
+
+
+def rows(run_dir) -> list[dict]:
+    return [{k: r.get(k) for k in KEYS} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def start(args: list[str], *, slow: bool) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if slow:  # rank 0 sleeps 50 ms a step, so a signal lands mid-run however fast the steps are (timing only)
+        env[INJECT_VAR] = "slow:0:0.05"
+    return subprocess.Popen([PY, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("name,first_loss,last_loss", [("digits", 2.0, 1.0), ("lm_bpe", 7.0, 6.0)])
+def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, first_loss, last_loss):
+    reference = example_reference(name)
+    ref_rows = rows(reference)
+    assert ref_rows[0]["loss"] > first_loss and ref_rows[-1]["loss"] < last_loss, (ref_rows[0], ref_rows[-1])
+    assert summary(reference)["recipe"] == f"{name}.train:recipe" and len(summary(reference)["code_sha256"]) == 64
+    assert summary(reference)["allreduce"] == "hierarchical"  # 2 nodes x 2 ranks: the hook ran
+
+    run_dir = tmp_path / "run"
+    proc = start(example_args(name, run_dir, "--local"), slow=True)
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[2], signal.SIGUSR2)  # one rank: all stop at the next boundary with a checkpoint
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == EXIT_STOPPED, out + err
+
+    proc = start(["-m", "hpc.submit", str(run_dir), "--local"], slow=True)
+    stopped_at = [e for e in history(run_dir) if e["event"] == "stopped"][-1]["step"]
+    wait_for_step(run_dir, stopped_at + 9, proc)  # past the next checkpoint (every 4 steps)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode not in (0, EXIT_STOPPED), out + err
+
+    done = subprocess.run([PY, "-m", "hpc.submit", str(run_dir), "--local"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [e["event"] for e in history(run_dir)][:3] == ["code", "start", "stopped"]
+    assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
+    assert rows(run_dir) == ref_rows
