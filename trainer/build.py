@@ -21,13 +21,13 @@ from torch.utils.data import default_collate
 
 from runconfig import RunConfig, RunDir
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.state import TrainState, rank_seed
 from trainer.data.loader import BatchLoader, fetch, to_device
 from trainer.data.resolve import open_splits
 from trainer.env import RuntimeEnv, agree
 from trainer.errors import UserError
 from trainer.loop.optim import build_optimizer, lr_at
 from trainer.loop.parts import Parts, autocast
-from trainer.loop.state import TrainState, rank_seed
 from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from runconfig.contract import EXIT_STOPPED, INJECT_VAR
+from runconfig.contract import EVENT_CODE, EVENT_START, EVENT_STOPPED, EXIT_STOPPED, INJECT_VAR
 from tests.conftest import PY, ROOT, example_args, history, rank_pids, summary, wait_for_step
 
 pytestmark = pytest.mark.mp
@@ -45,7 +45,7 @@ def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, f
     assert proc.returncode == EXIT_STOPPED, out + err
 
     proc = start(["-m", "hpc.submit", str(run_dir), "--local"], slow=True)
-    stopped_at = [e for e in history(run_dir) if e["event"] == "stopped"][-1]["step"]
+    stopped_at = [e for e in history(run_dir) if e["event"] == EVENT_STOPPED][-1]["step"]
     wait_for_step(run_dir, stopped_at + 9, proc)  # past the next checkpoint (every 4 steps)
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=180)
@@ -53,6 +53,6 @@ def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, f
 
     done = subprocess.run([PY, "-m", "hpc.submit", str(run_dir), "--local"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert [e["event"] for e in history(run_dir)][:3] == ["code", "start", "stopped"]
+    assert [e["event"] for e in history(run_dir)][:3] == [EVENT_CODE, EVENT_START, EVENT_STOPPED]
     assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
     assert rows(run_dir) == ref_rows

@@ -10,11 +10,11 @@ import pytest
 
 from runconfig.contract import EXIT_USER_ERROR
 from tests.conftest import run_cli
+from trainer.checkpoint.state import TrainState
 from trainer.data.dataset import GlobalOrder, TokenShards, rank_slice, read_manifest
 from trainer.data.prepare import EOS, PrepareSpec, prepare
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.errors import UserError
-from trainer.loop.state import TrainState
 
 
 @pytest.fixture

@@ -47,9 +47,9 @@ from runconfig.checkpoints import (
 from runconfig.load import config_hash
 from trainer.checkpoint.fingerprint import params_sha256, tensors_sha256
 from trainer.checkpoint.provenance import git_commit, versions
+from trainer.checkpoint.state import TrainState, rank_seed
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.loop.state import TrainState, rank_seed
 
 log = logging.getLogger(__name__)
 FORMAT = 2  # 2: the recipe, its architecture and the parameter shapes identify the model (1: the GPT's config)

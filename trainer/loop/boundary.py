@@ -56,4 +56,5 @@ def _non_finite(p: Parts, step: int, local_loss: torch.Tensor) -> None:
         f"({', '.join(f'rank {r}: {losses[r]}' for r in bad)}). Training stopped; "
         + (f"the last committed checkpoint ({p.checkpoints.root}) is intact." if saved else "nothing was saved."),
         collective=True,
+        rank=bad[0],
     )

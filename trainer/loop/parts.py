@@ -11,9 +11,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from runconfig.schema import RunConfig
+from trainer.checkpoint.state import TrainState
 from trainer.data.loader import BatchLoader
 from trainer.env import RuntimeEnv
-from trainer.loop.state import TrainState
 from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import Monitors

@@ -22,9 +22,6 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Load a saved state; a checkpoint written before ``data_position`` was a field keeps it as data.position."""
-        if "data" in state and "data_position" not in state:
-            state = {**state, "data_position": state["data"]["position"]}
         for f in fields(self):
             setattr(self, f.name, state[f.name])
 
