@@ -102,8 +102,8 @@ def set_key(raw: dict, key: str, value: Any, *, what: str) -> None:
 def _check_path(parts: list[str], what: str) -> None:
     cls: Any = RunConfig
     for depth, part in enumerate(parts):
-        if typing.get_origin(cls) is dict and typing.get_args(cls)[1] is Any:
-            return  # a free mapping (recipe_args): any key below it
+        if typing.get_origin(cls) is dict:
+            return  # a mapping (recipe_args, job.env): any key below it, its values checked when the config is built
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"{what}: {'.'.join(parts[:depth])} is a value, not a section.")
         names = [f.name for f in dataclasses.fields(cls)]
