@@ -185,3 +185,25 @@ def test_sweep_grid_file_errors_name_the_file(tmp_path):
         read_grid(grid)
     with pytest.raises(ConfigError, match="does not exist"):
         read_grid(tmp_path / "missing.yaml")
+
+
+def test_recipe_keys(tmp_path):
+    """recipe: gpt or module:function; recipe_args a free mapping reachable by --set; model only for gpt."""
+    path = tmp_path / "c.yaml"
+    path.write_text("recipe: proj.train:recipe\nrecipe_args: {hidden: 64, sizes: [1, 2]}\n")
+    cfg = load_config(str(path), ["recipe_args.hidden=128", "recipe_args.extra.depth=2", "job.env.FOO=bar"])
+    assert cfg.recipe == "proj.train:recipe"
+    assert cfg.recipe_args == {"hidden": 128, "sizes": [1, 2], "extra": {"depth": 2}}
+    assert cfg.job.env == {"FOO": "bar"}
+    assert load_config("tiny").recipe == "gpt"
+    for overrides, needle in [
+        (["recipe=proj train"], "key 'recipe': 'proj train' must be 'gpt' or 'package.module:function'"),
+        (["recipe=proj.train"], "must be 'gpt' or 'package.module:function'"),
+        (["model.d_model=64"], "key 'model': configures the built-in gpt recipe; recipe proj.train:recipe takes"),
+        (["recipe=gpt"], "key 'recipe_args': the built-in gpt recipe takes its settings from the model section"),
+        (["recipe_args=[1]"], "key 'recipe_args' must be a mapping with string keys"),
+        (["data.prefetch=-1"], "key 'data.prefetch': must be >= 0"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(str(path), overrides)
+        assert needle in str(info.value), (overrides, str(info.value))
