@@ -110,9 +110,6 @@ class TokenShards:
             raise IndexError(f"window {index} out of range [0, {len(self)})")
         return self.sample(index)
 
-    def batch(self, indices: np.ndarray) -> np.ndarray:
-        return np.stack([self.sample(int(i)) for i in indices]) if len(indices) else np.empty((0, self.window))
-
     def close(self) -> None:
         for ds in self._files.values():
             ds.file.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,6 +45,11 @@ class Parts:
     metrics: MetricsWriter
     stop: StopFlag
     mon: Monitors
+
+    @functools.cached_property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters (clipped together)."""
+        return [q for q in self.model.parameters() if q.requires_grad]
 
     @property
     def accum(self) -> int:

@@ -60,8 +60,7 @@ def train_step(p: Parts, step: int) -> StepResult:
         loss += forward_backward_step(p, batch, step=step, synchronizing=micro == p.accum - 1)
     watch.enter("optimizer", step)
     with clock.part("optim"):
-        params = [q for q in p.model.parameters() if q.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(p.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return StepResult(lr=lr, grad_norm=grad_norm, loss=loss)

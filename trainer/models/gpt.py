@@ -81,6 +81,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
-    """Training FLOPs per token: 6 N (matmuls, forward + backward) + 12 L d T (attention scores and values)."""
-    return 6 * n_params + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+def flops_per_token(model: GPT) -> float:
+    """Training FLOPs per token: 6 N (forward 2 N + backward 4 N over the matmul weights: attention projections,
+    MLP and the output head; embedding lookups are not matmuls) plus 12 L d T for the attention scores and their
+    weighted sum (forward 4 L d T for QK^T and AV, times 3 with the backward pass). The PaLM paper's formula
+    (appendix B), without activation recomputation."""
+    cfg = model.cfg
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6.0 * matmul + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len

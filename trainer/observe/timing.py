@@ -160,11 +160,3 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
         if fragment in name:
             return tflops
     return None
-
-
-def flops_per_token(n_matmul_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 N (forward 2 N + backward 4 N over the matmul weights: attention projections,
-    MLP and the output head; embedding lookups are not matmuls) plus 12 L d T for the attention scores and their
-    weighted sum (forward 4 L d T for QK^T and AV, times 3 with the backward pass). The PaLM paper's formula
-    (appendix B), without activation recomputation."""
-    return 6.0 * n_matmul_params + 12.0 * n_layers * d_model * seq_len

@@ -8,8 +8,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from trainer.models.gpt import GPT, loss_fn
-from trainer.observe.timing import flops_per_token
+from trainer.models.gpt import GPT, flops_per_token, loss_fn
 from trainer.recipes.api import Recipe, RecipeContext
 
 
@@ -22,7 +21,6 @@ def recipe(ctx: RecipeContext) -> Recipe:
     cfg = ctx.config.model
     model = GPT(cfg)
     train, val = ctx.token_data(cfg.seq_len, vocab_size=cfg.vocab_size)
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     return Recipe(
         model=model,
         train_data=train,
@@ -30,6 +28,6 @@ def recipe(ctx: RecipeContext) -> Recipe:
         loss=next_token_loss,
         unit="tokens",
         units_per_sample=cfg.seq_len,
-        flops_per_sample=flops_per_token(matmul, cfg.n_layers, cfg.d_model, cfg.seq_len) * cfg.seq_len,
+        flops_per_sample=flops_per_token(model) * cfg.seq_len,
         architecture={k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"},
     )
