@@ -193,8 +193,8 @@ def worker(args: argparse.Namespace) -> int:
     from runconfig import RunDir, load_config
     from trainer.build import build_parts
     from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.state import TrainState
     from trainer.env import from_mpi
-    from trainer.loop.state import TrainState
     from trainer.loop.step import train_step
     from trainer.loop.stop import StopFlag
     from trainer.parallel.distributed import init_distributed, shutdown
@@ -280,7 +280,7 @@ def measure_reps(
     args: argparse.Namespace,
     parts: Any,  # trainer.loop.parts.Parts
     ckpts: dict[str, Any],  # "sync" / "async" -> Checkpointer
-    state: Any,  # trainer.loop.state.TrainState
+    state: Any,  # trainer.checkpoint.state.TrainState
     one_step: Callable[[], None],
     phases: Phases,
     work: Path,

@@ -7,6 +7,9 @@ Runs, alternated round by round so machine noise hits every variant alike:
   (trainer-hier only with more than one node and more than one rank per node: otherwise the trainer uses DDP's flat
   all-reduce and the variant would repeat trainer-flat)
 - ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
+- ``trainer-recipe``: trainer-flat entering through the user-recipe door: the same GPT and data from a user-style
+  recipe module (bench/recipes/user_gpt.py, copied next to a config written into the work folder with
+  ``recipe: user_gpt:recipe`` and the model's shape as ``recipe_args``), submitted like the others
 
 all on N simulated nodes x R ranks (``--nodes``, ``--ranks``; default 1 x 2) on this host, 1 thread per rank, eval
 off. The first ``--skip`` steps of every run are warm-up; the figure is the median step time over the remaining
@@ -16,10 +19,9 @@ steps of all rounds. Prints a table and a JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -29,22 +31,27 @@ import time
 from pathlib import Path
 
 import mpi4py
+import yaml
+from common import OTHER_LOAD_LIMIT, busy_cpu_s, children_cpu_s, wait_for_quiet  # bench/common.py (bench/ on sys.path)
 
 mpi4py.rc.initialize = False  # trainer.data imports mpi4py; this process only orchestrates, MPI runs in the children
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from runconfig import RunConfig, load_config  # noqa: E402
+from runconfig.load import load_raw  # noqa: E402
 from trainer.data.prepare import prepare  # noqa: E402
 from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
 from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
-ALL_VARIANTS = ("plain", "trainer-flat", "trainer-hier", "trainer-quiet")
+ALL_VARIANTS = ("plain", "trainer-flat", "trainer-hier", "trainer-quiet", "trainer-recipe")
 VARIANTS = ALL_VARIANTS  # narrowed in main() to those that differ for the layout
 # trainer-quiet: flat all-reduce with TensorBoard, straggler checks and the hang watchdog off (the step clock stays):
 # the cost of the monitors, side by side.
 QUIET = ["monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.hang_timeout_s=0"]
+# trainer-recipe: the user-style recipe module (copied next to the config the benchmark writes) and its function.
+USER_RECIPE = ROOT / "bench" / "recipes" / "user_gpt.py"
+USER_RECIPE_SPEC = "user_gpt:recipe"
 TARGET = 0.95
-OTHER_LOAD_LIMIT = 0.1  # cores used by other processes during a run above which its figures are suspect
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,7 +62,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     p.add_argument("--skip", type=int, default=10, help="warm-up steps left out of every run (default 10)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of (plain, trainer-flat, trainer-hier, trainer-quiet)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every variant (default 3)")
+    p.add_argument(
+        "--variants",
+        help=f"comma-separated subset of {','.join(ALL_VARIANTS[1:])} to run (plain, the reference, always runs)",
+    )
     p.add_argument("--data", type=Path, help="prepared dataset folder (default: the config's, prepared if missing)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--work-dir", type=Path, help="keep run directories and logs here (default: a temporary folder)")
@@ -63,6 +74,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
+    if args.variants:
+        chosen = {v.strip() for v in args.variants.split(",") if v.strip()}
+        if chosen - set(ALL_VARIANTS):
+            p.error(f"unknown variants {sorted(chosen - set(ALL_VARIANTS))}; choose from {', '.join(ALL_VARIANTS)}")
+        args.variants = chosen | {"plain"}
     return args
 
 
@@ -79,6 +95,24 @@ def data_folder(args: argparse.Namespace, overrides: list[str]) -> Path:
     return folder
 
 
+def write_user_recipe(args: argparse.Namespace, overrides: list[str], folder: Path) -> Path:
+    """The trainer-recipe variant's project folder, as a user would lay it out: the recipe module next to its
+    config. The config is the benchmark's (``--config`` with the ``model.*`` overrides applied) with the ``model``
+    section moved into ``recipe_args`` of ``recipe: user_gpt:recipe``; the other overrides are passed with
+    ``--set`` like the other variants'. Returns the config file."""
+    model_sets = [kv for kv in overrides if kv.startswith("model.")]
+    raw, _ = load_raw(args.config, model_sets)
+    shape = load_config(args.config, model_sets).model  # defaults filled in, validated
+    raw.pop("model", None)
+    raw["recipe"] = USER_RECIPE_SPEC
+    raw["recipe_args"] = dataclasses.asdict(shape)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(USER_RECIPE, folder / USER_RECIPE.name)
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return config
+
+
 def command(variant: str, args: argparse.Namespace, overrides: list[str], out: Path) -> list[str]:
     sets = [a for kv in overrides for a in ("--set", kv)]
     if variant == "plain":
@@ -87,7 +121,11 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
         script = [str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config, "--data", str(args.data)]
         return [*launcher, *script, *sets, "--out", str(out)]
     allreduce = {"trainer-hier": "hierarchical"}.get(variant, "flat")
-    submit = [sys.executable, "-m", "hpc.submit", args.config, "--local", "--run-dir", str(out)]
+    config = args.config
+    if variant == "trainer-recipe":  # the model's shape is in the written config's recipe_args
+        config = str(args.recipe_config)
+        sets = [a for kv in overrides if not kv.startswith("model.") for a in ("--set", kv)]
+    submit = [sys.executable, "-m", "hpc.submit", config, "--local", "--run-dir", str(out)]
     quiet = [a for kv in QUIET for a in ("--set", kv)] if variant == "trainer-quiet" else []
     return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet]
 
@@ -97,31 +135,6 @@ def step_times(variant: str, out: Path) -> list[float]:
         return [float(x) for x in json.loads(out.read_text())["step_time_s"]]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r["step_time_s"]) for r in records if "step_time_s" in r]
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds used by every process on this machine since boot (/proc/stat); nan where unknown."""
-    try:
-        user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
-    except (OSError, ValueError):
-        return math.nan
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s() -> float:
-    """CPU seconds used by this process's finished children and their descendants."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def wait_for_quiet(max_wait_s: float = 60.0) -> None:
-    """Wait (at most ``max_wait_s``) until other processes use less than OTHER_LOAD_LIMIT cores for a second."""
-    deadline = time.monotonic() + max_wait_s
-    while time.monotonic() < deadline:
-        before = busy_cpu_s()
-        time.sleep(1.0)
-        if not busy_cpu_s() - before > OTHER_LOAD_LIMIT:  # also true when /proc/stat is unreadable (nan)
-            return
 
 
 def warm_page_cache(folder: Path) -> None:
@@ -161,7 +174,7 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
                 {"round": rnd, "wall_s": wall, "other_load": other, "median_step_s": median, "steps": times}
             )
             print(
-                f"round {rnd + 1}/{args.rounds} {variant:<13} median step {1e3 * median:6.1f} ms "
+                f"round {rnd + 1}/{args.rounds} {variant:<14} median step {1e3 * median:6.1f} ms "
                 f"(run {wall:.1f} s, other processes used {other:.2f} cores)"
             )
     return runs
@@ -189,11 +202,12 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
         f"\n{args.config}: {args.nodes} node(s) x {args.ranks} ranks, {args.threads} thread(s)/rank, "
         f"{args.steps} steps (first {args.skip} skipped), {args.rounds} rounds, {tokens_per_step} tokens/step, "
         f"grad accumulation {cfg.grad_accum(args.nodes * args.ranks)}\n"
-        f"ratio = tokens/s / plain DDP's (target >= {TARGET}) from the median step time over all rounds;\n"
+        f"ratio = tokens/s / plain DDP's (target >= {TARGET} for every trainer variant) from the median step time "
+        "over all rounds;\n"
         "p25: the same from the lower-quartile step time (less hit by bursts of machine noise);\n"
         "per round: the round's median step ms / ratio of the round's medians\n"
     )
-    head = f"{'variant':<13} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
+    head = f"{'variant':<14} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
     print(f"{head} | per-round ms / ratio\n" + "-" * 100)
     for variant in VARIANTS:
         s = summary[variant]
@@ -201,7 +215,7 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
             f"{1e3 * r['median_step_s']:.0f}/{q:.2f}" for r, q in zip(runs[variant], s["round_ratios"], strict=True)
         )
         print(
-            f"{variant:<13} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
+            f"{variant:<14} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
             f"{s['ratio_vs_plain']:>5.3f} | {1e3 * s['p25_step_s']:>6.1f} | {s['ratio_vs_plain_p25']:>5.3f} | {rounds}"
         )
 
@@ -209,8 +223,9 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
 def main(argv: list[str] | None = None) -> int:
     global VARIANTS
     args = parse_args(argv)
-    if args.nodes < 2 or args.ranks < 2:
-        VARIANTS = tuple(v for v in ALL_VARIANTS if v != "trainer-hier")
+    VARIANTS = tuple(v for v in ALL_VARIANTS if not args.variants or v in args.variants)
+    if (args.nodes < 2 or args.ranks < 2) and "trainer-hier" in VARIANTS:
+        VARIANTS = tuple(v for v in VARIANTS if v != "trainer-hier")
         print(f"{args.nodes} node(s) x {args.ranks} ranks: no trainer-hier (the trainer falls back to flat all-reduce)")
     sys.stdout.reconfigure(line_buffering=True)  # progress lines show up live through a pipe too
     started = time.perf_counter()
@@ -228,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     work.mkdir(parents=True, exist_ok=True)
+    if "trainer-recipe" in VARIANTS:
+        args.recipe_config = write_user_recipe(args, overrides, work / "user-project")
     try:
         runs = run_rounds(args, overrides, work)
     except RuntimeError as exc:
