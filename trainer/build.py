@@ -31,6 +31,7 @@ from trainer.loop.parts import Parts, autocast
 from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
+from trainer.observe.timing import peak_tflops
 from trainer.parallel.comm import hierarchical_hook
 from trainer.parallel.distributed import Distributed
 from trainer.recipes.api import Recipe, RecipeContext
@@ -115,13 +116,15 @@ def build_parts(
     stack.callback(loader.close)
     agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
     settle(cfg, env, ddp, recipe, loader, comm)
+    # Counted before the per-rank reseed below: a counting pass draws dropout randoms too.
+    flops = count_flops_per_sample(cfg, recipe, d) if peak_tflops(d.device, cfg.monitor.peak_tflops) else None
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
     seed = rank_seed(t.seed, env.rank)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
-    mon = build_monitors(cfg, env, d, model, rundir, functools.partial(count_flops_per_sample, cfg, recipe, d))
+    mon = build_monitors(cfg, env, d, model, rundir, flops)
     stack.callback(mon.close)
     checkpoints = Checkpointer(
         cfg=cfg,
@@ -244,7 +247,7 @@ def check_structure(spec: str, recipe: Recipe) -> None:
                 )
 
 
-def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, d: Distributed) -> float | None:
+def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, d: Distributed) -> float:
     """The recipe's FLOPs per sample, else counted with FlopCounterMode on one forward/backward of one
     micro-batch of the bare model (the counted gradients are discarded)."""
     if recipe.flops_per_sample:

@@ -4,7 +4,6 @@ TensorBoard, rank 0's terminal progress bar, injected faults (tests) and the MFU
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +47,10 @@ def build_monitors(
     d: Distributed,
     model: torch.nn.Module,
     rundir: RunDir,
-    flops_per_sample: Callable[[], float | None],
+    flops_per_sample: float | None,
 ) -> Monitors:
-    """``flops_per_sample`` is asked only where MFU is reported (a known peak: GPU, or monitor.peak_tflops)."""
+    """``flops_per_sample``: the training FLOPs of one sample where MFU is reported (a known peak: GPU, or
+    monitor.peak_tflops), else None."""
     watchdog = Watchdog(env, cfg.monitor, rundir, d.store_addr, d.store_port)
     watchdog.start()
     d.groups.blocked.on_block = watchdog.block
@@ -65,6 +65,6 @@ def build_monitors(
         tensorboard=TensorBoard(rundir.tensorboard, cfg.monitor.tensorboard and env.rank == 0),
         progress=Progress(cfg.train.steps) if env.rank == 0 and sys.stdout.isatty() else None,
         injector=Injector(env.inject, env.rank),
-        flops_per_sample=flops_per_sample() if tflops else None,
+        flops_per_sample=flops_per_sample if tflops else None,
         peak_flops=tflops * 1e12 if tflops else None,
     )
