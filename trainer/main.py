@@ -70,7 +70,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
 
     # DDP's constructor imports torch._dynamo (1.5-3 s on a loaded 2-core host): import it in the background while
     # this thread reads the config, the MPI layout, rendezvous and the recipe's data; DDP then finds it loaded.
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
+    threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True).start()
 
     from runconfig import code
     from trainer.build import build_parts, restore_or_start
@@ -225,6 +225,13 @@ def _abort_job(comm: MPI.Comm, status: int) -> None:
     sys.stderr.flush()
     logging.shutdown()
     comm.Abort(status)
+
+
+def _import_quietly(name: str) -> None:
+    """Import ``name`` to have it loaded early; any failure is left to the import that needs it (a run that ends
+    during start-up may end while this thread is still importing)."""
+    with contextlib.suppress(BaseException):
+        importlib.import_module(name)
 
 
 def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float]:
