@@ -72,14 +72,21 @@ def wait_state(job_id, states, timeout=180) -> dict:
     raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {job_info(job_id)}")
 
 
-def wait_step(run_dir, step, timeout=120) -> None:
+def wait_step(run_dir, step, timeout=120, output: Path | None = None) -> None:
+    """Wait for ``step`` in metrics.jsonl; on a timeout the assertion shows the job's output (``output``, or the
+    submitit logs) and the rank logs, so a job that died at start-up says why."""
     deadline = time.monotonic() + timeout
     path = Path(run_dir) / "metrics.jsonl"
     while time.monotonic() < deadline:
         if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
             return
         time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {run_dir}")
+    shown = [output] if output else sorted((Path(run_dir) / "slurm").glob("*/*.out"))
+    shown += sorted((Path(run_dir) / "logs").glob("rank_*.log"))
+    tails = "\n".join(
+        f"--- {p}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]) for p in shown if p.exists()
+    )
+    raise AssertionError(f"step {step} not reached in {run_dir}\n{tails}")
 
 
 def job_log(run_dir, job_id, lines=40) -> str:

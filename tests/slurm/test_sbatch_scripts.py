@@ -70,7 +70,7 @@ def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(slurm, small_dat
     run_dir = tmp_path / "run"
     env = {"CONFIG": "tiny", "RUN_DIR": str(run_dir), "HPC_SET": " ".join(sets_for(small_dataset))}
     job_id = sbatch("train.sbatch", env, "--nodes=2", "--ntasks-per-node=2", cwd=tmp_path)
-    wait_step(run_dir, 10)
+    wait_step(run_dir, 10, output=tmp_path / f"slurm-{job_id}.out")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # to the job's steps: every rank
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
     output = (tmp_path / f"slurm-{job_id}.out").read_text()
