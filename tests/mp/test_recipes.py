@@ -96,7 +96,8 @@ def test_non_finite_loss_stops_with_the_last_checkpoint_intact(tmp_path):
     proc = submit(make_project(tmp_path, "recipes:nan_loss", {"bad_rank": 1, "from_call": 10}), run_dir)
     assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
     assert "rank 1: recipe 'toyproj.recipes:nan_loss': the loss at step 5 is not finite (rank 1: nan)" in proc.stderr
-    assert "is intact" in proc.stderr and "Traceback" not in proc.stderr
+    assert "the newest committed checkpoint, step_00000004 in" in proc.stderr and "is intact" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert read_latest(run_dir / "checkpoints") == "step_00000004"
     assert not (run_dir / "checkpoints" / "step_00000005").exists()
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]

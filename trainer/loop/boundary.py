@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from runconfig.checkpoints import read_latest
 from trainer.errors import UserError
 from trainer.loop.parts import Parts
 
@@ -50,11 +51,15 @@ def _non_finite(p: Parts, step: int, local_loss: torch.Tensor) -> None:
     losses = [None] * p.env.world_size
     dist.all_gather_object(losses, float(local_loss))
     bad = [r for r, v in enumerate(losses) if not math.isfinite(v)]
-    saved = p.state.step if p.state.step else None
+    latest = read_latest(p.checkpoints.root)  # what a resume would load; this step's state is never saved
     raise UserError(
         f"rank {bad[0]}: recipe {p.cfg.recipe!r}: the loss at step {step} is not finite "
         f"({', '.join(f'rank {r}: {losses[r]}' for r in bad)}). Training stopped; "
-        + (f"the last committed checkpoint ({p.checkpoints.root}) is intact." if saved else "nothing was saved."),
+        + (
+            f"the newest committed checkpoint, {latest} in {p.checkpoints.root}, is intact."
+            if latest
+            else "no checkpoint had been committed, nothing was saved."
+        ),
         collective=True,
         rank=bad[0],
     )

@@ -6,6 +6,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -23,6 +24,8 @@ from trainer.recipes.api import Recipe
 
 
 class Checkpoints(Protocol):
+    root: Path  # the run's checkpoints/ folder
+
     def due_by_steps(self, step: int, final: bool) -> bool: ...
     def due_by_time(self) -> bool: ...
     def save(self, state: TrainState, *, block: bool) -> None: ...
