@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +35,18 @@ class SlurmJob:
 
     job_id: str
     restart_count: int
+    num_nodes: int = 1
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> SlurmJob:
         environ = dict(os.environ if environ is None else environ)
         restart = environ.get("SLURM_RESTART_COUNT", "")  # unset on the first run, not 0
-        return cls(job_id=environ.get("SLURM_JOB_ID", ""), restart_count=int(restart) if restart.isdigit() else 0)
+        nodes = environ.get("SLURM_JOB_NUM_NODES", "")
+        return cls(
+            job_id=environ.get("SLURM_JOB_ID", ""),
+            restart_count=int(restart) if restart.isdigit() else 0,
+            num_nodes=int(nodes) if nodes.isdigit() else 1,
+        )
 
 
 def mpi_plugin(cfg: RunConfig) -> str:
@@ -56,6 +63,22 @@ def srun_command(cfg: RunConfig, rundir: RunDir) -> list[str]:
         f"--ntasks-per-node={cfg.job.ranks_per_node}",
         *cfg.job.srun_args,
         *trainer_command(rundir),
+    ]
+
+
+def sweep_command(num_nodes: int) -> list[str]:
+    """One task per node of the allocation removing the shared-memory segments killed ranks left
+    (runconfig/shm.py); it shares the nodes with whatever still runs there."""
+    return [
+        "srun",
+        "--overlap",
+        "--mpi=none",
+        f"--nodes={num_nodes}",
+        f"--ntasks={num_nodes}",
+        "--ntasks-per-node=1",
+        sys.executable,
+        "-m",
+        "runconfig.shm",
     ]
 
 
@@ -111,6 +134,11 @@ class Driver:
                 )
                 return {"status": "stopped"}
             return self._requeue(rundir, cfg, job)
+        # Ranks that were killed or died in MPI_Init leave shared memory on their nodes: remove it on every node.
+        try:
+            subprocess.run(sweep_command(job.num_nodes), env=trainer_environment(cfg, simulate_nodes=False), timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
         raise RuntimeError(f"the ranks failed with exit status {status}; not requeued (logs in {rundir.logs})")
 
     def _requeue(self, rundir: RunDir, cfg: RunConfig, job: SlurmJob) -> dict:

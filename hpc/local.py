@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hpc.mpi import MpiLauncher
 from hpc.progress import MetricsFollower, Progress
-from runconfig import RunConfig, RunDir
+from runconfig import RunConfig, RunDir, shm
 from runconfig.contract import LAUNCH_VAR, SIMULATE_VAR
 from runconfig.outcome import Ended, how_it_ended, new_launch_id
 
@@ -95,6 +95,8 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
         if progress:
             progress.close()
         copier.join(timeout=10)
+        # Ranks killed during MPI start-up leave their shared-memory segments; the launch removes them.
+        shm.sweep()
     return LaunchResult(how_it_ended(rundir, launch_id, proc.returncode), list(tail_lines))
 
 

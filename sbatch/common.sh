@@ -204,6 +204,11 @@ hpc_main() {
       [ "$status" = "$hpc_exit_stopped" ] || echo "srun exit status $status, but this launch stopped with a checkpoint"
       ;;
     *)
+      # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it.
+      if [ -n "${SLURM_JOB_ID:-}" ]; then
+        srun --overlap --mpi=none --nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
+          --ntasks-per-node=1 "$PYTHON" -m runconfig.shm || echo "warning: the shared-memory sweep failed" >&2
+      fi
       echo "error: the ranks failed with exit status $status; not requeued (logs in $RUN_DIR/logs)" >&2
       exit "$((status ? status : 1))" ;;
   esac

@@ -21,6 +21,10 @@ import threading  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from trainer.parallel.mpi_library import apply_defaults  # noqa: E402
+
+MPI_DEFAULTS = apply_defaults()  # before MPI starts: the MPI library reads these at MPI_Init
+
 from mpi4py import MPI  # noqa: E402
 
 from runconfig import ConfigError, RunDir, load_config  # noqa: E402
@@ -72,7 +76,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     # this thread reads the config, the MPI layout, rendezvous and the recipe's data; DDP then finds it loaded.
     threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True).start()
 
-    from runconfig import code
+    from runconfig import code, shm
     from trainer.build import build_parts, restore_or_start
     from trainer.checkpoint.fingerprint import params_sha256
     from trainer.env import agree, from_mpi
@@ -107,6 +111,13 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         torch.get_num_threads(),
         os.getpid(),
     )
+    if env.host_local_rank == 0:  # what ranks of an earlier, killed launch left on this host
+        removed = shm.sweep()
+        if removed:
+            log.info("removed %d stale MPI shared-memory segment(s) from %s", len(removed), shm.SHM_DIR)
+    if env.rank == 0 and MPI_DEFAULTS:
+        applied = " ".join(f"{name}={value}" for name, value in MPI_DEFAULTS.items())
+        log.info("MPI library defaults applied (set them in job.env to choose otherwise): %s", applied)
     device = pick_device(env, cfg.train.device)
     d = init_distributed(env, cfg.comm, device, comm)
     marks["rendezvous"] = time.time()

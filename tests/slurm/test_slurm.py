@@ -119,3 +119,5 @@ def test_a_vanished_rank_is_named_and_the_job_ends(slurm, small_dataset, tmp_pat
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{job_log(run_dir, job_id)}"
     message = json.loads((run_dir / "failure.json").read_text())["message"]
     assert "a collective failed at step 5" in message and "rank(s) 3 stopped publishing heartbeats" in message
+    log = job_log(run_dir, job_id)  # after the failed launch, one task per node swept its shared memory
+    assert "(slurm node n1): removed" in log and "(slurm node n2): removed" in log, log

@@ -1,0 +1,65 @@
+"""The MPI library's start-up defaults and the sweep of shared memory that killed ranks leave (real files, real
+/proc, real processes holding them)."""
+
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+from runconfig import shm
+from trainer.parallel.mpi_library import DEFAULTS, NETMOD_VAR, apply_defaults
+
+
+def test_mpi_defaults_fill_in_and_never_overwrite():
+    environ = {"PATH": "/bin"}
+    assert apply_defaults(environ) == DEFAULTS and environ[NETMOD_VAR] == "ofi"
+    chosen = {NETMOD_VAR: "ucx"}  # the user's job.env or shell wins
+    assert apply_defaults(chosen) == {} and chosen == {NETMOD_VAR: "ucx"}
+
+
+def hold(path, how):
+    """A process that keeps ``path`` open (fd) or mapped (mmap, fd closed) until killed."""
+    code = textwrap.dedent(f"""
+        import mmap, os, sys, time
+        fd = os.open({str(path)!r}, os.O_RDWR)
+        if {how!r} == "mapped":
+            m = mmap.mmap(fd, 4096)
+            os.close(fd)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_sweep_removes_only_stale_segments_of_this_user(tmp_path):
+    names = ["mpich_shm_dead_0", "mpich_shm_open_0", "mpich_shm_mapped_0", "other_segment"]
+    for name in names:
+        with open(tmp_path / name, "wb") as f:
+            f.write(b"\0" * mmap.PAGESIZE)
+    holders = [hold(tmp_path / "mpich_shm_open_0", "open"), hold(tmp_path / "mpich_shm_mapped_0", "mapped")]
+    try:
+        assert [p.name for p in shm.stale(tmp_path)] == ["mpich_shm_dead_0"]
+        assert shm.stale(tmp_path, uid=os.getuid() + 1) == []  # another user's files are never candidates
+        assert [p.name for p in shm.sweep(tmp_path)] == ["mpich_shm_dead_0"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    finally:
+        for proc in holders:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.1)
+    # Once their holders are gone the segments are stale too (a rank killed after attaching).
+    assert sorted(p.name for p in shm.sweep(tmp_path)) == ["mpich_shm_mapped_0", "mpich_shm_open_0"]
+    assert [p.name for p in tmp_path.iterdir()] == ["other_segment"]
+
+
+def test_sweep_command_reports_per_host(tmp_path):
+    (tmp_path / "mpich_shm_dead_1").write_bytes(b"x")
+    out = subprocess.run(
+        [sys.executable, "-m", "runconfig.shm", "--dir", str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert f"removed 1 stale MPI shared-memory segment(s) from {tmp_path}" in out.stdout
+    assert not (tmp_path / "mpich_shm_dead_1").exists()
