@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, from_dict
+from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, from_dict, yamlread
 from runconfig.contract import append_jsonl
 from runconfig.load import load_raw, set_key
 
@@ -33,7 +33,7 @@ SLUG_RE = re.compile(r"[^A-Za-z0-9._=-]+")
 
 def read_grid(path: Path) -> dict[str, list]:
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = yamlread.load(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"sweep file {path} does not exist.") from None
     except UnicodeDecodeError as exc:

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from runconfig import yamlread
 from runconfig.schema import RunConfig
 
 
@@ -52,12 +53,17 @@ def load_raw(spec: str, overrides: list[str] = ()) -> tuple[dict, Path]:
     """The config file as plain data with overrides applied, not yet validated (sweeps add keys to it)."""
     path = resolve_config_path(spec)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yamlread.load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         byte = f"0x{exc.object[exc.start]:02x}"
         raise ConfigError(
             f"config file {path} is not UTF-8 text: the byte at offset {exc.start} ({byte}) is not valid UTF-8 "
             f"({exc.reason}); save the config as UTF-8 (or check that it is the YAML file you meant)."
+        ) from None
+    except yamlread.DuplicateKeyError as exc:
+        raise ConfigError(
+            f"config file {path}: key {exc.key!r} appears twice in one mapping, at lines {exc.first_line} and "
+            f"{exc.second_line}; keep one of them (YAML readers differ on which one wins, so neither is taken)."
         ) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
@@ -81,7 +87,7 @@ def apply_override(raw: dict, item: str) -> None:
     if not sep or not key:
         raise ConfigError(f"override {item!r} must look like KEY=VALUE, e.g. train.steps=40.")
     try:
-        value = yaml.safe_load(text)
+        value = yamlread.load(text)
     except yaml.YAMLError:
         value = text
     set_key(raw, key, value, what=f"override {item!r}")

@@ -28,7 +28,8 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
 def slurm_minutes(text: str) -> int | None:
-    """Minutes in a Slurm time limit: MM, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (seconds round up); None if bad."""
+    """Minutes in a Slurm time limit, read as Slurm reads it: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+    (seconds round up); None if bad. Two fields without days are minutes:seconds (``25:00`` is 25 minutes)."""
     m = TIME_RE.match(text)
     if not m:
         return None
@@ -36,7 +37,8 @@ def slurm_minutes(text: str) -> int | None:
     if days is None and third is None and second is None:
         return int(first)  # plain minutes
     if days is None and third is None:
-        return None  # MM:SS is ambiguous next to HH:MM; ask for HH:MM:SS
+        seconds = int(second)
+        return None if seconds > 59 else int(first) + (1 if seconds else 0)
     hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
     if minutes > 59 or seconds > 59:
         return None
@@ -73,7 +75,7 @@ class JobConfig:
     partition: str | None = doc("Slurm partition(s), comma-separated; unset = the cluster's default.", None)
     account: str | None = doc("Slurm account to charge.", None)
     qos: str | None = doc("Slurm quality of service.", None)
-    time: str = doc("Wall-time limit of one job: MM, HH:MM:SS or D-HH:MM:SS.", "01:00:00")
+    time: str = doc("Wall-time limit of one job, as Slurm reads it: MM, MM:SS, HH:MM:SS or D-HH:MM:SS.", "01:00:00")
     constraint: str | None = doc("Node features (--constraint), e.g. 'ib&a100'.", None)
     exclusive: bool = doc("Whole nodes only (--exclusive).", False)
     signal: str = doc(
@@ -130,7 +132,12 @@ class JobConfig:
             out.append(("mem", f"{self.mem!r} must look like 64G, 512M or 1000"))
         minutes = slurm_minutes(self.time)
         if minutes is None or minutes < 1:
-            out.append(("time", f"{self.time!r} must be MM, HH:MM:SS or D-HH:MM:SS and at least one minute"))
+            out.append(
+                (
+                    "time",
+                    f"{self.time!r} must be MM, MM:SS, HH:MM:SS or D-HH:MM:SS (as Slurm reads it), at least a minute",
+                )
+            )
         if self.signal not in SIGNAL_NAMES:
             out.append(("signal", f"{self.signal!r} is not one of {', '.join(SIGNAL_NAMES)}"))
         if self.signal_lead_s < 10:

@@ -39,6 +39,16 @@ def test_overrides_by_dotted_path():
     assert load_config("tiny", ["data.verify=size"]).data.verify == "size"
 
 
+def test_yaml_numbers_are_what_the_author_wrote(tmp_path):
+    """YAML 1.1 reads 25:00 as the base-60 integer 1500 (a 25-hour limit); the config reads it as Slurm does."""
+    for text, minutes in [("25:00", 25), ("1:00:00", 60), ("'01:00:00'", 60), ("90", 90), ("2-00", 2880)]:
+        cfg = load_config(write(tmp_path, f"job:\n  time: {text}\n"))
+        assert cfg.job.time_minutes == minutes, (text, cfg.job.time)
+    assert load_config("tiny", ["job.time=25:00"]).job.time_minutes == 25
+    cfg = load_config(write(tmp_path, "train:\n  lr: 1.5e-3\n  steps: 0x10\n"))
+    assert cfg.train.lr == 1.5e-3 and cfg.train.steps == 16
+
+
 def test_ints_accepted_for_floats(tmp_path):
     cfg = load_config(write(tmp_path, "train:\n  lr: 1\n  min_lr: 0\n"))
     assert isinstance(cfg.train.lr, float) and cfg.train.lr == 1.0
@@ -60,6 +70,9 @@ def test_ints_accepted_for_floats(tmp_path):
         ("train: 5\n", ["'train' must be a mapping"]),
         ("- a\n- b\n", ["top level must be a mapping"]),
         ("train:\n  steps: [1\n", ["not valid YAML", "line"]),
+        ("train:\n  steps: 3\n  lr: 0.1\n  steps: 300\n", ["key 'steps' appears twice", "lines 2 and 4"]),
+        ("job:\n  nodes: 1\njob:\n  nodes: 2\n", ["key 'job' appears twice", "lines 1 and 3"]),
+        ("job:\n  time: 25:60\n", ["'job.time'", "MM:SS"]),
         ("data:\n  verify: sha1\n", ["'data.verify'", "'checksum' or 'size'", "'sha1'"]),
         (
             "job:\n  nodes: 3\n  ranks_per_node: 1\ntrain:\n  global_batch_size: 32\n  micro_batch_size: 4\n",

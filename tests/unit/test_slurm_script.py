@@ -94,12 +94,21 @@ def test_only_expected_sbatch_lines():
 
 
 @pytest.mark.parametrize(
-    "text,minutes", [("30", 30), ("01:00:00", 60), ("00:00:30", 1), ("1-00", 1440), ("2-03:04:00", 2 * 1440 + 184)]
+    "text,minutes",
+    [
+        ("30", 30),
+        ("25:00", 25),
+        ("10:30", 11),
+        ("01:00:00", 60),
+        ("00:00:30", 1),
+        ("1-00", 1440),
+        ("2-03:04:00", 2 * 1440 + 184),
+    ],  # fmt: skip
 )
 def test_time_limits(text, minutes):
     assert slurm_minutes(text) == minutes
 
 
-@pytest.mark.parametrize("text", ["", "1h", "10:30", "1:61:00", "-5", "1-2-3"])
+@pytest.mark.parametrize("text", ["", "1h", "10:60", "1:61:00", "-5", "1-2-3"])
 def test_bad_time_limits(text):
     assert slurm_minutes(text) is None
