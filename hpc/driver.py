@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from runconfig import RunConfig, RunDir, load_config
 from runconfig.contract import EXIT_DONE, EXIT_STOPPED
+from runconfig.decide import Situation, decide, record_restart
 from runconfig.outcome import how_it_ended, new_launch_id
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
@@ -107,51 +109,47 @@ class Driver:
             print(f"run {rundir.root} is already complete; job {job.job_id} ends without work", flush=True)
             return {"status": "complete"}
         command = srun_command(cfg, rundir)
-        launch_id = new_launch_id(f"slurm-{job.job_id}.{job.restart_count}")
-        print(f"job {job.job_id} (restart {job.restart_count}, launch {launch_id}): {' '.join(command)}", flush=True)
-        status = subprocess.call(command, env=trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id))
-        # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
-        # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
-        ended = how_it_ended(rundir, launch_id, status)
-        if ended.recorded and status not in (EXIT_DONE, EXIT_STOPPED):
-            print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
-        if ended.how == "done":
-            return {"status": "done"}
-        if ended.how == "stopped":
-            if not self.last_in_chain:
-                print("stopped with a committed checkpoint; the next job of the chain continues", flush=True)
-                return {"status": "stopped"}
-            if ended.signal == signal.SIGTERM:
-                # SIGTERM is Slurm ending the job itself: scancel (the user ends it: requeueing would undo that),
-                # scontrol requeue and preemption in REQUEUE mode (Slurm requeues the job itself), or a time
-                # limit reached without the job's signal first (job.signal_lead_s too short). Only the job's
-                # own signal (job.signal, before the time limit or on preemption) is requeued by the driver.
-                print(
-                    "stopped by SIGTERM with a committed checkpoint; not requeued by the driver (scancel ends the "
-                    "job; scontrol requeue and preemption requeue it themselves). Continue a cancelled run with: "
-                    f"python -m hpc resume {rundir.root}",
-                    flush=True,
-                )
-                return {"status": "stopped"}
-            return self._requeue(rundir, cfg, job)
-        # Ranks that were killed or died in MPI_Init leave shared memory on their nodes: remove it on every node.
+        attempt = 0
+        while True:
+            suffix = f"-r{attempt}" if attempt else ""
+            launch_id = new_launch_id(f"slurm-{job.job_id}.{job.restart_count}{suffix}")
+            print(
+                f"job {job.job_id} (restart {job.restart_count}, launch {launch_id}): {' '.join(command)}", flush=True
+            )
+            env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
+            status = subprocess.call(command, env=env)
+            # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
+            # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
+            ended = how_it_ended(rundir, launch_id, status)
+            if ended.recorded and status not in (EXIT_DONE, EXIT_STOPPED):
+                print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
+            situation = Situation(slurm=True, requeues=job.restart_count, last_in_chain=self.last_in_chain)
+            decision = decide(rundir, cfg.job, ended, situation)
+            if ended.how == "failed":
+                # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node.
+                self._sweep(cfg, job)
+            if decision.action != "restart":
+                break
+            # In the same allocation, without going back through the queue: the ranks restart from the newest
+            # valid checkpoint after the back-off.
+            record_restart(rundir, decision, failed_launch=launch_id, status=status)
+            print(decision.message, flush=True)
+            rundir.failure.unlink(missing_ok=True)
+            time.sleep(decision.delay_s)
+            attempt += 1
+        if decision.action in ("requeue", "requeuehold"):
+            print(f"{decision.message}; scontrol {decision.action} {job.job_id}", flush=True)
+            # Requeueing from inside the job ends it at once: everything is already committed.
+            subprocess.call(["scontrol", decision.action, job.job_id])
+            return {"status": decision.action}
+        print(decision.message, flush=True)
+        if decision.error:
+            raise RuntimeError(decision.message.removeprefix("error: "))
+        return {"status": ended.how}
+
+    @staticmethod
+    def _sweep(cfg: RunConfig, job: SlurmJob) -> None:
         try:
             subprocess.run(sweep_command(job.num_nodes), env=trainer_environment(cfg, simulate_nodes=False), timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
-        raise RuntimeError(f"the ranks failed with exit status {status}; not requeued (logs in {rundir.logs})")
-
-    def _requeue(self, rundir: RunDir, cfg: RunConfig, job: SlurmJob) -> dict:
-        if rundir.pause_marker.exists():
-            verb = "requeuehold"  # paused: requeued but held until `python -m hpc release`
-        elif job.restart_count >= cfg.job.max_restarts:
-            raise RuntimeError(
-                f"the run stopped again after {job.restart_count} restarts (job.max_restarts); not requeued. "
-                f"Continue with: python -m hpc resume {rundir.root}"
-            )
-        else:
-            verb = "requeue"
-        print(f"checkpoint committed; scontrol {verb} {job.job_id}", flush=True)
-        # Requeueing from inside the job ends it at once: everything is already committed.
-        subprocess.call(["scontrol", verb, job.job_id])
-        return {"status": verb}

@@ -44,6 +44,7 @@ def trainer_environment(
 class LaunchResult:
     ended: Ended  # how the launch ended (runconfig/outcome.py): recorded in the run directory, else mpirun's status
     output_tail: list[str]  # the last lines mpirun printed (kept in memory: the log's disk may be full)
+    launch_id: str = ""
 
     def error_line(self) -> str | None:
         """The trainer's one-paragraph user error, as printed by the reporting rank."""
@@ -97,7 +98,7 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
         copier.join(timeout=10)
         # Ranks killed during MPI start-up leave their shared-memory segments; the launch removes them.
         shm.sweep()
-    return LaunchResult(how_it_ended(rundir, launch_id, proc.returncode), list(tail_lines))
+    return LaunchResult(how_it_ended(rundir, launch_id, proc.returncode), list(tail_lines), launch_id)
 
 
 def _copy_output(proc: subprocess.Popen, path: Path, command: list[str], tail_lines: deque[str]) -> None:

@@ -26,6 +26,7 @@ from hpc.slurm import make_executor, sbatch_script
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
 from runconfig import code as codesnap
 from runconfig.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
+from runconfig.decide import Situation, decide, record_restart, restarts_so_far
 from runconfig.schema import BUILTIN_RECIPE
 
 
@@ -212,10 +213,20 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        result = run_local(cfg, rundir, launcher)
+        while True:
+            result = run_local(cfg, rundir, launcher)
+            decision = decide(rundir, cfg.job, result.ended, Situation(slurm=False))
+            if decision.action != "restart":
+                break
+            # Not the input's fault (a rank killed or crashed, a hang): the ranks restart from the newest checkpoint.
+            record_restart(rundir, decision, failed_launch=result.launch_id, status=result.ended.status)
+            print(decision.message, flush=True)
+            time.sleep(decision.delay_s)
     except KeyboardInterrupt:
         print(f"\ninterrupted; run directory {rundir.root}", file=sys.stderr)
         return 130
+    if decision.error and restarts_so_far(rundir):
+        print(decision.message, file=sys.stderr)
     return report(rundir, result)
 
 

@@ -75,9 +75,18 @@ class RunDir:
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank:05d}.log"
 
-    def write_failure(self, rank: int, message: str) -> None:
-        """Record the trainer's diagnosis (the rank that found it and the message) for the launcher and status."""
-        self.failure.write_text(json.dumps({"rank": rank, "message": message}) + "\n")
+    def write_failure(self, rank: int, message: str, kind: str) -> None:
+        """Record the trainer's diagnosis for the launcher and status: the rank that found it, the message and its
+        kind (runconfig/contract.py FAILURE_*: bad input is never retried)."""
+        self.failure.write_text(json.dumps({"rank": rank, "message": message, "kind": kind}) + "\n")
+
+    def failure_record(self) -> dict:
+        """failure.json as written by ``write_failure``; {} when there is none (or it cannot be read)."""
+        try:
+            record = json.loads(self.failure.read_text())
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
 
     def failure_message(self) -> str | None:
         """The trainer's diagnosis in failure.json (bad input, a hang, a rank gone), if there is one."""

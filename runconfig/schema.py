@@ -96,6 +96,16 @@ class JobConfig:
     srun_args: list[str] = doc("Extra srun options, e.g. ['--cpu-bind=cores'].", factory=list)
     sbatch_extra: dict[str, str] = doc("Extra sbatch options, e.g. {reservation: big}.", factory=dict)
     max_restarts: int = doc("Requeues after a stop (time limit, preemption) before giving up.", 20)
+    max_failures: int = doc(
+        "In-job restarts per run after a launch fails through no fault of the input (a rank killed or crashed, a "
+        "collective failed, a hang): the ranks restart in the same allocation from the newest valid checkpoint. "
+        "Bad input (exit status 2) is never retried; 0 turns restarts off.",
+        3,
+    )
+    restart_backoff_s: float = doc(
+        "Seconds before the first in-job restart of a run; each further restart waits twice as long (at most 300).",
+        5.0,
+    )
 
     @property
     def world_size(self) -> int:
@@ -117,7 +127,9 @@ class JobConfig:
             out.append(("ranks_per_node", f"must be >= 1, got {self.ranks_per_node}"))
         if self.threads_per_rank < 0:
             out.append(("threads_per_rank", f"must be >= 0, got {self.threads_per_rank}"))
-        for key in ("gpus_per_node", "max_restarts"):
+        if not 0 <= self.restart_backoff_s <= 3600:
+            out.append(("restart_backoff_s", f"must be between 0 and 3600 seconds, got {self.restart_backoff_s}"))
+        for key in ("gpus_per_node", "max_restarts", "max_failures"):
             if getattr(self, key) < 0:
                 out.append((key, f"must be >= 0, got {getattr(self, key)}"))
         if self.cpus_per_task < 1:

@@ -128,7 +128,6 @@ print("#HPC-VARS")  # everything below is eval'ed by the batch script
 print(f"hpc_exit_stopped={EXIT_STOPPED}")  # runconfig/contract.py: stopped by a signal, checkpoint committed
 print(f"hpc_complete={int(complete)}")
 print(f"hpc_steps={cfg.train.steps}")
-print(f"hpc_max_restarts_cfg={job.max_restarts}")
 print(f"hpc_world_cfg={job.world_size}")
 print(f"hpc_mpi_cfg={q(job.mpi)}")
 print(f"hpc_srun_args=({' '.join(q(a) for a in job.srun_args)})")
@@ -140,9 +139,9 @@ PY
 
 # hpc_main MODE: the whole job. MODE is "train" (create RUN_DIR from CONFIG when needed) or "resume".
 hpc_main() {
-  local mode=$1 out status restarts max_restarts verb line plugin how signum
+  local mode=$1 out status restarts line plugin
   # Set by eval'ing hpc_prepare's output:
-  local hpc_exit_stopped= hpc_complete=0 hpc_steps=0 hpc_max_restarts_cfg=20 hpc_world_cfg=0 hpc_mpi_cfg=auto
+  local hpc_exit_stopped= hpc_complete=0 hpc_steps=0 hpc_world_cfg=0 hpc_mpi_cfg=auto
   local -a hpc_srun_args=() hpc_env=() hpc_setup=()
   # Files and folders the job writes are private, like the run directory (it may hold pickles and configs).
   umask 077
@@ -186,52 +185,50 @@ hpc_main() {
   local command=(srun "--mpi=$plugin" --kill-on-bad-exit=1 "${hpc_srun_args[@]}"
     "$PYTHON" -u -m trainer --run-dir "$RUN_DIR")
   restarts=${SLURM_RESTART_COUNT:-0}  # unset on the first run, not 0
-  export HPC_LAUNCH_ID="sbatch-${SLURM_JOB_ID:-none}.$restarts-$$-$RANDOM$RANDOM"  # rank 0 tags its history with it
-  echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${command[*]}"
-  env "${hpc_env[@]}" "${command[@]}"
-  status=$?
-  # How the launch ended, from what it recorded in the run directory where it did (srun's status misreads a stop
-  # whose slower ranks --kill-on-bad-exit killed in teardown, after the checkpoint was committed), else from
-  # srun's status: "done|stopped|failed SIGNUM" (runconfig/outcome.py, the driver's rules).
-  read -r how signum < <("$PYTHON" -m runconfig.outcome "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" 2> /dev/null ||
-    echo failed 0)
-  case $how in
-    done)
-      [ "$status" = 0 ] || echo "srun exit status $status, but this launch completed the run"
-      echo "done: run $RUN_DIR complete"
-      exit 0 ;;
-    stopped)
-      [ "$status" = "$hpc_exit_stopped" ] || echo "srun exit status $status, but this launch stopped with a checkpoint"
-      ;;
-    *)
-      # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it.
-      if [ -n "${SLURM_JOB_ID:-}" ]; then
+  local attempt=0 suffix action exit_status delay message
+  local -a decide_args=(--requeues "$restarts")
+  [ -n "${HPC_MAX_RESTARTS:-}" ] && decide_args+=(--max-requeues "$HPC_MAX_RESTARTS")
+  [ -n "${SLURM_JOB_ID:-}" ] || decide_args+=(--local)
+  while :; do
+    # rank 0 tags its history with the launch id
+    suffix=""
+    [ "$attempt" = 0 ] || suffix="-r$attempt"
+    export HPC_LAUNCH_ID="sbatch-${SLURM_JOB_ID:-none}.$restarts-$$-$RANDOM$RANDOM$suffix"
+    echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${command[*]}"
+    env "${hpc_env[@]}" "${command[@]}"
+    status=$?
+    # What to do now is one Python function for every launcher (runconfig/decide.py): done, restart the ranks in
+    # this allocation (recorded in history.jsonl), requeue, or end. It reads how the launch ended from what it
+    # recorded in the run directory (srun's status misreads a stop whose slower ranks --kill-on-bad-exit killed in
+    # teardown, after the checkpoint was committed).
+    { read -r action exit_status delay && IFS= read -r message; } < <(
+      "$PYTHON" -m runconfig.decide "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" "${decide_args[@]}" ||
+        printf 'end 1 0\nerror: deciding after the launch failed (exit status %s)\n' "$status")
+    if [ "$action" = done ] || [ "$action" = end ] || [ "$action" = restart ]; then
+      if [ "$status" != 0 ] && [ "$status" != "$hpc_exit_stopped" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+        # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it.
         srun --overlap --mpi=none --nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
           --ntasks-per-node=1 "$PYTHON" -m runconfig.shm || echo "warning: the shared-memory sweep failed" >&2
       fi
-      echo "error: the ranks failed with exit status $status; not requeued (logs in $RUN_DIR/logs)" >&2
-      exit "$((status ? status : 1))" ;;
+    fi
+    [ "$action" = restart ] || break
+    echo "$message"
+    rm -f -- "$RUN_DIR/failure.json"
+    sleep "$delay"
+    attempt=$((attempt + 1))
+  done
+  case $action in
+    done)
+      [ "$status" = 0 ] || echo "srun exit status $status, but this launch completed the run"
+      echo "$message"
+      exit 0 ;;
+    requeue|requeuehold)
+      echo "$message; scontrol $action $SLURM_JOB_ID"
+      # Requeueing from inside the job ends it at once: everything is already committed.
+      scontrol "$action" "$SLURM_JOB_ID" || hpc_die "$hpc_exit_stopped" "scontrol $action $SLURM_JOB_ID failed; resume by hand"
+      exit 0 ;;
+    *)
+      if [ "${message#error: }" = "$message" ]; then echo "$message"; else echo "$message" >&2; fi
+      exit "$exit_status" ;;
   esac
-  if [ "$signum" = 15 ]; then
-    # SIGTERM is Slurm ending the job itself: scancel (requeueing would undo it), scontrol requeue and preemption
-    # (they requeue it themselves), or the time limit without the job's --signal first. Not requeued here.
-    echo "stopped by SIGTERM with a committed checkpoint; not requeued (continue with: RUN_DIR=$RUN_DIR sbatch" \
-      "sbatch/resume.sbatch)"
-    exit "$hpc_exit_stopped"
-  fi
-  max_restarts=${HPC_MAX_RESTARTS:-$hpc_max_restarts_cfg}
-  if [ -e "$RUN_DIR/PAUSED" ]; then
-    verb=requeuehold  # paused: requeued but held until released
-  elif [ "$restarts" -ge "$max_restarts" ]; then
-    echo "error: the run stopped again after $restarts restarts (HPC_MAX_RESTARTS=$max_restarts); not requeued." \
-      "Continue with: RUN_DIR=$RUN_DIR sbatch sbatch/resume.sbatch" >&2
-    exit "$hpc_exit_stopped"
-  else
-    verb=requeue
-  fi
-  [ -n "${SLURM_JOB_ID:-}" ] || hpc_die "$hpc_exit_stopped" "stopped with a committed checkpoint, but not in a Slurm job: nothing to requeue"
-  echo "checkpoint committed; scontrol $verb $SLURM_JOB_ID"
-  # Requeueing from inside the job ends it at once: everything is already committed.
-  scontrol "$verb" "$SLURM_JOB_ID" || hpc_die "$hpc_exit_stopped" "scontrol $verb $SLURM_JOB_ID failed; resume by hand"
-  exit 0
 }

@@ -11,6 +11,11 @@ import time
 
 PROCESS_START = time.time()  # before the heavy imports: a launch's start-up cost counts from here
 
+from trainer.loop.stop import EarlySignals  # noqa: E402
+
+# A stop signal during the imports or MPI_Init is recorded, not fatal: the run stops cleanly at its first step.
+EARLY_SIGNALS = EarlySignals()
+
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
@@ -37,6 +42,8 @@ from runconfig.contract import (  # noqa: E402
     EXIT_FAILED,
     EXIT_STOPPED,
     EXIT_USER_ERROR,
+    FAILURE_CRASH,
+    FAILURE_USER,
     append_event,
     write_json_atomic,
 )
@@ -97,7 +104,14 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     marks["mpi"] = time.time()
     agree(comm, rundir.writable_error() if env.rank == 0 else None)
     setup_logging(rundir, env.rank)
-    stop = StopFlag(cfg.checkpoint.stop_signals)  # early: a signal during start-up is honoured at step 1
+    # A signal during start-up (from the process's first lines on) is honoured at step 1.
+    stop = StopFlag(cfg.checkpoint.stop_signals, early=EARLY_SIGNALS)
+    if stop.signum is not None:
+        log.info("stop signal %d arrived during start-up: the run stops at its first step boundary", stop.signum)
+    if stop.ignored_early is not None:
+        log.warning(
+            "signal %d arrived during start-up; it is not in checkpoint.stop_signals: ignored", stop.ignored_early
+        )
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
     log.info(
         "rank %d/%d on %s%s: node %d local rank %d%s, %d threads, pid %d",
@@ -159,7 +173,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             diagnosis = p.mon.watchdog.diagnose(exc)
             message = f"rank {env.rank}: a collective failed at step {state.step + 1}{diagnosis}. The error: {first}"
             log.error("%s", message)
-            _report_failure(rundir, env.rank, message)
+            _report_failure(rundir, env.rank, message, FAILURE_CRASH)
             raise
         p.mon.watchdog.close()
         p.checkpoints.close()  # a background save is committed before anything else happens
@@ -210,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except UserError as exc:
         if rank == 0 or not exc.collective:
-            _report_failure(rundir, rank if exc.rank is None else exc.rank, str(exc))
+            _report_failure(rundir, rank if exc.rank is None else exc.rank, str(exc), FAILURE_USER)
         if not exc.collective and comm.Get_size() > 1:
             # Only this rank stopped (say, on a corrupt window it read mid-training): the others may be blocked in
             # a collective waiting for it. End every rank now with the user-error status, the report written.
@@ -255,8 +269,8 @@ def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float
     return out
 
 
-def _report_failure(rundir: RunDir, rank: int, message: str) -> None:
+def _report_failure(rundir: RunDir, rank: int, message: str, kind: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     if rundir.root.is_dir():
         with contextlib.suppress(OSError):
-            rundir.write_failure(rank, message)
+            rundir.write_failure(rank, message, kind)

@@ -5,6 +5,7 @@ params_sha256 and per-step losses (bitwise, on CPU); at another world size it co
 The runs use dropout, so a resume that did not restore every rank's RNG streams would not end bit-identical.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -160,10 +161,12 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
         assert width >= 400 and height >= 300, (png, width, height)
 
 
-def test_sigkill_at_random_moments_and_mid_checkpoint(tmp_path, small_dataset, reference):
-    """Checkpoint every step so kills often land inside a save; one kill is aimed at a save in progress."""
+def test_sigkill_at_random_moments_restarts_in_the_job_and_ends_bitwise(tmp_path, small_dataset, reference):
+    """Checkpoint every step so kills often land inside a save; one kill is aimed at a save in progress. One launcher
+    process throughout: after each SIGKILL it restarts the ranks from the newest valid checkpoint by itself
+    (job.max_failures), records the restart with its cause, and the run ends bit-identical to the uninterrupted one."""
     run_dir = tmp_path / "run"
-    sets = [*common(small_dataset), "checkpoint.every_steps=1"]
+    sets = [*common(small_dataset), "checkpoint.every_steps=1", "job.max_failures=3", "job.restart_backoff_s=0.2"]
     rng = random.Random(20261123)
     proc = start(run_dir, sets)
     kills = 0
@@ -174,24 +177,72 @@ def test_sigkill_at_random_moments_and_mid_checkpoint(tmp_path, small_dataset, r
             while not list((run_dir / "checkpoints").glob(".tmp-step_*")) and time.monotonic() < deadline:
                 time.sleep(0.0005)
             assert list((run_dir / "checkpoints").glob(".tmp-step_*")), "no save in progress was seen"
-        else:  # once this attempt has resumed (metrics then hold no step past its checkpoint), at a random time
+        else:  # once the restarted ranks have resumed (metrics then hold no step past its checkpoint), at random
             resumed = wait_for_event(run_dir, "resume", kills, proc)
             wait_for_step(run_dir, resumed["step"] + 1, proc)
             time.sleep(rng.uniform(0.0, 0.6))
         pids = rank_pids(run_dir)
-        if pids:
+        if pids and proc.poll() is None:
             os.kill(pids[rng.randrange(len(pids))], signal.SIGKILL)
             kills += 1
-        proc.communicate(timeout=120)
-        if proc.returncode == 0:
-            break
-        assert proc.returncode != 0
-        proc = start(run_dir, [], resume=True)
-    proc.communicate(timeout=300)
-    assert proc.returncode == 0
+            wait_for_event(run_dir, "restart", kills, proc)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
     assert kills >= 2
     events = history(run_dir)
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert len(restarts) == kills and [e["attempt"] for e in restarts] == list(range(1, kills + 1))
+    assert all(e["status"] != 0 and e["cause"] for e in restarts), restarts
     assert [e["event"] for e in events].count("resume") == kills
+    assert out.count("restart ") >= kills  # the launcher says each one
+    assert_same_as(reference, run_dir)
+
+
+def test_a_hung_rank_is_restarted_in_the_job_and_ends_bitwise(tmp_path, small_dataset, reference):
+    """A rank that stops (SIGSTOP: a real hang, no injected code path): the others' watchdog ends the launch, the
+    launcher restarts the ranks from the newest checkpoint, and the run ends bit-identical, the hang in history."""
+    run_dir = tmp_path / "run"
+    sets = [*common(small_dataset), "monitor.hang_timeout_s=5", "monitor.heartbeat_s=0.5", "job.restart_backoff_s=0.2"]
+    proc = start(run_dir, sets)
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[2], signal.SIGSTOP)
+    restart = wait_for_event(run_dir, "restart", 1, proc)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert restart["cause"].startswith("hang: ") and "rank(s) 2 stopped publishing heartbeats" in restart["cause"]
+    assert [e["event"] for e in history(run_dir)].count("hang") == 1
+    assert_same_as(reference, run_dir)
+
+
+def test_a_stop_signal_at_any_moment_of_start_up_is_a_clean_stop(tmp_path, small_dataset, reference):
+    """SIGUSR2 to every rank during the imports and MPI_Init (delays after the ranks' processes appear), during the
+    checkpoint restore and right after it: each launch ends as a clean stop (75) or completes, never as a failure;
+    the run then ends bit-identical. (The interpreter's own first ~30 ms, before any Python line runs, are not
+    covered.)"""
+    run_dir = tmp_path / "run"
+    log = run_dir / "logs" / "rank_00000.log"
+    for n, delay in enumerate([0.15, 0.6, 1.2, "restoring", "resumed from"]):
+        proc = start(run_dir, common(small_dataset)) if n == 0 else start(run_dir, [], resume=True)
+        deadline = time.monotonic() + 60
+        while len(pids := rank_pids(run_dir)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if isinstance(delay, str):  # as soon as rank 0's log shows this launch reaching that point
+            seen = log.read_text().count(delay)
+            while log.read_text().count(delay) == seen and time.monotonic() < deadline:
+                time.sleep(0.002)
+        else:
+            time.sleep(delay)
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode in (EXIT_STOPPED, 0), f"delay {delay}: {proc.returncode}\n{out}{err}"
+        if proc.returncode == 0:
+            break
+    events = [e["event"] for e in history(run_dir)]
+    assert "restart" not in events and "stopped" in events, events
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
     assert_same_as(reference, run_dir)
 
 

@@ -83,6 +83,7 @@ def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset
 def test_a_hung_rank_is_named_and_every_rank_dumps_its_stack(tmp_path, small_dataset):
     run_dir = tmp_path / "run"
     sets = [*small(small_dataset, steps=40), "monitor.hang_timeout_s=6", "monitor.heartbeat_s=1"]
+    sets.append("job.max_failures=0")  # the diagnosis itself (a restart after a hang: test_checkpoint.py)
     start = time.monotonic()
     proc = launch(run_dir, sets, inject="hang:3:4", timeout=180)
     took = time.monotonic() - start

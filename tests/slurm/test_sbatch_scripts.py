@@ -7,6 +7,7 @@ requeue is the script's own.
 
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.contract import EVENT_DONE, EVENT_RESUME, EVENT_START, EVENT_STOPPED
-from tests.conftest import ROOT, history, summary
+from runconfig.contract import EVENT_DONE, EVENT_RESTART, EVENT_RESUME, EVENT_START, EVENT_STOPPED
+from tests.conftest import ROOT, history, rank_pids, summary
 from tests.slurm.conftest import rank_nodes, sets_for, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
@@ -84,6 +85,25 @@ def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(slurm, small_dat
     assert len(stopped) == 1 and 10 <= stopped[0]["step"] < 60, events
     assert resumes and resumes[0]["step"] == stopped[0]["step"], events
     assert resumes[0]["slurm_job_id"] == job_id and resumes[0]["slurm_restart_count"] >= 1, events
+    assert summary(run_dir)["params_sha256"] == reference
+
+
+def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference, tmp_path):
+    """SIGKILL to one rank: the script asks runconfig.decide, restarts the ranks in the same allocation (no
+    requeue), the restart is in history.jsonl with its cause, and the run ends bit-identical."""
+    run_dir = tmp_path / "run"
+    sets = [*sets_for(small_dataset), "job.restart_backoff_s=0.5"]
+    env = {"CONFIG": "tiny", "RUN_DIR": str(run_dir), "HPC_SET": " ".join(sets)}
+    output = tmp_path / "slurm.out"
+    job_id = sbatch("train.sbatch", env, "--nodes=2", "--ntasks-per-node=2", f"--output={output}")
+    wait_step(run_dir, 12, output=output)
+    os.kill(rank_pids(run_dir)[3], signal.SIGKILL)
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    text = output.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text)
+    assert "restart 1 of at most 3 in 0.5 s" in text and "(slurm node n2): removed" in text, text
+    restarts = [e for e in history(run_dir) if e["event"] == EVENT_RESTART]
+    assert len(restarts) == 1 and restarts[0]["status"] != 0 and restarts[0]["cause"], restarts
     assert summary(run_dir)["params_sha256"] == reference
 
 

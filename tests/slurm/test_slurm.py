@@ -5,6 +5,8 @@ scancel, an external `scontrol requeue`, and a job in a higher-priority partitio
 """
 
 import json
+import os
+import signal
 import stat
 import subprocess
 
@@ -12,8 +14,8 @@ import pytest
 
 from runconfig import RunDir, dump_yaml, load_config
 from runconfig.checkpoints import read_latest, validate
-from runconfig.contract import EVENT_RESUME, EVENT_STOPPED, INJECT_VAR
-from tests.conftest import PY, ROOT, history, summary
+from runconfig.contract import EVENT_RESTART, EVENT_RESUME, EVENT_STOPPED, INJECT_VAR
+from tests.conftest import PY, ROOT, history, rank_pids, summary
 from tests.slurm.conftest import job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
@@ -114,10 +116,31 @@ def test_a_vanished_rank_is_named_and_the_job_ends(slurm, small_dataset, tmp_pat
     rank 3 from the watchdog's heartbeats and abort the MPI job instead of hanging in MPI_Finalize."""
     run_dir = tmp_path / "run"
     sets = [*sets_for(small_dataset), "monitor.heartbeat_s=1", "monitor.hang_timeout_s=30"]
+    sets += ["job.max_failures=1", "job.restart_backoff_s=1"]  # the fault is injected in every launch
     job_id = submit(run_dir, [*sets, f"job.env={json.dumps({INJECT_VAR: 'exit:3:5'})}"])
-    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{job_log(run_dir, job_id)}"
     message = json.loads((run_dir / "failure.json").read_text())["message"]
     assert "a collective failed at step 5" in message and "rank(s) 3 stopped publishing heartbeats" in message
+    restarts = [e for e in history(run_dir) if e["event"] == EVENT_RESTART]  # restarted once in the job, then given up
+    assert len(restarts) == 1 and "a collective failed at step 5" in restarts[0]["cause"], restarts
+    assert "1 in-job restarts already: job.max_failures=1" in job_log(run_dir, job_id)
     log = job_log(run_dir, job_id)  # after the failed launch, one task per node swept its shared memory
     assert "(slurm node n1): removed" in log and "(slurm node n2): removed" in log, log
+
+
+def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference, tmp_path):
+    """SIGKILL to one rank of a submitted job: the driver restarts the ranks in the same allocation (no requeue)
+    from the newest checkpoint; the run ends bit-identical and history names the restart's cause."""
+    run_dir = tmp_path / "run"
+    job_id = submit(run_dir, [*sets_for(small_dataset), "job.restart_backoff_s=0.5"])
+    wait_step(run_dir, 12)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{job_log(run_dir, job_id)}"
+    events = history(run_dir)
+    restarts = [e for e in events if e["event"] == EVENT_RESTART]
+    assert len(restarts) == 1 and restarts[0]["status"] != 0, restarts
+    resumed = [e for e in events if e["event"] == EVENT_RESUME]
+    assert resumed and resumed[-1]["slurm_job_id"] == job_id and resumed[-1]["step"] >= 10, events
+    assert summary(run_dir)["params_sha256"] == reference

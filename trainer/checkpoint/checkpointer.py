@@ -297,6 +297,8 @@ class Checkpointer:
             return False
         path = Path(found)
         manifest = json.loads((path / "manifest.json").read_text())
+        if self.env.rank == 0:
+            log.info("restoring %s (step %d)", path.name, manifest["step"])
         changed = self._check_compatible(manifest, path)
         if changed:
             self._warm_start(path, changed)

@@ -6,18 +6,56 @@ import signal
 import threading
 from types import FrameType
 
+# Signals a run may be stopped with whose default action ends the process (SIGINT stays an interrupt until the
+# config is read; SIGCONT's default is harmless).
+EARLY_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGHUP", "SIGXCPU")
+
+
+class EarlySignals:
+    """From the first lines of the process until the config says which signals stop the run: each of
+    ``EARLY_SIGNALS`` is recorded instead of ending the process (a preemption during the imports or MPI_Init must be
+    a clean stop, not a dead rank). ``StopFlag`` takes the first one over."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.installed: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for name in EARLY_SIGNALS:
+                signum = getattr(signal, name)
+                self.installed[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+
 
 class StopFlag:
-    """Installs handlers for the given signal names (in the main thread) and restores the previous ones."""
+    """Installs handlers for the given signal names (in the main thread) and restores the previous ones.
 
-    def __init__(self, names: list[str]) -> None:
+    ``early``: the handlers installed at process start; a configured stop signal they recorded counts as requested,
+    and the early signals that are not stop signals get their previous handlers back."""
+
+    def __init__(self, names: list[str], early: EarlySignals | None = None) -> None:
         self.signum: int | None = None
+        self.ignored_early: int | None = None  # an early signal that is not a stop signal (it was not fatal)
         self._previous: dict[int, object] = {}
         if threading.current_thread() is not threading.main_thread():
             return
-        for name in names:
-            signum = getattr(signal, name)
-            self._previous[signum] = signal.signal(signum, self._handle)
+        wanted = {getattr(signal, name) for name in names}
+        for signum in wanted:
+            previous = signal.signal(signum, self._handle)
+            if early is not None and signum in early.installed:
+                previous = early.installed[signum]
+            self._previous[signum] = previous
+        if early is not None:
+            for signum, previous in early.installed.items():
+                if signum not in wanted:
+                    signal.signal(signum, previous)
+            if early.signum is not None:
+                if early.signum in wanted:
+                    self.signum = early.signum
+                else:
+                    self.ignored_early = early.signum
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:  # the first one says why (the job's signal before the SIGTERM that follows it)

@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from runconfig import RunDir
-from runconfig.contract import EVENT_HANG, EXIT_HANG, append_event
+from runconfig.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event
 from runconfig.schema import MonitorConfig
 from trainer.env import RuntimeEnv
 
@@ -211,7 +211,7 @@ class Watchdog:
 
     def _fail(self, message: str) -> None:
         with contextlib.suppress(OSError):
-            self.rundir.write_failure(self.env.rank, message)
+            self.rundir.write_failure(self.env.rank, message, FAILURE_HANG)
         with contextlib.suppress(OSError):
             append_event(self.rundir.history, EVENT_HANG, step=self.step, launch=self.env.launch_id, message=message)
         print(f"error: {message}", flush=True)
