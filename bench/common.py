@@ -1,11 +1,14 @@
-"""What the benchmark scripts share: starting themselves under the pip-installed MPI's mpirun, and measuring (and
-waiting out) the load other processes put on the machine."""
+"""What the benchmark scripts share: starting themselves under the pip-installed MPI's mpirun, measuring (and
+waiting out) the load other processes put on the machine, and following a run from outside (commands, JSON-lines
+files, waiting for a condition)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,3 +54,27 @@ def wait_for_quiet(max_wait_s: float = 60.0) -> None:
         time.sleep(1.0)
         if not busy_cpu_s() - before > OTHER_LOAD_LIMIT:  # also true when /proc/stat is unreadable (nan)
             return
+
+
+def sh(*args: str, **kw) -> str:
+    """Run a command; its stdout (an error if it fails)."""
+    return subprocess.run(args, capture_output=True, text=True, check=True, **kw).stdout
+
+
+def lines(path: Path) -> list[dict]:
+    """The records of a JSON-lines file of a run directory; [] while it is missing or half-written."""
+    try:
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def wait(predicate, timeout: float = 180.0, every: float = 0.1):
+    """Poll ``predicate`` until it returns something true; that value (TimeoutError after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError("timed out")

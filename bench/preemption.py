@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT
+from common import ROOT, lines, sh, wait  # bench/ is on sys.path
 
 from runconfig.contract import EVENT_RESUME, EVENT_STOPPED
 
@@ -32,30 +32,9 @@ SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.
         "model.seq_len=64", "checkpoint.every_steps=50"]  # fmt: skip
 
 
-def sh(*args: str, **kw) -> str:
-    return subprocess.run(args, capture_output=True, text=True, check=True, **kw).stdout
-
-
 def job_state(job: str) -> dict:
     out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
     return dict(item.split("=", 1) for item in out.split() if "=" in item)
-
-
-def lines(path: Path) -> list[dict]:
-    try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except (FileNotFoundError, ValueError):
-        return []
-
-
-def wait(predicate, timeout: float = 180.0, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise TimeoutError("timed out")
 
 
 def one(method: str, data: Path, work: Path) -> dict:

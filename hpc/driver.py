@@ -125,10 +125,11 @@ class Driver:
                 print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
             situation = Situation(slurm=True, requeues=job.restart_count, last_in_chain=self.last_in_chain)
             decision = decide(rundir, cfg.job, ended, situation)
-            if ended.how == "failed":
-                # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node.
-                self._sweep(cfg, job)
             if decision.action != "restart":
+                if ended.how == "failed":
+                    # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node
+                    # (a restarted launch does that itself, on each node, as it starts).
+                    self._sweep(cfg, job)
                 break
             # In the same allocation, without going back through the queue: the ranks restart from the newest
             # valid checkpoint after the back-off.

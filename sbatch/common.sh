@@ -204,9 +204,10 @@ hpc_main() {
     { read -r action exit_status delay && IFS= read -r message; } < <(
       "$PYTHON" -m runconfig.decide "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" "${decide_args[@]}" ||
         printf 'end 1 0\nerror: deciding after the launch failed (exit status %s)\n' "$status")
-    if [ "$action" = done ] || [ "$action" = end ] || [ "$action" = restart ]; then
+    if [ "$action" = done ] || [ "$action" = end ]; then
       if [ "$status" != 0 ] && [ "$status" != "$hpc_exit_stopped" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
-        # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it.
+        # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it (a
+        # restarted launch does that itself, on each node, as it starts).
         srun --overlap --mpi=none --nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
           --ntasks-per-node=1 "$PYTHON" -m runconfig.shm || echo "warning: the shared-memory sweep failed" >&2
       fi

@@ -101,7 +101,7 @@ def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference, 
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
     text = output.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text)
-    assert "restart 1 of at most 3 in 0.5 s" in text and "(slurm node n2): removed" in text, text
+    assert "restart 1 of at most 3 in 0.5 s" in text, text
     restarts = [e for e in history(run_dir) if e["event"] == EVENT_RESTART]
     assert len(restarts) == 1 and restarts[0]["status"] != 0 and restarts[0]["cause"], restarts
     assert summary(run_dir)["params_sha256"] == reference

@@ -1,0 +1,186 @@
+"""Recovery from a crashed rank: time from its death to the first new step, restarting in the job vs going back
+through the queue, and the goodput of a run whose ranks are killed every K steps.
+
+    python bench/recovery.py [--reps 2] [--goodput-steps 3000 --kill-every 1000] [--json PATH]
+
+Latency, on the real local Slurm cluster (its own, started by envs/slurm/cluster.sh on separate ports): the tiny
+model on 2 nodes x 2 ranks through `python -m hpc.submit`, interrupted at step 20 by
+- `kill`: SIGKILL to rank 1; the driver restarts the ranks in the same allocation (job.restart_backoff_s=0);
+- `requeue`: the job's signal (`scancel --signal=USR2`); the ranks commit and the job goes back through the queue
+  (`scontrol requeue`), the path a crash took before in-job restarts.
+Also `local-kill`: SIGKILL to rank 1 of the same run under the local launcher (mpirun, 2 simulated nodes).
+Times come from one clock on this host: the moment of the kill or signal, the launcher's `restart` event, the
+trainer's `resume` event (after the checkpoint is loaded) and the first new step's metrics record.
+
+Goodput, locally: the same run uninterrupted and with a rank SIGKILLed every `--kill-every` steps (in-job
+restarts, back-off 0). Goodput = the uninterrupted run's wall time / the interrupted run's wall time (from starting
+the launcher to its exit; both runs have the same checkpoint cadence). Prints a table and a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, lines, sh, wait  # bench/ is on sys.path
+
+from runconfig.contract import EVENT_RESTART, EVENT_RESUME
+
+PORTS = {"HPC_SLURM_CTLD_PORT": "18927", "HPC_SLURM_NODE_PORT": "19121"}
+SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
+        "model.seq_len=64", "checkpoint.every_steps=10", "job.restart_backoff_s=0"]  # fmt: skip
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    out = subprocess.run(["pgrep", "-f", f"trainer --run-dir {run_dir}"], capture_output=True, text=True).stdout
+    for pid in out.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def submit_args(run_dir: Path, data: Path, sets: list[str], *extra: str) -> list[str]:
+    args = [sys.executable, "-m", "hpc.submit", "tiny", "--run-dir", str(run_dir), "--set", f"data.path={data}"]
+    for s in sets:
+        args += ["--set", s]
+    return args + list(extra)
+
+
+def one(method: str, data: Path, work: Path) -> dict:
+    run_dir = work / f"{method}-{time.monotonic_ns()}"
+    local = method == "local-kill"
+    proc = None
+    if local:
+        proc = subprocess.Popen(submit_args(run_dir, data, SETS, "--local"), cwd=ROOT, stdout=subprocess.DEVNULL)
+    else:
+        sh(*submit_args(run_dir, data, SETS), cwd=ROOT)
+        job = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
+    wait(lambda: any(r.get("step", 0) >= 20 for r in lines(run_dir / "metrics.jsonl")))
+    issued = time.time()  # trainer and launcher event times come from time.time() on this same host
+    if method == "requeue":
+        sh("scancel", "--signal=USR2", job)
+    else:
+        os.kill(wait(lambda: rank_pid(run_dir, 1), every=0.02), signal.SIGKILL)
+    resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESUME], every=0.02)[0]
+    first = wait(lambda: [r for r in lines(run_dir / "metrics.jsonl") if r["step"] == resume["step"] + 1])[0]
+    restarts = [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESTART]
+    if proc is not None:
+        proc.terminate()
+        proc.wait()
+    else:
+        subprocess.run(["scancel", job], check=False)
+    return {
+        "method": method,
+        "restart_decided_s": restarts[0]["time"] - issued if restarts else None,
+        "resumed_s": resume["time"] - issued,
+        "first_new_step_s": first["time"] - issued,
+        "startup_s": resume.get("startup_s", {}),
+    }
+
+
+def step_reached(run_dir: Path, step: int) -> bool:
+    return any(r.get("step", 0) >= step for r in lines(run_dir / "metrics.jsonl"))
+
+
+def resumes(run_dir: Path) -> int:
+    return sum(1 for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESUME)
+
+
+def kill_every(run_dir: Path, proc: subprocess.Popen, every: int) -> int:
+    """SIGKILL rank 1 each time the run passes another ``every`` steps; the number of kills."""
+    kills = 0
+    while every and proc.poll() is None:
+        target = (kills + 1) * every
+        wait(lambda t=target: proc.poll() is not None or step_reached(run_dir, t), timeout=3600)
+        pid = rank_pid(run_dir, 1)
+        if proc.poll() is None and pid:
+            os.kill(pid, signal.SIGKILL)
+            kills += 1
+            wait(lambda k=kills: proc.poll() is not None or resumes(run_dir) >= k, timeout=600)
+    return kills
+
+
+def goodput(data: Path, work: Path, steps: int, every: int) -> dict:
+    sets = [s for s in SETS if not s.startswith("train.steps=")] + [f"train.steps={steps}"]
+    sets += ["checkpoint.every_steps=50", f"job.max_failures={steps // every + 1}"]
+    out = {}
+    for label, interval in (("uninterrupted", 0), ("killed", every)):
+        run_dir = work / f"goodput-{label}"
+        start = time.time()
+        proc = subprocess.Popen(submit_args(run_dir, data, sets, "--local"), cwd=ROOT, stdout=subprocess.DEVNULL)
+        kills = kill_every(run_dir, proc, interval)
+        status = proc.wait()
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        out[label] = {"wall_s": time.time() - start, "status": status, "kills": kills,
+                      "params_sha256": summary.get("params_sha256")}  # fmt: skip
+    out["goodput"] = out["uninterrupted"]["wall_s"] / out["killed"]["wall_s"]
+    out["same_params"] = out["uninterrupted"]["params_sha256"] == out["killed"]["params_sha256"]
+    out["steps"], out["kill_every"] = steps, every
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--goodput-steps", type=int, default=0, help="steps of the goodput runs (0: skip them)")
+    p.add_argument("--kill-every", type=int, default=1000, help="steps between kills in the goodput run")
+    p.add_argument("--no-slurm", action="store_true", help="only the local measurements")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    from trainer.data.prepare import PrepareSpec, prepare
+
+    data = work / "data"
+    prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
+                        shard_tokens=400_000), data)  # fmt: skip
+    rows = [one("local-kill", data, work) for _ in range(args.reps)]
+    if not args.no_slurm:
+        state = Path(tempfile.mkdtemp(prefix="hpc-slurm-bench-", dir="/tmp"))
+        state.chmod(0o755)
+        env = {**os.environ, **PORTS}
+        sh("bash", "envs/slurm/cluster.sh", "install", cwd=ROOT, env=env)
+        sh("bash", "envs/slurm/cluster.sh", "start", str(state), cwd=ROOT, env=env)
+        os.environ["SLURM_CONF"] = str(state / "slurm.conf")
+        try:
+            rows += [one(m, data, work) for _ in range(args.reps) for m in ("kill", "requeue")]
+        finally:
+            subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env,
+                           capture_output=True)  # fmt: skip
+    keys = ("restart_decided_s", "resumed_s", "first_new_step_s")
+    summary = {}
+    print(
+        f"\n{'interruption':14} " + " ".join(f"{k:>18}" for k in keys) + "   (medians, seconds after the kill/signal)"
+    )
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        med = {k: statistics.median(r[k] for r in mine if r[k] is not None) if any(r[k] is not None for r in mine)
+               else None for k in keys}  # fmt: skip
+        summary[method] = med
+        print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>18}" for v in med.values()))
+    result = {"benchmark": "recovery", "setup": {"reps": args.reps, "config": SETS}, "summary": summary, "runs": rows}
+    if args.goodput_steps:
+        g = goodput(data, work, args.goodput_steps, args.kill_every)
+        result["goodput"] = g
+        print(f"\ngoodput: {g['steps']} steps, a rank killed every {g['kill_every']} steps ({g['killed']['kills']} "
+              f"kills): {g['uninterrupted']['wall_s']:.1f} s uninterrupted, {g['killed']['wall_s']:.1f} s killed -> "
+              f"{100 * g['goodput']:.1f} %; same params_sha256: {g['same_params']}")  # fmt: skip
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
