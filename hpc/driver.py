@@ -5,9 +5,10 @@ submitit pickles a ``Driver`` and calls it on the first node of the allocation. 
 reaches every rank, and the trainer stops at a step boundary with a committed checkpoint and exit status 75.
 Only then does the driver requeue the job, and only for the job's own signal: a stop by SIGTERM is Slurm ending
 the job (scancel must stay cancelled; scontrol requeue and preemption requeue it themselves). How the launch ended
-is read from the run directory (runconfig/outcome.py), not from srun's status alone. A cap on restarts stops
-endless loops, and any other failure is not requeued. A job of a chain whose run is already complete ends at
-once.
+is read from the run directory (runconfig/outcome.py), not from srun's status alone. A cap on requeues stops
+endless loops. A launch that failed through no fault of the input (a rank killed or crashed, a hang) is restarted
+in the allocation, up to job.max_failures times per run; what follows every launch is runconfig/decide.py's
+decision, the same for every launcher. A job of a chain whose run is already complete ends at once.
 """
 
 from __future__ import annotations

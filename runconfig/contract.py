@@ -14,7 +14,7 @@ from pathlib import Path
 
 # -- exit statuses (of the trainer, the launchers and the CLI) ----------------------------------------------------
 EXIT_DONE = 0  # training complete
-EXIT_FAILED = 1  # the job failed (a bug, a rank gone, a hang): not requeued
+EXIT_FAILED = 1  # the launch failed (a bug, a rank gone): restarted in the job up to job.max_failures, never requeued
 EXIT_USER_ERROR = 2  # bad input: one message naming the file, key or rank; nothing lost
 EXIT_HANG = 3  # the hang watchdog ended the job (ranks named in failure.json)
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal at a step boundary, checkpoint committed, resumable

@@ -4,8 +4,9 @@
 # It does in the batch shell what hpc/driver.py does for jobs submitted by `python -m hpc.submit`: read (or, for
 # train.sbatch, first create) RUN_DIR/config.yaml, start the ranks as one step
 #   srun --mpi=PLUGIN --kill-on-bad-exit=1 PYTHON -u -m trainer --run-dir RUN_DIR
-# and then finish (status 0), requeue the job (status 75: the trainer stopped on a signal at a step boundary and
-# committed a checkpoint), or give up (any other status, passed on unchanged, never requeued).
+# and then do what runconfig/decide.py says (python -m runconfig.decide): finish (status 0), restart the ranks in
+# this job (a failure that is not the input's, up to job.max_failures per run), requeue the job (status 75: the
+# trainer stopped on a signal at a step boundary and committed a checkpoint), or give up with the status it gives.
 # A new run (train.sbatch) also gets the recipe's code snapshot in RUN_DIR/code/ (runconfig/code.py), taken from
 # the CONFIG file's folder, its parent or the submit directory; every launch, requeues included, imports that copy.
 #
