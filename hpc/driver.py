@@ -118,6 +118,7 @@ class Driver:
                 f"job {job.job_id} (restart {job.restart_count}, launch {launch_id}): {' '.join(command)}", flush=True
             )
             env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
+            rundir.failure.unlink(missing_ok=True)  # an earlier launch's diagnosis is not this one's
             status = subprocess.call(command, env=env)
             # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
             # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
@@ -136,7 +137,6 @@ class Driver:
             # valid checkpoint after the back-off.
             record_restart(rundir, decision, failed_launch=launch_id, status=status)
             print(decision.message, flush=True)
-            rundir.failure.unlink(missing_ok=True)
             time.sleep(decision.delay_s)
             attempt += 1
         if decision.action in ("requeue", "requeuehold"):

@@ -44,7 +44,7 @@ def trainer_environment(
 class LaunchResult:
     ended: Ended  # how the launch ended (runconfig/outcome.py): recorded in the run directory, else mpirun's status
     output_tail: list[str]  # the last lines mpirun printed (kept in memory: the log's disk may be full)
-    launch_id: str = ""
+    launch_id: str  # HPC_LAUNCH_ID of this launch (its history events carry it)
 
     def error_line(self) -> str | None:
         """The trainer's one-paragraph user error, as printed by the reporting rank."""

@@ -61,6 +61,7 @@ class Decision:
     error: bool = False  # the run ends without completing, and not as a resumable stop the user asked for
     delay_s: float = 0.0  # before a restart
     cause: str = ""  # why the launch failed
+    attempt: int = 0  # which in-job restart of the run this is (1, 2, ...)
 
 
 def restarts_so_far(rundir: RunDir) -> int:
@@ -109,7 +110,7 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
         f"the launch failed ({cause}); restart {done_before + 1} of at most {job.max_failures} in {delay:g} s from "
         "the newest valid checkpoint"
     )
-    return Decision("restart", EXIT_FAILED, message, delay_s=delay, cause=cause)
+    return Decision("restart", EXIT_FAILED, message, delay_s=delay, cause=cause, attempt=done_before + 1)
 
 
 def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -> Decision:
@@ -147,7 +148,7 @@ def record_restart(rundir: RunDir, decision: Decision, *, failed_launch: str, st
     append_event(
         rundir.history,
         EVENT_RESTART,
-        attempt=restarts_so_far(rundir) + 1,
+        attempt=decision.attempt,
         cause=decision.cause,
         status=status,
         delay_s=decision.delay_s,

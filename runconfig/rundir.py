@@ -90,10 +90,8 @@ class RunDir:
 
     def failure_message(self) -> str | None:
         """The trainer's diagnosis in failure.json (bad input, a hang, a rank gone), if there is one."""
-        try:
-            return str(json.loads(self.failure.read_text())["message"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        message = self.failure_record().get("message")
+        return None if message is None else str(message)
 
     def writable_error(self) -> str | None:
         """None when the run directory and its sub-folders accept new files, else what is wrong (one line)."""

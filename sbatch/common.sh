@@ -196,6 +196,7 @@ hpc_main() {
     [ "$attempt" = 0 ] || suffix="-r$attempt"
     export HPC_LAUNCH_ID="sbatch-${SLURM_JOB_ID:-none}.$restarts-$$-$RANDOM$RANDOM$suffix"
     echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${command[*]}"
+    rm -f -- "$RUN_DIR/failure.json"  # an earlier launch's diagnosis is not this one's
     env "${hpc_env[@]}" "${command[@]}"
     status=$?
     # What to do now is one Python function for every launcher (runconfig/decide.py): done, restart the ranks in
@@ -215,7 +216,6 @@ hpc_main() {
     fi
     [ "$action" = restart ] || break
     echo "$message"
-    rm -f -- "$RUN_DIR/failure.json"
     sleep "$delay"
     attempt=$((attempt + 1))
   done
