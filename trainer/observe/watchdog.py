@@ -176,7 +176,9 @@ class Watchdog:
             + "; ".join(parts)
             + f". Python stacks of every live rank are in {self.rundir.logs}/rank_*.log."
         )
-        if store.compare_set(HANG_KEY, "", message) != message.encode():
+        # The claim names this rank: two ranks that compose the same message must not both think they won it.
+        claim = json.dumps({"rank": self.env.rank, "message": message})
+        if store.compare_set(HANG_KEY, "", claim) != claim.encode():
             self._follow(store)  # another rank claimed it first
             return
         log.error("%s", message)
@@ -188,7 +190,7 @@ class Watchdog:
         self._fail(message)
 
     def _follow(self, store: dist.TCPStore) -> None:
-        message = store.get(HANG_KEY).decode()
+        message = json.loads(store.get(HANG_KEY))["message"]
         log.error("hang declared by another rank: %s", message)
         self._dump()
         with contextlib.suppress(Exception):
