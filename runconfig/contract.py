@@ -27,11 +27,14 @@ EVENT_DONE = "done"  # training complete, summary.json written
 EVENT_HANG = "hang"  # the hang watchdog ended the job
 EVENT_CODE = "code"  # the recipe's code snapshot was taken or refreshed (login node)
 EVENT_RESTART = "restart"  # a launch failed (not the user's fault): the launcher restarts the ranks in the job
+EVENT_BAD_NODE = "bad_node"  # a node a failure pointed at, with the evidence: no later launch of the run uses it
+EVENT_PREFLIGHT = "preflight"  # the gang preflight's figures before step 0 (trainer/observe/preflight.py)
 
 # -- failure.json "kind": what the trainer diagnosed when a launch failed --------------------------------------------
 FAILURE_USER = "user_error"  # bad input: never retried
 FAILURE_HANG = "hang"  # the hang watchdog ended the ranks
 FAILURE_CRASH = "failed"  # a collective failed, a rank went away, a bug
+FAILURE_PREFLIGHT = "preflight"  # the gang preflight before step 0 found a node unfit (suspects name it)
 
 # -- environment variables from the launchers to the ranks -----------------------------------------------------
 LAUNCH_VAR = "HPC_LAUNCH_ID"  # this start of the ranks, written into every history event

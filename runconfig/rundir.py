@@ -75,10 +75,15 @@ class RunDir:
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank:05d}.log"
 
-    def write_failure(self, rank: int, message: str, kind: str) -> None:
-        """Record the trainer's diagnosis for the launcher and status: the rank that found it, the message and its
-        kind (runconfig/contract.py FAILURE_*: bad input is never retried)."""
-        self.failure.write_text(json.dumps({"rank": rank, "message": message, "kind": kind}) + "\n")
+    def write_failure(self, rank: int, message: str, kind: str, suspects: list[dict] | None = None) -> None:
+        """Record the trainer's diagnosis for the launcher and status: the rank that found it, the message, its kind
+        (runconfig/contract.py FAILURE_*: bad input is never retried) and the ranks it points at, each
+        ``{"rank": r, "node": NODE, "why": ...}`` (NODE: the Slurm node name, else the host; the launcher leaves
+        those nodes out of the next launch, runconfig/badnodes.py)."""
+        record = {"rank": rank, "message": message, "kind": kind}
+        if suspects:
+            record["suspects"] = suspects
+        self.failure.write_text(json.dumps(record) + "\n")
 
     def failure_record(self) -> dict:
         """failure.json as written by ``write_failure``; {} when there is none (or it cannot be read)."""

@@ -28,6 +28,7 @@ class RuntimeEnv:
     hostname: str
     slurm_node: str | None  # SLURMD_NODENAME inside a Slurm step
     hosts: tuple[str, ...]  # host name of every rank
+    node_names: tuple[str, ...]  # node of every rank as the launcher names it: SLURMD_NODENAME, else the host name
     topology: Topology
     simulated_nodes: bool
     cpus: int  # CPUs this process may run on
@@ -49,6 +50,11 @@ class RuntimeEnv:
     def single_host(self) -> bool:
         return len(set(self.hosts)) == 1
 
+    def suspect(self, rank: int, why: str) -> dict:
+        """A rank a failure points at, for failure.json: its node's name and index (the launcher leaves that node
+        out of the next launch; with simulated nodes the index is all that tells them apart)."""
+        return {"rank": rank, "node": self.node_names[rank], "node_index": self.topology.node_of(rank), "why": why}
+
     def default_threads(self) -> int:
         return max(1, self.cpus // self.host_local_size)
 
@@ -59,6 +65,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
     rank, size = comm.Get_rank(), comm.Get_size()
     hostname = socket.gethostname()
     hosts = tuple(comm.allgather(hostname))
+    node_names = tuple(comm.allgather(environ.get("SLURMD_NODENAME") or hostname))
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     host_local_rank, host_local_size = local.Get_rank(), local.Get_size()
     leader = local.bcast(rank, root=0)  # world rank of the first rank on this host
@@ -97,6 +104,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         hostname=hostname,
         slurm_node=environ.get("SLURMD_NODENAME"),
         hosts=hosts,
+        node_names=node_names,
         topology=topology,
         simulated_nodes=bool(simulate),
         cpus=len(os.sched_getaffinity(0)),
