@@ -4,7 +4,10 @@
 
 - ``slow:RANK:SECONDS``: that rank sleeps SECONDS inside forward+backward of every step (a slow GPU or node);
 - ``hang:RANK:STEP``: that rank sleeps for an hour when it reaches STEP (a hung rank);
-- ``exit:RANK:STEP``: that rank's process ends at once, status 0, when it reaches STEP (a rank that vanishes).
+- ``exit:RANK:STEP``: that rank's process ends at once, status 0, when it reaches STEP (a rank that vanishes);
+- ``slowlink:RANK:SECONDS``: that rank waits SECONDS before each of its preflight collectives (a slow link or NIC);
+- ``eio_save:RANK:N``: the first N checkpoint file writes of that rank fail with EIO (a flaky network file system);
+- ``eio_read:RANK:N``: the first N data reads of that rank fail with EIO.
 
 Nothing is injected when the variable is unset; a malformed value is a user error naming the variable.
 """
@@ -17,6 +20,9 @@ from dataclasses import dataclass
 
 from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
+
+
+KINDS = ("slow", "hang", "exit", "slowlink", "eio_save", "eio_read")
 
 
 @dataclass(frozen=True)
@@ -34,9 +40,10 @@ def parse(text: str) -> tuple[Fault, ...]:
             fault = Fault(kind, int(rank), float(value))
         except ValueError:
             fault = Fault("", -1, 0.0)
-        if fault.kind not in ("slow", "hang", "exit") or fault.rank < 0:
+        if fault.kind not in KINDS or fault.rank < 0:
             raise UserError(
-                f"environment variable {INJECT_VAR}: {item!r} is not KIND:RANK:VALUE with KIND slow, hang or exit."
+                f"environment variable {INJECT_VAR}: {item!r} is not KIND:RANK:VALUE with KIND one of "
+                f"{', '.join(KINDS)}."
             )
         faults.append(fault)
     return tuple(faults)
