@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
 
-
 KINDS = ("slow", "hang", "exit", "slowlink", "eio_save", "eio_read")
 
 
