@@ -9,15 +9,24 @@ is read from the run directory (runconfig/outcome.py), not from srun's status al
 endless loops. A launch that failed through no fault of the input (a rank killed or crashed, a hang) is restarted
 in the allocation, up to job.max_failures times per run; what follows every launch is runconfig/decide.py's
 decision, the same for every launcher. A job of a chain whose run is already complete ends at once.
+
+Bad nodes (runconfig/badnodes.py) are left out of every launch: srun runs on the allocation's other nodes (at
+least job.min_nodes), and when too few are left the run continues in a new job submitted with ``--exclude``
+(Slurm cannot change a running job's exclusions, and a requeued job could land on the same node). The driver's
+own evidence of who failed first is srun's first "task N: Killed / Exited" line, used when the trainer left no
+diagnosis naming ranks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +34,9 @@ from pathlib import Path
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from runconfig import RunConfig, RunDir, load_config
+from runconfig.badnodes import bad_nodes
 from runconfig.contract import EXIT_DONE, EXIT_STOPPED
-from runconfig.decide import Situation, decide, record_restart
+from runconfig.decide import Situation, decide, record_decision
 from runconfig.outcome import how_it_ended, new_launch_id
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
@@ -39,6 +49,7 @@ class SlurmJob:
     job_id: str
     restart_count: int
     num_nodes: int = 1
+    nodelist: str = ""  # SLURM_JOB_NODELIST, compressed (n[1-4])
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> SlurmJob:
@@ -49,7 +60,15 @@ class SlurmJob:
             job_id=environ.get("SLURM_JOB_ID", ""),
             restart_count=int(restart) if restart.isdigit() else 0,
             num_nodes=int(nodes) if nodes.isdigit() else 1,
+            nodelist=environ.get("SLURM_JOB_NODELIST", ""),
         )
+
+    def nodes(self) -> tuple[str, ...]:
+        """The allocation's node names, in Slurm's order."""
+        if not self.nodelist:
+            return ()
+        out = subprocess.run(["scontrol", "show", "hostnames", self.nodelist], capture_output=True, text=True)
+        return tuple(out.stdout.split()) if out.returncode == 0 else ()
 
 
 def mpi_plugin(cfg: RunConfig) -> str:
@@ -58,15 +77,43 @@ def mpi_plugin(cfg: RunConfig) -> str:
     return PLUGIN_FOR_FLAVOUR[find_launcher().flavour]
 
 
-def srun_command(cfg: RunConfig, rundir: RunDir) -> list[str]:
+def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) -> list[str]:
+    """The ranks' step; ``nodes``: run on these nodes of the allocation only (the others are bad)."""
+    placement = [f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}"] if nodes else []
     return [
         "srun",
         f"--mpi={mpi_plugin(cfg)}",
         "--kill-on-bad-exit=1",
         f"--ntasks-per-node={cfg.job.ranks_per_node}",
+        *placement,
         *cfg.job.srun_args,
-        *trainer_command(rundir),
+        *trainer_command(rundir, cfg.job.launch_prefix),
     ]
+
+
+#: srun's line for tasks that ended badly: "srun: error: n2: task 3: Killed", "... tasks 0-1: Exited with exit code 1"
+SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:[-,]\S*)?: (.+)$")
+
+
+def run_step(command: list[str], env: dict) -> tuple[int, int | None]:
+    """Run srun, copying its output through; (exit status, the rank of srun's first failed-task line)."""
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    first: list[int] = []
+
+    def copy() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            m = SRUN_TASK_ERROR.match(line.strip())
+            if m and not first:
+                first.append(int(m.group(2)))
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    status = proc.wait()
+    thread.join(timeout=10)
+    return status, (first[0] if first else None)
 
 
 def sweep_command(num_nodes: int) -> list[str]:
@@ -109,9 +156,16 @@ class Driver:
         if run_complete(rundir, cfg):
             print(f"run {rundir.root} is already complete; job {job.job_id} ends without work", flush=True)
             return {"status": "complete"}
-        command = srun_command(cfg, rundir)
+        allocation = job.nodes()
+        usable = tuple(n for n in allocation if n not in bad_nodes(rundir))[: cfg.job.nodes]
+        if allocation and len(usable) < cfg.job.min_nodes_or_all:
+            # A job submitted before a node was named (a chain link, a release) got it: continue without it.
+            exclude = tuple(bad_nodes(rundir))
+            return self._resubmit(cfg, rundir, job, exclude, "this job's allocation holds bad node(s) of the run")
+        nodes = usable if len(usable) < len(allocation) else ()
         attempt = 0
         while True:
+            command = srun_command(cfg, rundir, nodes)
             suffix = f"-r{attempt}" if attempt else ""
             launch_id = new_launch_id(f"slurm-{job.job_id}.{job.restart_count}{suffix}")
             print(
@@ -119,14 +173,23 @@ class Driver:
             )
             env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
             rundir.failure.unlink(missing_ok=True)  # an earlier launch's diagnosis is not this one's
-            status = subprocess.call(command, env=env)
+            status, first_failed = run_step(command, env)
             # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
             # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
             ended = how_it_ended(rundir, launch_id, status)
             if ended.recorded and status not in (EXIT_DONE, EXIT_STOPPED):
                 print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
-            situation = Situation(slurm=True, requeues=job.restart_count, last_in_chain=self.last_in_chain)
+            situation = Situation(
+                slurm=True,
+                requeues=job.restart_count,
+                last_in_chain=self.last_in_chain,
+                nodes=allocation,
+                launch_nodes=nodes or allocation,
+                ranks_per_node=cfg.job.ranks_per_node,
+                first_ended=first_failed,
+            )
             decision = decide(rundir, cfg.job, ended, situation)
+            record_decision(rundir, decision, failed_launch=launch_id, status=status)
             if decision.action != "restart":
                 if ended.how == "failed":
                     # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node
@@ -134,11 +197,13 @@ class Driver:
                     self._sweep(cfg, job)
                 break
             # In the same allocation, without going back through the queue: the ranks restart from the newest
-            # valid checkpoint after the back-off.
-            record_restart(rundir, decision, failed_launch=launch_id, status=status)
+            # valid checkpoint after the back-off, without the nodes the failure pointed at.
             print(decision.message, flush=True)
+            nodes = decision.use_nodes if len(decision.use_nodes) < len(allocation) else ()
             time.sleep(decision.delay_s)
             attempt += 1
+        if decision.action == "resubmit":
+            return self._resubmit(cfg, rundir, job, decision.exclude, decision.message)
         if decision.action in ("requeue", "requeuehold"):
             print(f"{decision.message}; scontrol {decision.action} {job.job_id}", flush=True)
             # Requeueing from inside the job ends it at once: everything is already committed.
@@ -149,9 +214,58 @@ class Driver:
             raise RuntimeError(decision.message.removeprefix("error: "))
         return {"status": ended.how}
 
+    def _resubmit(self, cfg: RunConfig, rundir: RunDir, job: SlurmJob, exclude: tuple[str, ...], why: str) -> dict:
+        """End this job; the run continues in a new one that excludes ``exclude`` (later links of a chain, still
+        pending, get the exclusion too)."""
+        try:
+            new_id = submit_link(cfg, rundir, last_in_chain=self.last_in_chain, exclude=exclude, reason="exclude")
+        except Exception as exc:  # sbatch refused (say, too few nodes left in the partition): the run ends here
+            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise RuntimeError(
+                f"{why}; submitting the continuation without {', '.join(exclude)} failed: {message}. Continue with: "
+                f"python -m hpc resume {rundir.root}"
+            ) from None
+        for pending in pending_jobs(rundir, skip={job.job_id, new_id}):
+            subprocess.call(["scontrol", "update", f"JobId={pending}", f"ExcNodeList={','.join(exclude)}"])
+        print(f"{why}; the run continues in job {new_id} (--exclude={','.join(exclude)})", flush=True)
+        return {"status": "resubmitted", "job_id": new_id}
+
     @staticmethod
     def _sweep(cfg: RunConfig, job: SlurmJob) -> None:
         try:
             subprocess.run(sweep_command(job.num_nodes), env=trainer_environment(cfg, simulate_nodes=False), timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
+
+
+def submit_link(
+    cfg: RunConfig,
+    rundir: RunDir,
+    *,
+    last_in_chain: bool = True,
+    dependency: str | None = None,
+    exclude: tuple[str, ...] = (),
+    chain: tuple[int, int] = (0, 1),
+    reason: str = "",
+) -> str:
+    """Submit one job of the run (a Driver), record it in jobs.jsonl, keep its script; the job id."""
+    from hpc.slurm import make_executor
+
+    executor = make_executor(cfg, rundir, dependency=dependency, exclude=exclude)
+    submitted = executor.submit(Driver(str(rundir.root), last_in_chain=last_in_chain))
+    shutil.copyfile(submitted.paths.submission_file, rundir.root / f"job_{submitted.job_id}.sbatch")
+    record = {"job_id": submitted.job_id, "chain": list(chain), "time": time.time()}
+    if exclude:
+        record["exclude"] = list(exclude)
+    if reason:
+        record["reason"] = reason
+    with open(rundir.jobs, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return submitted.job_id
+
+
+def pending_jobs(rundir: RunDir, skip: set[str]) -> list[str]:
+    """The run's jobs that are still pending (later links of a chain)."""
+    from hpc.jobs import job_ids, query
+
+    return [j for j in job_ids(rundir) if j not in skip and query(j).state == "PENDING"]

@@ -14,13 +14,15 @@ from pathlib import Path
 
 from hpc.mpi import MpiLauncher
 from hpc.progress import MetricsFollower, Progress
+from hpc.ranks import RankWatch
 from runconfig import RunConfig, RunDir, shm
-from runconfig.contract import LAUNCH_VAR, SIMULATE_VAR
+from runconfig.contract import LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR
 from runconfig.outcome import Ended, how_it_ended, new_launch_id
 
 
-def trainer_command(rundir: RunDir) -> list[str]:
-    return [sys.executable, "-u", "-m", "trainer", "--run-dir", str(rundir.root)]
+def trainer_command(rundir: RunDir, prefix: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """One rank's command line; ``prefix`` (job.launch_prefix) goes before the interpreter, e.g. a container."""
+    return [*prefix, sys.executable, "-u", "-m", "trainer", "--run-dir", str(rundir.root)]
 
 
 def trainer_environment(
@@ -45,6 +47,8 @@ class LaunchResult:
     ended: Ended  # how the launch ended (runconfig/outcome.py): recorded in the run directory, else mpirun's status
     output_tail: list[str]  # the last lines mpirun printed (kept in memory: the log's disk may be full)
     launch_id: str  # HPC_LAUNCH_ID of this launch (its history events carry it)
+    nodes: tuple[str, ...] = ()  # the simulated nodes it ran on
+    first_ended: int | None = None  # the rank whose process ended first, when one clearly did
 
     def error_line(self) -> str | None:
         """The trainer's one-paragraph user error, as printed by the reporting rank."""
@@ -54,22 +58,35 @@ class LaunchResult:
         return None
 
 
-def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_progress: bool = True) -> LaunchResult:
-    """Start ``world_size`` ranks with mpirun, follow their metrics, and return how it ended."""
-    command = launcher.command(cfg.job.world_size, trainer_command(rundir))
+def simulated_nodes(cfg: RunConfig) -> tuple[str, ...]:
+    """The names of a local run's simulated nodes (a node left out keeps the others' names)."""
+    return tuple(f"node{i}" for i in range(cfg.job.nodes))
+
+
+def run_local(
+    cfg: RunConfig,
+    rundir: RunDir,
+    launcher: MpiLauncher,
+    *,
+    show_progress: bool = True,
+    nodes: tuple[str, ...] | None = None,
+) -> LaunchResult:
+    """Start the ranks of ``nodes`` simulated nodes (default: all of the job's) with mpirun, follow their
+    metrics, and return how it ended."""
+    nodes = simulated_nodes(cfg) if nodes is None else nodes
+    world_size = len(nodes) * cfg.job.ranks_per_node
+    command = launcher.command(world_size, trainer_command(rundir, cfg.job.launch_prefix))
     rundir.failure.unlink(missing_ok=True)  # from an earlier attempt of this run directory
     launch_id = new_launch_id()
     follower = MetricsFollower(rundir.metrics)
     progress = Progress(cfg.train.steps) if show_progress else None
     tail_lines: deque[str] = deque(maxlen=200)
+    env = trainer_environment(cfg, simulate_nodes=True, launch_id=launch_id)
+    env[NODE_LABELS_VAR] = ",".join(nodes)
     proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=trainer_environment(cfg, simulate_nodes=True, launch_id=launch_id),
-        text=True,
-        errors="replace",
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"
     )
+    watch = RankWatch(proc.pid, world_size)
     copier = threading.Thread(
         target=_copy_output, args=(proc, rundir.logs / "mpirun.log", command, tail_lines), daemon=True
     )
@@ -96,9 +113,11 @@ def run_local(cfg: RunConfig, rundir: RunDir, launcher: MpiLauncher, *, show_pro
         if progress:
             progress.close()
         copier.join(timeout=10)
+        watch.close()
         # Ranks killed during MPI start-up leave their shared-memory segments; the launch removes them.
         shm.sweep()
-    return LaunchResult(how_it_ended(rundir, launch_id, proc.returncode), list(tail_lines), launch_id)
+    ended = how_it_ended(rundir, launch_id, proc.returncode)
+    return LaunchResult(ended, list(tail_lines), launch_id, nodes, watch.first_ended)
 
 
 def _copy_output(proc: subprocess.Popen, path: Path, command: list[str], tail_lines: deque[str]) -> None:

@@ -19,7 +19,9 @@ from pathlib import Path
 from hpc.plots import render
 from hpc.runlog import RunLog, analyze
 from runconfig import RunDir
+from runconfig.badnodes import bad_node_events
 from runconfig.contract import EXIT_USER_ERROR
+from runconfig.stopsignal import newest_budget
 
 DEFINITIONS = """\
 - **Launch**: one start of the ranks (a `start` or `resume` event in history.jsonl). Its wall time runs from the
@@ -123,7 +125,15 @@ def facts(log: RunLog, cfg: dict) -> dict:
         "world_size": world,
         "topology": _topology(summary.get("topology")),
         "trainer_wall_s": summary.get("wall_time_s"),
+        "stop_lead": newest_budget(log.rundir, (cfg.get("job") or {}).get("signal_lead_s")),
     }
+
+
+def _world(event: dict) -> str:
+    """A launch's world size and, where it ran on named nodes, which (the world shrinks when nodes are left out)."""
+    world = event.get("world_size", "-")
+    nodes = event.get("nodes")
+    return f"{world} on {', '.join(nodes)}" if isinstance(nodes, list) and nodes else f"{world}"
 
 
 def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
@@ -158,6 +168,13 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
         f"| goodput | {goodput} |",
         f"| mean tokens/s (kept records) | {sum(rate) / len(rate):,.0f} |" if rate else "| mean tokens/s | - |",
     ]
+    lead = f.get("stop_lead")
+    if lead is not None:
+        how = "measured at a stop" if lead.measured else "estimated from a step and a checkpoint save"
+        lines.append(
+            f"| stop signal lead | {lead.lead_s:g} s for a stop of {lead.needed_s:.1f} s ({how}): "
+            f"{'ok' if lead.ok else '**too short**'} |"
+        )
     mfu = [s.get("mfu") for s in log.kept if s.get("mfu") is not None]
     if mfu:
         lines.append(f"| MFU, mean of kept records | {sum(mfu) / len(mfu):.3g} |")
@@ -165,6 +182,8 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
     if mem:
         lines.append(f"| peak memory (rank 0) | {max(mem):,.0f} MB |")
 
+    if lead is not None and not lead.ok:
+        lines += ["", f"**Warning:** {_cell(lead.describe())}."]
     lines += [
         "",
         "## Launches",
@@ -176,9 +195,14 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
     for x in log.launches:
         lines.append(
             f"| {x.index + 1} | {_cell(x.launch_id or '-')} | {_cell(x.slurm or '-')} | {x.kind} | "
-            f"{_cell(x.event.get('world_size', '-'))} | {x.start_step} → {x.last_step} | {duration(x.wall_s)} | "
+            f"{_cell(_world(x.event))} | {x.start_step} → {x.last_step} | {duration(x.wall_s)} | "
             f"{duration(x.step_time_s)} | {duration(x.startup_teardown_s)} | {x.discarded_steps} | {_cell(x.ended)} |"
         )
+    bad = bad_node_events(log.rundir)
+    if bad:
+        lines += ["", "## Bad nodes (left out of every later launch)", "", "| node | named by launch | evidence |"]
+        lines += ["|---|---|---|"]
+        lines += [f"| {_cell(e.get('node'))} | {_cell(e.get('launch'))} | {_cell(e.get('evidence'))} |" for e in bad]
     queued = []
     if len(log.launches) > 1:
         queued.append(f"queued between launches: {duration(acc.between_launches_s)}")
@@ -241,6 +265,8 @@ def summary_lines(log: RunLog, f: dict) -> list[str]:
     lost = ", ".join(f"{what.split(' (')[0]} {duration(s)}" for what, s in acc.rows()[1:] if abs(s) >= 0.05)
     goodput = f"{100 * acc.goodput:.1f}%" if acc.goodput is not None else "-"
     killed = sum(1 for x in log.launches[:-1] if x.end_event is None)
+    lead = f.get("stop_lead")
+    warning = [f"warning: {lead.describe()}"] if lead is not None and not lead.ok else []
     return [
         f"final loss {_fmt(f['final_loss'])}{eval_part} at step {steps}"
         + ("" if f["complete"] else " (in progress, or ended without a summary)"),
@@ -248,6 +274,7 @@ def summary_lines(log: RunLog, f: dict) -> list[str]:
         f"restarts {log.restarts} ({len(log.launches)} launch{'es' if len(log.launches) != 1 else ''}"
         + (f", {killed} killed without an end event" if killed else "")
         + f"); {log.stragglers.detections} straggler detection{'s' if log.stragglers.detections != 1 else ''}",
+        *warning,
     ]
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from runconfig import RunConfig, RunDir
+from runconfig.schema import SLURM_NAMES_RE
 
 SIGNAL_PREFIX = "SIG"
 
@@ -30,11 +31,17 @@ def setup_lines(cfg: RunConfig) -> list[str]:
     return lines
 
 
-def sbatch_parameters(cfg: RunConfig, *, dependency: str | None = None) -> dict:
-    """Keyword arguments of submitit's SlurmExecutor.update_parameters for this job."""
+def sbatch_parameters(cfg: RunConfig, *, dependency: str | None = None, exclude: tuple[str, ...] = ()) -> dict:
+    """Keyword arguments of submitit's SlurmExecutor.update_parameters for this job (``exclude``: the run's bad
+    nodes, runconfig/badnodes.py)."""
     job = cfg.job
     extra: dict[str, str | bool] = {"signal": f"{job.signal.removeprefix(SIGNAL_PREFIX)}@{job.signal_lead_s}"}
     extra["requeue"] = True  # allow requeue even where the cluster's JobRequeue default is 0
+    if exclude:
+        bad = [n for n in exclude if not SLURM_NAMES_RE.match(n)]
+        if bad:  # names come from Slurm itself; still, nothing unchecked reaches an #SBATCH line
+            raise ValueError(f"node names {bad} from the run's history are not valid Slurm node names")
+        extra["exclude"] = ",".join(exclude)
     extra.update(job.sbatch_extra)
     params = {
         "job_name": job.name,
@@ -61,14 +68,14 @@ def sbatch_parameters(cfg: RunConfig, *, dependency: str | None = None) -> dict:
     return params
 
 
-def make_executor(cfg: RunConfig, rundir: RunDir, *, dependency: str | None = None):
+def make_executor(cfg: RunConfig, rundir: RunDir, *, dependency: str | None = None, exclude: tuple[str, ...] = ()):
     import submitit  # imported here: `--dry-run` without Slurm needs no submitit import cost beyond this
 
     folder = slurm_folder(rundir)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=0)
-    executor.update_parameters(**sbatch_parameters(cfg, dependency=dependency))
+    executor.update_parameters(**sbatch_parameters(cfg, dependency=dependency, exclude=exclude))
     return executor
 
 
@@ -79,3 +86,23 @@ def sbatch_script(cfg: RunConfig, rundir: RunDir, *, python: str | None = None) 
     folder = slurm_folder(rundir) / "%j"
     command = f"{shlex.quote(python or sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
     return _make_sbatch_string(command=command, folder=folder, **sbatch_parameters(cfg))
+
+
+def sbatch_options(cfg: RunConfig, *, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The job section as sbatch command-line options, for the plain scripts:
+    ``sbatch $(python -m hpc sbatch-args CONFIG) sbatch/train.sbatch`` (they override the scripts' #SBATCH
+    defaults, so the signal and its lead, partition, time and GPUs come from the config)."""
+    params = sbatch_parameters(cfg, exclude=exclude)
+    names = {
+        "job_name": "job-name", "nodes": "nodes", "ntasks_per_node": "ntasks-per-node",
+        "cpus_per_task": "cpus-per-task", "gpus_per_node": "gpus-per-node", "mem": "mem", "partition": "partition",
+        "account": "account", "qos": "qos", "constraint": "constraint",
+    }  # fmt: skip
+    out = [f"--{flag}={params[key]}" for key, flag in names.items() if key in params]
+    minutes = params["time"]
+    out.append(f"--time={minutes // 1440}-{minutes % 1440 // 60:02d}:{minutes % 60:02d}:00")
+    if params.get("exclusive"):
+        out.append("--exclusive")
+    for key, value in params["additional_parameters"].items():
+        out.append(f"--{key.replace('_', '-')}" if value is True else f"--{key.replace('_', '-')}={value}")
+    return out

@@ -19,14 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-from hpc.driver import Driver
-from hpc.local import LaunchResult, run_local, trainer_command
+from hpc.driver import submit_link
+from hpc.local import LaunchResult, run_local, simulated_nodes, trainer_command
 from hpc.mpi import LauncherError, find_launcher
-from hpc.slurm import make_executor, sbatch_script
+from hpc.slurm import sbatch_script
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
 from runconfig import code as codesnap
+from runconfig.badnodes import bad_nodes
 from runconfig.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
-from runconfig.decide import Situation, decide, record_restart, restarts_so_far
+from runconfig.decide import Situation, decide, record_decision, restarts_so_far
 from runconfig.schema import BUILTIN_RECIPE
 
 
@@ -179,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             if use_slurm:
                 print(sbatch_script(cfg, RunDir(run_path)), end="")
             else:
-                command = find_launcher().command(cfg.job.world_size, trainer_command(RunDir(run_path)))
+                command = find_launcher().command(
+                    cfg.job.world_size, trainer_command(RunDir(run_path), cfg.job.launch_prefix)
+                )
                 print(f"# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
             return 0
         launcher = None if use_slurm else find_launcher()
@@ -213,14 +216,32 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
+        allocation = simulated_nodes(cfg)
+        nodes = tuple(n for n in allocation if n not in bad_nodes(rundir))
+        if len(nodes) < cfg.job.min_nodes_or_all:
+            print(
+                f"error: run {rundir.root} named simulated node(s) {', '.join(bad_nodes(rundir))} bad; "
+                f"{len(nodes)} left, job.min_nodes={cfg.job.min_nodes_or_all}",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
         while True:
-            result = run_local(cfg, rundir, launcher)
-            decision = decide(rundir, cfg.job, result.ended, Situation(slurm=False))
+            result = run_local(cfg, rundir, launcher, nodes=nodes)
+            situation = Situation(
+                slurm=False,
+                nodes=allocation,
+                launch_nodes=result.nodes,
+                ranks_per_node=cfg.job.ranks_per_node,
+                first_ended=result.first_ended,
+            )
+            decision = decide(rundir, cfg.job, result.ended, situation)
+            record_decision(rundir, decision, failed_launch=result.launch_id, status=result.ended.status)
             if decision.action != "restart":
                 break
-            # Not the input's fault (a rank killed or crashed, a hang): the ranks restart from the newest checkpoint.
-            record_restart(rundir, decision, failed_launch=result.launch_id, status=result.ended.status)
+            # Not the input's fault (a rank killed or crashed, a hang): the ranks restart from the newest checkpoint,
+            # without the nodes the failure pointed at.
             print(decision.message, flush=True)
+            nodes = decision.use_nodes
             time.sleep(decision.delay_s)
     except KeyboardInterrupt:
         print(f"\ninterrupted; run directory {rundir.root}", file=sys.stderr)
@@ -236,14 +257,17 @@ def submit_slurm(cfg, rundir: RunDir, *, chain: int) -> int:
     os.umask(0o077)  # submitit's job folders, pickles and logs: private like the run directory
     try:
         job_ids = []
+        exclude = tuple(bad_nodes(rundir))  # a resumed run never lands on a node it named bad
         for position in range(chain):
-            dependency = f"afterany:{job_ids[-1]}" if job_ids else None
-            executor = make_executor(cfg, rundir, dependency=dependency)
-            job = executor.submit(Driver(str(rundir.root), last_in_chain=position == chain - 1))
-            job_ids.append(job.job_id)
-            shutil.copyfile(job.paths.submission_file, rundir.root / f"job_{job.job_id}.sbatch")
-            with open(rundir.jobs, "a") as f:
-                f.write(json.dumps({"job_id": job.job_id, "chain": [position, chain], "time": time.time()}) + "\n")
+            job_id = submit_link(
+                cfg,
+                rundir,
+                last_in_chain=position == chain - 1,
+                dependency=f"afterany:{job_ids[-1]}" if job_ids else None,
+                exclude=exclude,
+                chain=(position, chain),
+            )
+            job_ids.append(job_id)
     except Exception as exc:  # sbatch refusals come back as submitit/subprocess errors: one clear line
         print(f"error: submitting to Slurm failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
         return EXIT_USER_ERROR

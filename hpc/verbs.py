@@ -9,6 +9,9 @@
     python -m hpc logs    RUN_DIR [--rank N | --all] [--follow]
     python -m hpc sweep   CONFIG GRID.yaml [--run-dir DIR] [--set K=V]   a grid as one job array (hpc/sweep.py)
     python -m hpc report  RUN_DIR [--out DIR]  PNG plots and report.md with goodput and restarts (hpc/report.py)
+    python -m hpc selftest CONFIG [--set K=V] [--timeout S] [--json]
+                                             a short job of the config's shape: does its stop signal reach every
+                                             rank, and does job.signal_lead_s cover a stop? (hpc/selftest.py)
 
 All of them work without Slurm accounting (slurmdbd); job states come from scontrol while the controller
 remembers the jobs (MinJobAge after they end), then from sacct when accounting is there; else they are UNKNOWN,
@@ -26,9 +29,11 @@ from pathlib import Path
 
 from hpc.jobs import job_ids, query, run
 from runconfig import ConfigError, RunDir, load_config
+from runconfig.badnodes import bad_node_events
 from runconfig.checkpoints import latest_committed
 from runconfig.contract import EVENT_CODE, EVENT_RESUME, EXIT_USER_ERROR
 from runconfig.rundir import read_jsonl
+from runconfig.stopsignal import newest_budget
 
 
 class VerbError(Exception):
@@ -58,6 +63,7 @@ def status(rundir: RunDir) -> dict:
     active = [j for j in jobs if not j.finished]
     state = "completed" if done else ("paused" if rundir.pause_marker.exists() else "")
     failure = _failure(rundir, history)
+    budget = newest_budget(rundir, cfg.job.signal_lead_s)  # a stop's cost, measured or estimated, vs the lead
     if not state:
         if active:
             state = active[0].state.lower()
@@ -79,6 +85,8 @@ def status(rundir: RunDir) -> dict:
         "loss": (last or {}).get("loss"),
         "checkpoint": {"step": ckpt["step"], "loss": ckpt.get("loss")} if ckpt else None,
         "failure": failure,
+        "bad_nodes": [{k: e.get(k) for k in ("node", "evidence", "launch")} for e in bad_node_events(rundir)],
+        "stop_lead": {**budget.fields(), "message": budget.describe()} if budget else None,
     }
 
 
@@ -105,6 +113,15 @@ def print_status(info: dict) -> None:
     print(f"  restarts: {info['restarts']}")
     if info.get("failure"):
         print(f"  failure: {info['failure']}")
+    for bad in info.get("bad_nodes") or []:
+        print(f"  bad node (left out of later launches): {bad['node']}: {bad['evidence']}")
+    lead = info.get("stop_lead")
+    if lead:
+        how = "measured" if lead["measured"] else "estimated"
+        verdict = "ok" if lead["ok"] else "too short"
+        print(f"  stop signal lead: {lead['lead_s']:g} s for a stop of {lead['needed_s']:.1f} s ({how}): {verdict}")
+        if not lead["ok"]:
+            print(f"  warning: {lead['message']}")
     for j in info["jobs"]:
         reason = f" ({j['reason']})" if j["reason"] and j["reason"] != "None" else ""
         if j["source"] == "scontrol":
@@ -213,6 +230,11 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["selftest"]:  # its own options (hpc/selftest.py)
+        from hpc.selftest import main as selftest_main
+
+        return selftest_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m hpc", description="lifecycle of a run directory")
     sub = p.add_subparsers(dest="verb", required=True)
     for verb in ("status", "cancel", "pause", "release", "resume", "logs"):
@@ -240,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("report", description="PNG plots and report.md with goodput, restarts and stragglers")
     sp.add_argument("run_dir")
     sp.add_argument("--out", help="output folder (default RUN_DIR/report/)")
+    sub.add_parser("selftest", help="does the stop signal reach every rank? (python -m hpc selftest --help)")
     args = p.parse_args(argv)
     try:
         if args.verb == "sweep":

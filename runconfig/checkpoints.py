@@ -23,6 +23,7 @@ from pathlib import Path
 
 from runconfig.contract import write_json_atomic
 from runconfig.digest import sha256_file
+from runconfig.ioretry import is_transient
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -65,13 +66,20 @@ def generations(root: Path) -> list[tuple[int, Path]]:
 
 
 def validate(path: Path, *, verify_hashes: bool = True) -> dict:
-    """Return the manifest of a valid generation, or raise CheckpointInvalid naming what is wrong."""
+    """Return the manifest of a valid generation, or raise CheckpointInvalid naming what is wrong.
+
+    A transient read error (EIO, ESTALE, ...: runconfig/ioretry.py) says nothing about the generation: it
+    propagates as the OSError it is, for the caller to retry, and never makes a good generation look corrupt.
+    """
     mpath = path / MANIFEST
     try:
         manifest = json.loads(mpath.read_text())
     except FileNotFoundError:
         raise CheckpointInvalid(f"{mpath} is missing: the checkpoint was never committed") from None
     except (OSError, ValueError) as exc:
+        if is_transient(exc):
+            exc.filename = exc.filename or str(mpath)  # a failed read() names no file
+            raise
         raise CheckpointInvalid(f"{mpath} cannot be read as JSON ({exc})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CheckpointInvalid(f"{mpath} has no file list")
@@ -85,9 +93,17 @@ def validate(path: Path, *, verify_hashes: bool = True) -> dict:
             raise CheckpointInvalid(f"{fpath} listed in the manifest is missing") from None
         if size != meta["size"]:
             raise CheckpointInvalid(f"{fpath} has {size} bytes, the manifest says {meta['size']} (truncated?)")
-        if verify_hashes and sha256_file(fpath) != meta["sha256"]:
+        if verify_hashes and _sha256_named(fpath) != meta["sha256"]:
             raise CheckpointInvalid(f"{fpath} does not match its SHA-256 in the manifest (corrupt)")
     return manifest
+
+
+def _sha256_named(path: Path) -> str:
+    try:
+        return sha256_file(path)
+    except OSError as exc:
+        exc.filename = exc.filename or str(path)  # a failed read() names no file
+        raise
 
 
 def newest_valid(root: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
@@ -117,7 +133,7 @@ def latest_committed(root: Path) -> dict | None:
     for _, path in reversed(generations(root)):
         try:
             return validate(path, verify_hashes=False)
-        except CheckpointInvalid:
+        except (CheckpointInvalid, OSError):
             continue
     return None
 
@@ -142,16 +158,30 @@ def commit(tmp: Path, final: Path, manifest: dict) -> None:
     """Write the manifest into ``tmp`` (fsynced), rename ``tmp`` to ``final``, make it durable, move ``latest``.
 
     A generation already at ``final`` (an invalid one that was skipped on resume) is set aside, not deleted.
+    Re-entrant, for a retry after a transient error: when ``tmp`` is gone and ``final`` holds this very manifest,
+    the rename happened already and only the steps after it are done again.
     """
     manifest = dict(manifest)
     manifest["manifest_sha256"] = manifest_digest(manifest)
-    write_json_atomic(tmp / MANIFEST, manifest)
-    fsync_path(tmp)
-    if final.exists():
-        final.rename(final.with_name(f"{final.name}.invalid-{os.getpid()}"))
-    tmp.rename(final)
+    if tmp.exists() or _manifest_sha256(final) != manifest["manifest_sha256"]:
+        write_json_atomic(tmp / MANIFEST, manifest)
+        fsync_path(tmp)
+        if final.exists():
+            final.rename(final.with_name(f"{final.name}.invalid-{os.getpid()}"))
+        tmp.rename(final)
     fsync_path(final.parent)
     write_latest(final.parent, final.name)
+
+
+def _manifest_sha256(path: Path) -> str | None:
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("manifest_sha256")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as exc:
+        if is_transient(exc):
+            raise
+        return None
 
 
 def prune(root: Path, *, keep_last: int, keep_every: int, verified: set[str] | None = None) -> list[Path]:
@@ -177,7 +207,11 @@ def prune(root: Path, *, keep_last: int, keep_every: int, verified: set[str] | N
     for step, path in valid[keep_last:]:
         if keep_every and step % keep_every == 0:
             continue
-        shutil.rmtree(path)
+        # Renamed first: a delete that fails half-way (and is retried, or crashes) leaves a temporary folder, which
+        # the next start removes, not a half-deleted generation that looks damaged and is kept.
+        doomed = path.with_name(f"{TMP_PREFIX}pruned-{path.name}")
+        path.rename(doomed)
+        shutil.rmtree(doomed)
         verified.discard(path.name)
         removed.append(path)
     return sorted(removed)

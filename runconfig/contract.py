@@ -18,6 +18,7 @@ EXIT_FAILED = 1  # the launch failed (a bug, a rank gone): restarted in the job 
 EXIT_USER_ERROR = 2  # bad input: one message naming the file, key or rank; nothing lost
 EXIT_HANG = 3  # the hang watchdog ended the job (ranks named in failure.json)
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal at a step boundary, checkpoint committed, resumable
+EXIT_LEAD_SHORT = 4  # `python -m hpc selftest`: every rank got the signal, but job.signal_lead_s is too short
 
 # -- history.jsonl events (one JSON object per line, each with "event", "time" and the "launch" that wrote it) ----
 EVENT_START = "start"  # a launch began training from step 0
@@ -40,6 +41,7 @@ FAILURE_PREFLIGHT = "preflight"  # the gang preflight before step 0 found a node
 LAUNCH_VAR = "HPC_LAUNCH_ID"  # this start of the ranks, written into every history event
 SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"  # lay one host's ranks out as simulated nodes of this many ranks
 DATA_CACHE_VAR = "HPC_DATA_CACHE"  # datasets prepared on first use (default ~/.cache/hpc-trainer/data)
+NODE_LABELS_VAR = "HPC_NODE_LABELS"  # simulated nodes' names, comma-separated in node order (local launcher)
 INJECT_VAR = "HPC_INJECT"  # faults injected on purpose by tests (trainer/observe/inject.py)
 
 # -- step-time parts: metrics.jsonl has time_<part>_s for each ----------------------------------------------------

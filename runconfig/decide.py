@@ -13,7 +13,15 @@ runconfig.decide``, from ``sbatch/common.sh``) all act on the same ``Decision``:
   (a rank killed or crashed, a collective that failed, a hang the watchdog ended, a start that died in MPI_Init)
   restarts the ranks in the same allocation from the newest valid checkpoint, after a back-off that doubles with
   each restart of the run, up to ``job.max_failures`` restarts per run. Each restart is recorded in history.jsonl
-  with its cause (``record_restart``).
+  with its cause (``record_decision``).
+- bad nodes: the nodes a failure points at (failure.json's suspects: the rank that went away or hung first, a
+  node the preflight found unfit; else the launcher's own evidence, the rank whose process ended first) are named
+  bad (``bad_node`` history events with the evidence, runconfig/badnodes.py) and no later launch of the run uses
+  them. The restart continues in the allocation on the nodes left when they are at least ``job.min_nodes`` (the
+  world shrinks; the global batch and the sample order stay, through gradient accumulation). Otherwise a Slurm job
+  ends and the run continues in a new job submitted with ``--exclude`` (``resubmit``: a running job's node
+  exclusions cannot be changed, and a plain requeue could land on the same node); locally the run ends. A stop
+  that would requeue is also resubmitted once the run has bad nodes, for the same reason.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from runconfig.badnodes import bad_nodes, record_bad_node, suspects_of
 from runconfig.contract import (
     EVENT_RESTART,
     EXIT_DONE,
@@ -39,7 +48,7 @@ from runconfig.outcome import Ended, how_it_ended
 from runconfig.rundir import RunDir, read_jsonl
 from runconfig.schema import JobConfig
 
-Action = Literal["done", "restart", "requeue", "requeuehold", "end"]
+Action = Literal["done", "restart", "requeue", "requeuehold", "resubmit", "end"]
 MAX_BACKOFF_S = 300.0
 
 
@@ -51,6 +60,10 @@ class Situation:
     requeues: int = 0  # SLURM_RESTART_COUNT: how often this job was requeued already
     last_in_chain: bool = True  # false for the earlier jobs of a chain (the next job continues)
     max_requeues: int | None = None  # overrides job.max_restarts (HPC_MAX_RESTARTS of the sbatch scripts)
+    nodes: tuple[str, ...] = ()  # the nodes the launcher may use (the allocation's; locally the simulated ones)
+    launch_nodes: tuple[str, ...] = ()  # the nodes the launch that ended ran on, in node order
+    first_ended: int | None = None  # the rank whose process the launcher saw end first (its own evidence)
+    ranks_per_node: int = 1  # of the launch that ended (maps first_ended to its node)
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,9 @@ class Decision:
     delay_s: float = 0.0  # before a restart
     cause: str = ""  # why the launch failed
     attempt: int = 0  # which in-job restart of the run this is (1, 2, ...)
+    new_bad: tuple[tuple[str, str], ...] = ()  # (node, evidence) named bad by this decision
+    use_nodes: tuple[str, ...] = ()  # restart: the nodes of the next launch; resubmit: []
+    exclude: tuple[str, ...] = ()  # every bad node of the run (resubmit: the new job's --exclude)
 
 
 def restarts_so_far(rundir: RunDir) -> int:
@@ -88,29 +104,81 @@ def failure_cause(ended: Ended, failure: dict) -> tuple[str, bool]:
     return f"the ranks failed with exit status {status}, no diagnosis recorded", user
 
 
+def named_nodes(failure: dict, situation: Situation) -> list[tuple[str, str]]:
+    """(node, evidence) the failure points at: failure.json's suspects, else the rank that ended first."""
+    out = {}
+    for suspect in suspects_of(failure):
+        why = str(suspect.get("why") or failure.get("message") or "named by the trainer's diagnosis")
+        out.setdefault(suspect["node"], f"rank {suspect.get('rank')}: {why}")
+    rank = situation.first_ended
+    if not out and rank is not None and situation.launch_nodes:
+        per_node = max(1, situation.ranks_per_node)
+        index = rank // per_node
+        if 0 <= index < len(situation.launch_nodes):
+            node = situation.launch_nodes[index]
+            out[node] = f"rank {rank}'s process ended first (the others were ended after it)"
+    return list(out.items())
+
+
+def _excluding(job: JobConfig, situation: Situation) -> bool:
+    """Whether a failure's node is left out. Locally the simulated nodes share one host: only when job.min_nodes
+    lets the run go on without one (elastic runs are tried out locally this way)."""
+    return job.exclude_bad_nodes and (situation.slurm or job.min_nodes_or_all < job.nodes)
+
+
 def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -> Decision:
     if ended.how == "done":
         return Decision("done", EXIT_DONE, f"done: run {rundir.root} complete")
     if ended.how == "stopped":
         return _after_stop(rundir, job, ended, situation)
-    cause, user = failure_cause(ended, rundir.failure_record())
+    failure = rundir.failure_record()
+    cause, user = failure_cause(ended, failure)
     if user:
         return Decision("end", EXIT_USER_ERROR, f"error: {cause}", error=True, cause=cause)
     done_before = restarts_so_far(rundir)
+    known_bad = bad_nodes(rundir)
+    new_bad = tuple(
+        (node, evidence)
+        for node, evidence in (named_nodes(failure, situation) if _excluding(job, situation) else [])
+        if node not in known_bad
+    )
+    exclude = tuple(dict.fromkeys([*known_bad, *(node for node, _ in new_bad)]))
+    named = f"; node(s) {', '.join(n for n, _ in new_bad)} left out from now on" if new_bad else ""
     if done_before >= job.max_failures:
         limit = "restarts are off" if job.max_failures == 0 else f"{done_before} in-job restarts already"
         message = (
             f"error: the ranks failed with exit status {ended.status}; not requeued, not restarted ({limit}: "
-            f"job.max_failures={job.max_failures}). Cause: {cause}. Logs in {rundir.logs}; continue with: "
+            f"job.max_failures={job.max_failures}). Cause: {cause}{named}. Logs in {rundir.logs}; continue with: "
             f"python -m hpc resume {rundir.root}"
         )
-        return Decision("end", EXIT_FAILED, message, error=True, cause=cause)
+        return Decision("end", EXIT_FAILED, message, error=True, cause=cause, new_bad=new_bad, exclude=exclude)
     delay = min(MAX_BACKOFF_S, job.restart_backoff_s * 2**done_before)
+    usable = tuple(n for n in situation.nodes if n not in exclude)[: job.nodes]
+    attempt = done_before + 1
+    common = dict(cause=cause, attempt=attempt, new_bad=new_bad, exclude=exclude)
+    if not situation.nodes or len(usable) >= job.min_nodes_or_all:
+        shrink = (
+            f" on {len(usable)} of {job.nodes} nodes ({', '.join(usable)})"
+            if situation.nodes and len(usable) < job.nodes
+            else ""
+        )
+        message = (
+            f"the launch failed ({cause}){named}; restart {attempt} of at most {job.max_failures} in {delay:g} s "
+            f"from the newest valid checkpoint{shrink}"
+        )
+        return Decision("restart", EXIT_FAILED, message, delay_s=delay, use_nodes=usable, **common)
+    left = f"{len(usable)} usable node(s) left, job.min_nodes={job.min_nodes_or_all}"
+    if situation.slurm:
+        message = (
+            f"the launch failed ({cause}){named}; {left}: the run continues in a new job that excludes "
+            f"{', '.join(exclude)} (restart {attempt} of at most {job.max_failures})"
+        )
+        return Decision("resubmit", EXIT_FAILED, message, **common)
     message = (
-        f"the launch failed ({cause}); restart {done_before + 1} of at most {job.max_failures} in {delay:g} s from "
-        "the newest valid checkpoint"
+        f"error: the ranks failed with exit status {ended.status} ({cause}){named}; {left}, so the run cannot "
+        f"continue here. Continue with: python -m hpc resume {rundir.root}"
     )
-    return Decision("restart", EXIT_FAILED, message, delay_s=delay, cause=cause, attempt=done_before + 1)
+    return Decision("end", EXIT_FAILED, message, error=True, cause=cause, new_bad=new_bad, exclude=exclude)
 
 
 def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -> Decision:
@@ -140,25 +208,41 @@ def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situati
             f"requeued. Continue with: python -m hpc resume {rundir.root}",
             error=True,
         )
+    exclude = tuple(bad_nodes(rundir))
+    if exclude:  # a requeued job keeps its node exclusions: a new job is submitted with them instead
+        return Decision(
+            "resubmit",
+            EXIT_STOPPED,
+            f"checkpoint committed; the run continues in a new job that excludes its bad node(s) {', '.join(exclude)}",
+            exclude=exclude,
+        )
     return Decision("requeue", EXIT_STOPPED, "checkpoint committed")
 
 
-def record_restart(rundir: RunDir, decision: Decision, *, failed_launch: str, status: int) -> None:
-    """The history event of an in-job restart (written by the launcher, before it waits and restarts)."""
-    append_event(
-        rundir.history,
-        EVENT_RESTART,
-        attempt=decision.attempt,
-        cause=decision.cause,
-        status=status,
-        delay_s=decision.delay_s,
-        launch=failed_launch,
-    )
+def record_decision(rundir: RunDir, decision: Decision, *, failed_launch: str, status: int) -> None:
+    """What a decision names, in history.jsonl (written by the launcher before it acts): each new bad node with
+    its evidence, and for a restart (in the job or in a resubmitted one) the restart event with its cause."""
+    for node, evidence in decision.new_bad:
+        record_bad_node(rundir, node, reason=decision.cause, evidence=evidence, launch=failed_launch)
+    if decision.action in ("restart", "resubmit") and decision.attempt:
+        append_event(
+            rundir.history,
+            EVENT_RESTART,
+            attempt=decision.attempt,
+            cause=decision.cause,
+            status=status,
+            delay_s=decision.delay_s,
+            launch=failed_launch,
+            how="in-job" if decision.action == "restart" else "new job",
+            nodes=list(decision.use_nodes),
+            excluded=list(decision.exclude),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """For sbatch/common.sh: decide after a launch, record a restart, and print two lines: ``ACTION STATUS
-    DELAY_S`` and the message."""
+    """For sbatch/common.sh: decide after a launch, record what the decision names, and print four lines:
+    ``ACTION STATUS DELAY_S``, the message, the nodes of the next launch and the run's bad nodes (comma-separated,
+    "-" for none)."""
     from runconfig.load import load_config
 
     parser = argparse.ArgumentParser(prog="python -m runconfig.decide", description=__doc__.splitlines()[0])
@@ -168,17 +252,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requeues", type=int, default=0, help="SLURM_RESTART_COUNT")
     parser.add_argument("--max-requeues", type=int, default=None, help="overrides job.max_restarts")
     parser.add_argument("--local", action="store_true", help="not in a Slurm job: nothing can be requeued")
+    parser.add_argument("--nodes", default="", help="the allocation's nodes, comma-separated")
+    parser.add_argument("--launch-nodes", default="", help="the nodes the launch ran on, in node order")
+    parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument("--first-ended", type=int, default=None, help="the rank whose task ended first")
     args = parser.parse_args(argv)
     rundir = RunDir(args.run_dir)
     cfg = load_config(str(rundir.config))
     ended = how_it_ended(rundir, args.launch_id, args.status)
-    situation = Situation(slurm=not args.local, requeues=args.requeues, max_requeues=args.max_requeues)
+    situation = Situation(
+        slurm=not args.local,
+        requeues=args.requeues,
+        max_requeues=args.max_requeues,
+        nodes=split_nodes(args.nodes),
+        launch_nodes=split_nodes(args.launch_nodes),
+        ranks_per_node=args.ranks_per_node,
+        first_ended=args.first_ended,
+    )
     decision = decide(rundir, cfg.job, ended, situation)
-    if decision.action == "restart":
-        record_restart(rundir, decision, failed_launch=args.launch_id, status=args.status)
+    record_decision(rundir, decision, failed_launch=args.launch_id, status=args.status)
     print(decision.action, decision.status, f"{decision.delay_s:g}")
     print(decision.message)
+    print(",".join(decision.use_nodes) or "-")
+    print(",".join(decision.exclude) or "-")
     return 0
+
+
+def split_nodes(text: str) -> tuple[str, ...]:
+    return tuple(n for n in (part.strip() for part in text.split(",")) if n and n != "-")
 
 
 if __name__ == "__main__":

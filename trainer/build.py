@@ -135,6 +135,7 @@ def build_parts(
         comm=comm,
         architecture=dict(recipe.architecture),
         code_sha256=code_sha256,
+        injector=mon.injector,
     )
     stack.callback(checkpoints.close)
     metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)

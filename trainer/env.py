@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from runconfig.contract import DATA_CACHE_VAR, INJECT_VAR, LAUNCH_VAR, SIMULATE_VAR
+from runconfig.contract import DATA_CACHE_VAR, INJECT_VAR, LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR
 from trainer.errors import UserError
 from trainer.observe import inject
 from trainer.observe.inject import Fault
@@ -65,7 +65,6 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
     rank, size = comm.Get_rank(), comm.Get_size()
     hostname = socket.gethostname()
     hosts = tuple(comm.allgather(hostname))
-    node_names = tuple(comm.allgather(environ.get("SLURMD_NODENAME") or hostname))
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     host_local_rank, host_local_size = local.Get_rank(), local.Get_size()
     leader = local.bcast(rank, root=0)  # world rank of the first rank on this host
@@ -95,6 +94,13 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         dense = {lead: i for i, lead in enumerate(dict.fromkeys(leaders))}
         topology = Topology.from_node_ids([dense[lead] for lead in leaders])
 
+    if simulate:  # the local launcher names its simulated nodes (they keep their names when the world shrinks)
+        labels = [x for x in environ.get(NODE_LABELS_VAR, "").split(",") if x]
+        node_names = tuple(
+            labels[n] if n < len(labels) else f"node{n}" for n in (topology.node_of(r) for r in range(size))
+        )
+    else:
+        node_names = tuple(comm.allgather(environ.get("SLURMD_NODENAME") or hostname))
     restart = environ.get("SLURM_RESTART_COUNT")
     return RuntimeEnv(
         rank=rank,

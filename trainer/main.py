@@ -1,8 +1,8 @@
 """Trainer entry point, started once per rank (by mpirun or srun): ``python -m trainer --run-dir DIR``.
 
-Bootstrap order: config -> MPI environment -> data -> process groups -> model -> loop -> summary. User errors
-stop every rank with one message (written to ``failure.json`` for the launcher) and exit status 2; the process
-group is destroyed and files are closed on every path.
+Bootstrap order: config -> MPI environment -> data -> process groups -> model -> preflight -> loop -> summary.
+User errors stop every rank with one message (written to ``failure.json`` for the launcher) and exit status 2; the
+process group is destroyed and files are closed on every path.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     """Train to the configured step count; return the exit status (0 done, EXIT_STOPPED stopped by a signal).
 
     Bootstrap: config and code snapshot -> MPI environment -> process groups -> the parts (recipe, data, model,
-    monitors, checkpointer: ``trainer.build``) -> restore -> loop -> summary. Everything built is closed on every
-    path (an ExitStack)."""
+    monitors, checkpointer: ``trainer.build``) -> restore -> gang preflight -> loop -> summary. Everything built is
+    closed on every path (an ExitStack)."""
     # Imported here so that `--help` and config errors do not pay for importing torch.
     import torch
 
@@ -88,8 +88,10 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     from trainer.checkpoint.fingerprint import params_sha256
     from trainer.env import agree, from_mpi
     from trainer.loop.stop import StopFlag
+    from trainer.loop.stopreport import LeadCheck, record_signal_path, stopped_fields
     from trainer.loop.train import train
     from trainer.observe.metrics import truncate_metrics
+    from trainer.observe.preflight import run_preflight
     from trainer.parallel.distributed import init_distributed, pick_device
 
     # Where a launch's start-up goes (rank 0's clock; "imports" is the slowest rank's), in the start/resume event.
@@ -125,6 +127,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         torch.get_num_threads(),
         os.getpid(),
     )
+    record_signal_path(rundir, env, cfg.checkpoint.stop_signals, EARLY_SIGNALS)  # for `python -m hpc selftest`
     if env.host_local_rank == 0:  # what ranks of an earlier, killed launch left on this host
         removed = shm.sweep()
         if removed:
@@ -140,6 +143,9 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         marks["build"] = time.time()
         resumed = restore_or_start(p)
         marks["restore"] = time.time()
+        if not run_preflight(p, comm, rundir):  # a node named, monitor.preflight: exclude (in failure.json)
+            return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows
+        marks["preflight"] = time.time()
         state = p.state
         if env.rank == 0:
             # Steps after the checkpoint are recomputed: their records move to metrics.discarded.jsonl.
@@ -149,6 +155,8 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
                 EVENT_RESUME if resumed else EVENT_START,
                 step=state.step,
                 world_size=env.world_size,
+                nodes=[env.node_names[env.topology.node_ranks(n)[0]] for n in range(env.topology.num_nodes)],
+                grad_accum=cfg.grad_accum(env.world_size),
                 slurm_job_id=env.slurm_job_id,
                 slurm_restart_count=env.slurm_restart_count,
                 launch=env.launch_id,
@@ -167,19 +175,20 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             len(p.recipe.eval_data) if p.recipe.eval_data is not None else "none",
         )
         try:
-            stopped = train(p)
+            stopped = train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env))
         except RuntimeError as exc:  # a collective failed (a peer's connection closed): name who went away
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            diagnosis = p.mon.watchdog.diagnose(exc)
+            diagnosis, suspects = p.mon.watchdog.diagnose(exc)
             message = f"rank {env.rank}: a collective failed at step {state.step + 1}{diagnosis}. The error: {first}"
             log.error("%s", message)
-            _report_failure(rundir, env.rank, message, FAILURE_CRASH)
+            _report_failure(rundir, env.rank, message, FAILURE_CRASH, suspects)
             raise
         p.mon.watchdog.close()
         p.checkpoints.close()  # a background save is committed before anything else happens
-        if stopped:
+        if stopped is not None:
+            fields = stopped_fields(comm, env, stop, stopped, cfg.job.signal_lead_s)  # collective
             if env.rank == 0:
-                append_event(rundir.history, EVENT_STOPPED, step=state.step, signal=stop.signum, launch=env.launch_id)
+                append_event(rundir.history, EVENT_STOPPED, step=state.step, launch=env.launch_id, **fields)
             return EXIT_STOPPED
         summary = {
             "final_step": state.step,
@@ -230,6 +239,18 @@ def main(argv: list[str] | None = None) -> int:
             # a collective waiting for it. End every rank now with the user-error status, the report written.
             _abort_job(comm, EXIT_USER_ERROR)
         return EXIT_USER_ERROR
+    except OSError as exc:
+        # Storage that kept failing past its retries (runconfig/ioretry.py): a crash, restarted in the job. One that
+        # every rank raised (a checkpoint's GaveUp) is reported by rank 0 and ends every rank without an abort.
+        collective = getattr(exc, "collective", False)
+        if rank == 0 or not collective:
+            traceback.print_exc()
+            text = str(exc) if collective else f"rank {rank}: {str(exc).splitlines()[0][:300]}"
+            notes = "; ".join(getattr(exc, "__notes__", []))
+            _report_failure(rundir, rank, f"{text} ({notes})" if notes else text, FAILURE_CRASH)
+        if not collective:
+            _abort_job(comm, EXIT_FAILED)
+        return EXIT_FAILED
     except Exception:
         # Anything else (a collective failed because a peer went away, a bug): the other ranks may be blocked
         # in a collective, or in MPI_Finalize's barrier waiting for a rank that is gone. Abort the whole MPI job
@@ -269,8 +290,8 @@ def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float
     return out
 
 
-def _report_failure(rundir: RunDir, rank: int, message: str, kind: str) -> None:
+def _report_failure(rundir: RunDir, rank: int, message: str, kind: str, suspects: list[dict] | None = None) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     if rundir.root.is_dir():
         with contextlib.suppress(OSError):
-            rundir.write_failure(rank, message, kind)
+            rundir.write_failure(rank, message, kind, suspects)

@@ -129,6 +129,18 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     stopped = history(run_dir)[-1]
     assert stopped["event"] == "stopped"
     assert read_latest(run_dir / "checkpoints") == f"step_{stopped['step']:08d}"  # committed at the stop step
+    # Who received the signal (rank 3 itself, the others from the boundary's agreement) and what the stop cost.
+    assert stopped["signal"] == signal.SIGUSR2 and stopped["received"] == {"SIGUSR2": [3]}
+    assert stopped["learned"] == [0, 1, 2] and stopped["lead_s"] == 120
+    assert stopped["stop_s"] >= 0 and stopped["save_s"] > 0
+    assert stopped["stop_s"] + stopped["save_s"] <= stopped["signal_to_commit_s"] + 0.002
+    # Without a signal: rank 0's estimate from a step and a checkpoint save (every 4 steps), and each rank's record
+    # of its signal path.
+    budget = json.loads((run_dir / "stop_budget.json").read_text())
+    assert budget["ok"] and not budget["measured"] and budget["step_s"] > 0 and budget["save_s"] > 0
+    assert budget["needed_s"] == pytest.approx(budget["step_s"] + budget["save_s"], abs=0.002)
+    record = json.loads((run_dir / "logs" / "signal_rank_00003.json").read_text())
+    assert record["rank"] == 3 and record["blocked"] == [] and "trainer" in record["chain"][0]["cmdline"]
 
     proc = start(run_dir, [], resume=True)
     wait_for_step(run_dir, stopped["step"] + 5, proc)
@@ -139,7 +151,9 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
 
     done = run(run_dir, resume="plain")  # `python -m hpc.submit RUN_DIR` resumes as --resume does
     assert done.returncode == 0, done.stdout + done.stderr
-    events = history(run_dir)
+    events = [e for e in history(run_dir) if e["event"] != "preflight"]  # each launch's figures, before step 0
+    stops = [e for e in events if e["event"] == "stopped"]  # the second: every rank got SIGTERM itself
+    assert stops[1]["received"] == {"SIGTERM": [0, 1, 2, 3]} and stops[1]["learned"] == []
     assert [e["event"] for e in events] == ["start", "stopped", "resume", "stopped", "resume", "done"]
     launches = [e["launch"] for e in events]  # each launch tags its events, so its launcher can read its outcome
     assert launches[0] == launches[1] != launches[2] == launches[3] != launches[4] == launches[5]

@@ -18,6 +18,8 @@ PORTS = {
     "HPC_SLURM_CTLD_PORT": os.environ.get("HPC_TEST_SLURM_CTLD_PORT", "16917"),
     "HPC_SLURM_NODE_PORT": os.environ.get("HPC_TEST_SLURM_NODE_PORT", "17101"),
 }
+# Three nodes: a 2-node job whose node was named bad continues in a new job on the other two (test_badnodes.py).
+NODES = {"HPC_SLURM_NODES": "3"}
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +28,7 @@ def slurm():
     # own tmp folders are private to root).
     state = Path(tempfile.mkdtemp(prefix="hpc-slurm-test-", dir="/tmp"))
     state.chmod(0o755)
-    env = {**os.environ, **PORTS}
+    env = {**os.environ, **PORTS, **NODES}
     subprocess.run(["bash", "envs/slurm/cluster.sh", "install"], check=True, cwd=ROOT, env=env,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     subprocess.run(["bash", "envs/slurm/cluster.sh", "start", str(state)], check=True, cwd=ROOT, env=env)

@@ -31,7 +31,7 @@ def test_two_nodes_two_ranks_each(slurm, small_dataset, reference, tmp_path):
     assert (run_dir / f"job_{job_id}.sbatch").read_text().count("#SBATCH --nodes=2") == 1
     for path in (run_dir, run_dir / "slurm", run_dir / "slurm" / job_id):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
-    assert history(run_dir)[0]["slurm_job_id"] == job_id
+    assert [e for e in history(run_dir) if e["event"] == "start"][0]["slurm_job_id"] == job_id
 
 
 def resumed_bitwise(run_dir, job_id, reference) -> dict:
@@ -117,6 +117,7 @@ def test_a_vanished_rank_is_named_and_the_job_ends(slurm, small_dataset, tmp_pat
     run_dir = tmp_path / "run"
     sets = [*sets_for(small_dataset), "monitor.heartbeat_s=1", "monitor.hang_timeout_s=30"]
     sets += ["job.max_failures=1", "job.restart_backoff_s=1"]  # the fault is injected in every launch
+    sets += ["job.exclude_bad_nodes=false"]  # restarted on the same nodes (tests/slurm/test_badnodes.py: elsewhere)
     job_id = submit(run_dir, [*sets, f"job.env={json.dumps({INJECT_VAR: 'exit:3:5'})}"])
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{job_log(run_dir, job_id)}"
@@ -130,10 +131,11 @@ def test_a_vanished_rank_is_named_and_the_job_ends(slurm, small_dataset, tmp_pat
 
 
 def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference, tmp_path):
-    """SIGKILL to one rank of a submitted job: the driver restarts the ranks in the same allocation (no requeue)
-    from the newest checkpoint; the run ends bit-identical and history names the restart's cause."""
+    """SIGKILL to one rank of a submitted job, its node not left out (job.exclude_bad_nodes: false): the driver
+    restarts the ranks in the same allocation (no requeue) from the newest checkpoint; the run ends bit-identical
+    and history names the restart's cause."""
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, [*sets_for(small_dataset), "job.restart_backoff_s=0.5"])
+    job_id = submit(run_dir, [*sets_for(small_dataset), "job.restart_backoff_s=0.5", "job.exclude_bad_nodes=false"])
     wait_step(run_dir, 12)
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
@@ -143,4 +145,5 @@ def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference, 
     assert len(restarts) == 1 and restarts[0]["status"] != 0, restarts
     resumed = [e for e in events if e["event"] == EVENT_RESUME]
     assert resumed and resumed[-1]["slurm_job_id"] == job_id and resumed[-1]["step"] >= 10, events
+    assert resumed[-1]["nodes"] == ["n1", "n2"], resumed
     assert summary(run_dir)["params_sha256"] == reference

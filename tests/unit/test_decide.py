@@ -21,7 +21,7 @@ from runconfig.contract import (
     FAILURE_USER,
     append_event,
 )
-from runconfig.decide import Situation, decide, record_restart, restarts_so_far
+from runconfig.decide import Situation, decide, record_decision, restarts_so_far
 from runconfig.outcome import Ended
 from runconfig.rundir import read_jsonl
 from tests.conftest import ROOT
@@ -70,7 +70,7 @@ def test_failures_restart_with_a_doubling_back_off_up_to_the_cap(rundir):
     for _ in range(3):
         decision = decide(rundir, cfg, Ended("failed", 137), SLURM)
         assert decision.action == "restart" and "killed by SIGKILL" in decision.cause, decision
-        record_restart(rundir, decision, failed_launch="L", status=137)
+        record_decision(rundir, decision, failed_launch="L", status=137)
         delays.append(decision.delay_s)
     assert delays == [2.0, 4.0, 8.0]
     assert [e["attempt"] for e in read_jsonl(rundir.history) if e["event"] == EVENT_RESTART] == [1, 2, 3]
@@ -103,8 +103,8 @@ def test_the_sbatch_entry_point_records_the_restart(rundir):
         [sys.executable, "-m", "runconfig.decide", str(rundir.root), "L1", "137", "--requeues", "0"],
         capture_output=True, text=True, cwd=ROOT, check=True,
     )  # fmt: skip
-    first, message = out.stdout.splitlines()
-    assert first == "restart 1 5" and "restart 1 of at most 3" in message
+    first, message, nodes, exclude = out.stdout.splitlines()
+    assert first == "restart 1 5" and "restart 1 of at most 3" in message and nodes == exclude == "-"
     restart = read_jsonl(rundir.history)[-1]
     assert restart["event"] == EVENT_RESTART and restart["launch"] == "L1" and restart["status"] == 137
     out = subprocess.run(
@@ -113,3 +113,71 @@ def test_the_sbatch_entry_point_records_the_restart(rundir):
     )  # fmt: skip
     assert out.stdout.splitlines()[0] == "done 0 0"
     assert json.loads(rundir.history.read_text().splitlines()[-1])["event"] == EVENT_RESTART  # nothing new
+
+
+def suspect(rank, node, why="stopped publishing heartbeats"):
+    return {"rank": rank, "node": node, "node_index": rank // 2, "why": why}
+
+
+ALLOC = ("n1", "n2", "n3", "n4")
+
+
+def test_a_failed_nodes_ranks_shrink_the_run_in_the_job_when_min_nodes_allows(rundir):
+    rundir.write_failure(0, "rank 0: a collective failed at step 7", FAILURE_CRASH, [suspect(5, "n3")])
+    situation = Situation(slurm=True, nodes=ALLOC, launch_nodes=ALLOC, ranks_per_node=2)
+    decision = decide(rundir, job(nodes=4, min_nodes=2), Ended("failed", 1), situation)
+    assert decision.action == "restart" and decision.use_nodes == ("n1", "n2", "n4"), decision
+    assert decision.new_bad[0][0] == "n3" and "rank 5" in decision.new_bad[0][1]
+    assert "on 3 of 4 nodes" in decision.message and "n3 left out" in decision.message
+    record_decision(rundir, decision, failed_launch="L1", status=1)
+    events = read_jsonl(rundir.history)
+    assert [e["event"] for e in events] == ["bad_node", EVENT_RESTART]
+    assert events[0]["node"] == "n3" and events[1]["nodes"] == ["n1", "n2", "n4"] and events[1]["excluded"] == ["n3"]
+    # The next failure names n1, by the launcher's evidence only (srun's first failed task): 2 nodes left.
+    rundir.failure.unlink()
+    situation = Situation(slurm=True, nodes=ALLOC, launch_nodes=("n1", "n2", "n4"), ranks_per_node=2, first_ended=1)
+    decision = decide(rundir, job(nodes=4, min_nodes=2), Ended("failed", 137), situation)
+    assert decision.use_nodes == ("n2", "n4") and decision.exclude == ("n3", "n1"), decision
+    assert "ended first" in decision.new_bad[0][1]
+    record_decision(rundir, decision, failed_launch="L2", status=137)
+    # A third: below min_nodes, so the run continues in a new job excluding all three.
+    situation = Situation(slurm=True, nodes=ALLOC, launch_nodes=("n2", "n4"), ranks_per_node=2, first_ended=3)
+    decision = decide(rundir, job(nodes=4, min_nodes=2), Ended("failed", 137), situation)
+    assert decision.action == "resubmit" and decision.exclude == ("n3", "n1", "n4"), decision
+    assert decision.attempt == 3
+
+
+def test_without_min_nodes_a_slurm_run_moves_to_a_new_job_and_a_local_one_restarts_in_place(rundir):
+    rundir.write_failure(1, "hang: ...", FAILURE_HANG, [suspect(2, "n2")])
+    slurm = Situation(slurm=True, nodes=("n1", "n2"), launch_nodes=("n1", "n2"), ranks_per_node=2)
+    decision = decide(rundir, job(nodes=2), Ended("failed", 3), slurm)
+    assert decision.action == "resubmit" and decision.exclude == ("n2",) and decision.status == EXIT_FAILED
+    local = Situation(slurm=False, nodes=("node0", "node1"), launch_nodes=("node0", "node1"), ranks_per_node=2)
+    decision = decide(rundir, job(nodes=2), Ended("failed", 3), local)
+    assert decision.action == "restart" and decision.use_nodes == ("node0", "node1") and not decision.new_bad
+    # Named nodes are not left out when the user turned it off.
+    decision = decide(rundir, job(nodes=2, exclude_bad_nodes=False), Ended("failed", 3), slurm)
+    assert decision.action == "restart" and not decision.new_bad
+
+
+def test_a_stop_of_a_run_with_bad_nodes_is_resubmitted_not_requeued(rundir):
+    append_event(rundir.history, "bad_node", node="n2", reason="x", evidence="y", launch="L0")
+    decision = decide(rundir, job(), Ended("stopped", 75, signal.SIGUSR2), SLURM)
+    assert decision.action == "resubmit" and decision.exclude == ("n2",) and decision.status == EXIT_STOPPED
+
+
+@pytest.mark.parametrize(
+    "changes,key",
+    [
+        ({"job.min_nodes": 3}, "job.min_nodes"),  # more than job.nodes
+        ({"job.min_nodes": 1, "job.max_failures": 0}, "job.min_nodes"),
+        ({"job.nodes": 3, "job.min_nodes": 2, "train.global_batch_size": 6, "train.micro_batch_size": 1}, "on 2 node"),
+    ],
+)
+def test_min_nodes_is_checked_against_the_job_shape(changes, key):
+    from runconfig import ConfigError
+
+    sets = [f"{k}={v}" for k, v in {"job.nodes": 2, "job.ranks_per_node": 2, **changes}.items()]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as caught:
+        load_config("tiny", sets)
+    assert "job.min_nodes" in str(caught.value)

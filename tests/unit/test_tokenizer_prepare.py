@@ -197,7 +197,7 @@ class _OneRank:
 
 
 def _env(cache: Path):
-    return SimpleNamespace(rank=0, world_size=1, data_cache=cache)
+    return SimpleNamespace(rank=0, world_size=1, data_cache=cache, inject=())
 
 
 def test_data_tokenizer_in_the_trainer(corpus, bpe, tmp_path):

@@ -5,18 +5,27 @@ load them; each rank adds its RNG states (``rank_NNNNN.pt``, loaded with ``weigh
 loop state (``train_state.json``). Rank 0 commits: per-file SHA-256 into ``manifest.json``, fsync, rename,
 ``latest``, then prunes old generations. With ``async_save`` the state is first copied to CPU memory and a
 background thread writes and commits it while training goes on, on a process group of its own.
+
+A transient storage error (EIO, ESTALE, ...: runconfig/ioretry.py) is retried with back-off (checkpoint.io_retries):
+a save's writes as a unit on every rank, from a fresh temporary folder; its commit and the reads of a restore alone.
+When the retries are exhausted every rank raises the same ``GaveUp``: the launch fails as a crash and is restarted.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import logging
 import os
 import random
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mpi4py import MPI
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -44,19 +54,55 @@ from runconfig.checkpoints import (
     sha256_file,
     step_name,
 )
+from runconfig.ioretry import BUDGET_S, GaveUp, RetryPolicy, describe, io_errno, is_transient, retry
 from runconfig.load import config_hash
 from trainer.checkpoint.fingerprint import params_sha256, tensors_sha256
 from trainer.checkpoint.provenance import git_commit, versions
 from trainer.checkpoint.state import TrainState, rank_seed
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
+from trainer.observe.inject import Injector
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 FORMAT = 2  # 2: the recipe, its architecture and the parameter shapes identify the model (1: the GPT's config)
 
 
 class CheckpointError(UserError):
     """A checkpoint could not be written; the previous generation is untouched."""
+
+
+class _Failed(Exception):
+    """A phase of a collective save or load failed on some rank: raised on every rank with every rank's report
+    (``Checkpointer._agree``), so that every rank takes the same decision. ``cause``: this rank's own exception."""
+
+    def __init__(self, reports: list[dict], elapsed_s: float, cause: BaseException | None) -> None:
+        super().__init__(reports[0]["message"])
+        self.reports, self.elapsed_s, self.cause = reports, elapsed_s, cause
+        self.attempts = 1
+
+    @property
+    def transient(self) -> bool:
+        return all(r["transient"] for r in self.reports)
+
+    @property
+    def retryable(self) -> bool:
+        return self.transient and not any(r["final"] for r in self.reports)
+
+
+class _HookedFileSystem(FileSystem):
+    """DCP's local file system with a hook called before each file it opens for writing (fault injection)."""
+
+    def __init__(self, before_write: Callable[[Path], None]) -> None:
+        super().__init__()
+        self.before_write = before_write
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" in mode:
+            self.before_write(Path(path))
+        with super().create_stream(path, mode) as stream:
+            yield stream
 
 
 def rng_state() -> dict:
@@ -101,9 +147,21 @@ def _stage(obj, buf):
     return obj
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def _torch_bytes(obj: object) -> bytes:
+    """``torch.save`` into memory: the bytes are written with plain file I/O, whose errors keep their errno
+    (``torch.save`` to a path reports a failed write as a RuntimeError without one)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _hash_files(tmp: Path) -> dict:
+    """Size and SHA-256 of every file under ``tmp`` (for the manifest), then every folder fsynced."""
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        files[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    fsync_all_dirs(tmp)
+    return files
 
 
 class Checkpointer:
@@ -118,9 +176,11 @@ class Checkpointer:
         comm: MPI.Comm,
         architecture: dict | None = None,
         code_sha256: str | None = None,
+        injector: Injector | None = None,
     ) -> None:
         """``model`` is the bare module (parameter names without DDP's "module."); ``architecture`` the recipe's
-        settings that define the model beyond its shapes; ``code_sha256`` the recipe's code snapshot."""
+        settings that define the model beyond its shapes; ``code_sha256`` the recipe's code snapshot;
+        ``injector`` the faults injected by tests (``eio_save``)."""
         self.cfg, self.env, self.comm = cfg, env, comm
         self.model, self.optimizer = model, optimizer
         self.identity = {
@@ -131,6 +191,14 @@ class Checkpointer:
         self.code_sha256 = code_sha256
         self.root = rundir.checkpoints
         self.ccfg = cfg.checkpoint
+        self.injector = injector
+        # Retries end well within the collective timeout: the other ranks wait in one while a rank retries alone.
+        self.retry = RetryPolicy(
+            self.ccfg.io_retries,
+            self.ccfg.io_retry_backoff_s,
+            "checkpoint.io_retries",
+            budget_s=min(BUDGET_S, cfg.comm.timeout_s / 2),
+        )
         # Its own group, so a background save never interleaves with the training collectives.
         self.group = dist.new_group(backend="gloo")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
@@ -139,6 +207,7 @@ class Checkpointer:
         self._staging: dict | None = None  # CPU buffers reused by async saves
         self.last_commit_time = time.monotonic()
         self.blocking_s: list[float] = []  # time the training loop waited per save
+        self.last_save_s: float | None = None  # the newest committed save's seconds, save() -> committed
         self.verified: set[str] = set()  # generations this process committed or fully verified (rank 0)
 
     # -- when ---------------------------------------------------------------------------------------------
@@ -157,37 +226,20 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()  # never two writes at once
         name = step_name(state.step)
-        tmp = self.root / f"{TMP_PREFIX}{name}"
-        error = None
+        # This rank's own files, serialised now: every attempt of the save (in the background with async_save)
+        # writes these same bytes, whatever the loop has done since.
+        files = {f"rank_{self.env.rank:05d}.pt": _torch_bytes({"rng": rng_state()})}
         if self.env.rank == 0:
-            try:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.mkdir(mode=0o700, parents=True)
-            except OSError as exc:
-                error = f"cannot create {tmp}: {exc.strerror or exc}"
-        self._agree(error, state.step)
-        error = None
-        try:
-            path = tmp / f"rank_{self.env.rank:05d}.pt"
-            torch.save({"rng": rng_state()}, path)
-            _fsync_file(path)
-            if self.env.rank == 0:
-                path = tmp / "train_state.json"
-                path.write_text(json.dumps(state.state_dict(), indent=2) + "\n")
-                _fsync_file(path)
-        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
-            error = f"cannot write {path}: {_root_cause(exc)}{_space_note(tmp)}"
-        self._agree(error, state.step, tmp)
+            files["train_state.json"] = (json.dumps(state.state_dict(), indent=2) + "\n").encode()
         msd, osd = get_state_dict(self.model, self.optimizer)
         meta = self._manifest(state)
         if self.pool is None:
-            self._write_and_commit({"model": msd, "optim": osd}, tmp, name, meta, state.step)
+            self._write_and_commit({"model": msd, "optim": osd}, files, name, meta, state.step, start)
         else:
             staged = self._staging = _stage({"model": msd, "optim": osd}, self._staging)
             if any(t.is_cuda for t in msd.values() if isinstance(t, torch.Tensor)):
                 torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
-            self.pending = self.pool.submit(self._write_and_commit, staged, tmp, name, meta, state.step)
+            self.pending = self.pool.submit(self._write_and_commit, staged, files, name, meta, state.step, start)
             if block:
                 self.wait()
         self.blocking_s.append(time.perf_counter() - start)
@@ -205,48 +257,165 @@ class Checkpointer:
             if self.pool is not None:
                 self.pool.shutdown(wait=True)
 
-    def _write_and_commit(self, state_dict: dict, tmp: Path, name: str, meta: dict, step: int) -> None:
+    def _write_and_commit(
+        self, state_dict: dict, files: dict[str, bytes], name: str, meta: dict, step: int, start: float
+    ) -> None:
+        """Write and commit one generation (in the background thread with async_save). The writes (a fresh
+        temporary folder, the model and optimizer through DCP, each rank's own files) are retried as a unit, on
+        every rank, after a transient storage error; the commit is retried by rank 0 alone (it is re-entrant).
+        Nothing outside the temporary folder is touched before the commit, and pruning comes after it."""
+        tmp = self.root / f"{TMP_PREFIX}{name}"
         meta = {**meta, "params_sha256": tensors_sha256((n, state_dict["model"][n]) for n in self.param_names)}
-        error = None
         try:
-            dcp.save(
-                state_dict, storage_writer=dcp.FileSystemWriter(tmp / "dcp", sync_files=True), process_group=self.group
-            )
-        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException wrapping per-rank errors
-            error = f"writing the model and optimizer state failed: {_root_cause(exc)}{_space_note(tmp)}"
-        self._agree(error, step, tmp)
-        if self.env.rank == 0:
-            try:
-                files = {}
-                for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                    files[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-                fsync_all_dirs(tmp)
-                commit(tmp, self.root / name, {**meta, "files": files, "committed_at": time.time()})
-            except OSError as exc:
-                error = f"committing {self.root / name} failed: {exc.strerror or exc}"
-        self._agree(error, step, tmp)
+            self._retrying(f"checkpoint at step {step}", lambda began: self._write(state_dict, files, tmp, began))
+            self._commit(tmp, self.root / name, meta)
+        except _Failed as failed:
+            if self.env.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # never committed: free the space it took
+            raise self._save_failed(failed, step) from failed.cause
         self.last_commit_time = time.monotonic()
+        self.last_save_s = time.perf_counter() - start
         if self.env.rank == 0:
             self.verified.add(name)
-            removed = prune(
-                self.root, keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every, verified=self.verified
-            )
+            removed = self._prune()
             log.info("checkpoint %s committed%s", name, f"; pruned {[p.name for p in removed]}" if removed else "")
 
-    def _agree(self, error: str | None, step: int, tmp: Path | None = None) -> None:
-        """Every rank learns whether any rank failed, on the checkpoint group (safe from the background thread)."""
-        errors: list[str | None] = [None] * self.env.world_size
-        dist.all_gather_object(errors, error, group=self.group)
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if not failed:
-            return
-        if tmp is not None and self.env.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # never committed: free the space it took
-        rank, message = failed[0]
-        raise CheckpointError(
-            f"rank {rank}: checkpoint at step {step} could not be saved: {message}. The previous checkpoint, if "
-            f"any, is intact in {self.root}.",
-            collective=True,
+    def _write(self, state_dict: dict, files: dict[str, bytes], tmp: Path, began: float) -> None:
+        """One attempt at writing the generation into ``tmp``, from a clean folder. Collective."""
+        error = None
+        if self.env.rank == 0:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # an earlier attempt's files (or a crashed launch's)
+                tmp.mkdir(mode=0o700, parents=True)
+            except OSError as exc:
+                error = (exc, f"cannot create {tmp}: {exc.strerror or exc}")
+        self._agree(error, began)
+        error = None
+        try:
+            dcp.save(state_dict, storage_writer=self._dcp_writer(tmp / "dcp"), process_group=self.group)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException wrapping per-rank errors
+            error = (exc, f"writing the model and optimizer state failed: {_root_cause(exc)}{_space_note(tmp)}")
+        self._agree(error, began)
+        error = None
+        for file_name, data in files.items():
+            path = tmp / file_name
+            try:
+                self._write_file(path, data)
+            except OSError as exc:
+                error = (exc, f"cannot write {path}: {_root_cause(exc)}{_space_note(tmp)}")
+                break
+        self._agree(error, began)
+
+    def _commit(self, tmp: Path, final: Path, meta: dict) -> None:
+        """Rank 0 hashes the files into the manifest and commits (each retried alone); every rank learns the outcome.
+        A commit that fails is not retried as a unit: its rename may have happened."""
+        error = None
+        if self.env.rank == 0:
+            try:
+                manifest = self._retry(lambda: {**meta, "files": _hash_files(tmp), "committed_at": time.time()}, tmp)
+                self._retry(lambda: commit(tmp, final, manifest), final)
+            except OSError as exc:
+                notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
+                error = (exc, f"committing {final} failed: {exc.strerror or exc}{notes}")
+        self._agree(error, time.monotonic(), final=True)
+
+    def _dcp_writer(self, path: Path) -> dcp.FileSystemWriter:
+        writer = dcp.FileSystemWriter(path, sync_files=True)
+        if self.injector is not None and self.injector.injects("eio_save"):
+            writer.fs = _HookedFileSystem(self.injector.checkpoint_write)  # tests: faults in DCP's own writes
+        return writer
+
+    def _write_file(self, path: Path, data: bytes) -> None:
+        if self.injector is not None:
+            self.injector.checkpoint_write(path)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _prune(self) -> list[Path]:
+        """Prune after a commit (rank 0); a prune that keeps failing is logged and left to the next commit."""
+        try:
+            return self._retry(
+                lambda: prune(
+                    self.root, keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every, verified=self.verified
+                ),
+                self.root,
+            )
+        except OSError as exc:
+            log.warning("pruning old checkpoints in %s failed (%s); they stay until the next commit", self.root, exc)
+            return []
+
+    def _retry(self, fn: Callable[[], T], path: Path) -> T:
+        """``fn()`` on this rank alone, retried after transient storage errors (checkpoint.io_retries)."""
+        return retry(fn, self.retry, what="checkpoint I/O on", path=path, log=log)
+
+    def _retrying(self, what: str, attempt: Callable[[float], None]) -> None:
+        """``attempt(began)`` on every rank, again on every rank while its failures are all transient and
+        checkpoint.io_retries allows: the decision depends only on what ``_agree`` gathered, so every rank takes
+        the same one. Raises the last ``_Failed``."""
+        began = time.monotonic()
+        for n in itertools.count(1):
+            try:
+                return attempt(began)
+            except _Failed as failed:
+                failed.attempts = n
+                if not (failed.retryable and self.retry.allows(n, failed.elapsed_s)):
+                    raise
+                delay = self.retry.jittered(n)
+                for r in failed.reports:
+                    log.warning(
+                        "%s: rank %d: %s failed with %s, attempt %d/%d; every rank retries in %.2f s",
+                        what,
+                        r["rank"],
+                        r["file"],
+                        r["error"],
+                        n,
+                        self.retry.attempts,
+                        delay,
+                    )
+                time.sleep(delay)
+
+    def _agree(self, error: tuple[BaseException, str] | None, began: float, *, final: bool = False) -> None:
+        """Every rank learns every rank's failure of this phase, on the checkpoint group (safe from the background
+        thread): if any rank failed, every rank raises ``_Failed`` with the same reports. ``error`` is this rank's
+        (exception, one-line message); ``final``: not to be retried as a unit."""
+        report = None
+        if error is not None:
+            origin, cause = _origin(error[0], self.env.rank)
+            report = {
+                "rank": origin,
+                "message": error[1],
+                "file": str(getattr(cause, "filename", None) or "a file"),
+                "error": describe(cause),
+                "errno": io_errno(cause),
+                "transient": is_transient(cause),
+                "final": final,
+            }
+        gathered: list = [None] * self.env.world_size
+        dist.all_gather_object(gathered, (report, time.monotonic() - began), group=self.group)
+        reports = list({(r["rank"], r["message"]): r for r, _ in gathered if r}.values())
+        if reports:
+            raise _Failed(reports, max(e for _, e in gathered), error[0] if error else None)
+
+    def _save_failed(self, failed: _Failed, step: int) -> Exception:
+        """A save that failed on some rank, as every rank raises it: bad input or a full disk (a user error: not
+        retried), or transient storage errors that outlived checkpoint.io_retries (a crash: restarted)."""
+        first = next((r for r in failed.reports if not r["transient"]), failed.reports[0])
+        message = f"rank {first['rank']}: checkpoint at step {step} could not be saved: {first['message']}"
+        intact = f"The previous checkpoint, if any, is intact in {self.root}."
+        if not failed.transient:
+            return CheckpointError(f"{message}. {intact}", collective=True)
+        return GaveUp(first["errno"], f"{message}{self._gave_up_after(failed)}. {intact}")
+
+    def _gave_up_after(self, failed: _Failed) -> str:
+        """How a unit of every rank ended after its retries (a commit's message says so itself)."""
+        if failed.reports[0]["final"]:
+            return ""
+        return (
+            f" (a transient error on {failed.attempts} attempt(s) over {failed.elapsed_s:.1f} s, "
+            f"checkpoint.io_retries={self.retry.retries})"
         )
 
     def _manifest(self, state: TrainState) -> dict:
@@ -274,47 +443,56 @@ class Checkpointer:
     def restore(self, state: TrainState) -> bool:
         """Load the newest valid generation into the model, optimizer, RNGs and ``state``. Collective.
 
-        Returns False when the run directory has no checkpoint yet.
+        Returns False when the run directory has no checkpoint yet. Reads that fail with a transient storage error
+        are retried (checkpoint.io_retries): such an error never makes a generation count as invalid.
         """
-        found = error = None
+        found = error = crash = None  # crash: the errno of a transient error that outlived the retries
         warnings: list[str] = []
         if self.env.rank == 0:
             try:
-                remove_stale_tmp(self.root)
-                hit = newest_valid(self.root, warnings.append)
+                hit, warnings = self._retry(self._scan, self.root)
                 found = str(hit[0]) if hit else None
                 if hit:
                     self.verified.add(hit[0].name)
-            except (CheckpointInvalid, OSError) as exc:
+            except CheckpointInvalid as exc:
                 error = str(exc)
-        found, error, warnings = self.comm.bcast((found, error, warnings), root=0)
+            except OSError as exc:
+                error = f"reading the checkpoints in {self.root} failed: {exc}"
+                if is_transient(exc):
+                    crash = io_errno(exc)
+                    error += f" ({'; '.join(getattr(exc, '__notes__', []))})"
+        found, error, crash, warnings = self.comm.bcast((found, error, crash, warnings), root=0)
         for w in warnings:
             if self.env.rank == 0:
                 log.warning(w)
         if error:
+            if crash is not None:
+                raise GaveUp(crash, error)
             raise UserError(error, collective=True)
         if found is None:
             return False
         path = Path(found)
-        manifest = json.loads((path / "manifest.json").read_text())
+        manifest = json.loads(self._read(path / "manifest.json"))
         if self.env.rank == 0:
             log.info("restoring %s (step %d)", path.name, manifest["step"])
         changed = self._check_compatible(manifest, path)
-        if changed:
-            self._warm_start(path, changed)
-        else:
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            dcp.load({"model": msd, "optim": osd}, checkpoint_id=path / "dcp", process_group=self.group)
-            set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
-            if params_sha256(self.model) != manifest["params_sha256"]:
-                raise UserError(
-                    f"checkpoint {path}: the loaded parameters do not match the manifest's params_sha256.",
-                    collective=True,
-                )
-        state.load_state_dict(json.loads((path / "train_state.json").read_text()))
+        try:
+            self._retrying(f"loading checkpoint {path.name}", lambda began: self._load(path, changed, began))
+        except _Failed as failed:
+            first = failed.reports[0]
+            message = f"rank {first['rank']}: loading checkpoint {path} failed: {first['message']}"
+            if failed.transient:
+                raise GaveUp(first["errno"], f"{message}{self._gave_up_after(failed)}") from failed.cause
+            raise RuntimeError(message) from failed.cause
+        if not changed and params_sha256(self.model) != manifest["params_sha256"]:
+            raise UserError(
+                f"checkpoint {path}: the loaded parameters do not match the manifest's params_sha256.",
+                collective=True,
+            )
+        state.load_state_dict(json.loads(self._read(path / "train_state.json")))
         if manifest["world_size"] == self.env.world_size:
             rank_file = path / f"rank_{self.env.rank:05d}.pt"
-            set_rng_state(torch.load(rank_file, weights_only=True)["rng"])
+            set_rng_state(torch.load(io.BytesIO(self._read(rank_file)), weights_only=True)["rng"])
         else:  # per-rank streams cannot be mapped to another world size: derive fresh ones deterministically
             seed = rank_seed(self.cfg.train.seed, self.env.rank, state.step)
             random.seed(seed)
@@ -324,6 +502,29 @@ class Checkpointer:
             log.info("resumed from %s (step %d, saved by %d ranks)", path.name, state.step, manifest["world_size"])
         self.last_commit_time = time.monotonic()
         return True
+
+    def _scan(self) -> tuple[tuple[Path, dict] | None, list[str]]:
+        """Rank 0: the newest valid generation and the warnings about newer invalid ones (one attempt)."""
+        warnings: list[str] = []
+        remove_stale_tmp(self.root)
+        return newest_valid(self.root, warnings.append), warnings
+
+    def _read(self, path: Path) -> bytes:
+        return self._retry(path.read_bytes, path)
+
+    def _load(self, path: Path, changed: dict[str, tuple | str], began: float) -> None:
+        """One attempt at loading the model and optimizer state through DCP. Collective."""
+        error = None
+        try:
+            if changed:
+                self._warm_start(path, changed)
+            else:
+                msd, osd = get_state_dict(self.model, self.optimizer)
+                dcp.load({"model": msd, "optim": osd}, checkpoint_id=path / "dcp", process_group=self.group)
+                set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
+        except (Exception, CheckpointException) as exc:
+            error = (exc, f"reading {path / 'dcp'}: {_root_cause(exc)}")
+        self._agree(error, began)
 
     def _check_compatible(self, manifest: dict, path: Path) -> dict[str, tuple | str]:
         """What identifies the model and optimizer and differs from the checkpoint's: the recipe, its
@@ -420,12 +621,19 @@ def _space_note(folder: Path) -> str:
     return f" (the file system holding {folder.parent} is full: {free} bytes free)" if free < (1 << 20) else ""
 
 
-def _root_cause(exc: BaseException) -> str:
-    """One line for the error behind a failed save (DCP wraps each rank's exception in CheckpointException)."""
+def _origin(exc: BaseException, rank: int) -> tuple[int, BaseException]:
+    """(the rank it happened on, the error behind it): DCP wraps each rank's exception in CheckpointException,
+    which every rank raises; the OSError behind a wrapper where there is one."""
     if isinstance(exc, CheckpointException) and exc.failures:
-        exc = next(iter(exc.failures.values()))[0]
+        rank, (exc, _) = min(exc.failures.items(), key=lambda kv: kv[0])
     while not isinstance(exc, OSError) and (exc.__cause__ or exc.__context__):
         exc = exc.__cause__ or exc.__context__
+    return rank, exc
+
+
+def _root_cause(exc: BaseException) -> str:
+    """One line for the error behind a failed save or load."""
+    _, exc = _origin(exc, 0)
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
     return (f"{type(exc).__name__}: {exc}").splitlines()[0][:300]

@@ -9,15 +9,22 @@ that stream (samples consumed over all ranks), so a run can resume at any world 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from runconfig.ioretry import RetryPolicy, is_transient, retry
 from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+NO_RETRY = RetryPolicy(0, 1.0, "data.read_retries")
 
 
 def read_manifest(folder: Path) -> dict:
@@ -49,10 +56,23 @@ class TokenShards:
     """The windows of one split, read lazily: a shard file is opened on first use, and only the rows asked for
     are read. With ``check_range`` every window read is checked against the manifest's vocabulary (one max per
     window), so a damaged token stops this rank with the shard and offset named instead of an IndexError in the
-    model; a dataset whose shards were verified by checksum at start-up does not need it."""
+    model; a dataset whose shards were verified by checksum at start-up does not need it.
+
+    A read that fails with a transient storage error (runconfig/ioretry.py) is retried under ``retry``, the shard
+    reopened each time; when the retries are exhausted the error propagates (a crash, restarted by the launcher).
+    ``before_read`` is called with the shard's path before each read (fault injection in tests)."""
 
     def __init__(
-        self, folder: Path, manifest: dict, split: str, seq_len: int, *, rank: int = 0, check_range: bool = True
+        self,
+        folder: Path,
+        manifest: dict,
+        split: str,
+        seq_len: int,
+        *,
+        rank: int = 0,
+        check_range: bool = True,
+        retry: RetryPolicy = NO_RETRY,
+        before_read: Callable[[Path], None] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.window = seq_len + 1
@@ -62,6 +82,7 @@ class TokenShards:
         self.dtype = np.dtype(manifest.get("dtype", "uint16"))
         self.rank = rank
         self.check_range = check_range
+        self.retry, self.before_read = retry, before_read
         per_shard = np.array([s["tokens"] // self.window for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(per_shard)])
         self._files: dict[int, h5py.Dataset] = {}
@@ -89,10 +110,12 @@ class TokenShards:
     def sample(self, index: int) -> np.ndarray:
         shard = int(np.searchsorted(self.starts, index, side="right") - 1)
         offset = (index - int(self.starts[shard])) * self.window
+        path = self.folder / self.shards[shard]["file"]
         try:
-            window = self._dataset(shard)[offset : offset + self.window]
+            window = retry(lambda: self._read(shard, offset), self.retry, what="data read of", path=path, log=log)
         except OSError as exc:
-            path = self.folder / self.shards[shard]["file"]
+            if is_transient(exc):
+                raise  # it outlived the retries: a crash (restarted in the job), not bad data
             raise UserError(f"rank {self.rank}: data shard {path} cannot be read: {exc}.") from None
         if self.check_range and len(window) and int(window.max()) >= self.vocab_size:
             at = int(np.argmax(window >= self.vocab_size))
@@ -115,6 +138,24 @@ class TokenShards:
             ds.file.close()
         self._files.clear()
 
+    def _read(self, shard: int, offset: int) -> np.ndarray:
+        """One attempt, under the lock (h5py runs one call at a time anyway). After a transient error the shard's
+        handle is closed before any other thread can read through it, and the next attempt opens it afresh: HDF5
+        shares one open file among all handles of a file, and after a failed read its sieve buffer can hold
+        another region's bytes (a read through the old handle then returns wrong tokens without an error)."""
+        with self._lock:
+            ds = self._open(shard)
+            try:
+                if self.before_read is not None:
+                    self.before_read(self.folder / self.shards[shard]["file"])
+                return ds[offset : offset + self.window]
+            except OSError as exc:
+                if is_transient(exc):
+                    del self._files[shard]
+                    with contextlib.suppress(Exception):  # its file descriptor may be the broken part
+                        ds.file.close()
+                raise
+
     def _dataset(self, shard: int) -> h5py.Dataset:
         with self._lock:
             return self._open(shard)
@@ -127,6 +168,8 @@ class TokenShards:
                 f = h5py.File(path, "r")
                 ds = f["tokens"]
             except (OSError, KeyError) as exc:
+                if is_transient(exc):
+                    raise  # retried by the caller
                 raise UserError(
                     f"rank {self.rank}: data shard {path} is not a readable HDF5 token file ({exc}); "
                     f"{reprepare_hint(self.folder)}."

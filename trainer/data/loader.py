@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from runconfig.ioretry import is_transient
 from trainer.data.dataset import GlobalOrder, rank_slice
 from trainer.errors import UserError
 
@@ -45,6 +46,8 @@ def fetch(dataset: Any, ids: np.ndarray, collate: Callable[[list], Any], *, what
         except UserError:
             raise
         except Exception as exc:  # the user's dataset: any error is theirs to see, with where it happened
+            if is_transient(exc):
+                raise  # a storage fault that outlived the dataset's retries: a crash (restarted), not bad input
             raise UserError(f"rank {rank}: {what}[{int(i)}] raised {_first_line(exc)}.", collective=False) from None
     try:
         return collate(items)

@@ -9,12 +9,14 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from runconfig.ioretry import RetryPolicy
 from runconfig.schema import DataConfig
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.prepare import STDLIB, PrepareSpec, TokenizerError, prepare, tokenizer_sha256
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.env import RuntimeEnv, agree
 from trainer.errors import UserError
+from trainer.observe.inject import Injector
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +70,15 @@ def open_splits(
     if checksummed:
         agree(comm, _error_of(lambda: _check_my_shards(folder, manifest, env)))
     # Shards that matched their checksum hold what prepare wrote: no need to range-check every window read.
-    return (
-        TokenShards(folder, manifest, "train", seq_len, rank=env.rank, check_range=not checksummed),
-        TokenShards(folder, manifest, "val", seq_len, rank=env.rank, check_range=not checksummed),
-    )
+    injector = Injector(env.inject, env.rank)
+    reads = {
+        "rank": env.rank,
+        "check_range": not checksummed,
+        "retry": RetryPolicy(cfg.read_retries, cfg.read_retry_backoff_s, "data.read_retries"),
+        "before_read": injector.data_read if injector.injects("eio_read") else None,  # tests: HPC_INJECT
+    }
+    train = TokenShards(folder, manifest, "train", seq_len, **reads)
+    return train, TokenShards(folder, manifest, "val", seq_len, **reads)
 
 
 def _error_of(check: Callable[[], None]) -> str | None:

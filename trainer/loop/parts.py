@@ -25,6 +25,7 @@ from trainer.recipes.api import Recipe
 
 class Checkpoints(Protocol):
     root: Path  # the run's checkpoints/ folder
+    last_save_s: float | None  # the newest committed save's seconds from save() to its commit
 
     def due_by_steps(self, step: int, final: bool) -> bool: ...
     def due_by_time(self) -> bool: ...

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType
 
 # Signals a run may be stopped with whose default action ends the process (SIGINT stays an interrupt until the
@@ -18,7 +19,8 @@ class EarlySignals:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.installed: dict[int, object] = {}
+        self.at: float | None = None  # when it arrived (time.time())
+        self.installed: dict[int, object] = {}  # the handlers before these: SIG_IGN where ignored at exec
         if threading.current_thread() is threading.main_thread():
             for name in EARLY_SIGNALS:
                 signum = getattr(signal, name)
@@ -26,7 +28,7 @@ class EarlySignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
-            self.signum = signum
+            self.signum, self.at = signum, time.time()
 
 
 class StopFlag:
@@ -37,6 +39,7 @@ class StopFlag:
 
     def __init__(self, names: list[str], early: EarlySignals | None = None) -> None:
         self.signum: int | None = None
+        self.at: float | None = None  # when this process received it (time.time(), read in the handler)
         self.ignored_early: int | None = None  # an early signal that is not a stop signal (it was not fatal)
         self._previous: dict[int, object] = {}
         if threading.current_thread() is not threading.main_thread():
@@ -53,13 +56,13 @@ class StopFlag:
                     signal.signal(signum, previous)
             if early.signum is not None:
                 if early.signum in wanted:
-                    self.signum = early.signum
+                    self.signum, self.at = early.signum, early.at
                 else:
                     self.ignored_early = early.signum
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:  # the first one says why (the job's signal before the SIGTERM that follows it)
-            self.signum = signum  # nothing else: no I/O, no collectives, no pickling in a handler
+            self.signum, self.at = signum, time.time()  # nothing else: no I/O, no collectives, no pickling
 
     @property
     def requested(self) -> bool:

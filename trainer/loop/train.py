@@ -11,12 +11,14 @@ from trainer.loop.evaluate import evaluate
 from trainer.loop.parts import Parts
 from trainer.loop.publish import Publisher
 from trainer.loop.step import train_step
+from trainer.loop.stopreport import LeadCheck, StopTimes
 
 log = logging.getLogger(__name__)
 
 
-def train(p: Parts) -> bool:
-    """Train until ``train.steps``; True if a stop signal ended it early (with a committed checkpoint)."""
+def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
+    """Train until ``train.steps``. A stop signal ends it early with a committed checkpoint: then the stop's clock
+    readings (trainer/loop/stopreport.py), else None. ``lead`` checks the signal's lead time after each save."""
     state, mon, t = p.state, p.mon, p.cfg.train
     log.info(
         "training steps %d..%d: world %d (%d nodes x %d), grad accumulation %d, %s all-reduce, device %s",
@@ -35,9 +37,11 @@ def train(p: Parts) -> bool:
     p.ddp.train()
     while state.step < t.steps:
         step = state.step + 1
+        step_start = time.perf_counter()
         result = train_step(p, step)
         mon.watchdog.enter("metric all-reduce", step)
         decision = decide(p, step, result.loss)
+        agreed, step_s = time.time(), time.perf_counter() - step_start
         state.step = step
         state.data_position += t.global_batch_size
         state.tokens_seen += p.units_per_step
@@ -65,9 +69,12 @@ def train(p: Parts) -> bool:
             publisher.publish(step, result, decision, evals, extra)
         if decision.checkpoint:
             mon.watchdog.enter("checkpoint", step)
+            save_start = time.time()
             with mon.clock.part("ckpt"):
                 p.checkpoints.save(state, block=decision.stop or decision.last)
+            if lead is not None and not decision.stop:
+                lead.after_save(step, step_s, p.checkpoints.last_save_s)
         if decision.stop:
             log.info("stop requested (signal); stopped at step %d with a committed checkpoint", state.step)
-            return True
-    return False
+            return StopTimes(agreed=agreed, save_start=save_start, committed=time.time())
+    return None

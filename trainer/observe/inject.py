@@ -14,7 +14,9 @@ Nothing is injected when the variable is unset; a malformed value is a user erro
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
 
 KINDS = ("slow", "hang", "exit", "slowlink", "eio_save", "eio_read")
+_EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,30 @@ class Injector:
                 time.sleep(3600)
             elif f.kind == "exit" and step == int(f.value):
                 os._exit(0)
+
+    def before_preflight_collective(self) -> None:
+        """Called before each collective (and each ping-pong) of the gang preflight (trainer/observe/preflight.py)."""
+        for f in self.faults:
+            if f.kind == "slowlink":
+                time.sleep(f.value)
+
+    def injects(self, kind: str) -> bool:
+        return any(f.kind == kind for f in self.faults)
+
+    def checkpoint_write(self, path: object) -> None:
+        """Called before each checkpoint file this rank writes (``eio_save``)."""
+        self._eio("eio_save", path)
+
+    def data_read(self, path: object) -> None:
+        """Called before each data read of this rank (``eio_read``), from any thread."""
+        self._eio("eio_read", path)
+
+    def _eio(self, kind: str, path: object) -> None:
+        """Raise a real OSError(EIO) for ``path`` while this rank's fault of ``kind`` has failures left (its VALUE)."""
+        with _EIO_LOCK:
+            used = self.__dict__.setdefault("_eio_used", {})
+            fault = next((f for f in self.faults if f.kind == kind and used.get(f, 0) < int(f.value)), None)
+            if fault is None:
+                return
+            used[fault] = used.get(fault, 0) + 1
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))

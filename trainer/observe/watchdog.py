@@ -79,18 +79,25 @@ class Watchdog:
         with contextlib.suppress(Exception):
             self._client().set(self._key(self.env.rank), self._beat())
 
-    def diagnose(self, error: BaseException) -> str:
+    def diagnose(self, error: BaseException) -> tuple[str, list[dict]]:
         """Why a collective failed, from the heartbeats: which ranks stopped publishing (waits out 4 beats, so a
-        rank gone is silent for longer than the 3-beat limit)."""
+        rank gone is silent for longer than the 3-beat limit), as text and as suspects for failure.json."""
         if not self.enabled:
-            return ""
+            return "", []
         time.sleep(4 * self.cfg.heartbeat_s)
         try:
             beats = self._read_beats()
         except Exception:
-            return "; the rendezvous store on rank 0's host is unreachable too (rank 0 ended?)"
+            why = "its rendezvous store became unreachable during a failed collective (rank 0 ended?)"
+            return "; the rendezvous store on rank 0's host is unreachable too (rank 0 ended?)", [
+                self.env.suspect(0, why)
+            ]
         silent = self._silent(beats)
-        return f"; rank(s) {_ranks(silent)} stopped publishing heartbeats (ended or frozen)" if silent else ""
+        if not silent:
+            return "", []
+        why = "stopped publishing heartbeats (ended or frozen) when a collective failed"
+        text = f"; rank(s) {_ranks(silent)} stopped publishing heartbeats (ended or frozen)"
+        return text, [self.env.suspect(r, why) for r in silent]
 
     # -- watchdog thread --------------------------------------------------------------------------------------
     def _key(self, rank: int) -> str:
@@ -126,7 +133,8 @@ class Watchdog:
                 if time.time() - unreachable_since > self.cfg.hang_timeout_s and self.phase != "finished":
                     self._dump()
                     self._fail(f"rank {self.env.rank} lost the rendezvous store on rank 0's host ({exc}) for "
-                               f"{self.cfg.hang_timeout_s:g} s while in {self._where()}")  # fmt: skip
+                               f"{self.cfg.hang_timeout_s:g} s while in {self._where()}",
+                               [self.env.suspect(0, "its rendezvous store became unreachable")])  # fmt: skip
 
     def _where(self) -> str:
         return f"'{self.phase}' of step {self.step}"
@@ -176,6 +184,9 @@ class Watchdog:
             + "; ".join(parts)
             + f". Python stacks of every live rank are in {self.rundir.logs}/rank_*.log."
         )
+        suspects = [self.env.suspect(r, f"did not arrive in '{live[r]['phase']}' of step {live[r]['step']}")
+                    for r in behind]  # fmt: skip
+        suspects += [self.env.suspect(r, "stopped publishing heartbeats (ended or frozen)") for r in silent]
         # The claim names this rank: two ranks that compose the same message must not both think they won it.
         claim = json.dumps({"rank": self.env.rank, "message": message})
         if store.compare_set(HANG_KEY, "", claim) != claim.encode():
@@ -187,7 +198,7 @@ class Watchdog:
         expected = [r for r in live if r != self.env.rank]
         while time.time() < deadline and not all(store.check([f"hpc/watchdog/dumped/{r}"]) for r in expected):
             time.sleep(0.2)
-        self._fail(message)
+        self._fail(message, suspects)
 
     def _follow(self, store: dist.TCPStore) -> None:
         message = json.loads(store.get(HANG_KEY))["message"]
@@ -211,9 +222,9 @@ class Watchdog:
         except OSError:
             faulthandler.dump_traceback(all_threads=True)  # to stderr
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, suspects: list[dict]) -> None:
         with contextlib.suppress(OSError):
-            self.rundir.write_failure(self.env.rank, message, FAILURE_HANG)
+            self.rundir.write_failure(self.env.rank, message, FAILURE_HANG, suspects)
         with contextlib.suppress(OSError):
             append_event(self.rundir.history, EVENT_HANG, step=self.step, launch=self.env.launch_id, message=message)
         print(f"error: {message}", flush=True)

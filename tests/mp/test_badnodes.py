@@ -1,0 +1,47 @@
+"""Bad nodes left out with real processes: a rank killed on one simulated node, the node named with the evidence,
+and the run going on without it on fewer nodes (job.min_nodes), same global batch and sample order."""
+
+import os
+import signal
+
+import pytest
+
+from tests.conftest import history, rank_pids, summary, wait_for_step
+from tests.mp.test_checkpoint import common, rows, run, start
+
+pytestmark = pytest.mark.mp
+
+
+def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(tmp_path, small_dataset):
+    sets = [*common(small_dataset), "model.dropout=0", "job.min_nodes=1", "job.restart_backoff_s=0.2"]
+    reference = tmp_path / "uninterrupted"
+    done = run(reference, sets)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, sets)
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[2], signal.SIGKILL)  # rank 2: node1 of 2 nodes x 2 ranks
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+
+    events = history(run_dir)
+    bad = [e for e in events if e["event"] == "bad_node"]
+    assert [e["node"] for e in bad] == ["node1"], bad
+    assert "rank 2" in bad[0]["evidence"], bad
+    restart = next(e for e in events if e["event"] == "restart")
+    assert restart["nodes"] == ["node0"] and restart["excluded"] == ["node1"], restart
+    resumed = next(e for e in events if e["event"] == "resume")
+    assert resumed["world_size"] == 2 and resumed["nodes"] == ["node0"], resumed
+    first = next(e for e in events if e["event"] == "start")
+    assert resumed["grad_accum"] == 2 * first["grad_accum"]
+    assert "on 1 of 2 nodes" in out and "node1 left out" in out
+    assert summary(run_dir)["world_size"] == 2
+    # Same global batch and sample order: the loss curve follows the uninterrupted run's (the sums' order differs).
+    got, want = rows(run_dir), rows(reference)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["tokens_seen"] == b["tokens_seen"]
+        for key in ("loss", "eval_loss"):
+            if b[key] is not None:
+                assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
