@@ -79,7 +79,9 @@ def mpi_plugin(cfg: RunConfig) -> str:
 
 def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) -> list[str]:
     """The ranks' step; ``nodes``: run on these nodes of the allocation only (the others are bad)."""
-    placement = [f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}"] if nodes else []
+    # The job's SLURM_NTASKS would ask for every rank of the allocation: the step's task count is given too.
+    count = len(nodes) * cfg.job.ranks_per_node
+    placement = [f"--nodes={len(nodes)}", f"--ntasks={count}", f"--nodelist={','.join(nodes)}"] if nodes else []
     return [
         "srun",
         f"--mpi={mpi_plugin(cfg)}",
@@ -95,8 +97,16 @@ def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) ->
 SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:[-,]\S*)?: (.+)$")
 
 
-def run_step(command: list[str], env: dict) -> tuple[int, int | None]:
-    """Run srun, copying its output through; (exit status, the rank of srun's first failed-task line)."""
+#: srun's words for a task that ended on its own terms: a clean end or a stop with a committed checkpoint.
+CLEAN_EXITS = ("Exited with exit code 0", f"Exited with exit code {EXIT_STOPPED}")
+
+
+def run_step(command: list[str], env: dict, job_id: str = "") -> tuple[int, int | None]:
+    """Run srun, copying its output through; (exit status, the rank of srun's first failed-task line).
+
+    A task killed or crashed (not an exit 0 or 75 of its own) fails the launch: the other ranks are SIGKILLed at
+    once (``scancel --signal=KILL`` of the step) instead of waiting, blocked in a collective with the dead rank,
+    for Slurm's own kill after KillWait (30 s by default): the in-job restart starts that much sooner."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     first: list[int] = []
 
@@ -108,12 +118,23 @@ def run_step(command: list[str], env: dict) -> tuple[int, int | None]:
             m = SRUN_TASK_ERROR.match(line.strip())
             if m and not first:
                 first.append(int(m.group(2)))
+                if job_id and not m.group(3).startswith(CLEAN_EXITS):
+                    kill_steps(job_id)
 
     thread = threading.Thread(target=copy, daemon=True)
     thread.start()
     status = proc.wait()
     thread.join(timeout=10)
     return status, (first[0] if first else None)
+
+
+def kill_steps(job_id: str) -> None:
+    """SIGKILL every task of the job's running steps (the ranks' step; not the batch step running the driver)."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True)
+    steps = [s for s in out.stdout.split() if s.split(".")[-1].isdigit()]
+    if steps:
+        print(f"a rank was killed or crashed: ending the other ranks of step(s) {', '.join(steps)} now", flush=True)
+        subprocess.run(["scancel", "--signal=KILL", *steps], check=False, stderr=subprocess.DEVNULL)
 
 
 def sweep_command(num_nodes: int) -> list[str]:
@@ -149,6 +170,9 @@ class Driver:
         # stop themselves, and a stray signal to the batch step must neither requeue nor kill the driver.
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
+        # SIGTERM to the batch step: Slurm is ending the job (scancel, the time limit, a preemption that requeues
+        # it itself). The ranks get it too; the driver only notes it, so that it neither restarts nor resubmits.
+        signal.signal(signal.SIGTERM, _note_job_ending)
         os.umask(0o077)
         rundir = RunDir(Path(self.run_dir))
         cfg = load_config(str(rundir.config))
@@ -173,7 +197,7 @@ class Driver:
             )
             env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
             rundir.failure.unlink(missing_ok=True)  # an earlier launch's diagnosis is not this one's
-            status, first_failed = run_step(command, env)
+            status, first_failed = run_step(command, env, job.job_id)
             # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
             # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
             ended = how_it_ended(rundir, launch_id, status)
@@ -181,6 +205,7 @@ class Driver:
                 print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
             situation = Situation(
                 slurm=True,
+                ending=JOB_ENDING.is_set(),
                 requeues=job.restart_count,
                 last_in_chain=self.last_in_chain,
                 nodes=allocation,
@@ -236,6 +261,13 @@ class Driver:
             subprocess.run(sweep_command(job.num_nodes), env=trainer_environment(cfg, simulate_nodes=False), timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
+
+
+JOB_ENDING = threading.Event()
+
+
+def _note_job_ending(signum: int, frame: object) -> None:
+    JOB_ENDING.set()
 
 
 def submit_link(

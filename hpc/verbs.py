@@ -9,6 +9,7 @@
     python -m hpc logs    RUN_DIR [--rank N | --all] [--follow]
     python -m hpc sweep   CONFIG GRID.yaml [--run-dir DIR] [--set K=V]   a grid as one job array (hpc/sweep.py)
     python -m hpc report  RUN_DIR [--out DIR]  PNG plots and report.md with goodput and restarts (hpc/report.py)
+    python -m hpc sbatch-args CONFIG|RUN_DIR [--set K=V]   the job section as sbatch options for sbatch/*.sbatch
     python -m hpc selftest CONFIG [--set K=V] [--timeout S] [--json]
                                              a short job of the config's shape: does its stop signal reach every
                                              rank, and does job.signal_lead_s cover a stop? (hpc/selftest.py)
@@ -38,6 +39,21 @@ from runconfig.stopsignal import newest_budget
 
 class VerbError(Exception):
     pass
+
+
+def sbatch_args(config: str, overrides: list[str]) -> list[str]:
+    """sbatch options from a config (a run directory's own config, with its bad nodes excluded)."""
+    import shlex
+
+    from hpc.slurm import sbatch_options
+    from runconfig.badnodes import bad_nodes
+
+    rundir = RunDir(Path(config).absolute())
+    if rundir.config.is_file():
+        cfg, exclude = load_config(str(rundir.config), overrides), tuple(bad_nodes(rundir))
+    else:
+        cfg, exclude = load_config(config, overrides), ()
+    return [shlex.quote(option) for option in sbatch_options(cfg, exclude=exclude)]
 
 
 def open_run(path: str) -> RunDir:
@@ -263,10 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("run_dir")
     sp.add_argument("--out", help="output folder (default RUN_DIR/report/)")
     sub.add_parser("selftest", help="does the stop signal reach every rank? (python -m hpc selftest --help)")
+    sp = sub.add_parser(
+        "sbatch-args",
+        description="The config's job section as sbatch options, for sbatch/*.sbatch: "
+        "sbatch $(python -m hpc sbatch-args CONFIG) sbatch/train.sbatch",
+    )
+    sp.add_argument("config", help="config file, example name or run directory (its bad nodes are excluded)")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     try:
         if args.verb == "sweep":
             return sweep(args)
+        if args.verb == "sbatch-args":
+            print(" ".join(sbatch_args(args.config, args.overrides)))
+            return 0
         if args.verb == "report":
             from hpc.report import main as report_main
 

@@ -57,6 +57,7 @@ class Situation:
     """What the launcher knows beyond the run directory."""
 
     slurm: bool  # inside a Slurm job: requeueing is possible
+    ending: bool = False  # Slurm is ending the job (SIGTERM to the launcher): no restart, no new job
     requeues: int = 0  # SLURM_RESTART_COUNT: how often this job was requeued already
     last_in_chain: bool = True  # false for the earlier jobs of a chain (the next job continues)
     max_requeues: int | None = None  # overrides job.max_restarts (HPC_MAX_RESTARTS of the sbatch scripts)
@@ -135,6 +136,12 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
     cause, user = failure_cause(ended, failure)
     if user:
         return Decision("end", EXIT_USER_ERROR, f"error: {cause}", error=True, cause=cause)
+    if situation.ending:  # the ranks were ended with the job (scancel, time limit): no node to blame
+        message = (
+            f"error: the ranks failed with exit status {ended.status} while Slurm was ending the job; not restarted. "
+            f"Continue with: python -m hpc resume {rundir.root}"
+        )
+        return Decision("end", EXIT_FAILED, message, error=True, cause=cause)
     done_before = restarts_so_far(rundir)
     known_bad = bad_nodes(rundir)
     new_bad = tuple(

@@ -445,6 +445,12 @@ class MonitorConfig:
     straggler_margin: float = doc(
         "A rank or node busier than the median by more than this fraction is a straggler.", 0.2
     )
+    straggler_exclude_after: int = doc(
+        "A node that is a straggler in this many straggler checks in a row is named bad: the ranks commit a "
+        "checkpoint at that step and the launch ends, so that the launcher leaves the node out (in the job down to "
+        "job.min_nodes, else in a new job; see job.min_nodes). 0 = only warn.",
+        0,
+    )
     hang_timeout_s: float = doc(
         "A collective or step phase that does not finish within this many seconds ends the job with the ranks "
         "that did not arrive named and a stack dump of every live rank; 0 = off.",
@@ -485,6 +491,10 @@ class MonitorConfig:
             out.append(("straggler_every", f"must be >= 0, got {self.straggler_every}"))
         if self.straggler_margin <= 0:
             out.append(("straggler_margin", f"must be > 0, got {self.straggler_margin}"))
+        if self.straggler_exclude_after < 0:
+            out.append(("straggler_exclude_after", f"must be >= 0, got {self.straggler_exclude_after}"))
+        elif self.straggler_exclude_after and not self.straggler_every:
+            out.append(("straggler_exclude_after", "needs straggler checks: monitor.straggler_every is 0"))
         if self.hang_timeout_s < 0:
             out.append(("hang_timeout_s", f"must be >= 0, got {self.hang_timeout_s}"))
         if not self.heartbeat_s > 0:
@@ -571,6 +581,16 @@ class RunConfig:
                     "monitor.preflight",
                     "exclude needs job.nodes >= 2: the preflight compares a node with the other nodes, and one node "
                     "has none to be compared with or to leave it out for (use warn)",
+                )
+            )
+        if self.monitor.straggler_exclude_after and self.job.nodes == 1:
+            out.append(("monitor.straggler_exclude_after", "needs job.nodes >= 2: one node has no peers to lag behind"))
+        if self.monitor.hang_timeout_s and self.monitor.hang_timeout_s < 2 * self.checkpoint.io_retry_backoff_s:
+            out.append(
+                (
+                    "monitor.hang_timeout_s",
+                    f"{self.monitor.hang_timeout_s:g} s would end a checkpoint save that is waiting out a storage "
+                    f"retry (checkpoint.io_retry_backoff_s={self.checkpoint.io_retry_backoff_s:g})",
                 )
             )
         return out

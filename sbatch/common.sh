@@ -237,8 +237,8 @@ hpc_main() {
   if [ "$hpc_too_few" = 1 ]; then
     hpc_resubmit "$hpc_exclude" "this job's allocation holds bad node(s) of the run ($hpc_exclude)"
   fi
-  local attempt=0 suffix action exit_status delay message use_next first errfile
-  local -a placement=()
+  local attempt=0 suffix action exit_status delay message use_next first errfile nodes_now
+  local -a placement=() shown=()
   local -a decide_args=(--requeues "$restarts")
   [ -n "${HPC_MAX_RESTARTS:-}" ] && decide_args+=(--max-requeues "$HPC_MAX_RESTARTS")
   [ -n "${SLURM_JOB_ID:-}" ] || decide_args+=(--local)
@@ -248,9 +248,12 @@ hpc_main() {
     [ "$attempt" = 0 ] || suffix="-r$attempt"
     export HPC_LAUNCH_ID="sbatch-${SLURM_JOB_ID:-none}.$restarts-$$-$RANDOM$RANDOM$suffix"
     placement=()  # the allocation's nodes that are not bad, when some are
-    [ -z "$hpc_use" ] || placement=("--nodes=$(tr ',' '\n' <<< "$hpc_use" | wc -l)" "--nodelist=$hpc_use")
-    echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${command[0]} ${placement[*]}" \
-      "${command[*]:1}"
+    if [ -n "$hpc_use" ]; then  # the job's SLURM_NTASKS would ask for every rank: the step's count is given too
+      nodes_now=$(tr ',' '\n' <<< "$hpc_use" | wc -l)
+      placement=("--nodes=$nodes_now" "--ntasks=$((nodes_now * hpc_rpn))" "--nodelist=$hpc_use")
+    fi
+    shown=("${command[0]}" "${placement[@]}" "${command[@]:1}")
+    echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${shown[*]}"
     rm -f -- "$RUN_DIR/failure.json"  # an earlier launch's diagnosis is not this one's
     # srun's stderr is copied through and kept: its first "task N: Killed/Exited" line names who failed first.
     errfile="$RUN_DIR/logs/srun-$HPC_LAUNCH_ID.err"

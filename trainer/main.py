@@ -43,6 +43,7 @@ from runconfig.contract import (  # noqa: E402
     EXIT_STOPPED,
     EXIT_USER_ERROR,
     FAILURE_CRASH,
+    FAILURE_STRAGGLER,
     FAILURE_USER,
     append_event,
     write_json_atomic,
@@ -92,6 +93,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     from trainer.loop.train import train
     from trainer.observe.metrics import truncate_metrics
     from trainer.observe.preflight import run_preflight
+    from trainer.observe.stragglers import NodeEvicted
     from trainer.parallel.distributed import init_distributed, pick_device
 
     # Where a launch's start-up goes (rank 0's clock; "imports" is the slowest rank's), in the start/resume event.
@@ -176,6 +178,22 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         )
         try:
             stopped = train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env))
+        except NodeEvicted as evicted:  # every rank, after a committed checkpoint: leave the slow node out
+            p.mon.watchdog.close()
+            p.checkpoints.close()
+            info = evicted.info
+            node = env.node_names[info["ranks"][0]]
+            message = (
+                f"node {info['node']} ({node}) was a straggler in {info['checks']} straggler checks in a row "
+                f"(busy {info['step_time_s']:.3f} s/step, {info['ratio']:.2f}x the median node; "
+                f"monitor.straggler_exclude_after={cfg.monitor.straggler_exclude_after}); checkpoint committed at "
+                f"step {state.step}, the launch ends so that the launcher leaves the node out"
+            )
+            if env.rank == 0:
+                log.error("%s", message)
+                why = f"straggler: {info['ratio']:.2f}x the median node in {info['checks']} checks in a row"
+                _report_failure(rundir, 0, message, FAILURE_STRAGGLER, [env.suspect(r, why) for r in info["ranks"]])
+            return EXIT_FAILED
         except RuntimeError as exc:  # a collective failed (a peer's connection closed): name who went away
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             diagnosis, suspects = p.mon.watchdog.diagnose(exc)

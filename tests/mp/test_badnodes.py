@@ -3,11 +3,13 @@ and the run going on without it on fewer nodes (job.min_nodes), same global batc
 
 import os
 import signal
+import subprocess
 
 import pytest
 
+from runconfig.contract import INJECT_VAR
 from tests.conftest import history, rank_pids, summary, wait_for_step
-from tests.mp.test_checkpoint import common, rows, run, start
+from tests.mp.test_checkpoint import common, env, rows, run, start, submit_args
 
 pytestmark = pytest.mark.mp
 
@@ -45,3 +47,26 @@ def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(tmp_path
         for key in ("loss", "eval_loss"):
             if b[key] is not None:
                 assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
+
+
+def test_a_node_that_lags_in_checks_in_a_row_is_left_out(tmp_path, small_dataset):
+    """Rank 1 (node1 of 2 nodes x 1 rank) is slowed in every step: after 2 straggler checks in a row it is named,
+    the ranks commit a checkpoint at that step and the launch ends; the launcher restarts on node0 alone."""
+    sets = [*common(small_dataset), "model.dropout=0", "job.min_nodes=1", "job.ranks_per_node=1"]
+    sets += ["job.restart_backoff_s=0.2", "monitor.straggler_every=2", "monitor.straggler_exclude_after=2"]
+    sets += ["monitor.straggler_margin=0.5"]
+    run_dir = tmp_path / "run"
+    args = [*submit_args("tiny", sets), "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env(), INJECT_VAR: "slow:1:0.25"}
+    )
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    events = history(run_dir)
+    bad = [e for e in events if e["event"] == "bad_node"]
+    assert [e["node"] for e in bad] == ["node1"] and "straggler" in bad[0]["evidence"], bad
+    restart = next(e for e in events if e["event"] == "restart")
+    assert restart["cause"].startswith("node 1 (node1) was a straggler in 2 straggler checks in a row"), restart
+    resumed = next(e for e in events if e["event"] == "resume")
+    assert resumed["step"] == 4 and resumed["nodes"] == ["node0"] and resumed["world_size"] == 1, resumed
+    assert summary(run_dir)["final_step"] == 24

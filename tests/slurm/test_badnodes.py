@@ -65,6 +65,6 @@ def test_a_nodes_ranks_all_killed_shrink_the_run_in_the_job(slurm, small_dataset
     assert len(restart) == 1 and restart[0]["how"] == "in-job" and restart[0]["nodes"] == ["n1"], restart
     resumed = events_of(run_dir, EVENT_RESUME)[-1]
     assert resumed["nodes"] == ["n1"] and resumed["world_size"] == 2, resumed
-    assert "--nodes=1 --nodelist=n1" in log, log
+    assert "--nodes=1 --ntasks=2 --nodelist=n1" in log, log
     assert summary(run_dir)["world_size"] == 2 and summary(run_dir)["final_step"] == 60
     assert job_info(job_id)["NodeList"] == "n[1-2]"

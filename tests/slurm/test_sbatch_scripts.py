@@ -103,7 +103,7 @@ def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(slurm, s
     text = output.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text)
     assert "restart 1 of at most 3 in 0.5 s from the newest valid checkpoint on 1 of 2 nodes (n1)" in text, text
-    assert "srun --nodes=1 --nodelist=n1 --mpi=" in text, text
+    assert "srun --nodes=1 --ntasks=2 --nodelist=n1 --mpi=" in text, text
     events = history(run_dir)
     restarts = [e for e in events if e["event"] == EVENT_RESTART]
     assert len(restarts) == 1 and restarts[0]["status"] != 0 and restarts[0]["nodes"] == ["n1"], restarts
@@ -123,3 +123,20 @@ def test_resume_refuses_a_run_dir_without_config(slurm, tmp_path):
     assert int(info["Restarts"]) == 0
     assert f"error: {run_dir} is not a run directory (it has no config.yaml); nothing to resume." in output
     assert not run_dir.exists()  # nothing created
+
+
+def test_sbatch_args_from_the_config_are_what_sbatch_accepts(slurm, tmp_path):
+    """`python -m hpc sbatch-args CONFIG`: the job section (signal and its lead, time, partition, shape) as options
+    for the plain scripts, checked by the real sbatch (--test-only: validated against the cluster, not queued)."""
+    sets = ["job.signal=SIGUSR1", "checkpoint.stop_signals=[SIGUSR1,SIGTERM]", "job.signal_lead_s=45"]
+    sets += ["job.time=25:00", "job.partition=urgent", "job.gpus_per_node=1", "job.nodes=2"]
+    args = [sys.executable, "-m", "hpc", "sbatch-args", "tiny", *(x for s in sets for x in ("--set", s))]
+    options = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
+    assert "--signal=USR1@45" in options and "--time=0-00:25:00" in options and "--partition=urgent" in options
+    assert "--gpus-per-node=1" in options and "--nodes=2" in options and "--requeue" in options
+    env = {**os.environ, "CONFIG": "tiny", "RUN_DIR": str(tmp_path / "run"), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["sbatch", "--test-only", *options, str(ROOT / "sbatch" / "train.sbatch")],
+        capture_output=True, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr

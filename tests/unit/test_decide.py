@@ -181,3 +181,10 @@ def test_min_nodes_is_checked_against_the_job_shape(changes, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as caught:
         load_config("tiny", sets)
     assert "job.min_nodes" in str(caught.value)
+
+
+def test_ranks_ended_with_the_job_are_not_restarted_and_name_no_node(rundir):
+    """scancel or the time limit SIGKILLs ranks slow to stop: the driver got SIGTERM too, so nothing restarts."""
+    situation = Situation(slurm=True, ending=True, nodes=("n1",), launch_nodes=("n1",), ranks_per_node=1, first_ended=0)
+    decision = decide(rundir, job(nodes=1), Ended("failed", 137), situation)
+    assert decision.action == "end" and not decision.new_bad and "while Slurm was ending the job" in decision.message

@@ -12,6 +12,7 @@ from trainer.loop.parts import Parts
 from trainer.loop.publish import Publisher
 from trainer.loop.step import train_step
 from trainer.loop.stopreport import LeadCheck, StopTimes
+from trainer.observe.stragglers import NodeEvicted
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,12 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
                 p.checkpoints.save(state, block=decision.stop or decision.last)
             if lead is not None and not decision.stop:
                 lead.after_save(step, step_s, p.checkpoints.last_save_s)
+        if extra and "evict" in extra and not decision.last:
+            if not decision.checkpoint:  # the launch ends here: nothing computed so far is lost
+                mon.watchdog.enter("checkpoint", step)
+                with mon.clock.part("ckpt"):
+                    p.checkpoints.save(state, block=True)
+            raise NodeEvicted(extra["evict"])
         if decision.stop:
             log.info("stop requested (signal); stopped at step %d with a committed checkpoint", state.step)
             return StopTimes(agreed=agreed, save_start=save_start, committed=time.time())
