@@ -35,8 +35,10 @@ from common import ROOT, lines, sh, wait  # bench/ is on sys.path
 from runconfig.contract import EVENT_RESTART, EVENT_RESUME
 
 PORTS = {"HPC_SLURM_CTLD_PORT": "18927", "HPC_SLURM_NODE_PORT": "19121"}
+# The kill restarts on the same nodes (job.exclude_bad_nodes=false): the 2-node bench cluster has no spare node.
 SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
-        "model.seq_len=64", "checkpoint.every_steps=10", "job.restart_backoff_s=0"]  # fmt: skip
+        "model.seq_len=64", "checkpoint.every_steps=10", "job.restart_backoff_s=0",
+        "job.exclude_bad_nodes=false"]  # fmt: skip
 
 
 def rank_pid(run_dir: Path, rank: int) -> int | None:

@@ -25,17 +25,24 @@ def trainer_command(rundir: RunDir, prefix: list[str] | tuple[str, ...] = ()) ->
     return [*prefix, sys.executable, "-u", "-m", "trainer", "--run-dir", str(rundir.root)]
 
 
+def rank_variables(cfg: RunConfig, environ: dict[str, str]) -> dict[str, str]:
+    """What the config adds to the ranks' environment: job.env, and OMP_NUM_THREADS from job.threads_per_rank
+    unless ``environ`` sets it already (the local launcher, the driver and sbatch/common.sh all use this)."""
+    out = dict(cfg.job.env)
+    if cfg.job.threads_per_rank and "OMP_NUM_THREADS" not in {**environ, **out}:
+        out["OMP_NUM_THREADS"] = str(cfg.job.threads_per_rank)
+    return out
+
+
 def trainer_environment(
     cfg: RunConfig, *, simulate_nodes: bool, launch_id: str = "", base: dict[str, str] | None = None
 ) -> dict:
     """The ranks' environment: nodes simulated on one host (local runs), thread count, launch id, import path."""
     env = dict(os.environ if base is None else base)
-    env.update(cfg.job.env)
+    env.update(rank_variables(cfg, env))
     env[LAUNCH_VAR] = launch_id
     if simulate_nodes:
         env[SIMULATE_VAR] = str(cfg.job.ranks_per_node)
-    if cfg.job.threads_per_rank and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(cfg.job.threads_per_rank)
     # Make the repository importable when running from a checkout without `pip install -e .`.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

@@ -24,9 +24,15 @@ def slurm_folder(rundir: RunDir) -> Path:
     return rundir.root / "slurm"
 
 
+def requoted_setup(cfg: RunConfig) -> list[str]:
+    """job.setup's lines re-quoted word by word: each runs its command without expanding, substituting or chaining
+    anything of the config value (submitit's script and sbatch/common.sh both run these)."""
+    return [shlex.join(shlex.split(line)) for line in cfg.job.setup if line.strip()]
+
+
 def setup_lines(cfg: RunConfig) -> list[str]:
     """Setup lines re-quoted word by word (no expansion of config values), then the environment exports."""
-    lines = [shlex.join(shlex.split(line)) for line in cfg.job.setup if line.strip()]
+    lines = requoted_setup(cfg)
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(cfg.job.env.items())]
     return lines
 

@@ -118,14 +118,14 @@ except OSError as exc:
 problem = rundir.writable_error()
 if problem:
     fail(problem)
-try:
-    complete = json.loads(rundir.summary.read_text())["final_step"] >= cfg.train.steps
-except (OSError, ValueError, KeyError, TypeError):
-    complete = False
+# The rules the driver of `python -m hpc.submit` jobs uses, imported rather than written again here.
+from hpc.driver import run_complete  # noqa: E402
+from hpc.local import rank_variables  # noqa: E402
+from hpc.slurm import requoted_setup  # noqa: E402
+
+complete = run_complete(rundir, cfg)
 job = cfg.job
-env = dict(job.env)
-if job.threads_per_rank and "OMP_NUM_THREADS" not in os.environ:
-    env["OMP_NUM_THREADS"] = str(job.threads_per_rank)
+env = rank_variables(cfg, dict(os.environ))
 q = shlex.quote
 print("#HPC-VARS")  # everything below is eval'ed by the batch script
 print(f"hpc_exit_stopped={EXIT_STOPPED}")  # runconfig/contract.py: stopped by a signal, checkpoint committed
@@ -161,7 +161,7 @@ print(f"hpc_srun_args=({' '.join(q(a) for a in job.srun_args)})")
 print(f"hpc_launch_prefix=({' '.join(q(a) for a in job.launch_prefix)})")
 print(f"hpc_env=({' '.join(q(f'{k}={v}') for k, v in sorted(env.items()))})")
 # job.setup lines re-quoted word by word, as hpc/slurm.py puts them in submitit's script: nothing is expanded.
-print(f"hpc_setup=({' '.join(q(shlex.join(shlex.split(line))) for line in job.setup if line.strip())})")
+print(f"hpc_setup=({' '.join(q(line) for line in requoted_setup(cfg))})")
 PY
 }
 

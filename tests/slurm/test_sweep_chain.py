@@ -54,7 +54,7 @@ def test_chain_of_three_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp
     """Each job has a 1-minute limit and is signalled 40 s before it; the run needs more than one job. Every job
     continues from the newest checkpoint; once training is complete the rest end at once."""
     run_dir = tmp_path / "run"
-    sets = [*sets_for(small_dataset), "train.steps=1200", "checkpoint.every_steps=100", "train.eval_every=0",
+    sets = [*sets_for(small_dataset), "train.steps=800", "checkpoint.every_steps=100", "train.eval_every=0",
             "job.time=1", "job.signal_lead_s=40"]  # fmt: skip
     last = submit(run_dir, sets, "--chain", "3")
     ids = [json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()]
@@ -63,7 +63,7 @@ def test_chain_of_three_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp
     for job in ids:
         wait_state(job, DONE, timeout=240)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["final_step"] == 1200
+    assert summary["final_step"] == 800
     events = history(run_dir)
     worked = {e["slurm_job_id"] for e in events if e["event"] in (EVENT_START, EVENT_RESUME)}
     assert len(worked) >= 2, events  # one job could not finish it
