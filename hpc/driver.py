@@ -97,16 +97,12 @@ def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) ->
 SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:[-,]\S*)?: (.+)$")
 
 
-#: srun's words for a task that ended on its own terms: a clean end or a stop with a committed checkpoint.
-CLEAN_EXITS = ("Exited with exit code 0", f"Exited with exit code {EXIT_STOPPED}")
-
-
-def run_step(command: list[str], env: dict, job_id: str = "") -> tuple[int, int | None]:
+def run_step(command: list[str], env: dict) -> tuple[int, int | None]:
     """Run srun, copying its output through; (exit status, the rank of srun's first failed-task line).
 
-    A task killed or crashed (not an exit 0 or 75 of its own) fails the launch: the other ranks are SIGKILLed at
-    once (``scancel --signal=KILL`` of the step) instead of waiting, blocked in a collective with the dead rank,
-    for Slurm's own kill after KillWait (30 s by default): the in-job restart starts that much sooner."""
+    That first line comes within ~0.1 s of a rank's death. The other ranks, blocked in a collective with the dead
+    one, end only at Slurm's SIGKILL a KillWait after srun's SIGTERM (``scancel --signal=KILL`` of the step is
+    refused once srun is terminating it): ending them sooner is still to be done."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     first: list[int] = []
 
@@ -118,23 +114,12 @@ def run_step(command: list[str], env: dict, job_id: str = "") -> tuple[int, int 
             m = SRUN_TASK_ERROR.match(line.strip())
             if m and not first:
                 first.append(int(m.group(2)))
-                if job_id and not m.group(3).startswith(CLEAN_EXITS):
-                    kill_steps(job_id)
 
     thread = threading.Thread(target=copy, daemon=True)
     thread.start()
     status = proc.wait()
     thread.join(timeout=10)
     return status, (first[0] if first else None)
-
-
-def kill_steps(job_id: str) -> None:
-    """SIGKILL every task of the job's running steps (the ranks' step; not the batch step running the driver)."""
-    out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True)
-    steps = [s for s in out.stdout.split() if s.split(".")[-1].isdigit()]
-    if steps:
-        print(f"a rank was killed or crashed: ending the other ranks of step(s) {', '.join(steps)} now", flush=True)
-        subprocess.run(["scancel", "--signal=KILL", *steps], check=False, stderr=subprocess.DEVNULL)
 
 
 def sweep_command(num_nodes: int) -> list[str]:
@@ -197,7 +182,7 @@ class Driver:
             )
             env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
             rundir.failure.unlink(missing_ok=True)  # an earlier launch's diagnosis is not this one's
-            status, first_failed = run_step(command, env, job.job_id)
+            status, first_failed = run_step(command, env)
             # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
             # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
             ended = how_it_ended(rundir, launch_id, status)
