@@ -47,12 +47,16 @@ def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset
     for r in recs:
         for key in keys:
             assert isinstance(r[key], float) and r[key] >= 0, (key, r)
-        # The parts are measured one by one (nothing is computed as a remainder): they add up to the step.
-        assert abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) <= 0.05 * r["step_time_s"], r
+        # The parts are measured one by one (nothing is computed as a remainder): they add up to the step, but for
+        # the few lines between parts. Four ranks share two cores here, so a rank descheduled in such a gap loses a
+        # time slice (~10 ms) to no part: each record is held to 5 % plus 15 ms, and the median record (below) to 2 %.
+        assert abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) <= 0.05 * r["step_time_s"] + 0.015, r
         # Every rank waits for the slowed one: no step is shorter than its sleep. (Not compute + comm >= 0.15 per
         # record: rank 2 may start sleeping while rank 0 still publishes the previous record or, in step 1, warms
         # up its forward pass, so part of the sleep overlaps rank 0's other parts.)
         assert r["step_time_s"] >= 0.15, r
+    gaps = sorted(abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) / r["step_time_s"] for r in recs)
+    assert gaps[len(gaps) // 2] <= 0.02, gaps
     # In the steady state rank 0's wait for rank 2 shows as exposed communication.
     assert sorted(r["time_comm_s"] for r in recs)[len(recs) // 2] >= 0.1
     # The checkpoint of step 10 is written after that step's record: its stall shows in step 11's record. The

@@ -13,13 +13,11 @@ from tests.conftest import ROOT, run_cli, summary
 
 # Apart from a developer's own cluster (16817/17001); HPC_TEST_SLURM_CTLD_PORT / HPC_TEST_SLURM_NODE_PORT move them,
 # so that two test sessions can run at once. Nodes use NODE_PORT, NODE_PORT + 1; the accounting test's own cluster
-# the same + 10 (tests/slurm/test_accounting.py).
+# the same + 10 (tests/slurm/test_accounting.py), the separate-hosts cluster + 20 (tests/slurm/test_badnodes.py).
 PORTS = {
     "HPC_SLURM_CTLD_PORT": os.environ.get("HPC_TEST_SLURM_CTLD_PORT", "16917"),
     "HPC_SLURM_NODE_PORT": os.environ.get("HPC_TEST_SLURM_NODE_PORT", "17101"),
 }
-# Three nodes: a 2-node job whose node was named bad continues in a new job on the other two (test_badnodes.py).
-NODES = {"HPC_SLURM_NODES": "3"}
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +26,7 @@ def slurm():
     # own tmp folders are private to root).
     state = Path(tempfile.mkdtemp(prefix="hpc-slurm-test-", dir="/tmp"))
     state.chmod(0o755)
-    env = {**os.environ, **PORTS, **NODES}
+    env = {**os.environ, **PORTS}
     subprocess.run(["bash", "envs/slurm/cluster.sh", "install"], check=True, cwd=ROOT, env=env,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     subprocess.run(["bash", "envs/slurm/cluster.sh", "start", str(state)], check=True, cwd=ROOT, env=env)
