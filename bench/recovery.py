@@ -13,8 +13,13 @@ Times come from one clock on this host: the moment of the kill or signal, the la
 trainer's `resume` event (after the checkpoint is loaded) and the first new step's metrics record.
 
 Goodput, locally: the same run uninterrupted and with a rank SIGKILLed every `--kill-every` steps (in-job
-restarts, back-off 0). Goodput = the uninterrupted run's wall time / the interrupted run's wall time (from starting
-the launcher to its exit; both runs have the same checkpoint cadence). Prints a table and a JSON object.
+restarts, back-off 0). A run's goodput is its productive time over its wall time (from starting the launcher to its
+exit): productive time is the step time (metrics.jsonl's step_time_s, which includes checkpoint stalls) of the
+steps that count, the last record of each step, so steps recomputed after a kill and every restart's downtime are
+lost. Each run is measured against its own clock, so the host running faster or slower between the two runs does
+not enter it (measured: the killed run's first launch, before any kill, stepped 10 % slower than the uninterrupted
+run just before it); the plain ratio of the two wall times, which it does enter, is reported beside it. Prints a
+table and a JSON object.
 """
 
 from __future__ import annotations
@@ -114,6 +119,18 @@ def kill_every(run_dir: Path, proc: subprocess.Popen, every: int) -> int:
     return kills
 
 
+def productive_s(run_dir: Path) -> float:
+    """Step time of the steps that count: the last record of each step (a step recomputed after a kill counts once,
+    the first time is lost), evaluations included."""
+    last = {r["step"]: r for r in lines(run_dir / "metrics.jsonl")}
+    return sum(r["step_time_s"] + r.get("time_eval_s", 0.0) for r in last.values())
+
+
+def run_goodput(run_dir: Path, wall_s: float) -> dict:
+    productive = productive_s(run_dir)
+    return {"productive_s": productive, "goodput": productive / wall_s}
+
+
 def goodput(data: Path, work: Path, steps: int, every: int) -> dict:
     sets = [s for s in SETS if not s.startswith("train.steps=")] + [f"train.steps={steps}"]
     sets += ["checkpoint.every_steps=50", f"job.max_failures={steps // every + 1}"]
@@ -125,12 +142,25 @@ def goodput(data: Path, work: Path, steps: int, every: int) -> dict:
         kills = kill_every(run_dir, proc, interval)
         status = proc.wait()
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-        out[label] = {"wall_s": time.time() - start, "status": status, "kills": kills,
+        wall = time.time() - start
+        out[label] = {"wall_s": wall, "status": status, "kills": kills, **run_goodput(run_dir, wall),
                       "params_sha256": summary.get("params_sha256")}  # fmt: skip
-    out["goodput"] = out["uninterrupted"]["wall_s"] / out["killed"]["wall_s"]
-    out["same_params"] = out["uninterrupted"]["params_sha256"] == out["killed"]["params_sha256"]
+    out.update(summarize_goodput(out["uninterrupted"], out["killed"]))
     out["steps"], out["kill_every"] = steps, every
     return out
+
+
+def summarize_goodput(plain: dict, killed: dict) -> dict:
+    """The killed run's goodput, what each kill cost (lost time beyond the uninterrupted run's own overhead:
+    start-up, teardown), the wall-time ratio, and whether both runs ended with the same parameters."""
+    lost = (killed["wall_s"] - killed["productive_s"]) - (plain["wall_s"] - plain["productive_s"])
+    return {
+        "goodput": killed["goodput"],
+        "goodput_uninterrupted": plain["goodput"],
+        "cost_per_kill_s": lost / killed["kills"] if killed["kills"] else None,
+        "wall_ratio": plain["wall_s"] / killed["wall_s"],
+        "same_params": plain["params_sha256"] == killed["params_sha256"],
+    }
 
 
 def main() -> int:
@@ -176,8 +206,10 @@ def main() -> int:
         g = goodput(data, work, args.goodput_steps, args.kill_every)
         result["goodput"] = g
         print(f"\ngoodput: {g['steps']} steps, a rank killed every {g['kill_every']} steps ({g['killed']['kills']} "
-              f"kills): {g['uninterrupted']['wall_s']:.1f} s uninterrupted, {g['killed']['wall_s']:.1f} s killed -> "
-              f"{100 * g['goodput']:.1f} %; same params_sha256: {g['same_params']}")  # fmt: skip
+              f"kills): {100 * g['goodput']:.1f} % of the killed run's {g['killed']['wall_s']:.1f} s trained steps "
+              f"that count ({100 * g['goodput_uninterrupted']:.1f} % of the uninterrupted run's "
+              f"{g['uninterrupted']['wall_s']:.1f} s); {g['cost_per_kill_s']:.1f} s lost per kill; wall-time ratio "
+              f"{100 * g['wall_ratio']:.1f} %; same params_sha256: {g['same_params']}")  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

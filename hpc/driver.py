@@ -225,8 +225,19 @@ class Driver:
         return {"status": ended.how}
 
     def _resubmit(self, cfg: RunConfig, rundir: RunDir, job: SlurmJob, exclude: tuple[str, ...], why: str) -> dict:
-        """End this job; the run continues in a new one that excludes ``exclude`` (later links of a chain, still
-        pending, get the exclusion too)."""
+        """End this job; the run continues in a job that excludes ``exclude``: the chain's next link when one is
+        pending (it starts once this job ends: a new job beside it would train the same run at the same time), with
+        the exclusion added to it and every later link, else a new job submitted with ``--exclude``."""
+        pending = pending_jobs(rundir, skip={job.job_id})
+        refused = [j for j in pending if not exclude_nodes(j, exclude)]
+        if pending and pending[0] not in refused:
+            for j in refused:
+                print(f"warning: scontrol could not exclude {','.join(exclude)} from pending job {j}", flush=True)
+            print(
+                f"{why}; the run continues in job {pending[0]}, the chain's next link (--exclude={','.join(exclude)})",
+                flush=True,
+            )
+            return {"status": "resubmitted", "job_id": pending[0]}
         try:
             new_id = submit_link(cfg, rundir, last_in_chain=self.last_in_chain, exclude=exclude, reason="exclude")
         except Exception as exc:  # sbatch refused (say, too few nodes left in the partition): the run ends here
@@ -235,8 +246,6 @@ class Driver:
                 f"{why}; submitting the continuation without {', '.join(exclude)} failed: {message}. Continue with: "
                 f"python -m hpc resume {rundir.root}"
             ) from None
-        for pending in pending_jobs(rundir, skip={job.job_id, new_id}):
-            subprocess.call(["scontrol", "update", f"JobId={pending}", f"ExcNodeList={','.join(exclude)}"])
         print(f"{why}; the run continues in job {new_id} (--exclude={','.join(exclude)})", flush=True)
         return {"status": "resubmitted", "job_id": new_id}
 
@@ -279,6 +288,12 @@ def submit_link(
     with open(rundir.jobs, "a") as f:
         f.write(json.dumps(record) + "\n")
     return submitted.job_id
+
+
+def exclude_nodes(job_id: str, nodes: tuple[str, ...]) -> bool:
+    """Keep a pending job off ``nodes`` (its ExcNodeList); whether scontrol did it."""
+    cmd = ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"]
+    return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
 def pending_jobs(rundir: RunDir, skip: set[str]) -> list[str]:

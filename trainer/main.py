@@ -50,6 +50,7 @@ from runconfig.contract import (  # noqa: E402
 )
 from runconfig.load import config_hash  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
+from trainer.parallel.mpi_progress import ProgressThread  # noqa: E402
 
 log = logging.getLogger("trainer")
 
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     clean = False
+    progress = ProgressThread.start_if_needed(comm)  # messages keep moving while this rank waits outside MPI
     try:
         status = run(rundir, comm)
         clean = True
@@ -281,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.parallel.distributed import shutdown
 
             shutdown(comm, clean=clean)
+        if progress is not None:
+            progress.stop()
 
 
 def _abort_job(comm: MPI.Comm, status: int) -> None:

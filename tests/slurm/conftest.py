@@ -40,6 +40,39 @@ def slurm():
         os.environ["SLURM_CONF"] = old
 
 
+# A cluster of separate hosts (envs/slurm/cluster.sh, HPC_SLURM_NETNS=1): four nodes, each slurmd in its own network,
+# UTS and mount namespace with its own address and host name, joined by links shaped to 1 Gbit/s. Ranks on two
+# nodes talk over a network, as on a real cluster, not over loopback or shared memory. Ports: the session's + 20.
+HOSTS = {
+    "HPC_SLURM_CTLD_PORT": str(int(PORTS["HPC_SLURM_CTLD_PORT"]) + 20),
+    "HPC_SLURM_NODE_PORT": str(int(PORTS["HPC_SLURM_NODE_PORT"]) + 20),
+    "HPC_SLURM_NODES": "4",
+    "HPC_SLURM_NETNS": "1",
+    "HPC_SLURM_LINK_RATE": "1gbit",
+}
+
+
+@pytest.fixture(scope="session")
+def hosts_cluster():
+    state = Path(tempfile.mkdtemp(prefix="hpc-slurm-hosts-test-", dir="/tmp"))
+    state.chmod(0o755)  # the munge user must traverse it
+    env = {k: v for k, v in os.environ.items() if k != "HPC_SLURM_ACCOUNTING"} | HOSTS
+    subprocess.run(["bash", "envs/slurm/cluster.sh", "install"], check=True, cwd=ROOT, env=env,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        subprocess.run(["bash", "envs/slurm/cluster.sh", "start", str(state)], check=True, cwd=ROOT, env=env)
+        yield state
+    finally:
+        subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env, check=False)
+
+
+@pytest.fixture
+def on_hosts(hosts_cluster, monkeypatch):
+    """This test's Slurm commands and jobs go to the cluster of separate hosts."""
+    monkeypatch.setenv("SLURM_CONF", str(hosts_cluster / "slurm.conf"))
+    return hosts_cluster
+
+
 def sets_for(data) -> list[str]:
     return [
         f"data.path={data}", "train.steps=60", "train.warmup_steps=2", "train.eval_every=20",

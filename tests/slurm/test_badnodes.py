@@ -4,54 +4,19 @@ srun spreads the ranks over those hosts, MPI and gloo talk between them over the
 points at is named in history with the evidence and never used again by the run: either in the same allocation
 (the world shrinks, down to job.min_nodes) or in a new job submitted with --exclude.
 
-The module starts its own cluster on the session cluster's ports + 20 (the session cluster keeps serving the other
-tests, unchanged)."""
+The cluster is tests/slurm/conftest.py's hosts_cluster (the session cluster keeps serving the other tests)."""
 
 import json
 import os
 import signal
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from runconfig.contract import EVENT_RESTART, EVENT_RESUME
-from tests.conftest import ROOT, history, rank_pids, summary
-from tests.slurm.conftest import PORTS, job_info, job_log, sets_for, submit, wait_state, wait_step
+from tests.conftest import history, rank_pids, summary
+from tests.slurm.conftest import job_info, job_log, sets_for, submit, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
-SETTINGS = {
-    "HPC_SLURM_CTLD_PORT": str(int(PORTS["HPC_SLURM_CTLD_PORT"]) + 20),
-    "HPC_SLURM_NODE_PORT": str(int(PORTS["HPC_SLURM_NODE_PORT"]) + 20),
-    "HPC_SLURM_NODES": "4",
-    "HPC_SLURM_NETNS": "1",
-    "HPC_SLURM_LINK_RATE": "1gbit",
-}
-
-
-@pytest.fixture(scope="module")
-def hosts_cluster():
-    state = Path(tempfile.mkdtemp(prefix="hpc-slurm-hosts-test-", dir="/tmp"))
-    state.chmod(0o755)  # the munge user must traverse it
-    env = {k: v for k, v in os.environ.items() if k != "HPC_SLURM_ACCOUNTING"} | SETTINGS
-
-    def cluster(verb: str, check: bool = True) -> None:
-        out = subprocess.DEVNULL if verb == "install" else None
-        subprocess.run(["bash", "envs/slurm/cluster.sh", verb, str(state)], check=check, cwd=ROOT, env=env, stdout=out)
-
-    cluster("install")
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(state / "slurm.conf")
-    try:
-        cluster("start")
-        yield state
-    finally:
-        cluster("wipe", check=False)
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
 
 
 def events_of(run_dir, name):
@@ -73,7 +38,7 @@ def assert_separate_hosts(run_dir, pids: dict[int, int], ranks_per_node: int) ->
 
 
 def test_a_killed_ranks_node_is_excluded_in_a_new_job_and_the_run_ends_bitwise(
-    hosts_cluster, small_dataset, reference, tmp_path
+    on_hosts, small_dataset, reference, tmp_path
 ):
     """2 nodes needed (job.min_nodes unset): rank 1 on n1 is killed, n1 is named, and the run continues in a new job
     excluding n1 (a running job's exclusions cannot change; a requeue could land on n1 again): on n2 and n3, same
@@ -102,7 +67,28 @@ def test_a_killed_ranks_node_is_excluded_in_a_new_job_and_the_run_ends_bitwise(
     assert summary(run_dir)["params_sha256"] == reference
 
 
-def test_a_nodes_ranks_all_killed_shrink_the_run_in_the_job(hosts_cluster, small_dataset, tmp_path):
+def test_a_chain_continues_in_its_next_link_without_the_named_node(on_hosts, small_dataset, reference, tmp_path):
+    """A chain of 2 jobs: rank 1 on n1 is killed in the first; no new job is submitted (it would train the run beside
+    the second link, which starts once the first ends): the pending link gets ExcNodeList=n1 and finishes the run on
+    n2 and n3, bit-identical."""
+    run_dir = tmp_path / "run"
+    last = submit(run_dir, [*sets_for(small_dataset), "job.restart_backoff_s=0.5"], "--chain", "2")
+    first = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[0])["job_id"]
+    wait_step(run_dir, 12)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    info = wait_state(first, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{job_log(run_dir, first)}"
+    assert f"the run continues in job {last}, the chain's next link (--exclude=n1)" in job_log(run_dir, first)
+    info = wait_state(last, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{job_log(run_dir, last)}"
+    assert info["ExcNodeList"] == "n1" and info["NodeList"] == "n[2-3]", info
+    assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 2
+    resumed = events_of(run_dir, EVENT_RESUME)
+    assert [(e["slurm_job_id"], e["nodes"]) for e in resumed] == [(last, ["n2", "n3"])], resumed
+    assert summary(run_dir)["params_sha256"] == reference
+
+
+def test_a_nodes_ranks_all_killed_shrink_the_run_in_the_job(on_hosts, small_dataset, tmp_path):
     """3 nodes x 1 rank, job.min_nodes=2: the rank on n2 is killed; the driver names n2 and restarts the ranks in the
     same allocation on n1 and n3 (2 ranks, gradient accumulation 2 -> 3, the same global batch of 24); n2 is not
     used again."""

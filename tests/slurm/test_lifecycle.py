@@ -34,12 +34,12 @@ def wait_for(predicate, what, timeout=120):
 
 def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    sets = [*sets_for(small_dataset), "train.steps=400", "checkpoint.every_steps=50"]
+    sets = [*sets_for(small_dataset), "train.steps=200", "checkpoint.every_steps=50"]
     job_id = submit(run_dir, sets)
     wait_step(run_dir, 10)
 
     info = status(run_dir)
-    assert info["state"] == "running" and info["jobs"][0]["job_id"] == job_id and info["steps"] == 400
+    assert info["state"] == "running" and info["jobs"][0]["job_id"] == job_id and info["steps"] == 200
     assert info["step"] >= 10
     text = hpc("status", str(run_dir)).stdout
     assert f"job {job_id}: RUNNING" in text and "step " in text
@@ -82,4 +82,4 @@ def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path)
     assert new_id != job_id
     assert wait_state(new_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)["JobState"] == "COMPLETED"
     info = status(run_dir)
-    assert info["state"] == "completed" and info["step"] == 400 and info["restarts"] >= 2
+    assert info["state"] == "completed" and info["step"] == 200 and info["restarts"] >= 2

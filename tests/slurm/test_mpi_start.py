@@ -55,9 +55,11 @@ def test_the_trainers_mpi_start_makes_short_pmi_requests(slurm, tmp_path):
     assert any("cmd=put" in r["longest_starts"] for r in records), records
 
 
-def test_many_multi_node_starts_in_a_row(slurm):
-    """25 starts of 2 nodes x 2 ranks: every one comes up with the right layout, delivers rank 0's broadcast while
-    rank 0 waits outside MPI (the trainer's rendezvous), none hangs, none leaves shared memory behind."""
+def test_many_multi_node_starts_in_a_row(on_hosts):
+    """25 starts of 2 nodes x 2 ranks on separate hosts (MPI's traffic between nodes crosses a network): every one
+    comes up with the right layout, delivers rank 0's broadcast while rank 0 waits outside MPI (the trainer's
+    rendezvous), none hangs, none leaves shared memory behind. (With OFI's automatic data progress about one start
+    in ten hung in MPI_Init here; on one host, where the nodes share memory, none did.)"""
     before = {p.name for p in shm.stale()}
     for attempt in range(25):
         out = srun("-N2", "--ntasks-per-node=2", *START)
@@ -66,5 +68,5 @@ def test_many_multi_node_starts_in_a_row(slurm):
         assert sorted(r["rank"] for r in lines) == [0, 1, 2, 3], out.stdout
         assert {r["rank"]: r["node"] for r in lines} == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
         assert all(r["world"] == 4 and r["ranks"] == [0, 1, 2, 3] for r in lines)
-        assert all(r["waited_s"] < 10 for r in lines), lines  # the broadcast arrived while rank 0 waited
+        assert all(r["waited_s"] < 2 for r in lines), lines  # the broadcast arrived while rank 0 waited
     assert {p.name for p in shm.stale()} <= before

@@ -12,12 +12,13 @@ assertions, ``mm_sysv`` shmat errors). The OFI module puts one 16-byte address p
 requests whatever the ranks per node), far from the limit. MPI here only bootstraps the ranks and agrees on small
 values; the training traffic goes through torch.distributed (NCCL or gloo), so the MPI transport costs nothing.
 
-OFI providers may make progress only inside MPI calls (the ``sockets`` provider libfabric picks on plain Ethernet
-does): rank 0 broadcasts the rendezvous port and then waits in torch's TCPStore, and the ranks on other nodes never
-receive the broadcast (measured: delivered only when rank 0 next called MPI). Automatic data and control progress
-is asked for, which the provider serves from its own blocking threads (no CPU spent while idle, measured). The
-provider itself is left to libfabric: ``FI_PROVIDER`` would also steer other libfabric users in the process, such
-as NCCL's OFI plugin on EFA clusters.
+OFI providers move data only inside MPI calls (libfabric picks ``tcp`` between hosts here): rank 0 broadcasts the
+rendezvous port and then waits in torch's TCPStore, and the ranks on other nodes never receive the broadcast
+(measured: delivered only when rank 0 next called MPI). OFI's automatic data progress would deliver it, but with it
+about one 3-node start in ten hung in ``MPI_Init`` between separate hosts, so the trainer drives data progress with
+its own thread instead (``trainer/parallel/mpi_progress.py``); automatic control progress is kept (0 hangs in 30
+starts with it). The provider itself is left to libfabric: ``FI_PROVIDER`` would also steer other libfabric users
+in the process, such as NCCL's OFI plugin on EFA clusters.
 
 Every value is a default: a variable the user set (``job.env``, the shell, a module file) is never overwritten.
 MPICH builds with a single network module ignore the variable; other MPI libraries do not read ``MPIR_CVAR_*``.
@@ -31,7 +32,6 @@ from collections.abc import MutableMapping
 NETMOD_VAR = "MPIR_CVAR_CH4_NETMOD"
 DEFAULTS = {
     NETMOD_VAR: "ofi",
-    "MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS": "1",
     "MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS": "1",
 }
 

@@ -1,5 +1,5 @@
-"""One rank of an MPI start exactly as the trainer does it (its MPI defaults, then the MPI layout, then rank 0's
-broadcast followed by a wait outside MPI): prints a JSON line with what this rank learnt."""
+"""One rank of an MPI start exactly as the trainer does it (its MPI defaults, its progress thread, then the MPI
+layout, then rank 0's broadcast followed by a wait outside MPI): prints a JSON line with what this rank learnt."""
 
 import json
 import socket
@@ -12,8 +12,10 @@ apply_defaults()
 from mpi4py import MPI  # noqa: E402
 
 from trainer.env import from_mpi  # noqa: E402
+from trainer.parallel.mpi_progress import ProgressThread  # noqa: E402
 
 comm = MPI.COMM_WORLD
+progress = ProgressThread.start_if_needed(comm)
 env = from_mpi(comm)
 ranks = comm.allgather(env.rank)
 
@@ -34,3 +36,5 @@ else:
     waited = 0.0
 record = {"rank": env.rank, "world": env.world_size, "node": env.slurm_node, "ranks": ranks, "waited_s": waited}
 print(json.dumps(record), flush=True)
+if progress is not None:
+    progress.stop()
