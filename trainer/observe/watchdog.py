@@ -124,8 +124,9 @@ class Watchdog:
                 if store.check([HANG_KEY]):
                     self._follow(store)
                     return
-                if self.phase != "finished" and time.time() - self.since > self.cfg.hang_timeout_s:
-                    self._claim(store)
+                seq = self.seq  # before `since`: enter() sets seq first, so a phase that begins now is not claimed
+                late = self.phase != "finished" and time.time() - self.since > self.cfg.hang_timeout_s
+                if late and self._claim(store, seq):
                     return
             except Exception as exc:  # the store went away with rank 0
                 self._store = None
@@ -155,9 +156,15 @@ class Watchdog:
             if r not in beats or (beats[r]["phase"] != "finished" and now - beats[r]["beat"] > limit)
         ]
 
-    def _claim(self, store: dist.TCPStore) -> None:
+    def _claim(self, store: dist.TCPStore, seq: int) -> bool:
+        """Declare the hang this rank found in its phase number ``seq``: unless that phase ended meanwhile (reading
+        the beats takes a while on a loaded host), which is a slow phase, not a hang. True once the hang is handled."""
         beats = self._read_beats()
         now = time.time()
+        if self.seq != seq:
+            log.warning("phase %s took longer than monitor.hang_timeout_s=%g s, but ended", self._where(),
+                        self.cfg.hang_timeout_s)  # fmt: skip
+            return False
         silent = self._silent(beats)
         live = {r: b for r, b in beats.items() if r not in silent and b["phase"] != "finished"}
         ahead = max((b["seq"] for b in live.values()), default=self.seq)
@@ -191,7 +198,7 @@ class Watchdog:
         claim = json.dumps({"rank": self.env.rank, "message": message})
         if store.compare_set(HANG_KEY, "", claim) != claim.encode():
             self._follow(store)  # another rank claimed it first
-            return
+            return True
         log.error("%s", message)
         self._dump()
         deadline = time.time() + 3 * self.cfg.heartbeat_s + 5
@@ -199,6 +206,7 @@ class Watchdog:
         while time.time() < deadline and not all(store.check([f"hpc/watchdog/dumped/{r}"]) for r in expected):
             time.sleep(0.2)
         self._fail(message, suspects)
+        return True
 
     def _follow(self, store: dist.TCPStore) -> None:
         message = json.loads(store.get(HANG_KEY))["message"]
