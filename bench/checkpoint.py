@@ -257,7 +257,7 @@ def worker(args: argparse.Namespace) -> int:
             async_ckpt.verified = ckpts["sync"].verified
             state = TrainState()
             parts.loader.start(0)
-            parts.ddp.train()
+            parts.wrapped.module.train()
             steps = 0
 
             def one_step() -> None:

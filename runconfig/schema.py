@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runconfig.layout import Layout, LayoutError, resolve
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # What may reach an #SBATCH line unquoted: no spaces, quotes, '$', backticks, ';' or newlines.
 SLURM_NAMES_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64})*$")
@@ -382,6 +384,48 @@ class CommConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    dp_replicate: int = doc(
+        "Data-parallel replicas: whole copies of the (sharded) model, gradients all-reduced between them (DDP; with "
+        "dp_shard > 1, HSDP's replicate dimension, across nodes). -1 = what the other degrees leave.",
+        -1,
+    )
+    dp_shard: int = doc(
+        "FSDP2 shard degree: parameters, gradients and optimizer state split over this many ranks (inside a node "
+        "when it equals job.ranks_per_node: HSDP). 1 = no sharding; -1 = what the other degrees leave.",
+        1,
+    )
+    tp: int = doc("Tensor-parallel degree, innermost, inside a node (not available yet: 1).", 1)
+    pp: int = doc("Pipeline-parallel stages, outermost (not available yet: 1).", 1)
+    fsdp_reshard_after_forward: bool = doc(
+        "FSDP: free each block's gathered parameters after its forward and gather them again for backward (less "
+        "memory, more communication); the last block always keeps them.",
+        True,
+    )
+    activation_checkpointing: Literal["none", "selective", "full"] = doc(
+        "Recompute activations in backward instead of keeping them: full = every block, selective = every other "
+        "block; none = keep all. Blocks as for FSDP (the recipe's fsdp_wrap, else the largest ModuleList's children).",
+        "none",
+    )
+
+    def degrees(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+    def check(self) -> Problems:
+        out: Problems = []
+        for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+            value = getattr(self, key)
+            if value != -1 and value < 1:
+                out.append((key, f"must be >= 1, or -1 for what the other degrees leave; got {value}"))
+        for key in ("tp", "pp"):
+            if getattr(self, key) not in (1,):
+                out.append(
+                    (key, f"{getattr(self, key)}: {key} > 1 is not available in this version yet (use dp_shard)")
+                )
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     every_steps: int = doc("Commit a checkpoint every N optimizer steps; 0 = not by step count.", 100)
     every_minutes: float = doc("Commit a checkpoint when this many minutes passed since the last; 0 = off.", 0.0)
@@ -525,6 +569,11 @@ class RunConfig:
     )
     train: TrainConfig = doc("Optimisation loop.", factory=TrainConfig)
     comm: CommConfig = doc("Gradient communication.", factory=CommConfig)
+    parallel: ParallelConfig = doc(
+        "How the model is split over the ranks: data-parallel replicas and FSDP2 shards (HSDP), see "
+        "runconfig/layout.py.",
+        factory=ParallelConfig,
+    )
     checkpoint: CheckpointConfig = doc("Checkpoints, stop signals and resume.", factory=CheckpointConfig)
     monitor: MonitorConfig = doc("Metrics, TensorBoard, stragglers and the hang watchdog.", factory=MonitorConfig)
 
@@ -550,31 +599,7 @@ class RunConfig:
                     "the trainer would not stop on it",
                 )
             )
-        per_pass = self.train.micro_batch_size * self.job.world_size
-        shrunk = [
-            n
-            for n in range(self.job.min_nodes_or_all, self.job.nodes)
-            if self.train.global_batch_size % (self.train.micro_batch_size * n * self.job.ranks_per_node)
-        ]
-        if self.train.global_batch_size % per_pass:
-            out.append(
-                (
-                    "train.global_batch_size",
-                    f"{self.train.global_batch_size} is not a multiple of train.micro_batch_size "
-                    f"({self.train.micro_batch_size}) x world size ({self.job.nodes} nodes x "
-                    f"{self.job.ranks_per_node} ranks = {self.job.world_size})",
-                )
-            )
-        elif shrunk:
-            out.append(
-                (
-                    "job.min_nodes",
-                    f"{self.job.min_nodes} lets the run continue on {', '.join(map(str, shrunk))} node(s), where "
-                    f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
-                    f"train.micro_batch_size ({self.train.micro_batch_size}) x the world size "
-                    f"({self.job.ranks_per_node} ranks per node): the global batch could not stay the same",
-                )
-            )
+        out += self._layout_problems()
         if self.monitor.preflight == "exclude" and self.job.nodes == 1:
             out.append(
                 (
@@ -594,6 +619,46 @@ class RunConfig:
                 )
             )
         return out
+
+    def layout(self, world_size: int | None = None) -> Layout:
+        """The parallel layout on ``world_size`` ranks (default: the job's); raises LayoutError."""
+        return resolve(self.parallel.degrees(), world_size or self.job.world_size, self.job.ranks_per_node)
+
+    def _layout_problems(self) -> Problems:
+        """The layout must resolve, and the global batch split over its data-parallel ranks, at the job's size
+        and at every smaller size job.min_nodes lets the run continue on."""
+        t, job = self.train, self.job
+        for nodes in range(job.nodes, job.min_nodes_or_all - 1, -1):
+            world = nodes * job.ranks_per_node
+            shrunk = nodes < job.nodes
+            where = f"on {nodes} of job.nodes={job.nodes} (job.min_nodes={job.min_nodes}), " if shrunk else ""
+            try:
+                layout = self.layout(world)
+            except LayoutError as exc:
+                key = "job.min_nodes" if shrunk else f"parallel.{exc.key}"
+                return [(key, f"{where}{exc} (world size {world} = {nodes} nodes x {job.ranks_per_node} ranks)")]
+            if t.global_batch_size % (t.micro_batch_size * layout.dp):
+                ranks = f"{nodes} nodes x {job.ranks_per_node} ranks = {world}"
+                dp = f"data-parallel size ({ranks})" if layout.dp == world else f"data-parallel size {layout.dp}"
+                if shrunk:
+                    return [
+                        (
+                            "job.min_nodes",
+                            f"{job.min_nodes} lets the run continue on {nodes} node(s), where "
+                            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                            f"train.micro_batch_size ({t.micro_batch_size}) x the {dp}: the global batch could not "
+                            "stay the same",
+                        )
+                    ]
+                over = f"world size ({ranks})" if layout.dp == world else f"{dp} ({layout.describe()})"
+                return [
+                    (
+                        "train.global_batch_size",
+                        f"{t.global_batch_size} is not a multiple of train.micro_batch_size ({t.micro_batch_size}) "
+                        f"x {over}",
+                    )
+                ]
+        return []
 
     def grad_accum(self, world_size: int) -> int:
         """Micro-steps per optimizer step at the given world size."""

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 from mpi4py import MPI
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import default_collate
 
 from runconfig import RunConfig, RunDir
@@ -32,8 +31,8 @@ from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.timing import peak_tflops
-from trainer.parallel.comm import hierarchical_hook
 from trainer.parallel.distributed import Distributed
+from trainer.parallel.wrap import wrap
 from trainer.recipes.api import Recipe, RecipeContext
 from trainer.recipes.load import build_recipe, check_lengths
 
@@ -94,12 +93,7 @@ def build_parts(
     if marks is not None:
         marks["recipe"] = time.time()
     model = recipe.model.to(d.device)
-    ddp = DDP(
-        model,
-        device_ids=[d.device.index] if d.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.comm.bucket_mb,
-    )
-    allreduce = wire_allreduce(cfg, env, d, ddp)
+    wrapped = wrap(cfg, env, d, model, recipe)
     t = cfg.train
     loader = BatchLoader(
         recipe.train_data,
@@ -107,15 +101,15 @@ def build_parts(
         seed=cfg.data.seed,
         global_batch=t.global_batch_size,
         micro_batch=t.micro_batch_size,
-        world_size=env.world_size,
-        rank=env.rank,
+        world_size=wrapped.layout.dp,
+        rank=wrapped.layout.dp_rank(env.rank),
         device=d.device,
         prefetch=cfg.data.prefetch,
         what=f"recipe {cfg.recipe!r}: train_data",
     )
     stack.callback(loader.close)
     agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
-    settle(cfg, env, ddp, recipe, loader, comm)
+    settle(cfg, env, wrapped.module, recipe, loader, comm)
     # Counted before the per-rank reseed below: a counting pass draws dropout randoms too.
     flops = count_flops_per_sample(cfg, recipe, d) if peak_tflops(d.device, cfg.monitor.peak_tflops) else None
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
@@ -146,11 +140,10 @@ def build_parts(
         d=d,
         recipe=recipe,
         model=model,
-        ddp=ddp,
+        wrapped=wrapped,
         optimizer=optimizer,
         lr_schedule=recipe.lr_schedule or functools.partial(lr_at, cfg=t),
         loader=loader,
-        allreduce=allreduce,
         state=TrainState(),
         checkpoints=checkpoints,
         metrics=metrics,
@@ -159,20 +152,9 @@ def build_parts(
     )
 
 
-def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) -> str:
-    """Register the hierarchical hook where there are two levels; return the all-reduce that actually runs."""
-    topo = env.topology
-    if cfg.comm.allreduce == "hierarchical" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
-        ddp.register_comm_hook(d.groups, hierarchical_hook)
-        return "hierarchical"
-    if cfg.comm.allreduce == "hierarchical" and env.rank == 0 and env.world_size > 1:
-        # One node (or one rank per node): the hierarchy has a single level, and DDP's own all-reduce, which
-        # overlaps with the backward pass, is strictly better than the synchronous three-phase hook.
-        log.info("hierarchical all-reduce needs >1 node and >1 rank per node; using DDP's flat all-reduce")
-    return "flat"
-
-
-def settle(cfg: RunConfig, env: RuntimeEnv, ddp: DDP, recipe: Recipe, loader: BatchLoader, comm: MPI.Comm) -> None:
+def settle(
+    cfg: RunConfig, env: RuntimeEnv, module: torch.nn.Module, recipe: Recipe, loader: BatchLoader, comm: MPI.Comm
+) -> None:
     """One throw-away forward/backward on this rank's first micro-batch, so DDP rebuilds its gradient buckets (in
     gradient-ready order) before the first real step in every run: without it the first step after a restart
     reduces in the initial bucket layout while the uninterrupted run used the rebuilt one, and resume would not
@@ -181,7 +163,7 @@ def settle(cfg: RunConfig, env: RuntimeEnv, ddp: DDP, recipe: Recipe, loader: Ba
     try:
         batch = loader.batch_at(0, 0)
         with autocast(cfg, loader.device):
-            loss = recipe.loss(ddp, batch)
+            loss = recipe.loss(module, batch)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
             what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:200]
             raise UserError(
@@ -197,7 +179,7 @@ def settle(cfg: RunConfig, env: RuntimeEnv, ddp: DDP, recipe: Recipe, loader: Ba
         error = str(exc)
     agree(comm, error)  # before backward: its all-reduce needs every rank
     loss.backward()
-    ddp.zero_grad(set_to_none=True)
+    module.zero_grad(set_to_none=True)
 
 
 def _error_of(check) -> str | None:

@@ -92,6 +92,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     from trainer.loop.stop import StopFlag
     from trainer.loop.stopreport import LeadCheck, record_signal_path, stopped_fields
     from trainer.loop.train import train
+    from trainer.observe.memory import state_bytes
     from trainer.observe.metrics import truncate_metrics
     from trainer.observe.preflight import run_preflight
     from trainer.observe.stragglers import NodeEvicted
@@ -223,6 +224,8 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             "world_size": env.world_size,
             "topology": env.topology.describe(),
             "allreduce": p.allreduce,
+            "parallel": p.wrapped.layout.sizes(),
+            "state_bytes_per_rank": _largest(comm, state_bytes(p.model, p.optimizer)),
             "backend": d.backend,
             "config_sha256": config_hash(cfg),
             **p.mon.stragglers.summary(),
@@ -236,6 +239,11 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         return EXIT_DONE
         # The stop handlers stay (they only set a flag) until the process ends: a stop signal arriving during the
         # teardown, after the decision is recorded, must not kill a rank with the default action.
+
+
+def _largest(comm, values: dict[str, int]) -> dict[str, int]:
+    """Each entry's largest value over the ranks (collective)."""
+    return {k: int(comm.allreduce(v, op=MPI.MAX)) for k, v in values.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,3 +54,25 @@ def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, f
     assert events[:3] == [EVENT_CODE, EVENT_START, EVENT_STOPPED] and events.count(EVENT_RESTART) == 1, events
     assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
     assert rows(run_dir) == ref_rows
+
+
+@pytest.mark.parametrize(
+    "name,layout",
+    [("digits", ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]), ("lm_bpe", ["parallel.dp_shard=2"])],
+)
+def test_example_trains_sharded_like_ddp(tmp_path, example_reference, name, layout):
+    """A user's recipe under FSDP2 (digits: an MLP without blocks, sharded whole) and HSDP (lm_bpe: its own
+    transformer, sharded block by block): the same losses as its DDP run within float tolerance (the same per-rank
+    dropout streams and data; only the order of the gradient sums differs)."""
+    reference = example_reference(name)
+    run_dir = tmp_path / "run"
+    proc = start(example_args(name, run_dir, "--local", *(a for s in layout for a in ("--set", s))), slow=False)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert summary(run_dir)["allreduce"] == ("fsdp" if name == "digits" else "hsdp")
+    got, want = rows(run_dir), rows(reference)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "eval_loss", "eval_accuracy"):
+            if b[key] is not None:
+                assert abs(a[key] - b[key]) < 1e-4, (key, a, b)

@@ -220,3 +220,23 @@ def test_recipe_keys(tmp_path):
         with pytest.raises(ConfigError) as info:
             load_config(str(path), overrides)
         assert needle in str(info.value), (overrides, str(info.value))
+
+
+def test_readme_lists_every_config_key():
+    """The README's table of config keys names every key each section declares (it drifted once: the preflight and
+    straggler-exclusion keys were missing)."""
+    import dataclasses
+    import typing
+
+    from runconfig.schema import RunConfig
+
+    rows = {}
+    for line in (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines():
+        if line.startswith("| `") and line.count("|") == 3:
+            section, keys = line.split("|")[1:3]
+            rows[section.strip().strip("`")] = keys
+    for name, kind in typing.get_type_hints(RunConfig).items():
+        if dataclasses.is_dataclass(kind):
+            assert name in rows, f"README has no row for section {name!r}"
+            missing = [f.name for f in dataclasses.fields(kind) if f"`{f.name}`" not in rows[name]]
+            assert not missing, f"README's {name!r} row lacks {missing}"

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from runconfig import RunConfig, RunDir
 from runconfig.checkpoints import (
@@ -132,6 +133,10 @@ def _stage(obj, buf):
     Reuse is safe because a save starts only after the previous one is committed; copying into warm buffers is
     several times faster than allocating fresh ones.
     """
+    if isinstance(obj, DTensor):  # a shard (FSDP2): stage this rank's part, keep its place in the whole
+        local = _stage(obj.to_local(), buf.to_local() if isinstance(buf, DTensor) else None)
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                  stride=obj.stride())  # fmt: skip
     if isinstance(obj, torch.Tensor):
         src = obj.detach()
         if not (isinstance(buf, torch.Tensor) and buf.shape == src.shape and buf.dtype == src.dtype):
@@ -204,6 +209,7 @@ class Checkpointer:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
         self.pending: Future | None = None
         self.param_names = [name for name, _ in model.named_parameters()]
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self._staging: dict | None = None  # CPU buffers reused by async saves
         self.last_commit_time = time.monotonic()
         self.blocking_s: list[float] = []  # time the training loop waited per save
@@ -233,6 +239,8 @@ class Checkpointer:
             files["train_state.json"] = (json.dumps(state.state_dict(), indent=2) + "\n").encode()
         msd, osd = get_state_dict(self.model, self.optimizer)
         meta = self._manifest(state)
+        if self.sharded:  # gathering whole parameters is collective: here, not in a background save's thread
+            meta["params_sha256"] = params_sha256(self.model)
         if self.pool is None:
             self._write_and_commit({"model": msd, "optim": osd}, files, name, meta, state.step, start)
         else:
@@ -265,7 +273,8 @@ class Checkpointer:
         every rank, after a transient storage error; the commit is retried by rank 0 alone (it is re-entrant).
         Nothing outside the temporary folder is touched before the commit, and pruning comes after it."""
         tmp = self.root / f"{TMP_PREFIX}{name}"
-        meta = {**meta, "params_sha256": tensors_sha256((n, state_dict["model"][n]) for n in self.param_names)}
+        if "params_sha256" not in meta:
+            meta = {**meta, "params_sha256": tensors_sha256((n, state_dict["model"][n]) for n in self.param_names)}
         try:
             self._retrying(f"checkpoint at step {step}", lambda began: self._write(state_dict, files, tmp, began))
             self._commit(tmp, self.root / name, meta)

@@ -21,15 +21,23 @@ def eval_ids(n: int, count: int) -> np.ndarray:
 def evaluate(p: Parts, step: int) -> dict[str, float]:
     """{"eval_loss": ..., "eval_<metric>": ...}. Collective."""
     data, recipe, cfg = p.recipe.eval_data, p.recipe, p.cfg
-    mine = eval_ids(len(data), cfg.train.eval_sequences)[p.env.rank :: p.env.world_size]
+    everyone = eval_ids(len(data), cfg.train.eval_sequences)
+    mine = everyone[p.env.rank :: p.env.world_size]
+    mb = cfg.train.micro_batch_size
+    # A sharded model's forward is collective (it gathers each block's parameters): every rank runs as many
+    # batches as the busiest one, a rank short of samples repeating its last batch with weight 0.
+    rounds = -(-len(everyone[:: p.env.world_size]) // mb) if p.wrapped.layout.sharded else -(-len(mine) // mb)
     names: list[str] | None = None
     totals: torch.Tensor | None = None  # [samples, loss sum, metric sums...] in float64
     was_training = p.model.training
     p.model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, len(mine), cfg.train.micro_batch_size):
-                ids = mine[start : start + cfg.train.micro_batch_size]
+            for start in range(0, rounds * mb, mb):
+                ids = mine[start : start + mb]
+                weight = 1.0 if len(ids) else 0.0
+                if not len(ids):
+                    ids = mine[-mb:] if len(mine) else everyone[:1]
                 batch = to_device(
                     fetch(
                         data,
@@ -46,7 +54,8 @@ def evaluate(p: Parts, step: int) -> dict[str, float]:
                 check_loss(loss, recipe=cfg.recipe, rank=p.env.rank, step=step)
                 if names is None:
                     names = sorted(metrics)
-                values = [float(len(ids)), float(loss) * len(ids), *(float(metrics[k]) * len(ids) for k in names)]
+                n = len(ids) * weight
+                values = [n, float(loss) * n, *(float(metrics[k]) * n for k in names)]
                 row = torch.tensor(values, dtype=torch.float64, device=p.d.device)
                 totals = row if totals is None else totals + row
     finally:

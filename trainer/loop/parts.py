@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from runconfig.schema import RunConfig
 from trainer.checkpoint.state import TrainState
@@ -20,6 +19,7 @@ from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import Monitors
 from trainer.parallel.distributed import Distributed
+from trainer.parallel.wrap import Wrapped
 from trainer.recipes.api import Recipe
 
 
@@ -38,12 +38,11 @@ class Parts:
     env: RuntimeEnv
     d: Distributed
     recipe: Recipe
-    model: torch.nn.Module  # the bare module (parameter names without DDP's "module.")
-    ddp: DDP
+    model: torch.nn.Module  # the bare module (parameter names without DDP's "module."); sharded in place by FSDP
+    wrapped: Wrapped  # what the loss calls, its layout and its gradient reduction
     optimizer: torch.optim.Optimizer
     lr_schedule: Callable[[int], float]  # optimizer step (0-based) -> learning rate
     loader: BatchLoader
-    allreduce: str  # the gradient all-reduce that actually runs: "hierarchical" or "flat"
     state: TrainState
     checkpoints: Checkpoints
     metrics: MetricsWriter
@@ -54,6 +53,11 @@ class Parts:
     def params(self) -> list[torch.nn.Parameter]:
         """The trainable parameters (clipped together)."""
         return [q for q in self.model.parameters() if q.requires_grad]
+
+    @property
+    def allreduce(self) -> str:
+        """The gradient reduction that actually runs: "hierarchical", "flat", "fsdp" or "hsdp"."""
+        return self.wrapped.allreduce
 
     @property
     def accum(self) -> int:

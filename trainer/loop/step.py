@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from trainer.errors import UserError
+from trainer.loop.optim import clip_grad_norm
 from trainer.loop.parts import Parts, autocast
 
 
@@ -36,9 +37,9 @@ def forward_backward_step(p: Parts, batch: Any, *, step: int, synchronizing: boo
     mon = p.mon
     with mon.clock.backward(synchronizing=synchronizing and p.env.world_size > 1):
         mon.injector.in_compute(step)
-        with contextlib.nullcontext() if synchronizing else p.ddp.no_sync():
+        with contextlib.nullcontext() if synchronizing else p.wrapped.no_sync():
             with autocast(p.cfg, p.d.device):
-                loss = p.recipe.loss(p.ddp, batch)
+                loss = p.recipe.loss(p.wrapped.module, batch)
             check_loss(loss, recipe=p.cfg.recipe, rank=p.env.rank, step=step)
             loss = loss / p.accum
             loss.backward()
@@ -60,7 +61,7 @@ def train_step(p: Parts, step: int) -> StepResult:
         loss += forward_backward_step(p, batch, step=step, synchronizing=micro == p.accum - 1)
     watch.enter("optimizer", step)
     with clock.part("optim"):
-        grad_norm = torch.nn.utils.clip_grad_norm_(p.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        grad_norm = clip_grad_norm(p.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return StepResult(lr=lr, grad_norm=grad_norm, loss=loss)

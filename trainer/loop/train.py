@@ -35,7 +35,7 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
     publisher = Publisher(p)
     run_start, elapsed_before = time.time(), state.elapsed_s
     p.loader.start(state.data_position)
-    p.ddp.train()
+    p.wrapped.module.train()
     while state.step < t.steps:
         step = state.step + 1
         step_start = time.perf_counter()

@@ -26,7 +26,7 @@ shown to the user with the recipe named, and the job ends with status 2 before a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,9 @@ class Recipe:
     """What throughput counts, e.g. "tokens" or "images": the log line shows ``<unit>/s``."""
     units_per_sample: float = 1.0
     """Units in one sample (a language model's window of seq_len tokens: seq_len)."""
+    fsdp_wrap: Sequence[type] | None = None
+    """Module classes that are the model's blocks: each is sharded on its own by FSDP2 (``parallel.dp_shard``)
+    and is the unit of activation checkpointing. Default: each child of the model's largest ``nn.ModuleList``."""
     architecture: Mapping[str, Any] = field(default_factory=dict)
     """Settings that define the model beyond its parameter shapes (e.g. attention heads). A resume across a
     change of these, of a parameter's name, shape or dtype, or of the optimizer's type is refused unless

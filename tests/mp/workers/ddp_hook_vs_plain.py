@@ -1,6 +1,6 @@
 """Worker: DDP with the hierarchical hook vs plain DDP, K AdamW steps from the same weights on the same batches.
 
-The all-reduce is wired by trainer.build.wire_allreduce, the trainer's own code path, for several bucket sizes.
+The all-reduce is wired by trainer.parallel.wrap.wire_allreduce, the trainer's own code path, for several bucket sizes.
 argv: OUT_DIR STEPS
 """
 
@@ -13,11 +13,11 @@ import torch
 from mpi4py import MPI
 
 from runconfig import load_config
-from trainer.build import wire_allreduce
 from trainer.env import from_mpi
 from trainer.loop.optim import build_optimizer
 from trainer.models.gpt import GPT, loss_fn
 from trainer.parallel.distributed import init_distributed, shutdown
+from trainer.parallel.wrap import wire_allreduce
 
 out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
 comm = MPI.COMM_WORLD

@@ -1,0 +1,113 @@
+"""The parallel layout: how the world's ranks split into pipeline stages, data-parallel replicas, data-parallel
+shards and tensor-parallel groups (the ``parallel:`` section resolved against a job's shape). Torch-free: the
+login node refuses an impossible layout before any process starts, and the trainer builds its DeviceMesh from it.
+
+Placement follows the hardware. The mesh is ``(pp, dp_replicate, dp_shard, tp)``, outermost to innermost, laid
+over the global ranks in order, and the ranks of one node are consecutive (``rank = node x ranks_per_node +
+local``). So a tensor-parallel group (innermost) lies inside a node when ``tp`` divides the ranks per node, the
+data-parallel shards come next, and pipeline stages and replicas span nodes. HSDP with ``dp_shard`` = the ranks
+of a node shards inside each node and all-reduces across nodes once. The same order as torchtitan's
+``ParallelDims`` (which has a context-parallel dimension between dp_shard and tp that this trainer lacks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Mesh dimensions, outermost first.
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class LayoutError(ValueError):
+    """An impossible layout; ``key`` is the ``parallel.*`` key at fault."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each sees its own share of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer state sharded with FSDP2 (``dp_shard`` > 1)."""
+        return self.dp_shard > 1
+
+    @property
+    def kind(self) -> str:
+        """``ddp``, ``fsdp`` or ``hsdp`` (data parallelism), with ``+tp``/``+pp`` where those are on."""
+        if self.dp_shard > 1:
+            name = "hsdp" if self.dp_replicate > 1 else "fsdp"
+        else:
+            name = "ddp"
+        return name + ("+tp" if self.tp > 1 else "") + ("+pp" if self.pp > 1 else "")
+
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DIMS}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension (row-major over DIMS)."""
+        out, rest = {}, rank
+        for name in reversed(DIMS):
+            out[name] = rest % getattr(self, name)
+            rest //= getattr(self, name)
+        return {name: out[name] for name in DIMS}
+
+    def dp_rank(self, rank: int) -> int:
+        """Index of ``rank`` among the data-parallel ranks (replica-major): its share of the data."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def describe(self) -> str:
+        return " x ".join(f"{name} {size}" for name, size in self.sizes().items())
+
+
+def resolve(degrees: dict[str, int], world_size: int, ranks_per_node: int) -> Layout:
+    """The layout for ``degrees`` (``parallel.*``, -1 on at most one: what the others leave) on ``world_size`` ranks
+    of ``ranks_per_node`` per node. Raises LayoutError naming the key at fault."""
+    wild = [name for name in DIMS if degrees[name] == -1]
+    for name in DIMS:
+        if degrees[name] != -1 and degrees[name] < 1:
+            raise LayoutError(name, f"must be >= 1, or -1 for what the other degrees leave; got {degrees[name]}")
+    if len(wild) > 1:
+        raise LayoutError(wild[1], f"only one degree may be -1 (what the others leave); {' and '.join(wild)} are")
+    fixed = 1
+    for name in DIMS:
+        if name not in wild:
+            fixed *= degrees[name]
+    if wild:
+        if world_size % fixed:
+            raise LayoutError(
+                wild[0],
+                f"-1 takes what is left of the {world_size} ranks, but the other degrees multiply to {fixed}, "
+                f"which does not divide {world_size}",
+            )
+        degrees = {**degrees, wild[0]: world_size // fixed}
+    layout = Layout(**{name: degrees[name] for name in DIMS})
+    if layout.world_size != world_size:
+        raise LayoutError(
+            "dp_replicate",
+            f"{layout.describe()} = {layout.world_size} ranks, but the job has {world_size}; the product of the "
+            "degrees must be the world size (set one degree to -1 to take what is left)",
+        )
+    if layout.tp > 1 and ranks_per_node % layout.tp:
+        raise LayoutError(
+            "tp",
+            f"{layout.tp} does not divide the {ranks_per_node} ranks of a node: a tensor-parallel group must lie "
+            "inside one node (its collectives run in every layer)",
+        )
+    return layout

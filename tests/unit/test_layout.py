@@ -1,0 +1,100 @@
+"""The parallel layout: degrees resolved against the job's shape, placement on the ranks, and every impossible
+layout refused by the config loader (before any process starts) naming the key."""
+
+import pytest
+
+from runconfig import ConfigError, from_dict
+from runconfig.layout import Layout, LayoutError, resolve
+
+
+def degrees(pp=1, dp_replicate=-1, dp_shard=1, tp=1) -> dict:
+    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+
+
+def test_defaults_are_ddp_over_every_rank():
+    layout = resolve(degrees(), 8, 4)
+    assert layout == Layout(dp_replicate=8) and layout.kind == "ddp" and layout.dp == 8 and not layout.sharded
+
+
+@pytest.mark.parametrize(
+    ("given", "want", "kind"),
+    [
+        (degrees(dp_replicate=1, dp_shard=-1), Layout(dp_shard=4), "fsdp"),
+        (degrees(dp_shard=2), Layout(dp_replicate=2, dp_shard=2), "hsdp"),
+        (degrees(dp_replicate=2, dp_shard=-1), Layout(dp_replicate=2, dp_shard=2), "hsdp"),
+    ],
+)
+def test_minus_one_takes_what_is_left(given, want, kind):
+    layout = resolve(given, 4, 2)
+    assert layout == want and layout.kind == kind and layout.world_size == 4
+
+
+def test_placement_keeps_inner_dimensions_inside_a_node():
+    """HSDP on 2 nodes x 2: the shard groups are the nodes, the replicas pair the same local rank across nodes;
+    the data-parallel rank of every rank is distinct."""
+    layout = Layout(dp_replicate=2, dp_shard=2)
+    coords = [layout.coords(r) for r in range(4)]
+    assert [c["dp_replicate"] for c in coords] == [0, 0, 1, 1]  # node index
+    assert [c["dp_shard"] for c in coords] == [0, 1, 0, 1]  # local index
+    assert sorted(layout.dp_rank(r) for r in range(4)) == [0, 1, 2, 3]
+    tp = Layout(dp_replicate=2, tp=2)
+    assert [tp.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1] and tp.dp_rank(1) == tp.dp_rank(0) == 0
+
+
+@pytest.mark.parametrize(
+    ("given", "world", "per_node", "key", "words"),
+    [
+        (degrees(dp_replicate=1, dp_shard=3), 4, 2, "dp_replicate", "3 ranks, but the job has 4"),
+        (degrees(dp_replicate=-1, dp_shard=-1), 4, 2, "dp_shard", "only one degree may be -1"),
+        (degrees(dp_shard=3), 4, 2, "dp_replicate", "multiply to 3, which does not divide 4"),
+        (degrees(dp_shard=0), 4, 2, "dp_shard", "must be >= 1"),
+        (degrees(tp=4, dp_replicate=1), 4, 2, "tp", "does not divide the 2 ranks of a node"),
+    ],
+)
+def test_impossible_layouts_name_the_key(given, world, per_node, key, words):
+    with pytest.raises(LayoutError) as err:
+        resolve(given, world, per_node)
+    assert err.value.key == key and words in str(err.value)
+
+
+def raw(**parallel) -> dict:
+    return {"job": {"nodes": 2, "ranks_per_node": 2}, "train": {"global_batch_size": 8, "micro_batch_size": 2},
+            "parallel": parallel}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("parallel", "words"),
+    [
+        ({"dp_shard": 3}, "key 'parallel.dp_replicate': -1 takes what is left of the 4 ranks"),
+        ({"dp_replicate": 1, "dp_shard": 8}, "key 'parallel.dp_replicate': pp 1 x dp_replicate 1 x dp_shard 8"),
+        ({"dp_replicate": -1, "dp_shard": -1}, "key 'parallel.dp_shard': only one degree may be -1"),
+        ({"tp": 2}, "key 'parallel.tp': 2: tp > 1 is not available in this version yet"),
+        ({"pp": 2}, "key 'parallel.pp': 2: pp > 1 is not available in this version yet"),
+        ({"dp_shard": -2}, "key 'parallel.dp_shard': must be >= 1, or -1"),
+        ({"activation_checkpointing": "some"}, "parallel.activation_checkpointing"),
+    ],
+)
+def test_config_refuses_impossible_layouts(parallel, words):
+    with pytest.raises(ConfigError) as err:
+        from_dict(raw(**parallel), source="cfg.yaml")
+    assert "config cfg.yaml" in str(err.value) and words in str(err.value)
+
+
+def test_a_smaller_world_after_a_node_is_left_out_must_fit_the_layout():
+    """min_nodes lets the run continue on fewer nodes: the layout must resolve there too (a -1 degree adapts)."""
+    cfg = {**raw(dp_replicate=2, dp_shard=2), "job": {"nodes": 2, "ranks_per_node": 2, "min_nodes": 1}}
+    with pytest.raises(ConfigError) as err:
+        from_dict(cfg, source="cfg.yaml")
+    assert "key 'job.min_nodes': on 1 of job.nodes=2" in str(err.value)
+    adapts = {**raw(dp_shard=2), "job": {"nodes": 2, "ranks_per_node": 2, "min_nodes": 1}}
+    assert from_dict(adapts).layout(2) == Layout(dp_replicate=1, dp_shard=2)
+
+
+def test_the_global_batch_splits_over_the_data_parallel_ranks():
+    cfg = from_dict(raw(dp_shard=2))
+    assert cfg.layout().dp == 4 and cfg.grad_accum(cfg.layout().dp) == 1
+    with pytest.raises(ConfigError) as err:
+        from_dict({**raw(dp_shard=2), "train": {"global_batch_size": 6, "micro_batch_size": 2}}, source="c.yaml")
+    assert "key 'train.global_batch_size': 6 is not a multiple of train.micro_batch_size (2) x world size" in str(
+        err.value
+    )

@@ -1,0 +1,111 @@
+"""The model as the loss calls it, for the run's parallel layout: DDP (with the hierarchical all-reduce where
+there are two levels), or FSDP2 sharding (HSDP on a 2-D mesh), with activation checkpointing on the recipe's
+blocks for either. One place decides; the loop only sees ``Wrapped``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from runconfig import RunConfig
+from runconfig.layout import Layout, LayoutError
+from trainer.env import RuntimeEnv
+from trainer.errors import UserError
+from trainer.parallel.comm import hierarchical_hook
+from trainer.parallel.distributed import Distributed
+from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
+from trainer.parallel.mesh import dp_mesh, train_mesh
+from trainer.recipes.api import Recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Wrapped:
+    module: nn.Module  # what the loss calls: the DDP wrapper, or the (sharded) model itself
+    layout: Layout
+    allreduce: str  # the gradient reduction that runs: "hierarchical", "flat", "fsdp" or "hsdp"
+    no_sync: Callable[[], AbstractContextManager]  # around the micro-batches that only accumulate gradients
+    blocks: int = 0  # blocks sharded (FSDP) or found
+    checkpointed: int = 0  # blocks whose activations are recomputed in backward
+
+
+def layout_of(cfg: RunConfig, env: RuntimeEnv) -> Layout:
+    """The config's layout on this launch's world (which may be smaller than the job's after a node was left out)."""
+    try:
+        return cfg.layout(env.world_size)
+    except LayoutError as exc:
+        raise UserError(
+            f"parallel.{exc.key}: {exc} (this launch has {env.world_size} ranks: {env.topology.num_nodes} nodes x "
+            f"{env.topology.ranks_per_node})."
+        ) from None
+
+
+def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, recipe: Recipe) -> Wrapped:
+    layout = layout_of(cfg, env)
+    blocks = find_blocks(model, recipe.fsdp_wrap, recipe=cfg.recipe)
+    mode = cfg.parallel.activation_checkpointing
+    if mode != "none" and not blocks:
+        raise UserError(
+            f"parallel.activation_checkpointing={mode}: recipe {cfg.recipe!r}'s model has no blocks to recompute "
+            "(no nn.ModuleList of layers); give the Recipe fsdp_wrap=[YourBlockClass], or set it to none."
+        )
+    checkpointed = checkpoint_blocks(blocks, mode)
+    if env.rank == 0:
+        log.info(
+            "parallel layout: %s (%s)%s", layout.describe(), layout.kind,
+            f"; activation checkpointing: {checkpointed} of {len(blocks)} blocks ({mode})" if checkpointed else "",
+        )  # fmt: skip
+    if not layout.sharded:
+        ddp = DDP(
+            model,
+            device_ids=[d.device.index] if d.device.type == "cuda" else None,
+            bucket_cap_mb=cfg.comm.bucket_mb,
+        )
+        return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync, len(blocks), checkpointed)
+    mesh = train_mesh(layout, d.device)
+    assert mesh is not None
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and d.device.type == "cuda")
+    shard(
+        model,
+        blocks,
+        dp_mesh(mesh, layout),
+        param_dtype=torch.bfloat16 if bf16 and d.device.type == "cuda" else None,
+        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+    )
+    if layout.dp_replicate > 1:
+        return Wrapped(model, layout, "hsdp", lambda: _no_all_reduce(model), len(blocks), checkpointed)
+    # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between micro-batches would
+    # cost the full model's gradient memory on every rank, which sharding is there to avoid.
+    return Wrapped(model, layout, "fsdp", contextlib.nullcontext, len(blocks), checkpointed)
+
+
+@contextlib.contextmanager
+def _no_all_reduce(model: nn.Module) -> Iterator[None]:
+    """HSDP's accumulation micro-batches: reduce-scatter inside the shard group, all-reduce across replicas only
+    with the step's last micro-batch."""
+    model.set_requires_all_reduce(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_all_reduce(True)  # type: ignore[operator]
+
+
+def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) -> str:
+    """Register the hierarchical hook where there are two levels; return the all-reduce that actually runs."""
+    topo = env.topology
+    if cfg.comm.allreduce == "hierarchical" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
+        ddp.register_comm_hook(d.groups, hierarchical_hook)
+        return "hierarchical"
+    if cfg.comm.allreduce == "hierarchical" and env.rank == 0 and env.world_size > 1:
+        # One node (or one rank per node): the hierarchy has a single level, and DDP's own all-reduce, which
+        # overlaps with the backward pass, is strictly better than the synchronous three-phase hook.
+        log.info("hierarchical all-reduce needs >1 node and >1 rank per node; using DDP's flat all-reduce")
+    return "flat"
