@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=9, help="timed repetitions of every measure (default 9)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
     p.add_argument("--ranks", type=int, default=1, help="world size (default 1; > 1 starts itself under mpirun)")
+    p.add_argument("--dp-shard", type=int, default=1, help="parallel.dp_shard: FSDP2 shards (default 1: DDP)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--dir", type=Path, help="folder to create the temporary checkpoint folder in (default: /tmp)")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
@@ -214,6 +215,7 @@ def worker(args: argparse.Namespace) -> int:
         f"train.global_batch_size={args.batch * world}",
         "train.eval_every=0",
         "comm.allreduce=flat",
+        f"parallel.dp_shard={args.dp_shard}",
         "checkpoint.keep_last=2",
         # The monitors would only add their own work (TensorBoard files, a watchdog thread) to the timings.
         "monitor.tensorboard=false",

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -49,15 +49,16 @@ from runconfig.checkpoints import (
     CheckpointInvalid,
     commit,
     fsync_path,
-    newest_valid,
+    generations,
     prune,
     remove_stale_tmp,
     sha256_file,
     step_name,
+    validate,
 )
 from runconfig.ioretry import BUDGET_S, GaveUp, RetryPolicy, describe, io_errno, is_transient, retry
 from runconfig.load import config_hash
-from trainer.checkpoint.fingerprint import params_sha256, tensors_sha256
+from trainer.checkpoint.fingerprint import owners, params_sha256, params_sha256_v1, tensors_sha256
 from trainer.checkpoint.provenance import git_commit, versions
 from trainer.checkpoint.state import TrainState, rank_seed
 from trainer.env import RuntimeEnv
@@ -66,7 +67,9 @@ from trainer.observe.inject import Injector
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-FORMAT = 2  # 2: the recipe, its architecture and the parameter shapes identify the model (1: the GPT's config)
+FORMAT = 3  # 3: params_sha256 from per-parameter digests (fingerprint.py); 2: the recipe, its architecture and
+# the parameter shapes identify the model; 1: the GPT's config
+READABLE = (2, 3)  # 2 differs only in its params_sha256 (params_sha256_v1)
 
 
 class CheckpointError(UserError):
@@ -160,13 +163,25 @@ def _torch_bytes(obj: object) -> bytes:
     return buf.getvalue()
 
 
-def _hash_files(tmp: Path) -> dict:
-    """Size and SHA-256 of every file under ``tmp`` (for the manifest), then every folder fsynced."""
-    files = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        files[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-    fsync_all_dirs(tmp)
-    return files
+def own_files(tmp: Path, rank: int) -> list[Path]:
+    """The files of a generation that ``rank`` wrote: its DCP data files (``__RANK_*.distcp``, DCP's naming) and
+    its RNG file; rank 0 also DCP's ``.metadata`` and ``train_state.json``."""
+    paths = sorted((tmp / "dcp").glob(f"__{rank}_*.distcp")) + [tmp / f"rank_{rank:05d}.pt"]
+    if rank == 0:
+        paths += [tmp / "dcp" / ".metadata", tmp / "train_state.json"]
+    return [p for p in paths if p.is_file()]
+
+
+def _hash_files(tmp: Path, paths: list[Path]) -> dict:
+    """Size and SHA-256 of ``paths`` (files under ``tmp``), keyed by their path relative to ``tmp``."""
+    return {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in paths}
+
+
+def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """The files each rank verifies at restore: largest first to the least-loaded rank (deterministic)."""
+    names = sorted(sizes)
+    who = owners([sizes[n] for n in names], world)
+    return [[n for n, r in zip(names, who, strict=True) if r == rank] for rank in range(world)]
 
 
 class Checkpointer:
@@ -211,6 +226,7 @@ class Checkpointer:
         self.param_names = [name for name, _ in model.named_parameters()]
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self._staging: dict | None = None  # CPU buffers reused by async saves
+        self._written: dict = {}  # the digests of the files every rank wrote in the latest write attempt
         self.last_commit_time = time.monotonic()
         self.blocking_s: list[float] = []  # time the training loop waited per save
         self.last_save_s: float | None = None  # the newest committed save's seconds, save() -> committed
@@ -273,8 +289,9 @@ class Checkpointer:
         every rank, after a transient storage error; the commit is retried by rank 0 alone (it is re-entrant).
         Nothing outside the temporary folder is touched before the commit, and pruning comes after it."""
         tmp = self.root / f"{TMP_PREFIX}{name}"
-        if "params_sha256" not in meta:
-            meta = {**meta, "params_sha256": tensors_sha256((n, state_dict["model"][n]) for n in self.param_names)}
+        if "params_sha256" not in meta:  # whole parameters on every rank: each hashes its share (no comm but this)
+            named = [(n, state_dict["model"][n]) for n in self.param_names]
+            meta = {**meta, "params_sha256": tensors_sha256(named, self.group)}
         try:
             self._retrying(f"checkpoint at step {step}", lambda began: self._write(state_dict, files, tmp, began))
             self._commit(tmp, self.root / name, meta)
@@ -315,6 +332,14 @@ class Checkpointer:
                 error = (exc, f"cannot write {path}: {_root_cause(exc)}{_space_note(tmp)}")
                 break
         self._agree(error, began)
+        # Each rank hashes what it wrote (1/N of the generation); rank 0 gathers the digests for the manifest.
+        error, mine = None, {}
+        try:
+            mine = _hash_files(tmp, own_files(tmp, self.env.rank))
+        except OSError as exc:
+            error = (exc, f"reading back {getattr(exc, 'filename', None) or tmp}: {_root_cause(exc)}")
+        parts = self._agree(error, began, payload=mine)
+        self._written = {k: v for part in parts for k, v in part.items()}
 
     def _commit(self, tmp: Path, final: Path, meta: dict) -> None:
         """Rank 0 hashes the files into the manifest and commits (each retried alone); every rank learns the outcome.
@@ -322,12 +347,23 @@ class Checkpointer:
         error = None
         if self.env.rank == 0:
             try:
-                manifest = self._retry(lambda: {**meta, "files": _hash_files(tmp), "committed_at": time.time()}, tmp)
+                manifest = self._retry(lambda: {**meta, "files": self._files_of(tmp), "committed_at": time.time()}, tmp)
                 self._retry(lambda: commit(tmp, final, manifest), final)
             except OSError as exc:
                 notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
                 error = (exc, f"committing {final} failed: {exc.strerror or exc}{notes}")
         self._agree(error, time.monotonic(), final=True)
+
+    def _files_of(self, tmp: Path) -> dict:
+        """Rank 0: the manifest's file list, the digests every rank gathered for its own files, plus any file no
+        rank claimed (a DCP that names its files otherwise), hashed here; then every folder fsynced."""
+        files = dict(self._written)
+        stray = sorted(p for p in tmp.rglob("*") if p.is_file() and p.relative_to(tmp).as_posix() not in files)
+        if stray:
+            log.debug("hashing %d file(s) no rank claimed: %s", len(stray), [p.name for p in stray[:5]])
+            files.update(_hash_files(tmp, stray))
+        fsync_all_dirs(tmp)
+        return dict(sorted(files.items()))
 
     def _dcp_writer(self, path: Path) -> dcp.FileSystemWriter:
         writer = dcp.FileSystemWriter(path, sync_files=True)
@@ -386,7 +422,9 @@ class Checkpointer:
                     )
                 time.sleep(delay)
 
-    def _agree(self, error: tuple[BaseException, str] | None, began: float, *, final: bool = False) -> None:
+    def _agree(
+        self, error: tuple[BaseException, str] | None, began: float, *, final: bool = False, payload: Any = None
+    ) -> list:
         """Every rank learns every rank's failure of this phase, on the checkpoint group (safe from the background
         thread): if any rank failed, every rank raises ``_Failed`` with the same reports. ``error`` is this rank's
         (exception, one-line message); ``final``: not to be retried as a unit."""
@@ -403,10 +441,11 @@ class Checkpointer:
                 "final": final,
             }
         gathered: list = [None] * self.env.world_size
-        dist.all_gather_object(gathered, (report, time.monotonic() - began), group=self.group)
-        reports = list({(r["rank"], r["message"]): r for r, _ in gathered if r}.values())
+        dist.all_gather_object(gathered, (report, time.monotonic() - began, payload), group=self.group)
+        reports = list({(r["rank"], r["message"]): r for r, _, _ in gathered if r}.values())
         if reports:
-            raise _Failed(reports, max(e for _, e in gathered), error[0] if error else None)
+            raise _Failed(reports, max(e for _, e, _ in gathered), error[0] if error else None)
+        return [p for _, _, p in gathered]
 
     def _save_failed(self, failed: _Failed, step: int) -> Exception:
         """A save that failed on some rank, as every rank raises it: bad input or a full disk (a user error: not
@@ -455,33 +494,10 @@ class Checkpointer:
         Returns False when the run directory has no checkpoint yet. Reads that fail with a transient storage error
         are retried (checkpoint.io_retries): such an error never makes a generation count as invalid.
         """
-        found = error = crash = None  # crash: the errno of a transient error that outlived the retries
-        warnings: list[str] = []
-        if self.env.rank == 0:
-            try:
-                hit, warnings = self._retry(self._scan, self.root)
-                found = str(hit[0]) if hit else None
-                if hit:
-                    self.verified.add(hit[0].name)
-            except CheckpointInvalid as exc:
-                error = str(exc)
-            except OSError as exc:
-                error = f"reading the checkpoints in {self.root} failed: {exc}"
-                if is_transient(exc):
-                    crash = io_errno(exc)
-                    error += f" ({'; '.join(getattr(exc, '__notes__', []))})"
-        found, error, crash, warnings = self.comm.bcast((found, error, crash, warnings), root=0)
-        for w in warnings:
-            if self.env.rank == 0:
-                log.warning(w)
-        if error:
-            if crash is not None:
-                raise GaveUp(crash, error)
-            raise UserError(error, collective=True)
+        found = self._find()
         if found is None:
             return False
-        path = Path(found)
-        manifest = json.loads(self._read(path / "manifest.json"))
+        path, manifest = found
         if self.env.rank == 0:
             log.info("restoring %s (step %d)", path.name, manifest["step"])
         changed = self._check_compatible(manifest, path)
@@ -493,7 +509,10 @@ class Checkpointer:
             if failed.transient:
                 raise GaveUp(first["errno"], f"{message}{self._gave_up_after(failed)}") from failed.cause
             raise RuntimeError(message) from failed.cause
-        if not changed and params_sha256(self.model) != manifest["params_sha256"]:
+        loaded = params_sha256(self.model) if manifest.get("format", 1) >= 3 else None
+        if not changed and loaded is None:  # an older manifest: its fingerprint covers every byte in one hash
+            loaded = params_sha256_v1(self.model.named_parameters())
+        if not changed and loaded != manifest["params_sha256"]:
             raise UserError(
                 f"checkpoint {path}: the loaded parameters do not match the manifest's params_sha256.",
                 collective=True,
@@ -512,11 +531,74 @@ class Checkpointer:
         self.last_commit_time = time.monotonic()
         return True
 
-    def _scan(self) -> tuple[tuple[Path, dict] | None, list[str]]:
-        """Rank 0: the newest valid generation and the warnings about newer invalid ones (one attempt)."""
-        warnings: list[str] = []
+    def _find(self) -> tuple[Path, dict] | None:
+        """The newest generation that validates, each rank hashing its share of the files (``shares``): none reads
+        the whole generation. A newer invalid one is skipped with a warning; when generations exist but none is
+        valid the run stops (starting from scratch would throw its progress away). Reads that fail with a
+        transient storage error are retried (checkpoint.io_retries) and never make a generation count as invalid.
+        Collective (MPI, main thread)."""
+        gens = crash = None
+        if self.env.rank == 0:
+            try:
+                gens = self._retry(lambda: [str(p) for p in reversed(self._generations())], self.root)
+            except OSError as exc:
+                crash = (io_errno(exc), f"reading the checkpoints in {self.root} failed: {exc}")
+        gens, crash = self.comm.bcast((gens, crash), root=0)
+        if crash:
+            raise GaveUp(*crash) if crash[0] is not None else UserError(crash[1], collective=True)
+        problems = []
+        for where in gens:
+            path = Path(where)
+            manifest = problem = crash = None
+            if self.env.rank == 0:
+                try:
+                    manifest = self._retry(lambda p=path: validate(p, verify_hashes=False), path)
+                except CheckpointInvalid as exc:
+                    problem = str(exc)
+                except OSError as exc:
+                    crash = (io_errno(exc) if is_transient(exc) else None, f"reading {path} failed: {exc}")
+            manifest, problem, crash = self.comm.bcast((manifest, problem, crash), root=0)
+            if not crash and not problem:
+                problem, crash = self._verify_share(path, manifest["files"])
+                reports = self.comm.allgather((problem, crash))
+                crash = next((c for _, c in reports if c), None)
+                problem = next((p for p, _ in reports if p), None)
+            if crash:
+                raise GaveUp(*crash) if crash[0] is not None else UserError(crash[1], collective=True)
+            if problem:
+                if self.env.rank == 0:
+                    log.warning("skipping checkpoint %s: %s", path.name, problem)
+                problems.append(problem)
+                continue
+            if self.env.rank == 0:
+                self.verified.add(path.name)
+            return path, manifest
+        if gens:
+            raise UserError(
+                f"none of the {len(gens)} checkpoints in {self.root} is valid ({'; '.join(problems)}); nothing was "
+                "deleted. Move them away to start the run from scratch.",
+                collective=True,
+            )
+        return None
+
+    def _generations(self) -> list[Path]:
         remove_stale_tmp(self.root)
-        return newest_valid(self.root, warnings.append), warnings
+        return [p for _, p in generations(self.root)]
+
+    def _verify_share(self, path: Path, files: dict) -> tuple[str | None, tuple | None]:
+        """(problem, crash) of this rank's share of the generation's files: a digest that differs, a file that
+        cannot be read; crash: (errno, message) of a transient error that outlived the retries."""
+        sizes = {rel: int(meta["size"]) for rel, meta in files.items()}
+        for rel in shares(sizes, self.env.world_size)[self.env.rank]:
+            fpath = path / rel
+            try:
+                if self._retry(lambda f=fpath: sha256_file(f), fpath) != files[rel]["sha256"]:
+                    return f"{fpath} does not match its SHA-256 in the manifest (corrupt)", None
+            except OSError as exc:
+                if is_transient(exc):
+                    return None, (io_errno(exc), f"reading {fpath} failed: {exc}")
+                return f"{fpath} cannot be read ({exc.strerror or exc})", None
+        return None, None
 
     def _read(self, path: Path) -> bytes:
         return self._retry(path.read_bytes, path)
@@ -539,9 +621,10 @@ class Checkpointer:
         """What identifies the model and optimizer and differs from the checkpoint's: the recipe, its
         architecture settings, a parameter's name, shape or dtype, the optimizer's type. Refused unless
         allow_shape_change. (Dropout and other settings that change no tensor are not part of it.)"""
-        if manifest.get("format") != FORMAT:
+        if manifest.get("format") not in READABLE:
             raise UserError(
-                f"checkpoint {path} has format {manifest.get('format')}, this trainer reads format {FORMAT}; resume "
+                f"checkpoint {path} has format {manifest.get('format')}, this trainer reads formats "
+                f"{', '.join(map(str, READABLE))}; resume "
                 "it with the trainer version that wrote it, or start a new run directory. Nothing was deleted.",
                 collective=True,
             )

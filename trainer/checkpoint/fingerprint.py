@@ -1,4 +1,15 @@
-"""``params_sha256``: one hash over the model parameters in a fixed order, to compare runs bit for bit."""
+"""``params_sha256``: one hash of the model parameters, to compare runs bit for bit, whatever their layout.
+
+Format 3 (checkpoint manifests and summary.json since the parallel layouts): each parameter's digest is
+SHA-256 over ``name|dtype|shape\\n`` and its raw bytes, computed by ONE owner rank from the whole tensor; the
+fingerprint is SHA-256 over the ``name digest`` lines in name order. The owners split the parameters by size, so
+each rank hashes ~1/N of the model, and a sharded parameter (FSDP2's DTensor, sharded on dim 0) is gathered to its
+owner alone: no rank does work proportional to the whole model. The result does not depend on how the parameters
+are split (a run resharded between launches can still be compared), nor on which rank owns what.
+
+``params_sha256_v1``: the earlier definition (one SHA-256 over every parameter's bytes in name order), for
+manifests of formats 1-2 and for pins taken with it.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +17,106 @@ import hashlib
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
-def params_sha256(model: nn.Module) -> str:
-    """SHA-256 over (name, dtype, shape, raw bytes) of every parameter, sorted by name; tied parameters count once.
-
-    The definition is shared by summary.json and checkpoint manifests. Collective when the model is sharded.
-    """
-    return tensors_sha256(model.named_parameters())
+def _header(name: str, t: torch.Tensor) -> bytes:
+    return f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode()
 
 
-def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """The same hash over (name, tensor) pairs, e.g. the parameters inside a CPU copy of a state dict."""
+def _update(h, t: torch.Tensor) -> None:
+    t = t.detach().to("cpu").contiguous()
+    if t.numel():
+        h.update(memoryview(t.view(torch.uint8).numpy()))
+
+
+def params_sha256_v1(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The format-1/2 hash over (name, tensor) pairs, every tensor whole on this rank (DTensors are gathered)."""
     from torch.distributed.tensor import DTensor
 
     h = hashlib.sha256()
     for name, p in sorted(named, key=lambda item: item[0]):
-        # A sharded parameter (FSDP2's DTensor) is gathered whole, one at a time and in the same (name) order on
-        # every rank: the hash does not depend on the layout. Collective then: every rank must call it.
-        t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        if t.numel():
-            h.update(memoryview(t.view(torch.uint8).numpy()))
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        h.update(_header(name, t))
+        _update(h, t)
     return h.hexdigest()
+
+
+def owners(sizes: list[int], world: int) -> list[int]:
+    """Owner rank of each entry: largest first to the least-loaded rank (ties: lowest rank). Deterministic."""
+    load = [0] * world
+    out = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[i] = r
+        load[r] += sizes[i]
+    return out
+
+
+def param_digest(name: str, t: torch.Tensor) -> str:
+    h = hashlib.sha256(_header(name, t))
+    _update(h, t)
+    return h.hexdigest()
+
+
+def combine(digests: dict[str, str]) -> str:
+    """The fingerprint of per-parameter digests: SHA-256 over ``name digest`` lines in name order."""
+    return hashlib.sha256("".join(f"{n} {digests[n]}\n" for n in sorted(digests)).encode()).hexdigest()
+
+
+def params_sha256(model: nn.Module, group: dist.ProcessGroup | None = None) -> str:
+    """The format-3 fingerprint of the model's parameters (tied ones once). Collective over every rank when a
+    process group exists (``group``: the one the digests are gathered on; default: the world)."""
+    return tensors_sha256(model.named_parameters(), group)
+
+
+def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None) -> str:
+    """The same over (name, tensor) pairs: plain tensors (whole on every rank, as under DDP: the owner hashes its
+    own copy) or DTensors (gathered to the owner). Every rank must pass the same names in the same order."""
+    items = sorted(named, key=lambda item: item[0])
+    if not dist.is_initialized():
+        return combine({name: param_digest(name, t) for name, t in items})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    who = owners([t.numel() for _, t in items], world)
+    mine = {}
+    for (name, t), owner in zip(items, who, strict=True):
+        whole = _whole_on(t, owner, rank)
+        if rank == owner:
+            mine[name] = param_digest(name, whole)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return combine({k: v for part in gathered for k, v in part.items()})
+
+
+def _whole_on(t: torch.Tensor, owner: int, rank: int) -> torch.Tensor | None:
+    """The whole tensor on rank ``owner`` (None elsewhere). A DTensor sharded on dim 0 of one mesh dimension (FSDP2,
+    replicated on the others: HSDP) is gathered over the owner's shard group only; other placements fall back to
+    ``full_tensor()`` on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return t if rank == owner else None
+    placements = list(t.placements)
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    simple = len(sharded) == 1 and placements[sharded[0]] == Shard(0)
+    simple = simple and all(isinstance(p, Replicate) for i, p in enumerate(placements) if i != sharded[0])
+    if not simple:
+        whole = t.full_tensor()
+        return whole if rank == owner else None
+    mesh, dim = t.device_mesh, sharded[0]
+    # The shard group that holds the owner: the ranks that share its coordinates on every other mesh dimension.
+    groups = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.shape[dim])
+    row = next(g for g in groups.tolist() if owner in g)
+    if rank not in row:
+        return None
+    group = mesh.get_group(dim)
+    n = len(row)
+    rows = t.shape[0]
+    per = -(-rows // n)  # FSDP2's chunking: ceil(rows / n) each, the last ones shorter or empty
+    local = t.to_local()
+    padded = torch.zeros((per, *t.shape[1:]), dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in range(n)] if rank == owner else None
+    dist.gather(padded, pieces, dst=owner, group=group)
+    return torch.cat(pieces)[:rows] if rank == owner else None

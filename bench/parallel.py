@@ -1,0 +1,166 @@
+"""Tokens/s and memory per rank of each parallel layout, side by side, and the largest model each fits under a
+per-rank memory cap.
+
+Every layout trains the same GPT (``--d-model``, ``--layers``: tens of millions of parameters by default) on the
+same data and global batch through ``python -m hpc.submit tiny --local`` on ``--nodes`` x ``--ranks`` simulated
+nodes, 1 thread per rank, alternated round by round so machine noise hits every layout alike:
+
+- ``ddp``: every rank holds the whole model (flat all-reduce: one host has no slow link to save);
+- ``fsdp``: FSDP2 over all ranks (``parallel.dp_shard=-1, dp_replicate=1``);
+- ``hsdp``: sharded inside a node, replicated across nodes (``parallel.dp_shard=RANKS``);
+- ``fsdp-ac``: fsdp with every block's activations recomputed in backward.
+
+Figures per layout: the median step time over the steps after ``--skip`` (tokens/s over all ranks), rank 0's
+peak resident memory (``peak_mem_mb``: the process, torch and the data included) and what a rank holds of the
+model (``state_bytes_per_rank`` in summary.json: parameters, gradients, AdamW state).
+
+The memory cap: each layout also runs a second, smaller model (``--small-layers``); the two points give the
+memory per parameter and the fixed part (``peak = fixed + per_param x params``), and the largest model under
+``--cap-mb`` per rank follows from them (a linear fit of two measured points, stated as such). Prints a table
+and a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import ROOT, wait_for_quiet  # bench/common.py (bench/ on sys.path)
+
+LAYOUTS = {
+    "ddp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1"],
+    "fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=-1"],
+    "hsdp": ["parallel.dp_replicate=-1", "parallel.dp_shard={ranks}"],
+    "fsdp-ac": ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.activation_checkpointing=full"],
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    p.add_argument("--layers", type=int, default=8, help="blocks of the measured model (default 8: ~26M parameters)")
+    p.add_argument("--small-layers", type=int, default=2, help="blocks of the second model of the memory fit")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--micro", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
+    p.add_argument("--skip", type=int, default=3, help="warm-up steps left out (default 3)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every layout (default 1)")
+    p.add_argument("--cap-mb", type=float, default=2048, help="per-rank memory cap for the fit (default 2048)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
+    p.add_argument("--work-dir", type=Path, help="keep run directories here (default: a temporary folder)")
+    p.add_argument("--json", type=Path, help="also write the JSON result to this file")
+    args = p.parse_args(argv)
+    args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    unknown = set(args.layouts) - set(LAYOUTS)
+    if unknown:
+        p.error(f"unknown layouts {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")
+    if args.steps <= args.skip:
+        p.error("--steps must be larger than --skip")
+    return args
+
+
+def sets(args: argparse.Namespace, layout: str, layers: int) -> list[str]:
+    world = args.nodes * args.ranks
+    return [
+        f"job.nodes={args.nodes}", f"job.ranks_per_node={args.ranks}", "job.threads_per_rank=1",
+        f"model.d_model={args.d_model}", f"model.n_heads={args.heads}", f"model.n_layers={layers}",
+        f"model.seq_len={args.seq}", "model.dropout=0",
+        f"train.steps={args.steps}", f"train.micro_batch_size={args.micro}",
+        f"train.global_batch_size={args.micro * world}", "train.eval_every=0", "train.warmup_steps=1",
+        "comm.allreduce=flat", "checkpoint.every_steps=0", "checkpoint.at_end=false",
+        "monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.preflight=off",
+        *(s.format(ranks=args.ranks) for s in LAYOUTS[layout]),
+    ]  # fmt: skip
+
+
+def run(args: argparse.Namespace, layout: str, layers: int, out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(out)]
+    cmd += [a for kv in sets(args, layout, layers) for a in ("--set", kv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{layout} ({layers} layers) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    summary = json.loads((out / "summary.json").read_text())
+    return {
+        "step_s": [r["step_time_s"] for r in records if r["step"] > args.skip],
+        "peak_mem_mb": max(r.get("peak_mem_mb") or 0 for r in records),
+        "state_mb": {k: v / 2**20 for k, v in summary["state_bytes_per_rank"].items()},
+        "n_params": summary["n_params"],
+        "allreduce": summary["allreduce"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-parallel-"))
+    world = args.nodes * args.ranks
+    tokens_per_step = args.micro * world * args.seq
+    big: dict[str, dict] = {name: {"step_s": []} for name in args.layouts}
+    small: dict[str, dict] = {}
+    for r in range(args.rounds):
+        for name in args.layouts:
+            wait_for_quiet()
+            got = run(args, name, args.layers, work / f"{name}-{r}")
+            big[name] = {**got, "step_s": big[name]["step_s"] + got["step_s"]}
+    for name in args.layouts:
+        wait_for_quiet()
+        small[name] = run(args, name, args.small_layers, work / f"{name}-small")
+    result: dict = {
+        "setup": {
+            "nodes": args.nodes, "ranks_per_node": args.ranks, "d_model": args.d_model, "layers": args.layers,
+            "small_layers": args.small_layers, "seq_len": args.seq, "micro_batch": args.micro,
+            "tokens_per_step": tokens_per_step, "steps": args.steps, "skip": args.skip, "rounds": args.rounds,
+            "cap_mb": args.cap_mb,
+        },
+        "layouts": {},
+    }  # fmt: skip
+    base = statistics.median(big["ddp"]["step_s"]) if "ddp" in big else None
+    for name in args.layouts:
+        b, s = big[name], small[name]
+        step = statistics.median(b["step_s"])
+        per_param = (b["peak_mem_mb"] - s["peak_mem_mb"]) / (b["n_params"] - s["n_params"])
+        fixed = b["peak_mem_mb"] - per_param * b["n_params"]
+        fits = (args.cap_mb - fixed) / per_param if per_param > 0 else float("inf")
+        result["layouts"][name] = {
+            "allreduce": b["allreduce"],
+            "median_step_s": step,
+            "tokens_per_s": tokens_per_step / step,
+            "vs_ddp": base / step if base else None,
+            "peak_mem_mb": b["peak_mem_mb"],
+            "state_mb_per_rank": b["state_mb"],
+            "n_params": b["n_params"],
+            "small": {"n_params": s["n_params"], "peak_mem_mb": s["peak_mem_mb"]},
+            "mb_per_million_params": per_param * 1e6,
+            "fixed_mb": fixed,
+            "largest_params_under_cap": fits,
+        }
+    print(json.dumps(result, indent=2))
+    print()
+    print(f"{args.nodes} nodes x {args.ranks} ranks, {big[args.layouts[0]]['n_params'] / 1e6:.1f}M parameters, "
+          f"{tokens_per_step} tokens/step, median of {len(big[args.layouts[0]]['step_s'])} steps")  # fmt: skip
+    print(f"{'layout':8} {'tokens/s':>9} {'vs ddp':>7} {'peak MB':>8} {'state MB/rank':>14} "
+          f"{'MB per 1M params':>17} {'largest under ' + format(args.cap_mb, 'g') + ' MB':>22}")  # fmt: skip
+    for name, x in result["layouts"].items():
+        state = sum(x["state_mb_per_rank"].values())
+        vs = f"{x['vs_ddp']:.2f}" if x["vs_ddp"] else "-"
+        print(f"{name:8} {x['tokens_per_s']:9.0f} {vs:>7} {x['peak_mem_mb']:8.0f} {state:14.1f} "
+              f"{x['mb_per_million_params']:17.2f} {x['largest_params_under_cap'] / 1e6:20.0f} M")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

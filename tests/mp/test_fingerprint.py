@@ -1,0 +1,34 @@
+"""params_sha256 (format 3) does not depend on the layout: the same weights whole on every rank, sharded by FSDP2
+over 4 ranks and by HSDP give the single-process value, and each rank hashes only its share of the parameters."""
+
+import pytest
+
+from runconfig.contract import SIMULATE_VAR
+from tests.conftest import rank_results, run_mpi
+
+pytestmark = pytest.mark.mp
+
+
+def test_fingerprint_is_the_same_for_every_layout_and_split_over_ranks(tmp_path):
+    import torch
+
+    from runconfig import load_config
+    from trainer.checkpoint.fingerprint import params_sha256, params_sha256_v1
+    from trainer.models.gpt import GPT
+
+    proc = run_mpi(4, ["tests/mp/workers/fingerprint_layouts.py", str(tmp_path)], env={SIMULATE_VAR: "2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = rank_results(tmp_path)
+    cfg = load_config("tiny", ["model.d_model=36", "model.n_layers=2", "model.seq_len=16", "model.vocab_size=259"])
+    torch.manual_seed(3)
+    alone = GPT(cfg.model)
+    single, single_v1 = params_sha256(alone), params_sha256_v1(alone.named_parameters())
+    names = {n for n, _ in alone.named_parameters()}
+    for r in results:
+        assert r["whole"] == r["fsdp"] == r["hsdp"] == single, r["rank"]
+        assert r["v1_fsdp"] == r["v1_hsdp"] == single_v1
+    for layout in ("whole", "fsdp", "hsdp"):
+        shares = [set(r[f"hashed_{layout}"]) for r in results]
+        assert set.union(*shares) == names and sum(map(len, shares)) == len(names)  # each parameter once
+        assert all(shares), shares  # every rank takes a part
+    assert single != single_v1

@@ -1,0 +1,55 @@
+"""Worker: params_sha256 of the same weights whole on every rank (DDP), sharded by FSDP2 over 4 ranks and by HSDP
+(2 x 2), against the single-process value; and the per-rank hashing share.
+argv: OUT_DIR
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from runconfig import load_config
+from runconfig.layout import Layout
+from trainer.checkpoint import fingerprint
+from trainer.env import from_mpi
+from trainer.models.gpt import GPT
+from trainer.parallel.distributed import init_distributed, shutdown
+from trainer.parallel.fsdp import find_blocks, shard
+from trainer.parallel.mesh import dp_mesh, train_mesh
+
+out_dir = Path(sys.argv[1])
+comm = MPI.COMM_WORLD
+env = from_mpi(comm)
+torch.set_num_threads(1)
+cfg = load_config("tiny", ["model.d_model=36", "model.n_layers=2", "model.seq_len=16", "model.vocab_size=259"])
+d = init_distributed(env, cfg.comm, torch.device("cpu"), comm)
+
+
+def model() -> GPT:
+    torch.manual_seed(3)
+    return GPT(cfg.model)
+
+
+hashed: list[str] = []
+original = fingerprint.param_digest
+
+
+def counting(name, t):
+    hashed.append(name)
+    return original(name, t)
+
+
+fingerprint.param_digest = counting
+result = {"rank": env.rank, "whole": fingerprint.params_sha256(model()), "hashed_whole": list(hashed)}
+for name, layout in {"fsdp": Layout(dp_shard=4), "hsdp": Layout(dp_replicate=2, dp_shard=2)}.items():
+    m = model()
+    mesh = train_mesh(layout, d.device)
+    shard(m, find_blocks(m, None, recipe="gpt"), dp_mesh(mesh, layout), param_dtype=None, reshard_after_forward=True)
+    hashed.clear()
+    result[name] = fingerprint.params_sha256(m)
+    result[f"hashed_{name}"] = list(hashed)
+    result[f"v1_{name}"] = fingerprint.params_sha256_v1(m.named_parameters())
+(out_dir / f"rank_{env.rank}.json").write_text(json.dumps(result))
+shutdown(comm, clean=True)
