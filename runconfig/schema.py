@@ -336,6 +336,10 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = doc("auto = bf16 autocast on GPU, fp32 on CPU.", "auto")
     device: Literal["auto", "cpu", "cuda"] = doc("auto = CUDA when available, else CPU.", "auto")
 
+    def bf16_on(self, device_type: str) -> bool:
+        """Whether compute runs in bf16 on this device type (precision auto: on CUDA)."""
+        return self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
+
     def check(self) -> Problems:
         out: Problems = []
         for key in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_sequences"):

@@ -72,7 +72,6 @@ class Parts:
 
 def autocast(cfg: RunConfig, device: torch.device):
     """bf16 autocast where the config asks for it (auto: on CUDA), else nothing."""
-    use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-    if use_bf16:
+    if cfg.train.bf16_on(device.type):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

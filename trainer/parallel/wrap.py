@@ -33,8 +33,6 @@ class Wrapped:
     layout: Layout
     allreduce: str  # the gradient reduction that runs: "hierarchical", "flat", "fsdp" or "hsdp"
     no_sync: Callable[[], AbstractContextManager]  # around the micro-batches that only accumulate gradients
-    blocks: int = 0  # blocks sharded (FSDP) or found
-    checkpointed: int = 0  # blocks whose activations are recomputed in backward
 
 
 def layout_of(cfg: RunConfig, env: RuntimeEnv) -> Layout:
@@ -69,22 +67,21 @@ def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, reci
             device_ids=[d.device.index] if d.device.type == "cuda" else None,
             bucket_cap_mb=cfg.comm.bucket_mb,
         )
-        return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync, len(blocks), checkpointed)
+        return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync)
     mesh = train_mesh(layout, d.device)
     assert mesh is not None
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and d.device.type == "cuda")
     shard(
         model,
         blocks,
         dp_mesh(mesh, layout),
-        param_dtype=torch.bfloat16 if bf16 and d.device.type == "cuda" else None,
+        param_dtype=torch.bfloat16 if d.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
         reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
     )
     if layout.dp_replicate > 1:
-        return Wrapped(model, layout, "hsdp", lambda: _no_all_reduce(model), len(blocks), checkpointed)
+        return Wrapped(model, layout, "hsdp", lambda: _no_all_reduce(model))
     # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between micro-batches would
     # cost the full model's gradient memory on every rank, which sharding is there to avoid.
-    return Wrapped(model, layout, "fsdp", contextlib.nullcontext, len(blocks), checkpointed)
+    return Wrapped(model, layout, "fsdp", contextlib.nullcontext)
 
 
 @contextlib.contextmanager
