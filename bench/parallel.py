@@ -8,7 +8,9 @@ nodes, 1 thread per rank, alternated round by round so machine noise hits every 
 - ``ddp``: every rank holds the whole model (flat all-reduce: one host has no slow link to save);
 - ``fsdp``: FSDP2 over all ranks (``parallel.dp_shard=-1, dp_replicate=1``);
 - ``hsdp``: sharded inside a node, replicated across nodes (``parallel.dp_shard=RANKS``);
-- ``fsdp-ac``: fsdp with every block's activations recomputed in backward.
+- ``fsdp-ac``: fsdp with every block's activations recomputed in backward;
+- ``tp``: tensor parallel over the ranks of a node (the built-in GPT's plan), nodes as replicas;
+- ``tp-fsdp``: tensor parallel inside a node, FSDP2 across nodes (a 2-D mesh).
 
 Figures per layout: the median step time over the steps after ``--skip`` (tokens/s over all ranks), rank 0's
 peak resident memory (``peak_mem_mb``: the process, torch and the data included) and what a rank holds of the
@@ -38,6 +40,8 @@ LAYOUTS = {
     "fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=-1"],
     "hsdp": ["parallel.dp_replicate=-1", "parallel.dp_shard={ranks}"],
     "fsdp-ac": ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.activation_checkpointing=full"],
+    "tp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.tp={ranks}"],
+    "tp-fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.tp={ranks}"],
 }
 
 

@@ -44,8 +44,9 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        """Parameters, gradients and optimizer state sharded with FSDP2 (``dp_shard`` > 1)."""
-        return self.dp_shard > 1
+        """Parameters are DTensors split over ranks: by FSDP2 (``dp_shard`` > 1) or by tensor parallelism. Then the
+        model's forward is collective, and the DeviceMesh path (not DDP) reduces the gradients."""
+        return self.dp_shard > 1 or self.tp > 1
 
     @property
     def kind(self) -> str:

@@ -399,7 +399,11 @@ class ParallelConfig:
         "when it equals job.ranks_per_node: HSDP). 1 = no sharding; -1 = what the other degrees leave.",
         1,
     )
-    tp: int = doc("Tensor-parallel degree, innermost, inside a node (not available yet: 1).", 1)
+    tp: int = doc(
+        "Tensor-parallel degree, innermost, inside a node: each layer's matrices split over this many ranks with the "
+        "recipe's tp_plan (the built-in GPT: heads and MLP units, sequence parallelism on the norms). 1 = off.",
+        1,
+    )
     pp: int = doc("Pipeline-parallel stages, outermost (not available yet: 1).", 1)
     fsdp_reshard_after_forward: bool = doc(
         "FSDP: free each block's gathered parameters after its forward and gather them again for backward (less "
@@ -421,11 +425,8 @@ class ParallelConfig:
             value = getattr(self, key)
             if value != -1 and value < 1:
                 out.append((key, f"must be >= 1, or -1 for what the other degrees leave; got {value}"))
-        for key in ("tp", "pp"):
-            if getattr(self, key) not in (1,):
-                out.append(
-                    (key, f"{getattr(self, key)}: {key} > 1 is not available in this version yet (use dp_shard)")
-                )
+        if self.pp not in (1,):
+            out.append(("pp", f"{self.pp}: pp > 1 is not available in this version yet (use dp_shard or tp)"))
         return out
 
 
@@ -641,6 +642,20 @@ class RunConfig:
             except LayoutError as exc:
                 key = "job.min_nodes" if shrunk else f"parallel.{exc.key}"
                 return [(key, f"{where}{exc} (world size {world} = {nodes} nodes x {job.ranks_per_node} ranks)")]
+            if self.recipe == BUILTIN_RECIPE and layout.tp > 1:
+                m = self.model
+                for what, size in (
+                    ("model.n_heads", m.n_heads),
+                    ("model.mlp_ratio x model.d_model", m.mlp_ratio * m.d_model),
+                ):
+                    if size % layout.tp:
+                        return [
+                            (
+                                "parallel.tp",
+                                f"{where}{layout.tp} does not divide {what} = {size}: the built-in GPT's tensor "
+                                "parallelism splits attention heads and MLP units evenly over the group",
+                            )
+                        ]
             if t.global_batch_size % (t.micro_batch_size * layout.dp):
                 ranks = f"{nodes} nodes x {job.ranks_per_node} ranks = {world}"
                 dp = f"data-parallel size ({ranks})" if layout.dp == world else f"data-parallel size {layout.dp}"

@@ -109,7 +109,7 @@ def build_parts(
     )
     stack.callback(loader.close)
     agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
-    settle(cfg, env, wrapped.module, recipe, loader, comm)
+    settle(cfg, env, wrapped.module, recipe, loader, comm, tp=wrapped.layout.tp)
     # Counted before the per-rank reseed below: a counting pass draws dropout randoms too.
     flops = count_flops_per_sample(cfg, recipe, d) if peak_tflops(d.device, cfg.monitor.peak_tflops) else None
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
@@ -153,7 +153,14 @@ def build_parts(
 
 
 def settle(
-    cfg: RunConfig, env: RuntimeEnv, module: torch.nn.Module, recipe: Recipe, loader: BatchLoader, comm: MPI.Comm
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    module: torch.nn.Module,
+    recipe: Recipe,
+    loader: BatchLoader,
+    comm: MPI.Comm,
+    *,
+    tp: int = 1,
 ) -> None:
     """One throw-away forward/backward on this rank's first micro-batch, so DDP rebuilds its gradient buckets (in
     gradient-ready order) before the first real step in every run: without it the first step after a restart
@@ -177,6 +184,16 @@ def settle(
             )
     except UserError as exc:
         error = str(exc)
+    except (RuntimeError, ValueError) as exc:
+        if tp == 1:
+            raise
+        lines = str(exc).strip().splitlines()
+        error = (
+            f"rank {env.rank}: recipe {cfg.recipe!r}: the first forward under parallel.tp={tp} raised "
+            f"{type(exc).__name__}: {lines[0] if lines else ''}. With tensor parallelism each rank holds 1/{tp} of "
+            "the split layers, so the model's forward must take its sizes from the tensors (e.g. "
+            "x.view(b, t, -1, head_dim), not n_heads), and the recipe's tp_plan must match how the layers connect."
+        )
     agree(comm, error)  # before backward: its all-reduce needs every rank
     loss.backward()
     module.zero_grad(set_to_none=True)

@@ -1,5 +1,6 @@
 """params_sha256 (format 3) does not depend on the layout: the same weights whole on every rank, sharded by FSDP2
-over 4 ranks and by HSDP give the single-process value, and each rank hashes only its share of the parameters."""
+over 4 ranks, by HSDP, by tensor parallelism and by TP x FSDP give the single-process value, and each rank hashes
+only its share of the parameters."""
 
 import pytest
 
@@ -25,9 +26,9 @@ def test_fingerprint_is_the_same_for_every_layout_and_split_over_ranks(tmp_path)
     single, single_v1 = params_sha256(alone), params_sha256_v1(alone.named_parameters())
     names = {n for n, _ in alone.named_parameters()}
     for r in results:
-        assert r["whole"] == r["fsdp"] == r["hsdp"] == single, r["rank"]
-        assert r["v1_fsdp"] == r["v1_hsdp"] == single_v1
-    for layout in ("whole", "fsdp", "hsdp"):
+        assert r["whole"] == r["fsdp"] == r["hsdp"] == r["tp"] == r["tp_fsdp"] == single, r["rank"]
+        assert r["v1_fsdp"] == r["v1_hsdp"] == r["v1_tp"] == r["v1_tp_fsdp"] == single_v1
+    for layout in ("whole", "fsdp", "hsdp", "tp", "tp_fsdp"):
         shares = [set(r[f"hashed_{layout}"]) for r in results]
         assert set.union(*shares) == names and sum(map(len, shares)) == len(names)  # each parameter once
         assert all(shares), shares  # every rank takes a part

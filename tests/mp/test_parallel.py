@@ -1,8 +1,9 @@
-"""Parallel layouts with real processes (2 simulated nodes x 2 ranks, gloo): FSDP2 over all 4 ranks and HSDP
-(2 replicas x 2 shards, every block's activations recomputed in backward) train the tiny GPT within float
-tolerance of a single process at the same global batch and sample order; FSDP shards hold ~1/4 of the state; a
-stop signal under FSDP (with async saves of the shards) resumes bit-identical at the same layout, and resharded
-to DDP within tolerance."""
+"""Parallel layouts with real processes (2 simulated nodes x 2 ranks, gloo): FSDP2 over all 4 ranks, HSDP
+(2 replicas x 2 shards, every block's activations recomputed in backward), tensor parallelism (2 replicas x tp 2,
+sequence-parallel norms) and TP x FSDP train the tiny GPT within float tolerance of a single process at the same
+global batch and sample order; FSDP shards hold ~1/4 of the state, TP ~1/2; a stop signal under FSDP and under TP
+(with async saves of the shards) resumes bit-identical at the same layout, and resharded (FSDP -> DDP,
+FSDP -> TP x DP, TP x DP -> TP x FSDP) within tolerance."""
 
 import os
 import shutil
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.mp
 
 FSDP = ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
 HSDP = ["parallel.dp_shard=2"]
+TP = ["parallel.tp=2"]  # dp_replicate -1: 2 replicas (one per node) of a model split over the 2 ranks of a node
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +84,50 @@ def test_fsdp_stop_resumes_bitwise_and_reshards_to_ddp(tmp_path, sets, single, f
     assert summary(run_dir)["params_sha256"] == summary(fsdp)["params_sha256"]
     assert rows(run_dir) == rows(fsdp)
 
-    # The DCP checkpoint is keyed by parameter name: the FSDP shards load into whole DDP replicas.
+    # The DCP checkpoint is keyed by parameter name: the FSDP shards load into whole DDP replicas, and into
+    # tensor-parallel pieces.
+    to_tp = tmp_path / "to_tp"
+    shutil.copytree(resharded, to_tp)
     done = run(resharded, ["parallel.dp_replicate=-1", "parallel.dp_shard=1"], resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary(resharded)["allreduce"] in ("flat", "hierarchical")
     assert [e["event"] for e in history(resharded)].count("resume") == 1
+    assert_close_to(resharded, single)
+    done = run(to_tp, ["parallel.dp_replicate=-1", "parallel.dp_shard=1", *TP], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(to_tp)["parallel"]["tp"] == 2 and summary(to_tp)["allreduce"] == "replicate"
+    assert_close_to(to_tp, single)
+
+
+def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path, sets, single):
+    reference = tmp_path / "reference"
+    done = run(reference, [*sets, *TP])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_close_to(reference, single)  # measured: within 5e-7
+    s, whole = summary(reference), summary(single)["state_bytes_per_rank"]
+    assert s["allreduce"] == "replicate" and s["parallel"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 2}
+    assert s["n_params"] == summary(single)["n_params"]
+    for key in ("params", "grads", "optimizer"):  # each matrix split in two; norms and biases of rows whole
+        assert 0.49 < s["state_bytes_per_rank"][key] / whole[key] < 0.53, (key, s["state_bytes_per_rank"], whole)
+
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, [*sets, *TP, "checkpoint.async_save=true"])
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[2], signal.SIGUSR2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    assert 6 <= history(run_dir)[-1]["step"] < 24
+    resharded = tmp_path / "resharded"
+    shutil.copytree(run_dir, resharded)
+    done = run(run_dir, [], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(run_dir)["params_sha256"] == s["params_sha256"]
+    assert rows(run_dir) == rows(reference)
+
+    # TP x DP -> TP x FSDP (a 2-D mesh: FSDP2 shards the tensor-parallel pieces over the replicas).
+    done = run(resharded, ["parallel.dp_replicate=1", "parallel.dp_shard=-1"], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    s = summary(resharded)
+    assert s["allreduce"] == "fsdp" and s["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert 0.24 < s["state_bytes_per_rank"]["params"] / whole["params"] < 0.28
     assert_close_to(resharded, single)

@@ -68,8 +68,8 @@ def raw(**parallel) -> dict:
         ({"dp_shard": 3}, "key 'parallel.dp_replicate': -1 takes what is left of the 4 ranks"),
         ({"dp_replicate": 1, "dp_shard": 8}, "key 'parallel.dp_replicate': pp 1 x dp_replicate 1 x dp_shard 8"),
         ({"dp_replicate": -1, "dp_shard": -1}, "key 'parallel.dp_shard': only one degree may be -1"),
-        ({"tp": 2}, "key 'parallel.tp': 2: tp > 1 is not available in this version yet"),
         ({"pp": 2}, "key 'parallel.pp': 2: pp > 1 is not available in this version yet"),
+        ({"tp": 4}, "key 'parallel.tp': 4 does not divide the 2 ranks of a node"),
         ({"dp_shard": -2}, "key 'parallel.dp_shard': must be >= 1, or -1"),
         ({"activation_checkpointing": "some"}, "parallel.activation_checkpointing"),
     ],
@@ -98,3 +98,19 @@ def test_the_global_batch_splits_over_the_data_parallel_ranks():
     assert "key 'train.global_batch_size': 6 is not a multiple of train.micro_batch_size (2) x world size" in str(
         err.value
     )
+
+
+def test_tensor_parallel_layouts():
+    """tp innermost: the ranks of a node form a group, the nodes are replicas; the built-in GPT's heads and MLP
+    units must split evenly (the config knows its shape); another recipe's model is checked at start-up."""
+    cfg = from_dict(raw(tp=2))
+    layout = cfg.layout()
+    assert layout == Layout(dp_replicate=2, tp=2) and layout.sharded and layout.dp == 2 and layout.kind == "ddp+tp"
+    assert cfg.grad_accum(layout.dp) == 2  # the global batch splits over the 2 data-parallel ranks only
+    assert from_dict(raw(tp=2, dp_shard=2, dp_replicate=1)).layout().kind == "fsdp+tp"
+    odd = {**raw(tp=2), "model": {"d_model": 96, "n_heads": 3}}
+    with pytest.raises(ConfigError) as err:
+        from_dict(odd, source="cfg.yaml")
+    assert "key 'parallel.tp': 2 does not divide model.n_heads = 3" in str(err.value)
+    other = {**raw(tp=2), "recipe": "mypkg.recipes:model", "recipe_args": {"heads": 3}}
+    assert from_dict(other).layout().tp == 2

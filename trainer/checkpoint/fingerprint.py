@@ -91,12 +91,17 @@ def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]], group: dist.Proces
 
 def _whole_on(t: torch.Tensor, owner: int, rank: int) -> torch.Tensor | None:
     """The whole tensor on rank ``owner`` (None elsewhere). A DTensor sharded on dim 0 of one mesh dimension (FSDP2,
-    replicated on the others: HSDP) is gathered over the owner's shard group only; other placements fall back to
-    ``full_tensor()`` on every rank."""
+    replicated on the others: HSDP; tensor parallelism's column split) is gathered over the owner's shard group
+    only; other placements (a row split, TP x FSDP's 2-D) fall back to ``full_tensor()`` on every rank of the
+    owner's mesh."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(t, DTensor):
         return t if rank == owner else None
+    if owner not in t.device_mesh.mesh:
+        # A mesh of part of the world (tensor parallelism's group): the other groups hold copies of the same
+        # tensor, and the owner's own group gathers it.
+        return None
     placements = list(t.placements)
     sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
     simple = len(sharded) == 1 and placements[sharded[0]] == Shard(0)

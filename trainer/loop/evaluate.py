@@ -21,12 +21,15 @@ def eval_ids(n: int, count: int) -> np.ndarray:
 def evaluate(p: Parts, step: int) -> dict[str, float]:
     """{"eval_loss": ..., "eval_<metric>": ...}. Collective."""
     data, recipe, cfg = p.recipe.eval_data, p.recipe, p.cfg
+    layout = p.wrapped.layout
     everyone = eval_ids(len(data), cfg.train.eval_sequences)
-    mine = everyone[p.env.rank :: p.env.world_size]
+    # Split over the data-parallel ranks: a tensor-parallel group evaluates the same samples together (and
+    # counts them once per member in the sums below, which leaves the means unchanged).
+    mine = everyone[layout.dp_rank(p.env.rank) :: layout.dp]
     mb = cfg.train.micro_batch_size
     # A sharded model's forward is collective (it gathers each block's parameters): every rank runs as many
     # batches as the busiest one, a rank short of samples repeating its last batch with weight 0.
-    rounds = -(-len(everyone[:: p.env.world_size]) // mb) if p.wrapped.layout.sharded else -(-len(mine) // mb)
+    rounds = -(-len(everyone[:: layout.dp]) // mb) if layout.sharded else -(-len(mine) // mb)
     names: list[str] | None = None
     totals: torch.Tensor | None = None  # [samples, loss sum, metric sums...] in float64
     was_training = p.model.training

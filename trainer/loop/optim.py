@@ -34,14 +34,20 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm; returns the norm before clipping, a plain tensor. Sharded gradients (FSDP2's
-    DTensors) give a partial norm per rank: it is reduced over their mesh first (torchtitan does the same)."""
+    and tensor parallelism's DTensors) give a partial norm per rank: it is reduced over their mesh first
+    (torchtitan does the same), per mesh where the parameters live on several."""
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(p, DTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    by_mesh: dict = {}  # DTensors of different meshes (or plain tensors) do not mix in one norm
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

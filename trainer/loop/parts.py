@@ -56,7 +56,8 @@ class Parts:
 
     @property
     def allreduce(self) -> str:
-        """The gradient reduction that actually runs: "hierarchical", "flat", "fsdp" or "hsdp"."""
+        """The gradient reduction that actually runs: "hierarchical", "flat", "fsdp", "hsdp", "replicate" or "tp"
+        (see ``Wrapped.allreduce``)."""
         return self.wrapped.allreduce
 
     @property

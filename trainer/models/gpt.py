@@ -1,4 +1,6 @@
-"""A small decoder-only transformer (GPT-style: pre-norm blocks, causal attention, tied embeddings)."""
+"""A small decoder-only transformer (GPT-style: pre-norm blocks, causal attention, tied embeddings), and its
+tensor-parallel plan (Megatron-style: attention heads and the MLP's hidden units split over the group, sequence
+parallelism on the norms and the residual stream, vocabulary-split embeddings and head)."""
 
 from __future__ import annotations
 
@@ -12,18 +14,35 @@ from runconfig.schema import ModelConfig
 
 
 class Attention(nn.Module):
+    """Causal self-attention. ``q``, ``k`` and ``v`` are separate layers, so that tensor parallelism can split each
+    by heads (a fused [3d, d] matrix split in rows would hand a rank parts of q, k and v of different heads);
+    without it they run as one fused matrix product, as fast as a fused layer and bit-identical to one."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, c // self.n_heads).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        if _is_dtensor(self.q.weight):  # tensor-parallel: each layer's hooks hand back this rank's heads
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        else:
+            weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])
+            q, k, v = F.linear(x, weight, torch.cat([self.q.bias, self.k.bias, self.v.bias])).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 class Block(nn.Module):
@@ -75,6 +94,42 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def tp_plan(model: GPT) -> dict:
+    """The tensor-parallel plan (``parallelize_module``), as torchtitan's for Llama: the residual stream is split
+    by sequence between blocks (norms and dropout on 1/tp of the tokens), gathered before attention and the MLP,
+    whose first layers are split by output (heads, hidden units) and whose last layers by input, reduce-scattered
+    back to the sequence split. The embeddings and the tied head are split by vocabulary rows; the logits are
+    gathered whole for the loss. Needs n_heads and mlp_ratio x d_model divisible by the degree."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+    return {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "blocks.0": PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        ),
+        "blocks.*.ln1": SequenceParallel(),
+        "blocks.*.attn": PrepareModuleInput(**gather),
+        "blocks.*.attn.q": ColwiseParallel(),
+        "blocks.*.attn.k": ColwiseParallel(),
+        "blocks.*.attn.v": ColwiseParallel(),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "blocks.*.ln2": SequenceParallel(),
+        "blocks.*.mlp": PrepareModuleInput(**gather),
+        "blocks.*.mlp.0": ColwiseParallel(),
+        "blocks.*.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

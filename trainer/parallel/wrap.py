@@ -1,6 +1,7 @@
 """The model as the loss calls it, for the run's parallel layout: DDP (with the hierarchical all-reduce where
-there are two levels), or FSDP2 sharding (HSDP on a 2-D mesh), with activation checkpointing on the recipe's
-blocks for either. One place decides; the loop only sees ``Wrapped``."""
+there are two levels), or the DeviceMesh path: tensor parallelism with the recipe's plan, then FSDP2 sharding
+(HSDP on a 2-D mesh) over the data-parallel ranks, with activation checkpointing on the recipe's blocks for
+any of them. One place decides; the loop only sees ``Wrapped``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from trainer.parallel.comm import hierarchical_hook
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
 from trainer.parallel.mesh import dp_mesh, train_mesh
+from trainer.parallel.tp import tensor_parallel
 from trainer.recipes.api import Recipe
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,9 @@ log = logging.getLogger(__name__)
 class Wrapped:
     module: nn.Module  # what the loss calls: the DDP wrapper, or the (sharded) model itself
     layout: Layout
-    allreduce: str  # the gradient reduction that runs: "hierarchical", "flat", "fsdp" or "hsdp"
+    # The gradient reduction that runs: "hierarchical" or "flat" (DDP), "fsdp", "hsdp", "replicate" (FSDP2's
+    # all-reduce over whole replicas of a tensor-parallel model) or "tp" (none but tensor parallelism's own).
+    allreduce: str
     no_sync: Callable[[], AbstractContextManager]  # around the micro-batches that only accumulate gradients
 
 
@@ -70,15 +74,21 @@ def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, reci
         return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync)
     mesh = train_mesh(layout, d.device)
     assert mesh is not None
+    if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
+        tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe)
+    if layout.dp == 1:  # tensor parallelism alone: its collectives are in the forward and backward
+        return Wrapped(model, layout, "tp", contextlib.nullcontext)
+    # Data parallelism over DTensors goes through FSDP2 even without sharding (dp_shard 1: HSDP with a shard group
+    # of one, i.e. replicas all-reduced): DDP does not take a tensor-parallel model.
     shard(
         model,
         blocks,
         dp_mesh(mesh, layout),
         param_dtype=torch.bfloat16 if d.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
-        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1,
     )
     if layout.dp_replicate > 1:
-        return Wrapped(model, layout, "hsdp", lambda: _no_all_reduce(model))
+        return Wrapped(model, layout, "hsdp" if layout.dp_shard > 1 else "replicate", lambda: _no_all_reduce(model))
     # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between micro-batches would
     # cost the full model's gradient memory on every rank, which sharding is there to avoid.
     return Wrapped(model, layout, "fsdp", contextlib.nullcontext)

@@ -75,6 +75,13 @@ class Recipe:
     fsdp_wrap: Sequence[type] | None = None
     """Module classes that are the model's blocks: each is sharded on its own by FSDP2 (``parallel.dp_shard``)
     and is the unit of activation checkpointing. Default: each child of the model's largest ``nn.ModuleList``."""
+    tp_plan: Callable[[nn.Module], Mapping[str, Any]] | None = None
+    """model -> its tensor-parallel plan for ``parallel.tp`` > 1: ``{module path: ParallelStyle}`` as
+    ``torch.distributed.tensor.parallel.parallelize_module`` takes it (``*`` matches one path component), e.g.
+    ``{"layers.*.mlp.up": ColwiseParallel(), "layers.*.mlp.down": RowwiseParallel()}``. Every parameter must end
+    up in it (norms in a sequence-parallel region: ``SequenceParallel()``); the model's forward must take its
+    local sizes from the tensors (heads per rank = heads / tp). Called only when tensor parallelism is on.
+    Parameters tied before (an embedding and its output head) are tied again after."""
     architecture: Mapping[str, Any] = field(default_factory=dict)
     """Settings that define the model beyond its parameter shapes (e.g. attention heads). A resume across a
     change of these, of a parameter's name, shape or dtype, or of the optimizer's type is refused unless

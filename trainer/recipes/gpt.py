@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from trainer.models.gpt import GPT, flops_per_token, loss_fn
+from trainer.models.gpt import GPT, flops_per_token, loss_fn, tp_plan
 from trainer.recipes.api import Recipe, RecipeContext
 
 
@@ -29,5 +29,6 @@ def recipe(ctx: RecipeContext) -> Recipe:
         unit="tokens",
         units_per_sample=cfg.seq_len,
         flops_per_sample=flops_per_token(model) * cfg.seq_len,
+        tp_plan=tp_plan,
         architecture={k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"},
     )

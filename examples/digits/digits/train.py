@@ -66,6 +66,23 @@ def accuracy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Mapp
     return {"accuracy": (model(images).argmax(-1) == labels).float().mean()}
 
 
+def tp_plan(model: nn.Module) -> dict:
+    """Tensor parallelism (``parallel.tp``), Megatron-style: the Linear layers in pairs, the first split by output
+    units (each rank computes its share of the hidden units; ReLU and dropout work on that share), the second by
+    input units (partial sums, all-reduced). An odd last layer is split by output and its logits gathered."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    plan = {}
+    for i, name in enumerate(linears):
+        if i % 2:
+            plan[name] = RowwiseParallel()
+        else:
+            plan[name] = ColwiseParallel(output_layouts=Replicate()) if i == len(linears) - 1 else ColwiseParallel()
+    return plan
+
+
 def recipe(ctx: RecipeContext, hidden: int = 128, layers: int = 2, dropout: float = 0.2) -> Recipe:
     for name, value in (("hidden", hidden), ("layers", layers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -81,4 +98,5 @@ def recipe(ctx: RecipeContext, hidden: int = 128, layers: int = 2, dropout: floa
         loss=cross_entropy,
         eval_metrics=accuracy,
         unit="images",
+        tp_plan=tp_plan,
     )

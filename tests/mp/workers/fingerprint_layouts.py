@@ -1,5 +1,6 @@
-"""Worker: params_sha256 of the same weights whole on every rank (DDP), sharded by FSDP2 over 4 ranks and by HSDP
-(2 x 2), against the single-process value; and the per-rank hashing share.
+"""Worker: params_sha256 of the same weights whole on every rank (DDP), sharded by FSDP2 over 4 ranks, by HSDP
+(2 x 2), by tensor parallelism (2 replicas x tp 2) and by TP x FSDP (2-D), against the single-process value; and
+the per-rank hashing share.
 argv: OUT_DIR
 """
 
@@ -14,10 +15,11 @@ from runconfig import load_config
 from runconfig.layout import Layout
 from trainer.checkpoint import fingerprint
 from trainer.env import from_mpi
-from trainer.models.gpt import GPT
+from trainer.models.gpt import GPT, tp_plan
 from trainer.parallel.distributed import init_distributed, shutdown
 from trainer.parallel.fsdp import find_blocks, shard
 from trainer.parallel.mesh import dp_mesh, train_mesh
+from trainer.parallel.tp import tensor_parallel
 
 out_dir = Path(sys.argv[1])
 comm = MPI.COMM_WORLD
@@ -43,10 +45,20 @@ def counting(name, t):
 
 fingerprint.param_digest = counting
 result = {"rank": env.rank, "whole": fingerprint.params_sha256(model()), "hashed_whole": list(hashed)}
-for name, layout in {"fsdp": Layout(dp_shard=4), "hsdp": Layout(dp_replicate=2, dp_shard=2)}.items():
+layouts = {
+    "fsdp": Layout(dp_shard=4),
+    "hsdp": Layout(dp_replicate=2, dp_shard=2),
+    "tp": Layout(dp_replicate=2, tp=2),
+    "tp_fsdp": Layout(dp_shard=2, tp=2),
+}
+for name, layout in layouts.items():
     m = model()
     mesh = train_mesh(layout, d.device)
-    shard(m, find_blocks(m, None, recipe="gpt"), dp_mesh(mesh, layout), param_dtype=None, reshard_after_forward=True)
+    if layout.tp > 1:
+        tensor_parallel(m, tp_plan, mesh["tp"], recipe="gpt")
+    if layout.dp_shard > 1:
+        blocks = find_blocks(m, None, recipe="gpt")
+        shard(m, blocks, dp_mesh(mesh, layout), param_dtype=None, reshard_after_forward=True)
     hashed.clear()
     result[name] = fingerprint.params_sha256(m)
     result[f"hashed_{name}"] = list(hashed)

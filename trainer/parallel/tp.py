@@ -1,0 +1,77 @@
+"""Tensor parallelism for any recipe's model: the recipe's plan applied with ``parallelize_module`` on the layout's
+``tp`` mesh dimension (innermost: the ranks of one group are on one node). Torch's own parallel styles do the
+sharding; this module checks what torch leaves to the caller: a plan at all, a plan that covers every parameter
+(a plain parameter in a tensor-parallel model would get no gradient reduction across the group, so it could
+silently drift apart), and weights that were tied before it (``parallelize_module`` replaces each parameter by a
+new DTensor one, which unties an embedding and its output head)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainer.errors import UserError
+
+
+def tensor_parallel(
+    model: nn.Module, plan_of: Callable[[nn.Module], Mapping[str, Any]] | None, mesh: DeviceMesh, *, recipe: str
+) -> None:
+    """Parallelize ``model`` in place over the 1-D ``mesh``."""
+    if plan_of is None:
+        raise UserError(
+            f"parallel.tp={mesh.size()}: recipe {recipe!r} gives no tensor-parallel plan. Give its Recipe a "
+            "tp_plan (model -> {module path: ColwiseParallel()/RowwiseParallel()/...}, see trainer/recipes/api.py "
+            "and the built-in GPT's trainer.models.gpt.tp_plan), or shard the model with parallel.dp_shard instead."
+        )
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    ties = _ties(model)
+    try:
+        plan = dict(plan_of(model))
+        paths = [path.split(".") for path, _ in model.named_modules() if path]
+        for key in plan:  # parallelize_module only warns about a key that matches nothing: a typo does nothing
+            if not any(_matches(key.split("."), path) for path in paths):
+                raise ValueError(f"the key {key!r} matches no module of the model")
+        parallelize_module(model, mesh, plan)
+    except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
+        lines = str(exc).strip().splitlines()
+        raise UserError(
+            f"parallel.tp={mesh.size()}: recipe {recipe!r}'s tp_plan could not be applied: {type(exc).__name__}: "
+            f"{lines[0] if lines else ''}"
+        ) from None
+    for names in ties:  # the first name's (new) parameter for all of them
+        owner, attr = _split(model, names[0])
+        for name in names[1:]:
+            module, leaf = _split(model, name)
+            setattr(module, leaf, getattr(owner, attr))
+    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        shown = ", ".join(plain[:6]) + (f" and {len(plain) - 6} more" if len(plain) > 6 else "")
+        raise UserError(
+            f"parallel.tp={mesh.size()}: recipe {recipe!r}'s tp_plan leaves parameters outside tensor parallelism: "
+            f"{shown}. Add their modules to the plan (e.g. SequenceParallel() for a norm between parallel layers, "
+            "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) for an embedding)."
+        )
+
+
+def _matches(key: list[str], path: list[str]) -> bool:
+    """parallelize_module's matching: one ``fnmatch`` pattern per path component."""
+    return len(key) == len(path) and all(fnmatch.fnmatchcase(p, k) for k, p in zip(key, path, strict=True))
+
+
+def _ties(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one object, grouped (model order)."""
+    seen: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        seen.setdefault(id(p), []).append(name)
+    return [names for names in seen.values() if len(names) > 1]
+
+
+def _split(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), leaf
