@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from runconfig.contract import write_json_atomic
@@ -106,17 +106,28 @@ def _sha256_named(path: Path) -> str:
         raise
 
 
-def newest_valid(root: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
-    """The newest generation that validates; each newer invalid one is reported through ``warn`` and skipped.
+def newest_valid(
+    root: Path,
+    warn: Callable[[str], None],
+    *,
+    check: Callable[[Path], dict] = validate,
+    paths: Sequence[Path] | None = None,
+) -> tuple[Path, dict] | None:
+    """The newest generation that passes ``check``; each newer one it refuses is reported through ``warn`` and
+    skipped. Raises CheckpointInvalid when generations exist but none is valid: starting from scratch then would
+    silently throw away the run's progress.
 
-    Raises CheckpointInvalid when generations exist but none is valid: starting from scratch then would silently
-    throw away the run's progress.
+    ``check(path)`` returns the generation's manifest or raises CheckpointInvalid naming the file at fault; any
+    other error (a transient read error: ``validate``) propagates. The default, ``validate``, hashes every file in
+    this process. ``paths``: the generations to search, oldest first (default: ``generations(root)``). A collective
+    caller (the trainer's ranks, each hashing a share) passes the list every rank received and a check that gives
+    every rank the same outcome: the loop then calls it for the same generations in the same order on every rank.
     """
-    gens = generations(root)
+    gens = [p for _, p in generations(root)] if paths is None else list(paths)
     problems = []
-    for _, path in reversed(gens):
+    for path in reversed(gens):
         try:
-            return path, validate(path)
+            return path, check(path)
         except CheckpointInvalid as exc:
             problems.append(str(exc))
             warn(f"skipping checkpoint {path.name}: {exc}")

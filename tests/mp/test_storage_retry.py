@@ -100,3 +100,28 @@ def test_a_save_that_outlives_its_retries_is_a_crash_and_keeps_the_previous_gene
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumed from step_00000008" in rank_log(run_dir, 0)
     assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
+
+
+def test_a_restore_read_that_outlives_its_retries_is_a_crash_that_names_the_file_and_the_attempts(tmp_path, reference):
+    """The newest generation's manifest cannot be read (a real EIO: a link to /proc/self/mem). After
+    checkpoint.io_retries=1 the launch fails as a crash whose message names the file and the attempts made (the
+    retry's note); the older generation is not taken instead, as if the newest one were corrupt, and nothing is
+    deleted."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    (run_dir / "summary.json").unlink()
+    manifest = run_dir / "checkpoints" / "step_00000008" / "manifest.json"
+    manifest.unlink()
+    manifest.symlink_to("/proc/self/mem")
+    sets = ["train.steps=12", "checkpoint.io_retries=1", "job.max_failures=0"]
+    failed = launch(run_dir, sets, resume=True)
+    assert failed.returncode == EXIT_FAILED, failed.stdout + failed.stderr
+    record = RunDir(run_dir).failure_record()
+    assert record["kind"] == FAILURE_CRASH, record
+    assert record["message"].startswith(
+        f"reading {manifest.parent} failed: [Errno 5] Input/output error: '{manifest}' (gave up after 2 attempt(s) "
+    ), record
+    assert "(checkpoint.io_retries=1, at most " in record["message"] and "\n" not in record["message"], record
+    assert "attempt 1/2; retrying in" in rank_log(run_dir, 0)
+    assert "skipping checkpoint" not in rank_log(run_dir, 0)
+    assert [s for s, _ in generations(run_dir / "checkpoints")] == [4, 8]

@@ -77,6 +77,36 @@ def test_no_valid_generation_is_an_error_not_a_fresh_start(tmp_path):
     assert gen.exists()
 
 
+def test_the_search_takes_the_callers_generations_and_check(tmp_path):
+    """The trainer's ranks search the list rank 0 made with a check they share: the loop follows that list, newest
+    first, skips what the check refuses and lets any other error through (a transient read: retried by the caller)."""
+    gens = [make_generation(tmp_path, step) for step in (4, 8, 12)]
+    seen, warnings = [], []
+
+    def check(path):
+        seen.append(path.name)
+        if path == gens[1]:
+            raise CheckpointInvalid(f"{path / 'data.bin'} is not this rank's share")
+        return {"step": int(path.name.removeprefix("step_"))}
+
+    assert newest_valid(tmp_path, warnings.append, check=check, paths=gens[:2]) == (gens[0], {"step": 4})
+    assert seen == ["step_00000008", "step_00000004"]  # 12 is not in the caller's list
+    assert warnings == [f"skipping checkpoint step_00000008: {gens[1] / 'data.bin'} is not this rank's share"]
+
+    def refuse(path):
+        raise CheckpointInvalid(f"{path} refused")
+
+    with pytest.raises(CheckpointInvalid, match=r"none of the 3 checkpoints .*12 refused; .*08 refused; .*04 refused"):
+        newest_valid(tmp_path, lambda w: None, check=refuse)
+
+    def unreadable(path):
+        raise OSError(5, "Input/output error", str(path / "manifest.json"))
+
+    with pytest.raises(OSError, match="Input/output error") as info:
+        newest_valid(tmp_path, pytest.fail, check=unreadable)
+    assert not isinstance(info.value, CheckpointInvalid)
+
+
 def test_prune_keeps_last_k_and_every_m(tmp_path):
     for step in range(2, 26, 2):
         make_generation(tmp_path, step)

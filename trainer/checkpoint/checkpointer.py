@@ -50,6 +50,7 @@ from runconfig.checkpoints import (
     commit,
     fsync_path,
     generations,
+    newest_valid,
     prune,
     remove_stale_tmp,
     sha256_file,
@@ -350,8 +351,7 @@ class Checkpointer:
                 manifest = self._retry(lambda: {**meta, "files": self._files_of(tmp), "committed_at": time.time()}, tmp)
                 self._retry(lambda: commit(tmp, final, manifest), final)
             except OSError as exc:
-                notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
-                error = (exc, f"committing {final} failed: {exc.strerror or exc}{notes}")
+                error = (exc, f"committing {final} failed: {exc.strerror or exc}{_notes(exc)}")
         self._agree(error, time.monotonic(), final=True)
 
     def _files_of(self, tmp: Path) -> dict:
@@ -532,58 +532,56 @@ class Checkpointer:
         return True
 
     def _find(self) -> tuple[Path, dict] | None:
-        """The newest generation that validates, each rank hashing its share of the files (``shares``): none reads
-        the whole generation. A newer invalid one is skipped with a warning; when generations exist but none is
-        valid the run stops (starting from scratch would throw its progress away). Reads that fail with a
-        transient storage error are retried (checkpoint.io_retries) and never make a generation count as invalid.
-        Collective (MPI, main thread)."""
+        """The newest generation that validates (``newest_valid``), each rank hashing its share of the files
+        (``_check``): none reads the whole generation. A newer invalid one is skipped with a warning; when
+        generations exist but none is valid the run stops (starting from scratch would throw its progress away).
+        Reads that fail with a transient storage error are retried (checkpoint.io_retries) and never make a
+        generation count as invalid. Collective (MPI, main thread): the list of generations is rank 0's, and
+        ``_check`` gives every rank the same outcome, so every rank checks the same generations in the same order."""
         gens = crash = None
         if self.env.rank == 0:
             try:
-                gens = self._retry(lambda: [str(p) for p in reversed(self._generations())], self.root)
+                gens = self._retry(lambda: [str(p) for p in self._generations()], self.root)
             except OSError as exc:
-                crash = (io_errno(exc), f"reading the checkpoints in {self.root} failed: {exc}")
+                crash = _read_failed(exc, f"the checkpoints in {self.root}")
         gens, crash = self.comm.bcast((gens, crash), root=0)
-        if crash:
-            raise GaveUp(*crash) if crash[0] is not None else UserError(crash[1], collective=True)
-        problems = []
-        for where in gens:
-            path = Path(where)
-            manifest = problem = crash = None
-            if self.env.rank == 0:
-                try:
-                    manifest = self._retry(lambda p=path: validate(p, verify_hashes=False), path)
-                except CheckpointInvalid as exc:
-                    problem = str(exc)
-                except OSError as exc:
-                    crash = (io_errno(exc) if is_transient(exc) else None, f"reading {path} failed: {exc}")
-            manifest, problem, crash = self.comm.bcast((manifest, problem, crash), root=0)
-            if not crash and not problem:
-                problem, crash = self._verify_share(path, manifest["files"])
-                reports = self.comm.allgather((problem, crash))
-                crash = next((c for _, c in reports if c), None)
-                problem = next((p for p, _ in reports if p), None)
-            if crash:
-                raise GaveUp(*crash) if crash[0] is not None else UserError(crash[1], collective=True)
-            if problem:
-                if self.env.rank == 0:
-                    log.warning("skipping checkpoint %s: %s", path.name, problem)
-                problems.append(problem)
-                continue
-            if self.env.rank == 0:
-                self.verified.add(path.name)
-            return path, manifest
-        if gens:
-            raise UserError(
-                f"none of the {len(gens)} checkpoints in {self.root} is valid ({'; '.join(problems)}); nothing was "
-                "deleted. Move them away to start the run from scratch.",
-                collective=True,
-            )
-        return None
+        _raise_crash(crash)
+        warn = log.warning if self.env.rank == 0 else lambda _: None
+        try:
+            found = newest_valid(self.root, warn, check=self._check, paths=[Path(p) for p in gens])
+        except CheckpointInvalid as exc:
+            raise UserError(str(exc), collective=True) from None
+        if found is not None and self.env.rank == 0:
+            self.verified.add(found[0].name)
+        return found
 
     def _generations(self) -> list[Path]:
+        """Rank 0: the generations, oldest first, after removing the partial writes of a crashed save."""
         remove_stale_tmp(self.root)
         return [p for _, p in generations(self.root)]
+
+    def _check(self, path: Path) -> dict:
+        """The manifest of generation ``path`` if it is valid: rank 0 reads the manifest and checks the sizes, each
+        rank hashes its share of the files. Every rank returns the same manifest or raises the same error:
+        CheckpointInvalid naming the file at fault; GaveUp (a transient error that outlived the retries) or
+        UserError (an unreadable file). Collective."""
+        manifest = problem = crash = None
+        if self.env.rank == 0:
+            try:
+                manifest = self._retry(lambda: validate(path, verify_hashes=False), path)
+            except CheckpointInvalid as exc:
+                problem = str(exc)
+            except OSError as exc:
+                crash = _read_failed(exc, str(path))
+        manifest, problem, crash = self.comm.bcast((manifest, problem, crash), root=0)
+        if not crash and not problem:
+            reports = self.comm.allgather(self._verify_share(path, manifest["files"]))
+            crash = next((c for _, c in reports if c), None)
+            problem = next((p for p, _ in reports if p), None)
+        _raise_crash(crash)
+        if problem:
+            raise CheckpointInvalid(problem)
+        return manifest
 
     def _verify_share(self, path: Path, files: dict) -> tuple[str | None, tuple | None]:
         """(problem, crash) of this rank's share of the generation's files: a digest that differs, a file that
@@ -596,7 +594,7 @@ class Checkpointer:
                     return f"{fpath} does not match its SHA-256 in the manifest (corrupt)", None
             except OSError as exc:
                 if is_transient(exc):
-                    return None, (io_errno(exc), f"reading {fpath} failed: {exc}")
+                    return None, _read_failed(exc, str(fpath))
                 return f"{fpath} cannot be read ({exc.strerror or exc})", None
         return None, None
 
@@ -697,6 +695,23 @@ class Checkpointer:
 def _describe(changed: dict[str, tuple | str]) -> str:
     items = [f"{k}: {v}" if isinstance(v, str) else f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changed.items()]
     return ", ".join(items[:6]) + (f" and {len(items) - 6} more" if len(items) > 6 else "")
+
+
+def _notes(exc: BaseException) -> str:
+    """The notes on ``exc`` (runconfig/ioretry.py's "gave up after N attempt(s) ..."), each in parentheses."""
+    return "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
+
+
+def _read_failed(exc: OSError, what: str) -> tuple[int | None, str]:
+    """(errno, message) of a restore read that failed for good: the errno of a transient error (a crash,
+    restarted), None for any other (bad input); the message names ``what`` and keeps the retries' notes."""
+    return io_errno(exc) if is_transient(exc) else None, f"reading {what} failed: {exc}{_notes(exc)}"
+
+
+def _raise_crash(crash: tuple[int | None, str] | None) -> None:
+    """Raise, on every rank, a restore read that failed for good (``_read_failed``): GaveUp or UserError."""
+    if crash:
+        raise GaveUp(*crash) if crash[0] is not None else UserError(crash[1], collective=True)
 
 
 def fsync_all_dirs(root: Path) -> None:
