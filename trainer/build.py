@@ -188,11 +188,12 @@ def settle(
         if tp == 1:
             raise
         lines = str(exc).strip().splitlines()
+        first = lines[0].rstrip(".") if lines else ""
         error = (
             f"rank {env.rank}: recipe {cfg.recipe!r}: the first forward under parallel.tp={tp} raised "
-            f"{type(exc).__name__}: {lines[0] if lines else ''}. With tensor parallelism each rank holds 1/{tp} of "
-            "the split layers, so the model's forward must take its sizes from the tensors (e.g. "
-            "x.view(b, t, -1, head_dim), not n_heads), and the recipe's tp_plan must match how the layers connect."
+            f"{type(exc).__name__}: {first}. With tensor parallelism each rank holds 1/{tp} of the split layers, "
+            "so the model's forward must take its sizes from the tensors (e.g. x.view(b, t, -1, head_dim), not "
+            "n_heads), and the recipe's tp_plan must match how the layers connect."
         )
     agree(comm, error)  # before backward: its all-reduce needs every rank
     loss.backward()

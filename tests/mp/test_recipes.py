@@ -72,6 +72,19 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize(
+    "recipe,needle",
+    [
+        ("recipes:recipe", "parallel.tp=2: recipe 'toyproj.recipes:recipe' gives no tensor-parallel plan. Give its"),
+        ("recipes:wrong_tp_plan", "the first forward under parallel.tp=2 raised RuntimeError: "),
+    ],
+)
+def test_tensor_parallel_without_a_working_plan_is_refused(tmp_path, recipe, needle):
+    proc = submit(make_project(tmp_path, recipe, parallel={"tp": 2}), tmp_path / "run")
+    assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: ") and needle in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("recipe,args,needle", BAD, ids=[f"{r}-{sorted(a)}" for r, a, _ in BAD])
 def test_bad_recipe_is_named_before_training(tmp_path, recipe, args, needle):
     run_dir = tmp_path / "run"

@@ -105,3 +105,15 @@ def nan_loss(ctx: RecipeContext, bad_rank: int = 1, from_call: int = 10) -> Reci
         return value * float("nan") if ctx.rank == bad_rank and calls[0] >= from_call else value
 
     return Recipe(model=mlp(8, 0.0), train_data=Points(512), loss=loss)
+
+
+def wrong_tp_plan(ctx: RecipeContext) -> Recipe:
+    """A tensor-parallel plan that splits both layers by output: the second gets half of its input features."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return Recipe(
+        model=mlp(32, 0.0),
+        train_data=Points(512),
+        loss=classify,
+        tp_plan=lambda model: {"0": ColwiseParallel(), "3": ColwiseParallel()},
+    )
