@@ -82,6 +82,19 @@ def small_dataset(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_data(isolated_data_cache) -> Path:
+    """The tiny example's own dataset (all of the standard library's *.py, ~60 MB of shards), prepared once per
+    session into the isolated data cache, in the folder where its runs look for it: the runs that use it then pay for
+    neither the preparation nor, while rank 0 prepares, the other ranks' wait in MPI (which busy-polls)."""
+    worker = ROOT / "tests" / "mp" / "workers" / "prepare_cached_data.py"
+    proc = run_cli([str(worker), "tiny"], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = Path(proc.stdout.strip())
+    assert folder.parent == isolated_data_cache and (folder / "manifest.json").is_file(), folder
+    return folder
+
+
 def rank_pids(run_dir) -> dict[int, int]:
     """rank -> pid of the trainer processes of this run (MPICH puts PMI_RANK in each rank's environment)."""
     out = {}

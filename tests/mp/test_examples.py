@@ -8,10 +8,20 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
-from runconfig.contract import EVENT_CODE, EVENT_RESTART, EVENT_START, EVENT_STOPPED, EXIT_STOPPED, INJECT_VAR
+from runconfig.checkpoints import latest_committed
+from runconfig.contract import (
+    EVENT_CODE,
+    EVENT_RESTART,
+    EVENT_RESUME,
+    EVENT_START,
+    EVENT_STOPPED,
+    EXIT_STOPPED,
+    INJECT_VAR,
+)
 from tests.conftest import PY, ROOT, example_args, history, rank_pids, summary, wait_for_step
 
 pytestmark = pytest.mark.mp
@@ -29,6 +39,16 @@ def start(args: list[str], *, slow: bool) -> subprocess.Popen:
     return subprocess.Popen([PY, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
+def wait_for_checkpoint_after(run_dir, step: int, proc, timeout: float = 120) -> int:
+    """The step of the first checkpoint newer than ``step``, as soon as it is committed (its manifest written)."""
+    deadline = time.monotonic() + timeout
+    while (manifest := latest_committed(run_dir / "checkpoints")) is None or manifest["step"] <= step:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no checkpoint after step {step} within {timeout} s"
+        time.sleep(0.01)
+    return manifest["step"]
+
+
 @pytest.mark.parametrize("name,first_loss,last_loss", [("digits", 2.0, 1.0), ("lm_bpe", 7.0, 6.0)])
 def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, first_loss, last_loss):
     reference = example_reference(name)
@@ -36,6 +56,8 @@ def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, f
     assert ref_rows[0]["loss"] > first_loss and ref_rows[-1]["loss"] < last_loss, (ref_rows[0], ref_rows[-1])
     assert summary(reference)["recipe"] == f"{name}.train:recipe" and len(summary(reference)["code_sha256"]) == 64
     assert summary(reference)["allreduce"] == "hierarchical"  # 2 nodes x 2 ranks: the hook ran
+    if name == "lm_bpe":  # the multi-rank run that prepares its data on first use (rank 0 does, the others wait)
+        assert "(first use, tokenizer examples/lm_bpe/" in (reference / "logs" / "rank_00000.log").read_text()
 
     run_dir = tmp_path / "run"
     proc = start(example_args(name, run_dir, "--local"), slow=True)
@@ -46,12 +68,13 @@ def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, f
 
     proc = start(["-m", "hpc.submit", str(run_dir), "--local", "--set", "job.restart_backoff_s=0.2"], slow=True)
     stopped_at = [e for e in history(run_dir) if e["event"] == EVENT_STOPPED][-1]["step"]
-    wait_for_step(run_dir, stopped_at + 9, proc)  # past the next checkpoint (every 4 steps)
+    committed = wait_for_checkpoint_after(run_dir, stopped_at, proc)  # the first this launch writes
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # the launcher restarts the ranks from that checkpoint itself
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, out + err
     events = [e["event"] for e in history(run_dir) if e["event"] != "preflight"]
     assert events[:3] == [EVENT_CODE, EVENT_START, EVENT_STOPPED] and events.count(EVENT_RESTART) == 1, events
+    assert [e["step"] for e in history(run_dir) if e["event"] == EVENT_RESUME][-1] >= committed
     assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
     assert rows(run_dir) == ref_rows
 
@@ -71,6 +94,28 @@ def test_example_trains_sharded_like_ddp(tmp_path, example_reference, name, layo
     assert proc.returncode == 0, out + err
     assert summary(run_dir)["allreduce"] == ("fsdp" if name == "digits" else "hsdp")
     got, want = rows(run_dir), rows(reference)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "eval_loss", "eval_accuracy"):
+            if b[key] is not None:
+                assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
+
+
+def test_user_recipe_trains_tensor_parallel_like_ddp(tmp_path):
+    """digits' own tp_plan (its MLP's Linear layers split in pairs over the 2 ranks of a node, the nodes replicas):
+    the same losses and accuracy as DDP within float tolerance, half the state per rank. Dropout is off in both
+    runs: under tensor parallelism each rank draws the masks of its share of the units, which no data-parallel run
+    reproduces."""
+    runs = {}
+    for name, extra in {"ddp": [], "tp": ["--set", "parallel.tp=2"]}.items():
+        run_dir = runs[name] = tmp_path / name
+        args = example_args("digits", run_dir, "--local", "--set", "recipe_args.dropout=0", *extra)
+        out, err = start(args, slow=False).communicate(timeout=300)
+        assert summary(run_dir)["final_step"] == 40, out + err
+    tp, ddp = summary(runs["tp"]), summary(runs["ddp"])
+    assert tp["allreduce"] == "replicate" and tp["parallel"]["tp"] == 2 and tp["n_params"] == ddp["n_params"]
+    assert 0.49 < tp["state_bytes_per_rank"]["params"] / ddp["state_bytes_per_rank"]["params"] < 0.53
+    got, want = rows(runs["tp"]), rows(runs["ddp"])
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for a, b in zip(got, want, strict=True):
         for key in ("loss", "eval_loss", "eval_accuracy"):
