@@ -10,7 +10,8 @@ nodes, 1 thread per rank, alternated round by round so machine noise hits every 
 - ``hsdp``: sharded inside a node, replicated across nodes (``parallel.dp_shard=RANKS``);
 - ``fsdp-ac``: fsdp with every block's activations recomputed in backward;
 - ``tp``: tensor parallel over the ranks of a node (the built-in GPT's plan), nodes as replicas;
-- ``tp-fsdp``: tensor parallel inside a node, FSDP2 across nodes (a 2-D mesh).
+- ``tp-fsdp``: tensor parallel inside a node, FSDP2 across nodes (a 2-D mesh);
+- ``pp``: one pipeline stage per node (1F1B), the ranks of a node replicas of their stage.
 
 Figures per layout: the median step time over the steps after ``--skip`` (tokens/s over all ranks), rank 0's
 peak resident memory (``peak_mem_mb``: the process, torch and the data included) and what a rank holds of the
@@ -42,6 +43,7 @@ LAYOUTS = {
     "fsdp-ac": ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.activation_checkpointing=full"],
     "tp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.tp={ranks}"],
     "tp-fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.tp={ranks}"],
+    "pp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.pp={nodes}"],
 }
 
 
@@ -82,7 +84,7 @@ def sets(args: argparse.Namespace, layout: str, layers: int) -> list[str]:
         f"train.global_batch_size={args.micro * world}", "train.eval_every=0", "train.warmup_steps=1",
         "comm.allreduce=flat", "checkpoint.every_steps=0", "checkpoint.at_end=false",
         "monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.preflight=off",
-        *(s.format(ranks=args.ranks) for s in LAYOUTS[layout]),
+        *(s.format(ranks=args.ranks, nodes=args.nodes) for s in LAYOUTS[layout]),
     ]  # fmt: skip
 
 

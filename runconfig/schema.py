@@ -404,7 +404,20 @@ class ParallelConfig:
         "recipe's tp_plan (the built-in GPT: heads and MLP units, sequence parallelism on the norms). 1 = off.",
         1,
     )
-    pp: int = doc("Pipeline-parallel stages, outermost (not available yet: 1).", 1)
+    pp: int = doc(
+        "Pipeline-parallel stages, outermost (across nodes): the model cut into pp consecutive parts at the recipe's "
+        "split points (the built-in GPT: between blocks), one per group of ranks. 1 = off.",
+        1,
+    )
+    pp_schedule: Literal["1F1B", "GPipe"] = doc(
+        "Pipeline schedule: 1F1B (one forward, one backward: at most pp micro-batches' activations held) or GPipe "
+        "(all forwards, then all backwards).",
+        "1F1B",
+    )
+    pp_microbatches: int = doc(
+        "Pipeline micro-batches each train.micro_batch_size batch is cut into (at least pp, dividing it); 0 = pp.",
+        0,
+    )
     fsdp_reshard_after_forward: bool = doc(
         "FSDP: free each block's gathered parameters after its forward and gather them again for backward (less "
         "memory, more communication); the last block always keeps them.",
@@ -425,9 +438,13 @@ class ParallelConfig:
             value = getattr(self, key)
             if value != -1 and value < 1:
                 out.append((key, f"must be >= 1, or -1 for what the other degrees leave; got {value}"))
-        if self.pp not in (1,):
-            out.append(("pp", f"{self.pp}: pp > 1 is not available in this version yet (use dp_shard or tp)"))
+        if self.pp_microbatches < 0:
+            out.append(("pp_microbatches", f"must be >= 0 (0 = pp), got {self.pp_microbatches}"))
         return out
+
+    def microbatches(self, pp: int) -> int:
+        """Pipeline micro-batches per loop micro-batch at ``pp`` stages."""
+        return self.pp_microbatches or pp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -642,6 +659,33 @@ class RunConfig:
             except LayoutError as exc:
                 key = "job.min_nodes" if shrunk else f"parallel.{exc.key}"
                 return [(key, f"{where}{exc} (world size {world} = {nodes} nodes x {job.ranks_per_node} ranks)")]
+            if layout.pp > 1 and not shrunk:
+                n = self.parallel.microbatches(layout.pp)
+                if n < layout.pp:
+                    return [("parallel.pp_microbatches", f"{n} is fewer than the {layout.pp} pipeline stages")]
+                if t.micro_batch_size % n:
+                    key = "parallel.pp_microbatches" if self.parallel.pp_microbatches else "parallel.pp"
+                    return [
+                        (
+                            key,
+                            f"{n} pipeline micro-batches do not divide train.micro_batch_size={t.micro_batch_size}",
+                        )
+                    ]
+                if t.eval_every and t.eval_sequences < t.micro_batch_size * layout.dp:
+                    return [
+                        (
+                            "train.eval_sequences",
+                            f"{t.eval_sequences} is fewer than one micro-batch ({t.micro_batch_size}) per "
+                            f"data-parallel rank ({layout.dp}): a pipeline evaluates whole micro-batches",
+                        )
+                    ]
+                if self.recipe == BUILTIN_RECIPE and layout.pp > self.model.n_layers:
+                    return [
+                        (
+                            "parallel.pp",
+                            f"{layout.pp} stages for model.n_layers={self.model.n_layers}: each stage needs a block",
+                        )
+                    ]
             if self.recipe == BUILTIN_RECIPE and layout.tp > 1:
                 m = self.model
                 for what, size in (

@@ -93,7 +93,9 @@ def build_parts(
     if marks is not None:
         marks["recipe"] = time.time()
     model = recipe.model.to(d.device)
+    shapes = {n: [*q.shape, str(q.dtype)] for n, q in model.named_parameters()}  # the whole model's
     wrapped = wrap(cfg, env, d, model, recipe)
+    model = wrapped.model  # this rank's part under pipeline parallelism
     t = cfg.train
     loader = BatchLoader(
         recipe.train_data,
@@ -108,10 +110,19 @@ def build_parts(
         what=f"recipe {cfg.recipe!r}: train_data",
     )
     stack.callback(loader.close)
+    if wrapped.pipe is not None:
+        wrapped.pipe.accum = loader.accum
     agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
-    settle(cfg, env, wrapped.module, recipe, loader, comm, tp=wrapped.layout.tp)
-    # Counted before the per-rank reseed below: a counting pass draws dropout randoms too.
-    flops = count_flops_per_sample(cfg, recipe, d) if peak_tflops(d.device, cfg.monitor.peak_tflops) else None
+    if wrapped.pipe is None:
+        settle(cfg, env, wrapped.module, recipe, loader, comm, tp=wrapped.layout.tp)
+    else:  # the same throw-away step through the pipeline (its loss is checked on the last stage each step)
+        wrapped.pipe.step(loader.batch_at(0, 0))
+        model.zero_grad(set_to_none=True)
+    # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
+    # count the whole model's: only the recipe's own figure is used there.
+    flops = None
+    if peak_tflops(d.device, cfg.monitor.peak_tflops) and (wrapped.pipe is None or recipe.flops_per_sample):
+        flops = count_flops_per_sample(cfg, recipe, d)
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
     seed = rank_seed(t.seed, env.rank)
     random.seed(seed)
@@ -128,6 +139,8 @@ def build_parts(
         optimizer=optimizer,
         comm=comm,
         architecture=dict(recipe.architecture),
+        param_shapes=shapes,
+        aliases=wrapped.aliases,
         code_sha256=code_sha256,
         injector=mon.injector,
     )

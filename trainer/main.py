@@ -169,7 +169,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
                 recipe=cfg.recipe,
                 code_sha256=code_sha256,
             )
-        n_params = sum(q.numel() for q in p.model.parameters())
+        n_params = p.wrapped.n_params
         log.info(
             "recipe %s: %s with %d parameters; train %d samples, eval %s",
             cfg.recipe,
@@ -217,7 +217,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             "tokens_seen": state.tokens_seen,
             "unit": p.recipe.unit,
             "wall_time_s": state.elapsed_s,
-            "params_sha256": params_sha256(p.model),
+            "params_sha256": params_sha256(p.model, skip=p.wrapped.aliases),
             "n_params": n_params,
             "recipe": cfg.recipe,
             "code_sha256": code_sha256,

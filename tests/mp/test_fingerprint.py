@@ -1,6 +1,6 @@
 """params_sha256 (format 3) does not depend on the layout: the same weights whole on every rank, sharded by FSDP2
-over 4 ranks, by HSDP, by tensor parallelism and by TP x FSDP give the single-process value, and each rank hashes
-only its share of the parameters."""
+over 4 ranks, by HSDP, by tensor parallelism, by TP x FSDP and cut into pipeline stages give the single-process
+value, and each rank hashes only its share of the parameters."""
 
 import pytest
 
@@ -27,8 +27,9 @@ def test_fingerprint_is_the_same_for_every_layout_and_split_over_ranks(tmp_path)
     names = {n for n, _ in alone.named_parameters()}
     for r in results:
         assert r["whole"] == r["fsdp"] == r["hsdp"] == r["tp"] == r["tp_fsdp"] == single, r["rank"]
+        assert r["pp"] == r["pp_tp"] == single, r["rank"]
         assert r["v1_fsdp"] == r["v1_hsdp"] == r["v1_tp"] == r["v1_tp_fsdp"] == single_v1
-    for layout in ("whole", "fsdp", "hsdp", "tp", "tp_fsdp"):
+    for layout in ("whole", "fsdp", "hsdp", "tp", "tp_fsdp", "pp", "pp_tp"):
         shares = [set(r[f"hashed_{layout}"]) for r in results]
         assert set.union(*shares) == names and sum(map(len, shares)) == len(names)  # each parameter once
         assert all(shares), shares  # every rank takes a part

@@ -3,7 +3,9 @@
 sequence-parallel norms) and TP x FSDP train the tiny GPT within float tolerance of a single process at the same
 global batch and sample order; FSDP shards hold ~1/4 of the state, TP ~1/2; a stop signal under FSDP and under TP
 (with async saves of the shards) resumes bit-identical at the same layout, and resharded (FSDP -> DDP,
-FSDP -> TP x DP, TP x DP -> TP x FSDP) within tolerance."""
+FSDP -> TP x DP, TP x DP -> TP x FSDP) within tolerance. Pipeline parallelism (2 stages, 1F1B; TP x PP with
+GPipe) likewise, its stop resumed bit-identical and its stages' checkpoint loaded whole (PP -> DDP), and FSDP ->
+PP x DP."""
 
 import os
 import shutil
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.mp
 FSDP = ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
 HSDP = ["parallel.dp_shard=2"]
 TP = ["parallel.tp=2"]  # dp_replicate -1: 2 replicas (one per node) of a model split over the 2 ranks of a node
+PP = ["parallel.pp=2"]  # 2 stages (one per node), the 2 ranks of a node replicas: 1F1B, 2 pipeline micro-batches
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +89,9 @@ def test_fsdp_stop_resumes_bitwise_and_reshards_to_ddp(tmp_path, sets, single, f
 
     # The DCP checkpoint is keyed by parameter name: the FSDP shards load into whole DDP replicas, and into
     # tensor-parallel pieces.
-    to_tp = tmp_path / "to_tp"
+    to_tp, to_pp = tmp_path / "to_tp", tmp_path / "to_pp"
     shutil.copytree(resharded, to_tp)
+    shutil.copytree(resharded, to_pp)
     done = run(resharded, ["parallel.dp_replicate=-1", "parallel.dp_shard=1"], resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary(resharded)["allreduce"] in ("flat", "hierarchical")
@@ -97,6 +101,10 @@ def test_fsdp_stop_resumes_bitwise_and_reshards_to_ddp(tmp_path, sets, single, f
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary(to_tp)["parallel"]["tp"] == 2 and summary(to_tp)["allreduce"] == "replicate"
     assert_close_to(to_tp, single)
+    done = run(to_pp, ["parallel.dp_replicate=-1", "parallel.dp_shard=1", *PP], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(to_pp)["parallel"]["pp"] == 2
+    assert_close_to(to_pp, single)
 
 
 def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path, sets, single):
@@ -130,4 +138,45 @@ def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tm
     s = summary(resharded)
     assert s["allreduce"] == "fsdp" and s["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     assert 0.24 < s["state_bytes_per_rank"]["params"] / whole["params"] < 0.28
+    assert_close_to(resharded, single)
+
+
+def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path, sets, single):
+    """2 stages x 2 replicas with 1F1B; TP 2 x PP 2 with GPipe and 4 pipeline micro-batches. The tied embedding
+    and head live on different stages: their gradients are summed there, and the fingerprint counts them once."""
+    reference = tmp_path / "reference"
+    done = run(reference, [*sets, *PP])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_close_to(reference, single)  # measured: within 5e-7
+    s, alone = summary(reference), summary(single)
+    assert s["parallel"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and s["allreduce"] == "replicate"
+    assert s["n_params"] == alone["n_params"]
+    # A stage holds one of the two blocks, and the embedding or the head (tied: one copy on each end).
+    assert 0.55 < s["state_bytes_per_rank"]["params"] / alone["state_bytes_per_rank"]["params"] < 0.62
+
+    tp_pp = tmp_path / "tp_pp"
+    done = run(tp_pp, [*sets, *PP, *TP, "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=4"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(tp_pp)["parallel"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    assert summary(tp_pp)["allreduce"] == "tp"
+    assert_close_to(tp_pp, single)
+
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, [*sets, *PP, "checkpoint.async_save=true"])
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[3], signal.SIGUSR2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    assert 6 <= history(run_dir)[-1]["step"] < 24
+    resharded = tmp_path / "resharded"
+    shutil.copytree(run_dir, resharded)
+    done = run(run_dir, [], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(run_dir)["params_sha256"] == s["params_sha256"]
+    assert rows(run_dir) == rows(reference)
+
+    # The stages' checkpoint (each rank its stage's tensors, the tied copies under both names) loads whole.
+    done = run(resharded, ["parallel.pp=1"], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(resharded)["allreduce"] in ("flat", "hierarchical")
     assert_close_to(resharded, single)

@@ -73,14 +73,15 @@ BAD = [
 
 
 @pytest.mark.parametrize(
-    "recipe,needle",
+    "recipe,parallel,needle",
     [
-        ("recipes:recipe", "parallel.tp=2: recipe 'toyproj.recipes:recipe' gives no tensor-parallel plan. Give its"),
-        ("recipes:wrong_tp_plan", "the first forward under parallel.tp=2 raised RuntimeError: "),
+        ("recipes:recipe", {"tp": 2}, "parallel.tp=2: recipe 'toyproj.recipes:recipe' gives no tensor-parallel plan"),
+        ("recipes:wrong_tp_plan", {"tp": 2}, "the first forward under parallel.tp=2 raised RuntimeError: "),
+        ("recipes:recipe", {"pp": 2}, "parallel.pp=2: recipe 'toyproj.recipes:recipe' does not say how to cut its"),
     ],
 )
-def test_tensor_parallel_without_a_working_plan_is_refused(tmp_path, recipe, needle):
-    proc = submit(make_project(tmp_path, recipe, parallel={"tp": 2}), tmp_path / "run")
+def test_parallelism_a_recipe_does_not_support_is_refused(tmp_path, recipe, parallel, needle):
+    proc = submit(make_project(tmp_path, recipe, parallel=parallel), tmp_path / "run")
     assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: ") and needle in proc.stderr, proc.stderr
 

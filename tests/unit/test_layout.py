@@ -68,7 +68,7 @@ def raw(**parallel) -> dict:
         ({"dp_shard": 3}, "key 'parallel.dp_replicate': -1 takes what is left of the 4 ranks"),
         ({"dp_replicate": 1, "dp_shard": 8}, "key 'parallel.dp_replicate': pp 1 x dp_replicate 1 x dp_shard 8"),
         ({"dp_replicate": -1, "dp_shard": -1}, "key 'parallel.dp_shard': only one degree may be -1"),
-        ({"pp": 2}, "key 'parallel.pp': 2: pp > 1 is not available in this version yet"),
+        ({"pp": 3}, "key 'parallel.dp_replicate': -1 takes what is left of the 4 ranks"),
         ({"tp": 4}, "key 'parallel.tp': 4 does not divide the 2 ranks of a node"),
         ({"dp_shard": -2}, "key 'parallel.dp_shard': must be >= 1, or -1"),
         ({"activation_checkpointing": "some"}, "parallel.activation_checkpointing"),
@@ -114,3 +114,27 @@ def test_tensor_parallel_layouts():
     assert "key 'parallel.tp': 2 does not divide model.n_heads = 3" in str(err.value)
     other = {**raw(tp=2), "recipe": "mypkg.recipes:model", "recipe_args": {"heads": 3}}
     assert from_dict(other).layout().tp == 2
+
+
+@pytest.mark.parametrize(
+    ("parallel", "extra", "words"),
+    [
+        ({"pp": 2, "pp_microbatches": 1}, {}, "key 'parallel.pp_microbatches': 1 is fewer than the 2 pipeline stages"),
+        ({"pp": 2, "pp_microbatches": 3}, {}, "key 'parallel.pp_microbatches': 3 pipeline micro-batches do not divide"),
+        ({"pp": 2}, {"model": {"n_layers": 1}}, "key 'parallel.pp': 2 stages for model.n_layers=1"),
+        ({"pp": 2}, {"train": {"global_batch_size": 8, "micro_batch_size": 2, "eval_sequences": 3}}, "eval_sequences"),
+        ({"pp": 2, "pp_schedule": "zb"}, {}, "parallel.pp_schedule"),
+    ],
+)
+def test_pipeline_layouts_refused(parallel, extra, words):
+    with pytest.raises(ConfigError) as err:
+        from_dict({**raw(**parallel), "model": {"n_layers": 2}, **extra}, source="cfg.yaml")
+    assert words in str(err.value)
+
+
+def test_pipeline_layout():
+    """pp outermost: the stages are the nodes; the ranks of a node are the replicas of a stage."""
+    layout = from_dict({**raw(pp=2), "model": {"n_layers": 2}}).layout()
+    assert layout == Layout(pp=2, dp_replicate=2) and layout.dp == 2 and layout.kind == "ddp+pp"
+    assert [layout.coords(r)["pp"] for r in range(4)] == [0, 0, 1, 1]
+    assert [layout.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]

@@ -68,9 +68,16 @@ from trainer.observe.inject import Injector
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-FORMAT = 3  # 3: params_sha256 from per-parameter digests (fingerprint.py); 2: the recipe, its architecture and
-# the parameter shapes identify the model; 1: the GPT's config
-READABLE = (2, 3)  # 2 differs only in its params_sha256 (params_sha256_v1)
+FORMAT = 4  # 4: the optimizer state flattened per parameter (a pipeline stage's param groups list only its own
+# parameters: as one list per group, stages would overwrite each other's); 3: params_sha256 from per-parameter
+# digests (fingerprint.py); 2: the recipe, its architecture and the parameter shapes identify the model; 1: the
+# GPT's config
+READABLE = (2, 3, 4)  # 2 differs only in its params_sha256 (params_sha256_v1), 3 in its nested optimizer state
+
+
+def _options(fmt: int = FORMAT, **more) -> StateDictOptions:
+    """How a checkpoint of format ``fmt`` holds the model and optimizer state (DCP state dicts)."""
+    return StateDictOptions(flatten_optimizer_state_dict=fmt >= 4, **more)
 
 
 class CheckpointError(UserError):
@@ -198,17 +205,25 @@ class Checkpointer:
         architecture: dict | None = None,
         code_sha256: str | None = None,
         injector: Injector | None = None,
+        param_shapes: dict | None = None,
+        aliases: dict[str, str] | None = None,
     ) -> None:
-        """``model`` is the bare module (parameter names without DDP's "module."); ``architecture`` the recipe's
-        settings that define the model beyond its shapes; ``code_sha256`` the recipe's code snapshot;
-        ``injector`` the faults injected by tests (``eio_save``)."""
+        """``model`` is the bare module (parameter names without DDP's "module."; under pipeline parallelism this
+        rank's stage); ``architecture`` the recipe's settings that define the model beyond its shapes;
+        ``code_sha256`` the recipe's code snapshot; ``injector`` the faults injected by tests (``eio_save``);
+        ``param_shapes`` the whole model's {name: [*shape, dtype]} (default: ``model``'s); ``aliases`` {name of a
+        tied copy: the whole model's name} (a pipeline's output head tied to the first stage's embedding): left out
+        of ``params_sha256``, its optimizer state read under the whole model's name."""
         self.cfg, self.env, self.comm = cfg, env, comm
         self.model, self.optimizer = model, optimizer
         self.identity = {
             "recipe": cfg.recipe,
             "architecture": dict(architecture or {}),
-            "param_shapes": {n: [*p.shape, str(p.dtype)] for n, p in model.named_parameters()},
+            "param_shapes": param_shapes or {n: [*p.shape, str(p.dtype)] for n, p in model.named_parameters()},
         }
+        local = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # The tied copies this rank holds apart from their whole-model name (a pipeline's last stage: the head).
+        self.aliases = {a: w for a, w in (aliases or {}).items() if a in local and w not in local}
         self.code_sha256 = code_sha256
         self.root = rundir.checkpoints
         self.ccfg = cfg.checkpoint
@@ -224,7 +239,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
         self.pending: Future | None = None
-        self.param_names = [name for name, _ in model.named_parameters()]
+        self.param_names = [name for name, _ in model.named_parameters() if name not in aliases]
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self._staging: dict | None = None  # CPU buffers reused by async saves
         self._written: dict = {}  # the digests of the files every rank wrote in the latest write attempt
@@ -254,10 +269,10 @@ class Checkpointer:
         files = {f"rank_{self.env.rank:05d}.pt": _torch_bytes({"rng": rng_state()})}
         if self.env.rank == 0:
             files["train_state.json"] = (json.dumps(state.state_dict(), indent=2) + "\n").encode()
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer, options=_options())
         meta = self._manifest(state)
         if self.sharded:  # gathering whole parameters is collective: here, not in a background save's thread
-            meta["params_sha256"] = params_sha256(self.model)
+            meta["params_sha256"] = params_sha256(self.model, skip=self.aliases)
         if self.pool is None:
             self._write_and_commit({"model": msd, "optim": osd}, files, name, meta, state.step, start)
         else:
@@ -502,14 +517,15 @@ class Checkpointer:
             log.info("restoring %s (step %d)", path.name, manifest["step"])
         changed = self._check_compatible(manifest, path)
         try:
-            self._retrying(f"loading checkpoint {path.name}", lambda began: self._load(path, changed, began))
+            fmt = manifest["format"]
+            self._retrying(f"loading checkpoint {path.name}", lambda began: self._load(path, changed, fmt, began))
         except _Failed as failed:
             first = failed.reports[0]
             message = f"rank {first['rank']}: loading checkpoint {path} failed: {first['message']}"
             if failed.transient:
                 raise GaveUp(first["errno"], f"{message}{self._gave_up_after(failed)}") from failed.cause
             raise RuntimeError(message) from failed.cause
-        loaded = params_sha256(self.model) if manifest.get("format", 1) >= 3 else None
+        loaded = params_sha256(self.model, skip=self.aliases) if manifest.get("format", 1) >= 3 else None
         if not changed and loaded is None:  # an older manifest: its fingerprint covers every byte in one hash
             loaded = params_sha256_v1(self.model.named_parameters())
         if not changed and loaded != manifest["params_sha256"]:
@@ -601,16 +617,20 @@ class Checkpointer:
     def _read(self, path: Path) -> bytes:
         return self._retry(path.read_bytes, path)
 
-    def _load(self, path: Path, changed: dict[str, tuple | str], began: float) -> None:
+    def _load(self, path: Path, changed: dict[str, tuple | str], fmt: int, began: float) -> None:
         """One attempt at loading the model and optimizer state through DCP. Collective."""
         error = None
         try:
             if changed:
-                self._warm_start(path, changed)
+                self._warm_start(path, changed, fmt)
             else:
-                msd, osd = get_state_dict(self.model, self.optimizer)
+                msd, osd = get_state_dict(self.model, self.optimizer, options=_options(fmt))
+                osd = _renamed(osd, self.aliases)  # a tied copy's moments: read under the whole model's name
                 dcp.load({"model": msd, "optim": osd}, checkpoint_id=path / "dcp", process_group=self.group)
-                set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
+                osd = _renamed(osd, {whole: alias for alias, whole in self.aliases.items()})
+                set_state_dict(
+                    self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=_options(fmt)
+                )
         except (Exception, CheckpointException) as exc:
             error = (exc, f"reading {path / 'dcp'}: {_root_cause(exc)}")
         self._agree(error, began)
@@ -658,14 +678,14 @@ class Checkpointer:
             )
         return changed
 
-    def _warm_start(self, path: Path, changed: dict[str, tuple | str]) -> None:
+    def _warm_start(self, path: Path, changed: dict[str, tuple | str], fmt: int) -> None:
         """Forced resume across a model/optimizer change: load every parameter whose name and shape still match.
 
         The optimizer state is loaded only when every parameter loaded and the optimizer type is unchanged;
         otherwise it starts fresh (its moments would belong to other tensors).
         """
         model, optimizer = self.model, self.optimizer
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=_options(fmt))
         saved = dcp.FileSystemReader(path / "dcp").read_metadata().state_dict_metadata
         fits = {
             k: v
@@ -676,9 +696,9 @@ class Checkpointer:
         with_optim = not fresh and "optimizer" not in changed
         state = {"model": fits, "optim": osd} if with_optim else {"model": fits}
         dcp.load(state, checkpoint_id=path / "dcp", process_group=self.group)
-        set_model_state_dict(model, fits, options=StateDictOptions(strict=False))
+        set_model_state_dict(model, fits, options=_options(fmt, strict=False))
         if with_optim:
-            set_optimizer_state_dict(model, optimizer, osd)
+            set_optimizer_state_dict(model, optimizer, osd, options=_options(fmt))
         if self.env.rank == 0:
             log.warning(
                 "checkpoint.allow_shape_change: resuming from %s across a change (%s): loaded %d of %d tensors%s; "
@@ -695,6 +715,23 @@ class Checkpointer:
 def _describe(changed: dict[str, tuple | str]) -> str:
     items = [f"{k}: {v}" if isinstance(v, str) else f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changed.items()]
     return ", ".join(items[:6]) + (f" and {len(items) - 6} more" if len(items) > 6 else "")
+
+
+def _renamed(osd: dict, names: dict[str, str]) -> dict:
+    """An optimizer state dict (as ``get_state_dict`` gives it: FQN-keyed, flattened per parameter or nested) with
+    parameters renamed."""
+    if not names:
+        return osd
+    if "state" in osd and "param_groups" in osd:  # nested (format 3)
+        state = {names.get(k, k): v for k, v in osd["state"].items()}
+        groups = [{**g, "params": [names.get(n, n) for n in g["params"]]} for g in osd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+    out = {}
+    for key, value in osd.items():  # "state.<fqn>.<name>", "param_groups.<fqn>.<name>"
+        kind, _, rest = key.partition(".")
+        fqn, _, leaf = rest.rpartition(".")
+        out[f"{kind}.{names.get(fqn, fqn)}.{leaf}"] = value
+    return out
 
 
 def _notes(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ manifests of formats 1-2 and for pins taken with it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -65,28 +65,52 @@ def combine(digests: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{n} {digests[n]}\n" for n in sorted(digests)).encode()).hexdigest()
 
 
-def params_sha256(model: nn.Module, group: dist.ProcessGroup | None = None) -> str:
-    """The format-3 fingerprint of the model's parameters (tied ones once). Collective over every rank when a
-    process group exists (``group``: the one the digests are gathered on; default: the world)."""
-    return tensors_sha256(model.named_parameters(), group)
+def params_sha256(model: nn.Module, group: dist.ProcessGroup | None = None, *, skip: Collection[str] = ()) -> str:
+    """The format-3 fingerprint of the model's parameters (tied ones once; ``skip``: names of tied copies held
+    apart, a pipeline's). Collective over every rank when a process group exists (``group``: the one the
+    digests are gathered on; default: the world)."""
+    return tensors_sha256(((n, p) for n, p in model.named_parameters() if n not in skip), group)
 
 
 def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None) -> str:
-    """The same over (name, tensor) pairs: plain tensors (whole on every rank, as under DDP: the owner hashes its
-    own copy) or DTensors (gathered to the owner). Every rank must pass the same names in the same order."""
+    """The same over (name, tensor) pairs: plain tensors (whole on every rank that has them, as under DDP: the
+    owner hashes its own copy) or DTensors (gathered to the owner). Ranks may hold different names (pipeline
+    stages): the owner of each is one of the ranks that hold it; ranks that hold the same names (a stage's, with
+    their DTensors' meshes) pass them in the same order."""
     items = sorted(named, key=lambda item: item[0])
     if not dist.is_initialized():
         return combine({name: param_digest(name, t) for name, t in items})
-    rank, world = dist.get_rank(), dist.get_world_size()
-    who = owners([t.numel() for _, t in items], world)
+    rank = dist.get_rank()
+    held: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, (rank, [(name, t.numel()) for name, t in items]), group=group)
+    holders: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for r, names in held:
+        for name, numel in names:
+            holders.setdefault(name, []).append(r)
+            sizes[name] = numel
+    who = owners_among(sorted(sizes), sizes, holders)
     mine = {}
-    for (name, t), owner in zip(items, who, strict=True):
-        whole = _whole_on(t, owner, rank)
-        if rank == owner:
+    for name, t in items:
+        whole = _whole_on(t, who[name], rank)
+        if rank == who[name]:
             mine[name] = param_digest(name, whole)
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     return combine({k: v for part in gathered for k, v in part.items()})
+
+
+def owners_among(names: list[str], sizes: dict[str, int], holders: dict[str, list[int]]) -> dict[str, int]:
+    """Owner rank of each name among the ranks that hold it: largest first to the least-loaded holder (ties:
+    lowest rank). Where every rank holds every name, the same split as ``owners``."""
+    load: dict[int, int] = {}
+    out = {}
+    order = {n: i for i, n in enumerate(names)}
+    for name in sorted(names, key=lambda n: (-sizes[n], order[n])):
+        r = min(holders[name], key=lambda r: (load.get(r, 0), r))
+        out[name] = r
+        load[r] = load.get(r, 0) + sizes[name]
+    return out
 
 
 def _whole_on(t: torch.Tensor, owner: int, rank: int) -> torch.Tensor | None:

@@ -27,9 +27,13 @@ def evaluate(p: Parts, step: int) -> dict[str, float]:
     # counts them once per member in the sums below, which leaves the means unchanged).
     mine = everyone[layout.dp_rank(p.env.rank) :: layout.dp]
     mb = cfg.train.micro_batch_size
-    # A sharded model's forward is collective (it gathers each block's parameters): every rank runs as many
-    # batches as the busiest one, a rank short of samples repeating its last batch with weight 0.
-    rounds = -(-len(everyone[:: layout.dp]) // mb) if layout.sharded else -(-len(mine) // mb)
+    pipe = p.wrapped.pipe
+    if pipe is not None:  # whole micro-batches only: the schedule cuts each into its pipeline micro-batches
+        mine = mine[: len(mine) // mb * mb]
+    # A sharded model's forward is collective (it gathers each block's parameters), so is a pipeline's: every
+    # rank runs as many batches as the busiest one, a rank short of samples repeating a batch with weight 0.
+    busiest = len(everyone[:: layout.dp]) // mb * mb if pipe is not None else len(everyone[:: layout.dp])
+    rounds = -(-busiest // mb) if layout.sharded or pipe is not None else -(-len(mine) // mb)
     names: list[str] | None = None
     totals: torch.Tensor | None = None  # [samples, loss sum, metric sums...] in float64
     was_training = p.model.training
@@ -40,7 +44,7 @@ def evaluate(p: Parts, step: int) -> dict[str, float]:
                 ids = mine[start : start + mb]
                 weight = 1.0 if len(ids) else 0.0
                 if not len(ids):
-                    ids = mine[-mb:] if len(mine) else everyone[:1]
+                    ids = mine[-mb:] if len(mine) else everyone[: mb if pipe is not None else 1]
                 batch = to_device(
                     fetch(
                         data,
@@ -51,9 +55,15 @@ def evaluate(p: Parts, step: int) -> dict[str, float]:
                     ),
                     p.d.device,
                 )
-                with autocast(cfg, p.d.device):
-                    loss = recipe.loss(p.model, batch)
-                    metrics = dict(recipe.eval_metrics(p.model, batch)) if recipe.eval_metrics else {}
+                if pipe is not None:  # the loss on the last stage only; eval_metrics need the whole model
+                    with autocast(cfg, p.d.device):
+                        loss, metrics = pipe.eval_loss(batch), {}
+                    if loss is None:
+                        weight, loss = 0.0, torch.zeros(())
+                else:
+                    with autocast(cfg, p.d.device):
+                        loss = recipe.loss(p.model, batch)
+                        metrics = dict(recipe.eval_metrics(p.model, batch)) if recipe.eval_metrics else {}
                 check_loss(loss, recipe=cfg.recipe, rank=p.env.rank, step=step)
                 if names is None:
                     names = sorted(metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from runconfig.schema import TrainConfig
@@ -32,22 +33,37 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[nn.Parameter],
+    max_norm: float,
+    *,
+    across: dist.ProcessGroup | None = None,
+    counted: list[nn.Parameter] | None = None,
+) -> torch.Tensor:
     """Clip the global gradient norm; returns the norm before clipping, a plain tensor. Sharded gradients (FSDP2's
     and tensor parallelism's DTensors) give a partial norm per rank: it is reduced over their mesh first
-    (torchtitan does the same), per mesh where the parameters live on several."""
+    (torchtitan does the same), per mesh where the parameters live on several. ``across``: the pipeline group
+    whose stages' norms combine; ``counted``: the parameters the norm counts (default ``params``: all of them,
+    all clipped)."""
     from torch.distributed.tensor import DTensor
 
-    if not any(isinstance(p, DTensor) for p in params):
+    if across is None and not any(isinstance(p, DTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     by_mesh: dict = {}  # DTensors of different meshes (or plain tensors) do not mix in one norm
-    for p in params:
+    for p in params if counted is None else counted:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     norms = []
     for grads in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    if len(norms) == 1:
+        total = norms[0]
+    else:  # several meshes, or a pipeline stage without gradients of its own (zero)
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if across is not None:  # pipeline stages hold different parameters: the sum of squares over them
+        total = total.square()
+        dist.all_reduce(total, group=across)
+        total = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

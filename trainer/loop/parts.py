@@ -54,6 +54,11 @@ class Parts:
         """The trainable parameters (clipped together)."""
         return [q for q in self.model.parameters() if q.requires_grad]
 
+    @functools.cached_property
+    def counted(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters the gradient norm counts: tied copies held apart (a pipeline's) once."""
+        return [q for n, q in self.model.named_parameters() if q.requires_grad and n not in self.wrapped.aliases]
+
     @property
     def allreduce(self) -> str:
         """The gradient reduction that actually runs: "hierarchical", "flat", "fsdp", "hsdp", "replicate" or "tp"

@@ -37,6 +37,9 @@ def forward_backward_step(p: Parts, batch: Any, *, step: int, synchronizing: boo
     mon = p.mon
     with mon.clock.backward(synchronizing=synchronizing and p.env.world_size > 1):
         mon.injector.in_compute(step)
+        if p.wrapped.pipe is not None:  # forward and backward of its pipeline micro-batches, loss scaled there
+            with contextlib.nullcontext() if synchronizing else p.wrapped.no_sync(), autocast(p.cfg, p.d.device):
+                return p.wrapped.pipe.step(batch)
         with contextlib.nullcontext() if synchronizing else p.wrapped.no_sync():
             with autocast(p.cfg, p.d.device):
                 loss = p.recipe.loss(p.wrapped.module, batch)
@@ -61,7 +64,15 @@ def train_step(p: Parts, step: int) -> StepResult:
         loss += forward_backward_step(p, batch, step=step, synchronizing=micro == p.accum - 1)
     watch.enter("optimizer", step)
     with clock.part("optim"):
-        grad_norm = clip_grad_norm(p.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        pipe = p.wrapped.pipe
+        if pipe is not None:
+            pipe.sync_tied()
+        grad_norm = clip_grad_norm(
+            p.params,
+            t.grad_clip if t.grad_clip > 0 else float("inf"),
+            across=pipe.group if pipe else None,
+            counted=p.counted if pipe else None,
+        )
         opt.step()
         opt.zero_grad(set_to_none=True)
     return StepResult(lr=lr, grad_norm=grad_norm, loss=loss)

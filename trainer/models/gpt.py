@@ -96,7 +96,38 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def tp_plan(model: GPT) -> dict:
+class Stage(nn.Module):
+    """Pipeline stage ``stage`` of ``stages``: a contiguous run of blocks (split as evenly as the layers allow), the
+    embeddings on the first stage, the final norm and the head on the last. Parameter names are the whole model's
+    (blocks keyed by their index)."""
+
+    def __init__(self, model: GPT, stage: int, stages: int) -> None:
+        super().__init__()
+        n = len(model.blocks)
+        lo, hi = n * stage // stages, n * (stage + 1) // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        if self.first:
+            self.tok, self.pos, self.drop = model.tok, model.pos, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        if self.last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.drop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+def pipeline():
+    """The GPT as a pipeline (``Recipe.pipeline``): stages of consecutive blocks; batches are token windows."""
+    from trainer.recipes.api import Pipeline
+
+    return Pipeline(stage=Stage, split=lambda batch: (batch[:, :-1], batch[:, 1:]), loss=loss_fn)
+
+
+def tp_plan(model: nn.Module) -> dict:
     """The tensor-parallel plan (``parallelize_module``), as torchtitan's for Llama: the residual stream is split
     by sequence between blocks (norms and dropout on 1/tp of the tokens), gathered before attention and the MLP,
     whose first layers are split by output (heads, hidden units) and whose last layers by input, reduce-scattered
@@ -111,12 +142,18 @@ def tp_plan(model: GPT) -> dict:
     )
 
     gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
-    return {
-        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "blocks.0": PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
-        ),
+    plan: dict = {}
+    if hasattr(model, "tok"):  # the whole model, or the first pipeline stage (Stage): a later stage's input is
+        # the previous stage's output, already split by sequence
+        first = next(iter(model.blocks.keys())) if isinstance(model.blocks, nn.ModuleDict) else "0"
+        plan |= {
+            "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            f"blocks.{first}": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            ),
+        }
+    plan |= {
         "blocks.*.ln1": SequenceParallel(),
         "blocks.*.attn": PrepareModuleInput(**gather),
         "blocks.*.attn.q": ColwiseParallel(),
@@ -127,9 +164,13 @@ def tp_plan(model: GPT) -> dict:
         "blocks.*.mlp": PrepareModuleInput(**gather),
         "blocks.*.mlp.0": ColwiseParallel(),
         "blocks.*.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
-        "ln_f": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
+    if hasattr(model, "head"):  # the whole model, or the last pipeline stage
+        plan |= {
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    return plan
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -1,10 +1,11 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) and activation checkpointing for any recipe's model.
 
 The unit of both is a *block*: the recipe's ``fsdp_wrap`` classes, else each child of the model's largest
-``nn.ModuleList`` (the transformer layers of most models). Each block is sharded on its own (its parameters are
-gathered just before it runs and freed after, so at most a block or two is whole at a time), then the root takes
-what is left (embeddings, final norm, a head tied to the embedding). With a 2-D (dp_replicate, dp_shard) mesh this
-is HSDP: shards inside a group, gradients reduce-scattered there and all-reduced across the replicas once.
+``nn.ModuleList`` or ``nn.ModuleDict`` (the transformer layers of most models; a pipeline stage's). Each block is
+sharded on its own (its parameters are gathered just before it runs and freed after, so at most a block or two
+is whole at a time), then the root takes what is left (embeddings, final norm, a head tied to the embedding).
+With a 2-D (dp_replicate, dp_shard) mesh this is HSDP: shards inside a group, gradients reduce-scattered there
+and all-reduced across the replicas once.
 
 Parameter names do not change (the checkpoint's keys and ``params_sha256`` stay those of the bare model), which is
 why activation checkpointing replaces the block's ``forward`` rather than wrapping the block in a new module.
@@ -30,11 +31,11 @@ def find_blocks(model: nn.Module, classes: Sequence[type] | None, *, recipe: str
             names = ", ".join(c.__name__ for c in classes)
             raise UserError(f"recipe {recipe!r}: fsdp_wrap names {names}, but the model has no module of that class.")
         return blocks
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList | nn.ModuleDict) and len(m)]
     if not lists:
         return []
     largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return list(largest)
+    return list(largest.children())
 
 
 def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> int:

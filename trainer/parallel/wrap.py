@@ -6,6 +6,7 @@ any of them. One place decides; the loop only sees ``Wrapped``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -23,6 +24,7 @@ from trainer.parallel.comm import hierarchical_hook
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
 from trainer.parallel.mesh import dp_mesh, train_mesh
+from trainer.parallel.pipeline import Pipe, cut, schedule
 from trainer.parallel.tp import tensor_parallel
 from trainer.recipes.api import Recipe
 
@@ -37,6 +39,15 @@ class Wrapped:
     # all-reduce over whole replicas of a tensor-parallel model) or "tp" (none but tensor parallelism's own).
     allreduce: str
     no_sync: Callable[[], AbstractContextManager]  # around the micro-batches that only accumulate gradients
+    model: nn.Module  # the bare module this rank trains: the whole model, or its pipeline stage (names unchanged)
+    n_params: int  # of the whole model
+    pipe: Pipe | None = None  # pipeline parallelism: this rank's stage and schedule
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Names of tied copies the whole model lists once (a pipeline's head tied to another stage's embedding),
+        each -> the name the whole model lists."""
+        return self.pipe.aliases if self.pipe is not None else {}
 
 
 def layout_of(cfg: RunConfig, env: RuntimeEnv) -> Layout:
@@ -52,6 +63,10 @@ def layout_of(cfg: RunConfig, env: RuntimeEnv) -> Layout:
 
 def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, recipe: Recipe) -> Wrapped:
     layout = layout_of(cfg, env)
+    n_params = sum(p.numel() for p in model.parameters())
+    cut_info = None
+    if layout.pp > 1:  # first: everything else applies to this rank's stage
+        model, cut_info = cut(model, recipe.pipeline, layout, env.rank, spec=cfg.recipe)
     blocks = find_blocks(model, recipe.fsdp_wrap, recipe=cfg.recipe)
     mode = cfg.parallel.activation_checkpointing
     if mode != "none" and not blocks:
@@ -65,33 +80,52 @@ def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, reci
             "parallel layout: %s (%s)%s", layout.describe(), layout.kind,
             f"; activation checkpointing: {checkpointed} of {len(blocks)} blocks ({mode})" if checkpointed else "",
         )  # fmt: skip
-    if not layout.sharded:
+    if not layout.sharded and layout.pp == 1:
         ddp = DDP(
             model,
             device_ids=[d.device.index] if d.device.type == "cuda" else None,
             bucket_cap_mb=cfg.comm.bucket_mb,
         )
-        return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync)
+        return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync, model, n_params)
     mesh = train_mesh(layout, d.device)
     assert mesh is not None
     if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
         tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe)
-    if layout.dp == 1:  # tensor parallelism alone: its collectives are in the forward and backward
-        return Wrapped(model, layout, "tp", contextlib.nullcontext)
-    # Data parallelism over DTensors goes through FSDP2 even without sharding (dp_shard 1: HSDP with a shard group
-    # of one, i.e. replicas all-reduced): DDP does not take a tensor-parallel model.
-    shard(
-        model,
-        blocks,
-        dp_mesh(mesh, layout),
-        param_dtype=torch.bfloat16 if d.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
-        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1,
-    )
-    if layout.dp_replicate > 1:
-        return Wrapped(model, layout, "hsdp" if layout.dp_shard > 1 else "replicate", lambda: _no_all_reduce(model))
-    # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between micro-batches would
-    # cost the full model's gradient memory on every rank, which sharding is there to avoid.
-    return Wrapped(model, layout, "fsdp", contextlib.nullcontext)
+    if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
+        allreduce, no_sync = ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
+    else:
+        # Data parallelism over DTensors (or pipeline stages) goes through FSDP2 even without sharding (dp_shard 1:
+        # HSDP with a shard group of one, i.e. replicas all-reduced): DDP takes neither.
+        shard(
+            model,
+            blocks,
+            dp_mesh(mesh, layout),
+            param_dtype=torch.bfloat16 if d.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
+            # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
+            # (torchtitan does the same).
+            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1 and layout.pp == 1,
+        )
+        if layout.dp_replicate > 1:
+            allreduce = "hsdp" if layout.dp_shard > 1 else "replicate"
+            no_sync = functools.partial(_no_all_reduce, model)
+        else:
+            # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between
+            # micro-batches would cost the full model's gradient memory on every rank, which sharding avoids.
+            allreduce, no_sync = "fsdp", contextlib.nullcontext
+    pipe = None
+    if cut_info is not None:
+        pipe = schedule(
+            model,
+            layout,
+            mesh,
+            env.rank,
+            d.device,
+            recipe.pipeline,
+            cut_info,
+            kind=cfg.parallel.pp_schedule,
+            microbatches=cfg.parallel.microbatches(layout.pp),
+        )
+    return Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,24 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 MetricsFn = Callable[[nn.Module, Any], Mapping[str, Any]]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """How a recipe's model runs as a pipeline (``parallel.pp`` > 1). The built-in GPT's is
+    ``trainer.models.gpt.pipeline``."""
+
+    stage: Callable[[nn.Module, int, int], nn.Module]
+    """(model, stage, stages) -> the part of the model that stage ``stage`` (0-based) of ``stages`` runs: a module
+    whose forward takes the previous stage's output (the first stage: the model input) and returns the next
+    stage's input (the last stage: the model output). It must keep the parameter names of the whole model (e.g.
+    ``blocks.3.mlp.weight``: hold the kept blocks in an ``nn.ModuleDict`` keyed by their index), so checkpoints
+    move between layouts. Weights tied across stages (an embedding and its output head) are kept equal by the
+    trainer: their gradients are summed over the stages that hold them."""
+    split: Callable[[Any], tuple[torch.Tensor, Any]]
+    """batch -> (the model's input tensor, the targets the loss compares its output with)."""
+    loss: Callable[[Any, Any], torch.Tensor]
+    """(model output, targets) -> the mean loss, as ``Recipe.loss`` computes it from the same batch."""
+
+
 @dataclass(kw_only=True)
 class Recipe:
     """What a recipe returns. Only ``model``, ``train_data`` and ``loss`` are required."""
@@ -82,6 +100,9 @@ class Recipe:
     up in it (norms in a sequence-parallel region: ``SequenceParallel()``); the model's forward must take its
     local sizes from the tensors (heads per rank = heads / tp). Called only when tensor parallelism is on.
     Parameters tied before (an embedding and its output head) are tied again after."""
+    pipeline: Pipeline | None = None
+    """How the model is cut into pipeline stages, and its loss on the last one (``parallel.pp`` > 1). Eval metrics
+    (``eval_metrics``) are not computed under pipeline parallelism: they call the whole model."""
     architecture: Mapping[str, Any] = field(default_factory=dict)
     """Settings that define the model beyond its parameter shapes (e.g. attention heads). A resume across a
     change of these, of a parameter's name, shape or dtype, or of the optimizer's type is refused unless

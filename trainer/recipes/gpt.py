@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from trainer.models.gpt import GPT, flops_per_token, loss_fn, tp_plan
+from trainer.models.gpt import GPT, flops_per_token, loss_fn, pipeline, tp_plan
 from trainer.recipes.api import Recipe, RecipeContext
 
 
@@ -30,5 +30,6 @@ def recipe(ctx: RecipeContext) -> Recipe:
         units_per_sample=cfg.seq_len,
         flops_per_sample=flops_per_token(model) * cfg.seq_len,
         tp_plan=tp_plan,
+        pipeline=pipeline(),
         architecture={k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"},
     )

@@ -1,6 +1,7 @@
 """Worker: params_sha256 of the same weights whole on every rank (DDP), sharded by FSDP2 over 4 ranks, by HSDP
-(2 x 2), by tensor parallelism (2 replicas x tp 2) and by TP x FSDP (2-D), against the single-process value; and
-the per-rank hashing share.
+(2 x 2), by tensor parallelism (2 replicas x tp 2), by TP x FSDP (2-D), cut into pipeline stages (2 stages x 2
+replicas; 2 stages x tp 2: each rank holds other names, the tied head a copy of the embedding) against the
+single-process value; and the per-rank hashing share.
 argv: OUT_DIR
 """
 
@@ -15,10 +16,11 @@ from runconfig import load_config
 from runconfig.layout import Layout
 from trainer.checkpoint import fingerprint
 from trainer.env import from_mpi
-from trainer.models.gpt import GPT, tp_plan
+from trainer.models.gpt import GPT, pipeline, tp_plan
 from trainer.parallel.distributed import init_distributed, shutdown
 from trainer.parallel.fsdp import find_blocks, shard
 from trainer.parallel.mesh import dp_mesh, train_mesh
+from trainer.parallel.pipeline import cut
 from trainer.parallel.tp import tensor_parallel
 
 out_dir = Path(sys.argv[1])
@@ -50,18 +52,24 @@ layouts = {
     "hsdp": Layout(dp_replicate=2, dp_shard=2),
     "tp": Layout(dp_replicate=2, tp=2),
     "tp_fsdp": Layout(dp_shard=2, tp=2),
+    "pp": Layout(pp=2, dp_replicate=2),
+    "pp_tp": Layout(pp=2, tp=2),
 }
 for name, layout in layouts.items():
-    m = model()
+    m, skip = model(), frozenset()
     mesh = train_mesh(layout, d.device)
+    if layout.pp > 1:
+        m, info = cut(m, pipeline(), layout, env.rank, spec="gpt")
+        skip = info["aliases"]
     if layout.tp > 1:
         tensor_parallel(m, tp_plan, mesh["tp"], recipe="gpt")
     if layout.dp_shard > 1:
         blocks = find_blocks(m, None, recipe="gpt")
         shard(m, blocks, dp_mesh(mesh, layout), param_dtype=None, reshard_after_forward=True)
     hashed.clear()
-    result[name] = fingerprint.params_sha256(m)
+    result[name] = fingerprint.params_sha256(m, skip=skip)
     result[f"hashed_{name}"] = list(hashed)
-    result[f"v1_{name}"] = fingerprint.params_sha256_v1(m.named_parameters())
+    if layout.pp == 1:
+        result[f"v1_{name}"] = fingerprint.params_sha256_v1(m.named_parameters())
 (out_dir / f"rank_{env.rank}.json").write_text(json.dumps(result))
 shutdown(comm, clean=True)
