@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,12 +123,22 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
     )
 
 
+def patient_barrier(comm: MPI.Comm, poll_s: float = 0.002) -> None:
+    """Wait for every rank without taking a core: MPICH's blocking collectives spin, which slows the rank still
+    working (rank 0 preparing a dataset while the others wait: measured 1.7 s of CPU spent spinning in a 3 s wait
+    on 2 cores). Costs up to ``poll_s`` of latency: for start-up checks, not for the training loop."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll_s)
+
+
 def agree(comm: MPI.Comm, error: str | None) -> None:
     """Collective check: if any rank has an error, every rank raises UserError naming the first failing rank.
 
     Lets one rank's bad input (say, a corrupt shard it opened) stop all ranks cleanly instead of leaving the
     others blocked in the next collective.
     """
+    patient_barrier(comm)
     errors = comm.allgather(error)
     for rank, message in enumerate(errors):
         if message is not None:
