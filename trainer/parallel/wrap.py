@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -62,6 +63,11 @@ def layout_of(cfg: RunConfig, env: RuntimeEnv) -> Layout:
 
 
 def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, recipe: Recipe) -> Wrapped:
+    # DDP and FSDP read attributes of torch._dynamo, which trainer.main imports in a background thread to save
+    # start-up time: an import statement waits for that import to finish, where an attribute read of the half-
+    # initialised module fails ("module 'torch._dynamo' has no attribute 'utils'", seen once in CI).
+    importlib.import_module("torch._dynamo")
+
     layout = layout_of(cfg, env)
     n_params = sum(p.numel() for p in model.parameters())
     cut_info = None
