@@ -142,8 +142,9 @@ def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tm
 
 
 def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path, sets, single):
-    """2 stages x 2 replicas with 1F1B; TP 2 x PP 2 with GPipe and 4 pipeline micro-batches. The tied embedding
-    and head live on different stages: their gradients are summed there, and the fingerprint counts them once."""
+    """2 stages x 2 replicas with 1F1B and with GPipe; TP 2 x PP 2 with GPipe and 4 pipeline micro-batches. The
+    tied embedding and head live on different stages: their gradients are summed there, and the fingerprint counts
+    them once."""
     reference = tmp_path / "reference"
     done = run(reference, [*sets, *PP])
     assert done.returncode == 0, done.stdout + done.stderr
@@ -153,6 +154,11 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
     assert s["n_params"] == alone["n_params"]
     # A stage holds one of the two blocks, and the embedding or the head (tied: one copy on each end).
     assert 0.55 < s["state_bytes_per_rank"]["params"] / alone["state_bytes_per_rank"]["params"] < 0.62
+
+    gpipe = tmp_path / "gpipe"
+    done = run(gpipe, [*sets, *PP, "parallel.pp_schedule=GPipe"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_close_to(gpipe, single)
 
     tp_pp = tmp_path / "tp_pp"
     done = run(tp_pp, [*sets, *PP, *TP, "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=4"])

@@ -192,8 +192,13 @@ def test_cli_prepares_with_tokenizer(corpus, bpe, tmp_path):
 
 
 class _OneRank:
+    """MPI's COMM_SELF, as far as open_splits uses it (MPI must not start in the test process)."""
+
     def allgather(self, value):
         return [value]
+
+    def Ibarrier(self):  # noqa: N802 (mpi4py's name)
+        return SimpleNamespace(Test=lambda: True)
 
 
 def _env(cache: Path):
