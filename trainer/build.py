@@ -24,7 +24,7 @@ from trainer.checkpoint.state import TrainState, rank_seed
 from trainer.data.loader import BatchLoader, fetch, to_device
 from trainer.data.resolve import open_splits
 from trainer.env import RuntimeEnv, agree
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.loop.optim import build_optimizer, lr_at
 from trainer.loop.parts import Parts, autocast
 from trainer.loop.stop import StopFlag
@@ -200,11 +200,9 @@ def settle(
     except (RuntimeError, ValueError) as exc:
         if tp == 1:
             raise
-        lines = str(exc).strip().splitlines()
-        first = lines[0].rstrip(".") if lines else ""
         error = (
             f"rank {env.rank}: recipe {cfg.recipe!r}: the first forward under parallel.tp={tp} raised "
-            f"{type(exc).__name__}: {first}. With tensor parallelism each rank holds 1/{tp} of the split layers, "
+            f"{first_line(exc).rstrip('.')}. With tensor parallelism each rank holds 1/{tp} of the split layers, "
             "so the model's forward must take its sizes from the tensors (e.g. x.view(b, t, -1, head_dim), not "
             "n_heads), and the recipe's tp_plan must match how the layers connect."
         )
@@ -247,10 +245,7 @@ def check_structure(spec: str, recipe: Recipe) -> None:
             except UserError:
                 raise
             except Exception as exc:
-                lines = str(exc).strip().splitlines()
-                raise UserError(
-                    f"recipe {spec!r}: {name}[{int(i)}] raised {type(exc).__name__}: {lines[0] if lines else ''}"
-                ) from None
+                raise UserError(f"recipe {spec!r}: {name}[{int(i)}] raised {first_line(exc)}") from None
             if first is None:
                 first = (int(i), item)
             elif item != first[1]:

@@ -12,3 +12,10 @@ class UserError(Exception):
         super().__init__(message)
         self.collective = collective
         self.rank = rank
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: the first line of the message`` (at most 300 characters of it): how an error from the user's code
+    or from torch is quoted in a one-paragraph message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__

@@ -48,6 +48,25 @@ def fsdp(tmp_path_factory, sets):
     return run_dir
 
 
+def stop_and_resume_bitwise(tmp_path, sets, reference, *, rank: int):
+    """A run of ``sets`` (async saves) stopped by a signal to one rank after step 6, resumed at the same layout: it
+    must end bit-identical to ``reference``. Returns a copy of the stopped run, to resume at another layout."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, [*sets, "checkpoint.async_save=true"])
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[rank], signal.SIGUSR2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    assert 6 <= history(run_dir)[-1]["step"] < 24
+    stopped = tmp_path / "stopped"
+    shutil.copytree(run_dir, stopped)
+    done = run(run_dir, [], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
+    assert rows(run_dir) == rows(reference)
+    return stopped
+
+
 def test_fsdp_and_hsdp_train_like_one_process(tmp_path, sets, single, fsdp):
     assert_close_to(fsdp, single)  # within 1e-4: the sums run in another order (measured ~3e-6 after 20 steps)
     s = summary(fsdp)
@@ -71,21 +90,7 @@ def test_fsdp_and_hsdp_train_like_one_process(tmp_path, sets, single, fsdp):
 
 
 def test_fsdp_stop_resumes_bitwise_and_reshards_to_ddp(tmp_path, sets, single, fsdp):
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, [*sets, *FSDP, "checkpoint.async_save=true"])
-    wait_for_step(run_dir, 6, proc)
-    os.kill(rank_pids(run_dir)[1], signal.SIGUSR2)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED, out + err
-    stop_step = history(run_dir)[-1]["step"]
-    assert 6 <= stop_step < 24
-    resharded = tmp_path / "resharded"
-    shutil.copytree(run_dir, resharded)
-
-    done = run(run_dir, [], resume=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert summary(run_dir)["params_sha256"] == summary(fsdp)["params_sha256"]
-    assert rows(run_dir) == rows(fsdp)
+    resharded = stop_and_resume_bitwise(tmp_path, [*sets, *FSDP], fsdp, rank=1)
 
     # The DCP checkpoint is keyed by parameter name: the FSDP shards load into whole DDP replicas, and into
     # tensor-parallel pieces.
@@ -118,19 +123,7 @@ def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tm
     for key in ("params", "grads", "optimizer"):  # each matrix split in two; norms and biases of rows whole
         assert 0.49 < s["state_bytes_per_rank"][key] / whole[key] < 0.53, (key, s["state_bytes_per_rank"], whole)
 
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, [*sets, *TP, "checkpoint.async_save=true"])
-    wait_for_step(run_dir, 6, proc)
-    os.kill(rank_pids(run_dir)[2], signal.SIGUSR2)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED, out + err
-    assert 6 <= history(run_dir)[-1]["step"] < 24
-    resharded = tmp_path / "resharded"
-    shutil.copytree(run_dir, resharded)
-    done = run(run_dir, [], resume=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert summary(run_dir)["params_sha256"] == s["params_sha256"]
-    assert rows(run_dir) == rows(reference)
+    resharded = stop_and_resume_bitwise(tmp_path, [*sets, *TP], reference, rank=2)
 
     # TP x DP -> TP x FSDP (a 2-D mesh: FSDP2 shards the tensor-parallel pieces over the replicas).
     done = run(resharded, ["parallel.dp_replicate=1", "parallel.dp_shard=-1"], resume=True)
@@ -167,19 +160,7 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
     assert summary(tp_pp)["allreduce"] == "tp"
     assert_close_to(tp_pp, single)
 
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, [*sets, *PP, "checkpoint.async_save=true"])
-    wait_for_step(run_dir, 6, proc)
-    os.kill(rank_pids(run_dir)[3], signal.SIGUSR2)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED, out + err
-    assert 6 <= history(run_dir)[-1]["step"] < 24
-    resharded = tmp_path / "resharded"
-    shutil.copytree(run_dir, resharded)
-    done = run(run_dir, [], resume=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert summary(run_dir)["params_sha256"] == s["params_sha256"]
-    assert rows(run_dir) == rows(reference)
+    resharded = stop_and_resume_bitwise(tmp_path, [*sets, *PP], reference, rank=3)
 
     # The stages' checkpoint (each rank its stage's tensors, the tied copies under both names) loads whole.
     done = run(resharded, ["parallel.pp=1"], resume=True)

@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 
 from runconfig.ioretry import is_transient
 from trainer.data.dataset import GlobalOrder, rank_slice
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -48,20 +48,15 @@ def fetch(dataset: Any, ids: np.ndarray, collate: Callable[[list], Any], *, what
         except Exception as exc:  # the user's dataset: any error is theirs to see, with where it happened
             if is_transient(exc):
                 raise  # a storage fault that outlived the dataset's retries: a crash (restarted), not bad input
-            raise UserError(f"rank {rank}: {what}[{int(i)}] raised {_first_line(exc)}.", collective=False) from None
+            raise UserError(f"rank {rank}: {what}[{int(i)}] raised {first_line(exc)}.", collective=False) from None
     try:
         return collate(items)
     except Exception as exc:
         raise UserError(
-            f"rank {rank}: collating {what} items {[int(i) for i in ids]} failed: {_first_line(exc)}. Items of a "
+            f"rank {rank}: collating {what} items {[int(i) for i in ids]} failed: {first_line(exc)}. Items of a "
             "batch must have the same structure, shapes and dtypes (or give the recipe a collate function).",
             collective=False,
         ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
 class BatchLoader:

@@ -35,6 +35,7 @@ from runconfig import RunDir
 from runconfig.contract import EVENT_PREFLIGHT, FAILURE_PREFLIGHT, append_event
 from trainer.data.loader import BatchLoader
 from trainer.env import RuntimeEnv
+from trainer.errors import first_line
 from trainer.loop.parts import Parts
 from trainer.observe.inject import Injector
 from trainer.parallel.comm import HierGroups
@@ -140,8 +141,7 @@ def read_first_item(loader: BatchLoader, position: int) -> tuple[float | None, s
         index = int(loader.ids(position, 0)[0])
         loader.dataset[index]
     except Exception as exc:  # the user's dataset: any error is reported with where it happened
-        lines = str(exc).strip().splitlines()
-        return None, f"{loader.what}[{index}] raised {type(exc).__name__}: {lines[0][:300] if lines else ''}"
+        return None, f"{loader.what}[{index}] raised {first_line(exc)}"
     return time.perf_counter() - start, None
 
 

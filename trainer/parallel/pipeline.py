@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from runconfig.layout import Layout
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.recipes.api import Pipeline
 
 
@@ -123,10 +123,8 @@ def cut(model: nn.Module, recipe: Pipeline | None, layout: Layout, rank: int, *,
             if s == layout.coords(rank)["pp"]:
                 mine = part
     except (ValueError, TypeError, IndexError, AttributeError) as exc:
-        lines = str(exc).strip().splitlines()
         raise UserError(
-            f"parallel.pp={layout.pp}: recipe {spec!r}'s Pipeline.stage failed: {type(exc).__name__}: "
-            f"{lines[0] if lines else ''}"
+            f"parallel.pp={layout.pp}: recipe {spec!r}'s Pipeline.stage failed: {first_line(exc)}"
         ) from None
     whole = {n for names in groups.values() for n in names}
     for s, names in enumerate(parts):

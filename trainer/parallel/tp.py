@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 
 
 def tensor_parallel(
@@ -39,10 +39,8 @@ def tensor_parallel(
                 raise ValueError(f"the key {key!r} matches no module of the model")
         parallelize_module(model, mesh, plan)
     except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
-        lines = str(exc).strip().splitlines()
         raise UserError(
-            f"parallel.tp={mesh.size()}: recipe {recipe!r}'s tp_plan could not be applied: {type(exc).__name__}: "
-            f"{lines[0] if lines else ''}"
+            f"parallel.tp={mesh.size()}: recipe {recipe!r}'s tp_plan could not be applied: {first_line(exc)}"
         ) from None
     for names in ties:  # the first name's (new) parameter for all of them
         owner, attr = _split(model, names[0])

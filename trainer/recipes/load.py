@@ -16,15 +16,10 @@ from typing import Any
 import torch
 
 from runconfig.schema import BUILTIN_RECIPE
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.recipes.api import Recipe, RecipeContext
 
 BUILTIN_PATH = "trainer.recipes.gpt:recipe"
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def recipe_function(spec: str) -> Callable[..., Any]:
@@ -35,7 +30,7 @@ def recipe_function(spec: str) -> Callable[..., Any]:
     except Exception as exc:  # ImportError, SyntaxError, or anything the module's top level raised
         where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
         raise UserError(
-            f"recipe {spec!r}: module {module_name!r} does not import{where}: {_first_line(exc)}. The module is "
+            f"recipe {spec!r}: module {module_name!r} does not import{where}: {first_line(exc)}. The module is "
             "looked for in the run directory's code snapshot (taken at submit from the config file's folder, its "
             "parent or the current folder) and in the installed packages.",
             collective=True,
@@ -71,7 +66,7 @@ def build_recipe(spec: str, args: dict[str, Any], ctx: RecipeContext) -> Recipe:
     except UserError:
         raise
     except (ValueError, TypeError) as exc:
-        raise UserError(f"recipe {spec!r} rejected its recipe_args: {_first_line(exc)}.", collective=True) from None
+        raise UserError(f"recipe {spec!r} rejected its recipe_args: {first_line(exc)}.", collective=True) from None
     check_recipe(spec, recipe)
     return recipe
 
