@@ -14,8 +14,10 @@ nodes, 1 thread per rank, alternated round by round so machine noise hits every 
 - ``pp``: one pipeline stage per node (1F1B), the ranks of a node replicas of their stage.
 
 Figures per layout: the median step time over the steps after ``--skip`` (tokens/s over all ranks), rank 0's
-peak resident memory (``peak_mem_mb``: the process, torch and the data included) and what a rank holds of the
-model (``state_bytes_per_rank`` in summary.json: parameters, gradients, AdamW state).
+peak resident memory (``peak_mem_mb``: the process, torch and the data included), the largest rank's peak once the
+model is built and split, before any forward (``built_mem_mb``, from the start event: what ``parallel.meta_init``
+lowers) and what a rank holds of the model (``state_bytes_per_rank`` in summary.json: parameters, gradients, AdamW
+state). ``--set KEY=VALUE`` applies to every run; ``--also KEY=VALUE`` runs every layout with and without it.
 
 The memory cap: each layout also runs a second, smaller model (``--small-layers``); the two points give the
 memory per parameter and the fixed part (``peak = fixed + per_param x params``), and the largest model under
@@ -62,6 +64,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="rounds of every layout (default 1)")
     p.add_argument("--cap-mb", type=float, default=2048, help="per-rank memory cap for the fit (default 2048)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
+    p.add_argument(
+        "--also",
+        metavar="KEY=VALUE",
+        help="also run every layout with this config setting, side by side (e.g. train.host_mmap_threshold_kb=0)",
+    )
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a config setting for every run"
+    )
     p.add_argument("--work-dir", type=Path, help="keep run directories here (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
@@ -69,6 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.layouts) - set(LAYOUTS)
     if unknown:
         p.error(f"unknown layouts {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")
+    if args.also is not None and "=" not in args.also:
+        p.error("--also takes KEY=VALUE")
+    # Each entry: (label, layout, extra settings); with --also every layout twice, alternated within a round.
+    args.variants = [(name, name, []) for name in args.layouts]
+    if args.also:
+        args.variants = [v for name in args.layouts for v in ((name, name, []), (f"{name}+", name, [args.also]))]
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
     return args
@@ -84,20 +100,23 @@ def sets(args: argparse.Namespace, layout: str, layers: int) -> list[str]:
         f"train.global_batch_size={args.micro * world}", "train.eval_every=0", "train.warmup_steps=1",
         "comm.allreduce=flat", "checkpoint.every_steps=0", "checkpoint.at_end=false",
         "monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.preflight=off",
-        *(s.format(ranks=args.ranks, nodes=args.nodes) for s in LAYOUTS[layout]),
+        *(s.format(ranks=args.ranks, nodes=args.nodes) for s in LAYOUTS[layout]), *args.sets,
     ]  # fmt: skip
 
 
-def run(args: argparse.Namespace, layout: str, layers: int, out: Path) -> dict:
+def run(args: argparse.Namespace, layout: str, layers: int, out: Path, extra: list[str]) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(out)]
-    cmd += [a for kv in sets(args, layout, layers) for a in ("--set", kv)]
+    cmd += [a for kv in [*sets(args, layout, layers), *extra] for a in ("--set", kv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"{layout} ({layers} layers) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     summary = json.loads((out / "summary.json").read_text())
+    events = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines() if x.strip()]
+    start = next(e for e in events if e["event"] == "start")
     return {
+        "built_mem_mb": start["peak_mem_mb"]["model_built"],
         "step_s": [r["step_time_s"] for r in records if r["step"] > args.skip],
         "peak_mem_mb": max(r.get("peak_mem_mb") or 0 for r in records),
         "state_mb": {k: v / 2**20 for k, v in summary["state_bytes_per_rank"].items()},
@@ -111,27 +130,27 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-parallel-"))
     world = args.nodes * args.ranks
     tokens_per_step = args.micro * world * args.seq
-    big: dict[str, dict] = {name: {"step_s": []} for name in args.layouts}
+    big: dict[str, dict] = {label: {"step_s": []} for label, _, _ in args.variants}
     small: dict[str, dict] = {}
     for r in range(args.rounds):
-        for name in args.layouts:
+        for label, name, extra in args.variants:
             wait_for_quiet()
-            got = run(args, name, args.layers, work / f"{name}-{r}")
-            big[name] = {**got, "step_s": big[name]["step_s"] + got["step_s"]}
-    for name in args.layouts:
+            got = run(args, name, args.layers, work / f"{label}-{r}", extra)
+            big[label] = {**got, "step_s": big[label]["step_s"] + got["step_s"]}
+    for label, name, extra in args.variants:
         wait_for_quiet()
-        small[name] = run(args, name, args.small_layers, work / f"{name}-small")
+        small[label] = run(args, name, args.small_layers, work / f"{label}-small", extra)
     result: dict = {
         "setup": {
             "nodes": args.nodes, "ranks_per_node": args.ranks, "d_model": args.d_model, "layers": args.layers,
             "small_layers": args.small_layers, "seq_len": args.seq, "micro_batch": args.micro,
             "tokens_per_step": tokens_per_step, "steps": args.steps, "skip": args.skip, "rounds": args.rounds,
-            "cap_mb": args.cap_mb,
+            "cap_mb": args.cap_mb, "also": args.also, "set": args.sets,
         },
         "layouts": {},
     }  # fmt: skip
     base = statistics.median(big["ddp"]["step_s"]) if "ddp" in big else None
-    for name in args.layouts:
+    for name, _, _ in args.variants:
         b, s = big[name], small[name]
         step = statistics.median(b["step_s"])
         per_param = (b["peak_mem_mb"] - s["peak_mem_mb"]) / (b["n_params"] - s["n_params"])
@@ -143,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s": tokens_per_step / step,
             "vs_ddp": base / step if base else None,
             "peak_mem_mb": b["peak_mem_mb"],
+            "built_mem_mb": b["built_mem_mb"],
             "state_mb_per_rank": b["state_mb"],
             "n_params": b["n_params"],
             "small": {"n_params": s["n_params"], "peak_mem_mb": s["peak_mem_mb"]},
@@ -154,13 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{args.nodes} nodes x {args.ranks} ranks, {big[args.layouts[0]]['n_params'] / 1e6:.1f}M parameters, "
           f"{tokens_per_step} tokens/step, median of {len(big[args.layouts[0]]['step_s'])} steps")  # fmt: skip
-    print(f"{'layout':8} {'tokens/s':>9} {'vs ddp':>7} {'peak MB':>8} {'state MB/rank':>14} "
+    if args.also:
+        print(f"'+': with {args.also}")
+    print(f"{'layout':8} {'tokens/s':>9} {'vs ddp':>7} {'built MB':>9} {'peak MB':>8} {'state MB/rank':>14} "
           f"{'MB per 1M params':>17} {'largest under ' + format(args.cap_mb, 'g') + ' MB':>22}")  # fmt: skip
     for name, x in result["layouts"].items():
         state = sum(x["state_mb_per_rank"].values())
         vs = f"{x['vs_ddp']:.2f}" if x["vs_ddp"] else "-"
-        print(f"{name:8} {x['tokens_per_s']:9.0f} {vs:>7} {x['peak_mem_mb']:8.0f} {state:14.1f} "
-              f"{x['mb_per_million_params']:17.2f} {x['largest_params_under_cap'] / 1e6:20.0f} M")  # fmt: skip
+        print(f"{name:8} {x['tokens_per_s']:9.0f} {vs:>7} {x['built_mem_mb']:9.0f} {x['peak_mem_mb']:8.0f} "
+              f"{state:14.1f} {x['mb_per_million_params']:17.2f} "
+              f"{x['largest_params_under_cap'] / 1e6:20.0f} M")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if not args.work_dir:

@@ -49,6 +49,12 @@ class Layout:
         return self.dp_shard > 1 or self.tp > 1
 
     @property
+    def uses_mesh(self) -> bool:
+        """The DeviceMesh path (tensor parallelism, FSDP2, pipeline stages) rather than DDP: the model is sharded or
+        staged, and its forward is collective (every rank must take part in each one, eval's included)."""
+        return self.sharded or self.pp > 1
+
+    @property
     def kind(self) -> str:
         """``ddp``, ``fsdp`` or ``hsdp`` (data parallelism), with ``+tp``/``+pp`` where those are on."""
         if self.dp_shard > 1:

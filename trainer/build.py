@@ -30,9 +30,11 @@ from trainer.loop.parts import Parts, autocast
 from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
-from trainer.observe.timing import peak_tflops
+from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.parallel.distributed import Distributed
-from trainer.parallel.wrap import wrap
+from trainer.parallel.materialise import buffers_to, owners, params_on_meta
+from trainer.parallel.materialise import materialise as fill
+from trainer.parallel.wrap import Wrapped, wrap
 from trainer.recipes.api import Recipe, RecipeContext
 from trainer.recipes.load import build_recipe, check_lengths
 
@@ -67,7 +69,8 @@ def make_recipe(
     torch.manual_seed(cfg.train.seed)
     recipe, error = None, None
     try:
-        recipe = build_recipe(cfg.recipe, dict(cfg.recipe_args), ctx)
+        with params_on_meta() if cfg.parallel.meta_init else contextlib.nullcontext():
+            recipe = build_recipe(cfg.recipe, dict(cfg.recipe_args), ctx)
         check_lengths(cfg.recipe, recipe, global_batch=cfg.train.global_batch_size)
     except UserError as exc:
         error = str(exc)
@@ -86,15 +89,32 @@ def build_parts(
     *,
     code_sha256: str | None = None,
     marks: dict[str, float] | None = None,
+    memory: dict[str, float] | None = None,
 ) -> Parts:
     """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``marks`` gets the
-    time the recipe was built (start-up phases)."""
+    time the recipe was built (start-up phases); ``memory`` this rank's peak memory once the model is built and
+    split (``model_built``, MB), before any forward."""
     recipe = make_recipe(cfg, env, d, rundir, comm, stack)
     if marks is not None:
         marks["recipe"] = time.time()
-    model = recipe.model.to(d.device)
+    materialise, init_error = None, []
+    if cfg.parallel.meta_init:  # parameters on meta: split first, then allocate and fill this rank's part only
+        model = recipe.model
+        buffers_to(model, d.device)
+        plan = owners(model)
+        seed, spec = cfg.train.seed, cfg.recipe
+
+        def materialise(part: torch.nn.Module) -> None:
+            error = fill(part, plan, recipe.init_weights, seed=seed, device=d.device, spec=spec)
+            init_error.append(error)
+    else:
+        model = recipe.model.to(d.device)
     shapes = {n: [*q.shape, str(q.dtype)] for n, q in model.named_parameters()}  # the whole model's
-    wrapped = wrap(cfg, env, d, model, recipe)
+    wrapped = wrap(cfg, env, d, model, recipe, materialise=materialise)
+    if cfg.parallel.meta_init:
+        agree(comm, init_error[0] if init_error else None)
+    if memory is not None:
+        memory["model_built"] = peak_memory_mb(d.device)
     model = wrapped.model  # this rank's part under pipeline parallelism
     t = cfg.train
     loader = BatchLoader(
@@ -113,11 +133,7 @@ def build_parts(
     if wrapped.pipe is not None:
         wrapped.pipe.accum = loader.accum
     agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
-    if wrapped.pipe is None:
-        settle(cfg, env, wrapped.module, recipe, loader, comm, tp=wrapped.layout.tp)
-    else:  # the same throw-away step through the pipeline (its loss is checked on the last stage each step)
-        wrapped.pipe.step(loader.batch_at(0, 0))
-        model.zero_grad(set_to_none=True)
+    settle(cfg, env, wrapped, recipe, loader, comm)
     # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
     # count the whole model's: only the recipe's own figure is used there.
     flops = None
@@ -168,33 +184,30 @@ def build_parts(
 def settle(
     cfg: RunConfig,
     env: RuntimeEnv,
-    module: torch.nn.Module,
+    wrapped: Wrapped,
     recipe: Recipe,
     loader: BatchLoader,
     comm: MPI.Comm,
-    *,
-    tp: int = 1,
 ) -> None:
     """One throw-away forward/backward on this rank's first micro-batch, so DDP rebuilds its gradient buckets (in
     gradient-ready order) before the first real step in every run: without it the first step after a restart
     reduces in the initial bucket layout while the uninterrupted run used the rebuilt one, and resume would not
-    be bit-exact. It doubles as the check that the loss is a finite scalar. Gradients are discarded."""
+    be bit-exact. It doubles as the check that the loss is a finite scalar (under pipeline parallelism: on the
+    last stage, through the schedule). Gradients are discarded."""
+    pipe, tp = wrapped.pipe, wrapped.layout.tp
     error, loss = None, None
     try:
         batch = loader.batch_at(0, 0)
         with autocast(cfg, loader.device):
-            loss = recipe.loss(module, batch)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
-            what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:200]
-            raise UserError(
-                f"rank {env.rank}: recipe {cfg.recipe!r}: the loss of the first batch is {what}; Recipe.loss must "
-                "return a floating-point scalar tensor (the mean loss of the batch)."
-            )
-        if not torch.isfinite(loss.detach()):
-            raise UserError(
-                f"rank {env.rank}: recipe {cfg.recipe!r}: the loss of the first batch is {float(loss)} before any "
-                "training step (check the data and the loss function)."
-            )
+            if pipe is None:
+                loss = recipe.loss(wrapped.module, batch)
+            else:
+                try:
+                    loss = pipe.step(batch)
+                except UserError as exc:  # the recipe's Pipeline.loss, checked inside the schedule
+                    raise UserError(f"rank {env.rank}: recipe {cfg.recipe!r}: {exc}") from None
+        if pipe is None or pipe.last:
+            check_first_loss(cfg.recipe, env.rank, loss)
     except UserError as exc:
         error = str(exc)
     except (RuntimeError, ValueError) as exc:
@@ -206,9 +219,29 @@ def settle(
             "so the model's forward must take its sizes from the tensors (e.g. x.view(b, t, -1, head_dim), not "
             "n_heads), and the recipe's tp_plan must match how the layers connect."
         )
-    agree(comm, error)  # before backward: its all-reduce needs every rank
-    loss.backward()
-    module.zero_grad(set_to_none=True)
+    if pipe is not None:
+        if error is not None:  # the other stages may be inside the schedule, waiting for this one: end the job
+            raise UserError(error)
+        agree(comm, None)
+    else:
+        agree(comm, error)  # before backward: its all-reduce needs every rank
+        loss.backward()
+    wrapped.model.zero_grad(set_to_none=True)
+
+
+def check_first_loss(spec: str, rank: int, loss: Any) -> None:
+    """The loss of the first batch must be a finite floating-point scalar tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
+        what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:200]
+        raise UserError(
+            f"rank {rank}: recipe {spec!r}: the loss of the first batch is {what}; Recipe.loss must return a "
+            "floating-point scalar tensor (the mean loss of the batch)."
+        )
+    if not torch.isfinite(loss.detach()):
+        raise UserError(
+            f"rank {rank}: recipe {spec!r}: the loss of the first batch is {float(loss)} before any training step "
+            "(check the data and the loss function)."
+        )
 
 
 def _error_of(check) -> str | None:

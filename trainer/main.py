@@ -92,10 +92,12 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     from trainer.loop.stop import StopFlag
     from trainer.loop.stopreport import LeadCheck, record_signal_path, stopped_fields
     from trainer.loop.train import train
+    from trainer.observe.hostmem import fix_mmap_threshold
     from trainer.observe.memory import state_bytes
     from trainer.observe.metrics import truncate_metrics
     from trainer.observe.preflight import run_preflight
     from trainer.observe.stragglers import NodeEvicted
+    from trainer.observe.timing import peak_memory_mb
     from trainer.parallel.distributed import init_distributed, pick_device
 
     # Where a launch's start-up goes (rank 0's clock; "imports" is the slowest rank's), in the start/resume event.
@@ -110,6 +112,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     marks["mpi"] = time.time()
     agree(comm, rundir.writable_error() if env.rank == 0 else None)
     setup_logging(rundir, env.rank)
+    fix_mmap_threshold(cfg.train.host_mmap_threshold_kb)  # before the model and data take memory
     # A signal during start-up (from the process's first lines on) is honoured at step 1.
     stop = StopFlag(cfg.checkpoint.stop_signals, early=EARLY_SIGNALS)
     if stop.signum is not None:
@@ -143,7 +146,8 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     d = init_distributed(env, cfg.comm, device, comm)
     marks["rendezvous"] = time.time()
     with contextlib.ExitStack() as stack:
-        p = build_parts(cfg, env, d, rundir, comm, stop, stack, code_sha256=code_sha256, marks=marks)
+        memory: dict[str, float] = {}
+        p = build_parts(cfg, env, d, rundir, comm, stop, stack, code_sha256=code_sha256, marks=marks, memory=memory)
         marks["build"] = time.time()
         resumed = restore_or_start(p)
         marks["restore"] = time.time()
@@ -151,6 +155,8 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows
         marks["preflight"] = time.time()
         state = p.state
+        memory["startup"] = peak_memory_mb(d.device)  # the throw-away step and the restore included
+        memory = _largest(comm, memory, float)
         if env.rank == 0:
             # Steps after the checkpoint are recomputed: their records move to metrics.discarded.jsonl.
             truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
@@ -166,6 +172,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
                 launch=env.launch_id,
                 process_start=PROCESS_START,
                 startup_s=_startup(marks, slowest_imports),
+                peak_mem_mb={k: round(v, 1) for k, v in memory.items()},  # the largest rank's
                 recipe=cfg.recipe,
                 code_sha256=code_sha256,
             )
@@ -241,9 +248,9 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         # teardown, after the decision is recorded, must not kill a rank with the default action.
 
 
-def _largest(comm, values: dict[str, int]) -> dict[str, int]:
+def _largest(comm, values: dict, kind: type = int) -> dict:
     """Each entry's largest value over the ranks (collective)."""
-    return {k: int(comm.allreduce(v, op=MPI.MAX)) for k, v in values.items()}
+    return {k: kind(comm.allreduce(v, op=MPI.MAX)) for k, v in values.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,6 +78,13 @@ BAD = [
         ("recipes:recipe", {"tp": 2}, "parallel.tp=2: recipe 'toyproj.recipes:recipe' gives no tensor-parallel plan"),
         ("recipes:wrong_tp_plan", {"tp": 2}, "the first forward under parallel.tp=2 raised RuntimeError: "),
         ("recipes:recipe", {"pp": 2}, "parallel.pp=2: recipe 'toyproj.recipes:recipe' does not say how to cut its"),
+        # Raised inside the schedule on the last stage while stage 0 waits for its gradients: the job ends at once.
+        (
+            "recipes:vector_pipeline_loss",
+            {"pp": 2},
+            "rank 1: recipe 'toyproj.recipes:vector_pipeline_loss': the "
+            "recipe's Pipeline.loss returned a tensor of shape [2] on the last pipeline stage",
+        ),
     ],
 )
 def test_parallelism_a_recipe_does_not_support_is_refused(tmp_path, recipe, parallel, needle):

@@ -15,7 +15,7 @@ import pytest
 from runconfig import RunDir, dump_yaml, load_config
 from runconfig.checkpoints import read_latest, validate
 from runconfig.contract import EVENT_RESTART, EVENT_RESUME, EVENT_STOPPED, INJECT_VAR
-from tests.conftest import PY, ROOT, history, rank_pids, summary
+from tests.conftest import PY, ROOT, history, rank_pids, run_cli, summary
 from tests.slurm.conftest import job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
@@ -58,12 +58,23 @@ def test_preempted_by_the_job_signal(slurm, small_dataset, reference, tmp_path):
     assert len(stopped) == 1 and stopped[0]["step"] >= 10
 
 
-def test_requeued_by_scontrol(slurm, small_dataset, reference, tmp_path):
+def test_requeued_by_scontrol_under_hsdp(slurm, small_dataset, tmp_path):
+    """A sharded layout on Slurm: HSDP (FSDP2 shards inside each node, the two nodes replicas). Requeued from
+    outside mid-run, the next job resumes from the sharded checkpoint and ends bit-identical to the same layout
+    run locally without a stop."""
+    sets = [*sets_for(small_dataset), "parallel.dp_shard=2"]
+    local = tmp_path / "local"
+    proc = run_cli(
+        ["-m", "hpc.submit", "tiny", "--local", "--run-dir", str(local), *(a for s in sets for a in ("--set", s))]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary(local)["allreduce"] == "hsdp" and summary(local)["parallel"]["dp_shard"] == 2
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, sets_for(small_dataset))
+    job_id = submit(run_dir, sets)
     wait_step(run_dir, 10)
     subprocess.run(["scontrol", "requeue", job_id], check=True)
-    resumed_bitwise(run_dir, job_id, reference)
+    resumed_bitwise(run_dir, job_id, summary(local)["params_sha256"])
+    assert summary(run_dir)["allreduce"] == "hsdp"
 
 
 def test_preempted_by_a_higher_priority_partition(slurm, small_dataset, reference, tmp_path):

@@ -14,6 +14,20 @@ def degrees(pp=1, dp_replicate=-1, dp_shard=1, tp=1) -> dict:
 def test_defaults_are_ddp_over_every_rank():
     layout = resolve(degrees(), 8, 4)
     assert layout == Layout(dp_replicate=8) and layout.kind == "ddp" and layout.dp == 8 and not layout.sharded
+    assert not layout.uses_mesh  # DDP
+
+
+@pytest.mark.parametrize(
+    ("layout", "sharded", "uses_mesh"),
+    [
+        (Layout(dp_shard=4), True, True),
+        (Layout(dp_replicate=2, tp=2), True, True),
+        (Layout(pp=2, dp_replicate=2), False, True),  # stages: a collective forward, but whole parameters
+        (Layout(dp_replicate=4), False, False),
+    ],
+)
+def test_sharded_and_the_mesh_path(layout, sharded, uses_mesh):
+    assert (layout.sharded, layout.uses_mesh) == (sharded, uses_mesh)
 
 
 @pytest.mark.parametrize(

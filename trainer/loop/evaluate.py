@@ -33,7 +33,7 @@ def evaluate(p: Parts, step: int) -> dict[str, float]:
     # A sharded model's forward is collective (it gathers each block's parameters), so is a pipeline's: every
     # rank runs as many batches as the busiest one, a rank short of samples repeating a batch with weight 0.
     busiest = len(everyone[:: layout.dp]) // mb * mb if pipe is not None else len(everyone[:: layout.dp])
-    rounds = -(-busiest // mb) if layout.sharded or pipe is not None else -(-len(mine) // mb)
+    rounds = -(-busiest // mb) if layout.uses_mesh else -(-len(mine) // mb)
     names: list[str] | None = None
     totals: torch.Tensor | None = None  # [samples, loss sum, metric sums...] in float64
     was_training = p.model.training

@@ -79,6 +79,17 @@ class GPT(nn.Module):
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
+    def init_weights(self, path: str, module: nn.Module) -> None:
+        """One module's own parameters, as the constructor initialises them (``Recipe.init_weights`` for
+        ``parallel.meta_init``; ``path`` names the module in this model)."""
+        self._init(module)
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{path}.{name}" if path else name
+            if full.endswith("proj.weight") or full.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+
     @staticmethod
     def _init(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):

@@ -39,16 +39,52 @@ def find_blocks(model: nn.Module, classes: Sequence[type] | None, *, recipe: str
 
 
 def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> int:
-    """Recompute the activations of every block (``full``) or of every other block (``selective``) in backward;
-    returns how many blocks were changed. Random numbers (dropout) are replayed exactly."""
+    """Recompute activations in backward instead of keeping them: every block's (``full``), every other block's
+    (``selective``), or in every block all but the matrix products' and attention's outputs (``op``: per-op
+    selective checkpointing, which recomputes only the cheap element-wise ops: norms, activations, dropout).
+    Returns how many blocks were changed. Random numbers (dropout) are replayed exactly."""
     if mode == "none":
         return 0
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    chosen = blocks if mode == "full" else blocks[::2]
+    chosen = blocks[::2] if mode == "selective" else blocks
+    options: dict = {"use_reentrant": False}
+    if mode == "op":
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_products)
     for block in chosen:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = _recomputed(checkpoint, block.forward, options)
     return len(chosen)
+
+
+def _recomputed(checkpoint, forward, options: dict):
+    """``forward`` under activation checkpointing, as a plain function: ``torch.compile`` traces it (and turns the
+    checkpoint into its higher-order op), where it cannot enter ``checkpoint`` called directly."""
+
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, **options, **kwargs)
+
+    return run
+
+
+@functools.cache
+def _saved_ops() -> frozenset:
+    """The ops whose outputs per-op checkpointing keeps: matrix products, attention, and collectives (recomputing
+    a collective would run it again), as torchtitan's list."""
+    aten = torch.ops.aten
+    names = [
+        (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "baddbmm"),
+        (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
+        (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
+        (torch.ops._c10d_functional, "reduce_scatter_tensor"), (torch.ops._c10d_functional, "all_gather_into_tensor"),
+        (torch.ops._c10d_functional, "all_reduce"),
+    ]  # fmt: skip
+    return frozenset(getattr(ns, name).default for ns, name in names if hasattr(ns, name))
+
+
+def _keep_products(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def shard(

@@ -13,7 +13,7 @@ from runconfig.layout import DIMS, Layout
 
 def train_mesh(layout: Layout, device: torch.device) -> DeviceMesh | None:
     """The mesh of the layout's dimensions above 1 (dp_shard always); None for plain DDP."""
-    if not layout.sharded and layout.pp == 1:
+    if not layout.uses_mesh:
         return None
     names = [n for n in DIMS if getattr(layout, n) > 1 or n == "dp_shard"]
     return init_device_mesh(device.type, tuple(getattr(layout, n) for n in names), mesh_dim_names=tuple(names))

@@ -55,7 +55,14 @@ class Pipe:
         return self.stage == self.stages - 1
 
     def scaled_loss(self, output: Any, targets: Any) -> torch.Tensor:
-        return self.recipe.loss(output, targets) / (self.microbatches * self.accum)
+        loss = self.recipe.loss(output, targets)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
+            what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:200]
+            raise UserError(
+                f"the recipe's Pipeline.loss returned {what} on the last pipeline stage; it must return the mean "
+                "loss of the pipeline micro-batch, a floating-point scalar tensor."
+            )
+        return loss / (self.microbatches * self.accum)
 
     def step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of one loop micro-batch through the pipeline. Returns this rank's share of the

@@ -30,7 +30,7 @@ def tensor_parallel(
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    ties = _ties(model)
+    ties = tied_groups(model)
     try:
         plan = dict(plan_of(model))
         paths = [path.split(".") for path, _ in model.named_modules() if path]
@@ -42,11 +42,7 @@ def tensor_parallel(
         raise UserError(
             f"parallel.tp={mesh.size()}: recipe {recipe!r}'s tp_plan could not be applied: {first_line(exc)}"
         ) from None
-    for names in ties:  # the first name's (new) parameter for all of them
-        owner, attr = _split(model, names[0])
-        for name in names[1:]:
-            module, leaf = _split(model, name)
-            setattr(module, leaf, getattr(owner, attr))
+    retie(model, ties)
     plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         shown = ", ".join(plain[:6]) + (f" and {len(plain) - 6} more" if len(plain) > 6 else "")
@@ -62,12 +58,22 @@ def _matches(key: list[str], path: list[str]) -> bool:
     return len(key) == len(path) and all(fnmatch.fnmatchcase(p, k) for k, p in zip(key, path, strict=True))
 
 
-def _ties(model: nn.Module) -> list[list[str]]:
+def tied_groups(model: nn.Module) -> list[list[str]]:
     """Names of parameters that are one object, grouped (model order)."""
     seen: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         seen.setdefault(id(p), []).append(name)
     return [names for names in seen.values() if len(names) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Make each group (``tied_groups`` of the model before something replaced its parameters) one parameter
+    again: the first name's (new) one."""
+    for names in groups:
+        owner, attr = _split(model, names[0])
+        for name in names[1:]:
+            module, leaf = _split(model, name)
+            setattr(module, leaf, getattr(owner, attr))
 
 
 def _split(model: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -62,7 +62,17 @@ def layout_of(cfg: RunConfig, env: RuntimeEnv) -> Layout:
         ) from None
 
 
-def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, recipe: Recipe) -> Wrapped:
+def wrap(
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    d: Distributed,
+    model: nn.Module,
+    recipe: Recipe,
+    *,
+    materialise: Callable[[nn.Module], None] | None = None,
+) -> Wrapped:
+    """``materialise``: for a model whose parameters are on the meta device (``parallel.meta_init``), allocates and
+    fills this rank's part once it is split (before DDP, which broadcasts values, or a pipeline schedule)."""
     # DDP and FSDP read attributes of torch._dynamo, which trainer.main imports in a background thread to save
     # start-up time: an import statement waits for that import to finish, where an attribute read of the half-
     # initialised module fails ("module 'torch._dynamo' has no attribute 'utils'", seen once in CI).
@@ -84,9 +94,13 @@ def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, reci
     if env.rank == 0:
         log.info(
             "parallel layout: %s (%s)%s", layout.describe(), layout.kind,
-            f"; activation checkpointing: {checkpointed} of {len(blocks)} blocks ({mode})" if checkpointed else "",
+            (f"; activation checkpointing: {checkpointed} of {len(blocks)} blocks ({mode})" if checkpointed else "")
+            + (f"; torch.compile: {len(blocks) or 'the whole model, no'} blocks" if cfg.parallel.compile else ""),
         )  # fmt: skip
-    if not layout.sharded and layout.pp == 1:
+    if not layout.uses_mesh:
+        compile_blocks(model, blocks, cfg.parallel.compile)
+        if materialise is not None:
+            materialise(model)
         ddp = DDP(
             model,
             device_ids=[d.device.index] if d.device.type == "cuda" else None,
@@ -97,6 +111,7 @@ def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, reci
     assert mesh is not None
     if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
         tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe)
+    compile_blocks(model, blocks, cfg.parallel.compile)  # after TP, before FSDP2 (torchtitan's order)
     if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
         allreduce, no_sync = ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
     else:
@@ -118,6 +133,8 @@ def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, reci
             # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between
             # micro-batches would cost the full model's gradient memory on every rank, which sharding avoids.
             allreduce, no_sync = "fsdp", contextlib.nullcontext
+    if materialise is not None:
+        materialise(model)
     pipe = None
     if cut_info is not None:
         pipe = schedule(
@@ -132,6 +149,17 @@ def wrap(cfg: RunConfig, env: RuntimeEnv, d: Distributed, model: nn.Module, reci
             microbatches=cfg.parallel.microbatches(layout.pp),
         )
     return Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
+
+
+def compile_blocks(model: nn.Module, blocks: list[nn.Module], on: bool) -> None:
+    """``parallel.compile``: ``torch.compile`` each block's forward (activation checkpointing's included), or the
+    whole model's where it has no blocks. The modules stay what they were (parameter names and the checkpoint's
+    keys do not change), and the hooks of FSDP2 and DDP around a block's call stay outside the compiled graph.
+    Compiled at the first call; blocks of one class share the compiled code."""
+    if not on:
+        return
+    for block in blocks or [model]:
+        block.forward = torch.compile(block.forward)
 
 
 @contextlib.contextmanager

@@ -103,6 +103,11 @@ class Recipe:
     pipeline: Pipeline | None = None
     """How the model is cut into pipeline stages, and its loss on the last one (``parallel.pp`` > 1). Eval metrics
     (``eval_metrics``) are not computed under pipeline parallelism: they call the whole model."""
+    init_weights: Callable[[str, nn.Module], None] | None = None
+    """(module path, module) -> None: fill the module's own parameters (not its children's) in place, for
+    ``parallel.meta_init``, where the model is built without values. Called once per module that owns parameters,
+    on full-size tensors, under ``torch.no_grad()`` with torch's generator seeded from ``train.seed`` and the path.
+    Default: the module's ``reset_parameters()`` (torch's layers have one); a parameter left unset is refused."""
     architecture: Mapping[str, Any] = field(default_factory=dict)
     """Settings that define the model beyond its parameter shapes (e.g. attention heads). A resume across a
     change of these, of a parameter's name, shape or dtype, or of the optimizer's type is refused unless

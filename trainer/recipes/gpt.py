@@ -31,5 +31,6 @@ def recipe(ctx: RecipeContext) -> Recipe:
         flops_per_sample=flops_per_token(model) * cfg.seq_len,
         tp_plan=tp_plan,
         pipeline=pipeline(),
+        init_weights=model.init_weights,
         architecture={k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"},
     )

@@ -1,7 +1,8 @@
 """Worker: params_sha256 of the same weights whole on every rank (DDP), sharded by FSDP2 over 4 ranks, by HSDP
 (2 x 2), by tensor parallelism (2 replicas x tp 2), by TP x FSDP (2-D), cut into pipeline stages (2 stages x 2
 replicas; 2 stages x tp 2: each rank holds other names, the tied head a copy of the embedding) against the
-single-process value; and the per-rank hashing share.
+single-process value; and the per-rank hashing share. Then each layout again built on the meta device and
+materialised after the split (parallel.meta_init).
 argv: OUT_DIR
 """
 
@@ -19,6 +20,7 @@ from trainer.env import from_mpi
 from trainer.models.gpt import GPT, pipeline, tp_plan
 from trainer.parallel.distributed import init_distributed, shutdown
 from trainer.parallel.fsdp import find_blocks, shard
+from trainer.parallel.materialise import materialise, owners, params_on_meta
 from trainer.parallel.mesh import dp_mesh, train_mesh
 from trainer.parallel.pipeline import cut
 from trainer.parallel.tp import tensor_parallel
@@ -71,5 +73,21 @@ for name, layout in layouts.items():
     result[f"hashed_{name}"] = list(hashed)
     if layout.pp == 1:
         result[f"v1_{name}"] = fingerprint.params_sha256_v1(m.named_parameters())
+# parallel.meta_init: the same layouts built on the meta device and materialised after the split, each rank its part
+for name, layout in {"whole": Layout(dp_replicate=4), **layouts}.items():
+    with params_on_meta():
+        whole = model()
+    m, plan, skip = whole, owners(whole), frozenset()
+    mesh = train_mesh(layout, d.device)
+    if layout.pp > 1:
+        m, info = cut(m, pipeline(), layout, env.rank, spec="gpt")
+        skip = info["aliases"]
+    if layout.tp > 1:
+        tensor_parallel(m, tp_plan, mesh["tp"], recipe="gpt")
+    if layout.dp_shard > 1:
+        blocks = find_blocks(m, None, recipe="gpt")
+        shard(m, blocks, dp_mesh(mesh, layout), param_dtype=None, reshard_after_forward=True)
+    assert materialise(m, plan, whole.init_weights, seed=0, device=d.device, spec="gpt") is None
+    result[f"meta_{name}"] = fingerprint.params_sha256(m, skip=skip)
 (out_dir / f"rank_{env.rank}.json").write_text(json.dumps(result))
 shutdown(comm, clean=True)

@@ -117,3 +117,19 @@ def wrong_tp_plan(ctx: RecipeContext) -> Recipe:
         loss=classify,
         tp_plan=lambda model: {"0": ColwiseParallel(), "3": ColwiseParallel()},
     )
+
+
+def vector_pipeline_loss(ctx: RecipeContext) -> Recipe:
+    """A pipeline whose loss keeps one value per sample (reduction="none"), as vector_loss does without one."""
+    from trainer.recipes import Pipeline
+
+    return Recipe(
+        model=mlp(32, 0.0),
+        train_data=Points(512),
+        loss=classify,
+        pipeline=Pipeline(
+            stage=lambda model, s, n: model[:2] if s == 0 else model[2:],  # Sequential slices keep their names
+            split=lambda batch: (batch[0], batch[1]),
+            loss=lambda out, y: F.cross_entropy(out, y, reduction="none"),
+        ),
+    )
