@@ -435,7 +435,6 @@ class ParallelConfig:
         "Blocks as for FSDP (the recipe's fsdp_wrap, else the largest ModuleList's children).",
         "none",
     )
-
     compile: bool = doc(
         "torch.compile each of the model's blocks (as for FSDP; the whole model where it has none), in place: "
         "parameter names and checkpoints are unchanged. The first step pays the compilation.",

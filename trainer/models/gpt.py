@@ -75,20 +75,22 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied
         self.apply(self._init)
-        for name, p in self.named_parameters():  # scaled init of residual projections (GPT-2)
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        for name, p in self.named_parameters():
+            self._residual_init(name, p)
 
     def init_weights(self, path: str, module: nn.Module) -> None:
         """One module's own parameters, as the constructor initialises them (``Recipe.init_weights`` for
         ``parallel.meta_init``; ``path`` names the module in this model)."""
         self._init(module)
         for name, p in module.named_parameters(recurse=False):
-            full = f"{path}.{name}" if path else name
-            if full.endswith("proj.weight") or full.endswith("mlp.2.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+            self._residual_init(f"{path}.{name}" if path else name, p)
         if isinstance(module, nn.LayerNorm):
             module.reset_parameters()
+
+    def _residual_init(self, name: str, p: nn.Parameter) -> None:
+        """Scaled init of the residual projections (GPT-2): ``name`` is the parameter's name in this model."""
+        if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
 
     @staticmethod
     def _init(m: nn.Module) -> None:

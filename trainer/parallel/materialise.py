@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 
@@ -95,6 +96,7 @@ def module_seed(seed: int, path: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
+@torch.no_grad()
 def materialise(
     model: nn.Module,
     plan: list[tuple[str, nn.Module, list[list[str]]]],
@@ -110,19 +112,19 @@ def materialise(
     from torch.distributed.tensor import DTensor, Replicate
 
     ties = tied_groups(model)
-    with torch.no_grad():
-        saved = {name: b.clone() for name, b in model.named_buffers()}
-        model.to_empty(device=device)  # new parameter objects where they were plain: ties are lost
-        retie(model, ties)
-        for name, b in model.named_buffers():  # to_empty leaves garbage in buffers too: put them back
-            if name in saved:
-                b.copy_(saved[name])
+    saved = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)  # new parameter objects where they were plain: ties are lost
+    retie(model, ties)
+    for name, b in model.named_buffers():  # to_empty leaves garbage in buffers too: put them back
+        if name in saved:
+            b.copy_(saved[name])
     for path, module, groups in plan:
-        held = [[(n, _lookup(model, n)) for n in names] for names in groups]
-        held = [[(n, p) for n, p in group if p is not None and p.device.type != "meta"] for group in held]
+        # This rank's copies of each parameter the module owns (none: another pipeline stage's module).
+        held = [[p for p in map(functools.partial(_lookup, model), names) if p is not None] for names in groups]
+        held = [[p for p in copies if p.device.type != "meta"] for copies in held]
         if not any(held):
-            continue  # another pipeline stage's module
-        temp = copy.copy(module)
+            continue
+        temp = copy.copy(module)  # the module with full-size parameters of its own, NaN until initialised
         temp._parameters = {
             k: None if p is None else nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device=device))
             for k, p in module._parameters.items()
@@ -131,17 +133,15 @@ def materialise(
         with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
             torch.manual_seed(module_seed(seed, path))
             try:
-                with torch.no_grad():
-                    if init is not None:
-                        init(path, temp)
-                    elif hasattr(temp, "reset_parameters"):
-                        temp.reset_parameters()
+                if init is not None:
+                    init(path, temp)
+                elif hasattr(temp, "reset_parameters"):
+                    temp.reset_parameters()
             except Exception as exc:
                 what = "init_weights" if init is not None else f"{type(module).__name__}.reset_parameters()"
                 return f"parallel.meta_init: recipe {spec!r}: {what} failed on module {path!r}: {first_line(exc)}"
-        full_of = {names[0]: temp._parameters[names[0].rpartition(".")[2]] for names in groups}
-        for names, group in zip(groups, held, strict=True):
-            full = full_of[names[0]]
+        for names, copies in zip(groups, held, strict=True):
+            full = temp._parameters[names[0].rpartition(".")[2]]
             if torch.isnan(full).any():
                 how = (
                     "the recipe's init_weights(path, module) left it unset"
@@ -153,13 +153,12 @@ def materialise(
                     "Give the Recipe init_weights=fn, where fn(path, module) fills the module's own parameters "
                     "in place, or turn parallel.meta_init off."
                 )
-            with torch.no_grad():
-                for _, param in group:
-                    if isinstance(param, DTensor):
-                        whole = DTensor.from_local(
-                            full, param.device_mesh, [Replicate()] * param.device_mesh.ndim, run_check=False
-                        )
-                        param.to_local().copy_(whole.redistribute(param.device_mesh, param.placements).to_local())
-                    else:
-                        param.copy_(full)
+            for param in copies:  # each keeps its piece of the whole value (no communication)
+                if isinstance(param, DTensor):
+                    whole = DTensor.from_local(
+                        full, param.device_mesh, [Replicate()] * param.device_mesh.ndim, run_check=False
+                    )
+                    param.to_local().copy_(whole.redistribute(param.device_mesh, param.placements).to_local())
+                else:
+                    param.copy_(full)
     return None

@@ -97,8 +97,11 @@ def wrap(
             (f"; activation checkpointing: {checkpointed} of {len(blocks)} blocks ({mode})" if checkpointed else "")
             + (f"; torch.compile: {len(blocks) or 'the whole model, no'} blocks" if cfg.parallel.compile else ""),
         )  # fmt: skip
-    if not layout.uses_mesh:
-        compile_blocks(model, blocks, cfg.parallel.compile)
+    mesh = train_mesh(layout, d.device)  # None for DDP
+    if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
+        tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe)
+    compile_blocks(model, blocks, cfg.parallel.compile)  # after TP, before FSDP2 (torchtitan's order)
+    if mesh is None:
         if materialise is not None:
             materialise(model)
         ddp = DDP(
@@ -107,11 +110,6 @@ def wrap(
             bucket_cap_mb=cfg.comm.bucket_mb,
         )
         return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync, model, n_params)
-    mesh = train_mesh(layout, d.device)
-    assert mesh is not None
-    if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
-        tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe)
-    compile_blocks(model, blocks, cfg.parallel.compile)  # after TP, before FSDP2 (torchtitan's order)
     if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
         allreduce, no_sync = ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
     else:

@@ -57,8 +57,11 @@ layouts = {
     "pp": Layout(pp=2, dp_replicate=2),
     "pp_tp": Layout(pp=2, tp=2),
 }
-for name, layout in layouts.items():
-    m, skip = model(), frozenset()
+
+
+def split(m: GPT, layout: Layout) -> tuple[GPT, frozenset | dict]:
+    """This rank's part of ``m`` under ``layout`` (as trainer.parallel.wrap splits it), and the tied aliases."""
+    skip: frozenset | dict = frozenset()
     mesh = train_mesh(layout, d.device)
     if layout.pp > 1:
         m, info = cut(m, pipeline(), layout, env.rank, spec="gpt")
@@ -68,6 +71,11 @@ for name, layout in layouts.items():
     if layout.dp_shard > 1:
         blocks = find_blocks(m, None, recipe="gpt")
         shard(m, blocks, dp_mesh(mesh, layout), param_dtype=None, reshard_after_forward=True)
+    return m, skip
+
+
+for name, layout in layouts.items():
+    m, skip = split(model(), layout)
     hashed.clear()
     result[name] = fingerprint.params_sha256(m, skip=skip)
     result[f"hashed_{name}"] = list(hashed)
@@ -77,16 +85,8 @@ for name, layout in layouts.items():
 for name, layout in {"whole": Layout(dp_replicate=4), **layouts}.items():
     with params_on_meta():
         whole = model()
-    m, plan, skip = whole, owners(whole), frozenset()
-    mesh = train_mesh(layout, d.device)
-    if layout.pp > 1:
-        m, info = cut(m, pipeline(), layout, env.rank, spec="gpt")
-        skip = info["aliases"]
-    if layout.tp > 1:
-        tensor_parallel(m, tp_plan, mesh["tp"], recipe="gpt")
-    if layout.dp_shard > 1:
-        blocks = find_blocks(m, None, recipe="gpt")
-        shard(m, blocks, dp_mesh(mesh, layout), param_dtype=None, reshard_after_forward=True)
+    plan = owners(whole)  # before the split, which replaces parameters (and unties a pipeline's copies)
+    m, skip = split(whole, layout)
     assert materialise(m, plan, whole.init_weights, seed=0, device=d.device, spec="gpt") is None
     result[f"meta_{name}"] = fingerprint.params_sha256(m, skip=skip)
 (out_dir / f"rank_{env.rank}.json").write_text(json.dumps(result))
