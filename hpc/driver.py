@@ -181,7 +181,7 @@ class Driver:
                 f"job {job.job_id} (restart {job.restart_count}, launch {launch_id}): {' '.join(command)}", flush=True
             )
             env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
-            rundir.failure.unlink(missing_ok=True)  # an earlier launch's diagnosis is not this one's
+            rundir.clear_failure()  # an earlier launch's diagnosis is not this one's
             status, first_failed = run_step(command, env)
             # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
             # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.

@@ -83,7 +83,7 @@ def run_local(
     nodes = simulated_nodes(cfg) if nodes is None else nodes
     world_size = len(nodes) * cfg.job.ranks_per_node
     command = launcher.command(world_size, trainer_command(rundir, cfg.job.launch_prefix))
-    rundir.failure.unlink(missing_ok=True)  # from an earlier attempt of this run directory
+    rundir.clear_failure()  # from an earlier attempt of this run directory
     launch_id = new_launch_id()
     follower = MetricsFollower(rundir.metrics)
     progress = Progress(cfg.train.steps) if show_progress else None
@@ -93,7 +93,9 @@ def run_local(
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"
     )
-    watch = RankWatch(proc.pid, world_size)
+    # The survivors of a rank that died name it and abort within ~4 heartbeats (trainer/observe/watchdog.py);
+    # ranks still running well after that (blocked in MPI), or after the failure is on record, are killed.
+    watch = RankWatch(proc.pid, world_size, grace_s=4 * cfg.monitor.heartbeat_s + 20, settled=rundir.failure.exists)
     copier = threading.Thread(
         target=_copy_output, args=(proc, rundir.logs / "mpirun.log", command, tail_lines), daemon=True
     )

@@ -21,6 +21,9 @@ class MpiLauncher:
 
     def command(self, nprocs: int, program: list[str]) -> list[str]:
         args = [self.path, "-n", str(nprocs)]
+        if self.flavour == "mpich":
+            # The launcher ends a launch whose rank died (hpc/ranks.py), after the survivors had time to name it.
+            args.append("-disable-auto-cleanup")
         if self.flavour == "openmpi":
             args += ["--oversubscribe", "--bind-to", "none"]
             if os.geteuid() == 0:

@@ -1,11 +1,19 @@
-"""Which rank's process ended first, seen by the local launcher (torch-free, Linux).
+"""Which rank's process ended first, seen by the local launcher (torch-free, Linux), and the end of a launch
+whose ranks outlive one that ended.
 
-When one rank of a local launch dies (killed, crashed, vanished), mpirun ends the others within milliseconds, so
-no survivor lives long enough to say who went away. The launcher watches the ranks itself: it finds mpirun's
-descendants that carry a rank in their environment (``PMI_RANK`` from MPICH's hydra, ``OMPI_COMM_WORLD_RANK`` from
-Open MPI), opens a pidfd for each (readable the moment that process ends, child or not) and notes the order in
-which they end. The first one is the launcher's evidence for runconfig/decide.py when the trainer left no
-diagnosis of its own.
+The launcher watches the ranks itself: it finds mpirun's descendants that carry a rank in their environment
+(``PMI_RANK`` from MPICH's hydra, ``OMPI_COMM_WORLD_RANK`` from Open MPI), opens a pidfd for each (readable the
+moment that process ends, child or not) and notes the order in which they end. The first one is the launcher's
+evidence for runconfig/decide.py when the trainer left no diagnosis of its own.
+
+That order is only evidence while the others outlive the first by more than the watch's wake-up time. Hydra, by
+default, kills every rank within milliseconds of one that ended badly: on a loaded host the watch then woke to
+find all of them ended at once and could name nobody. The local launcher therefore runs hydra with
+``-disable-auto-cleanup`` (hpc/mpi.py) and ends the launch itself: the survivors see their collective fail, name
+the silent rank from the heartbeats and abort the MPI job (trainer/main.py); whichever ranks are still running
+``grace_s`` after the first one ended (blocked in MPI, say), or once the launch's failure is on record, are killed
+here. (Open MPI's mpirun keeps its own
+clean-up; the order is best effort there.)
 """
 
 from __future__ import annotations
@@ -13,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RANK_VARS = (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")
@@ -57,11 +67,21 @@ def find_ranks(root: int) -> dict[int, int]:
 
 class RankWatch:
     """Watches the ranks under ``root`` (the mpirun process) from a daemon thread until ``world_size`` of them are
-    seen and all have ended, or ``close``. ``ended`` lists (rank, time) in the order they ended."""
+    seen and all have ended, or ``close``. ``ended`` lists (rank, time) in the order they ended. With ``grace_s``,
+    the ranks still running that long after one ended are killed (``killed`` lists them), or sooner: ``SETTLE_S``
+    after ``settled()`` says the launch's outcome is recorded (the diagnosis is in; the ranks that are only tearing
+    down, e.g. after a bad-input error, exit on their own meanwhile with their own status)."""
 
-    def __init__(self, root: int, world_size: int) -> None:
-        self.root, self.world_size = root, world_size
+    SETTLE_S = 10.0
+
+    def __init__(
+        self, root: int, world_size: int, grace_s: float | None = None, settled: Callable[[], bool] | None = None
+    ) -> None:
+        self.root, self.world_size, self.grace_s, self.settled = root, world_size, grace_s, settled
         self.ended: list[tuple[int, float]] = []
+        self.killed: list[int] = []
+        self.seen: set[int] = set()  # the ranks found (a pidfd open for each)
+        self._settled_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
         self._thread.start()
@@ -82,7 +102,7 @@ class RankWatch:
 
     def _run(self) -> None:
         fds: dict[int, int] = {}  # fd -> rank
-        seen: set[int] = set()
+        seen = self.seen
         try:
             while not self._stop.is_set():
                 if len(seen) < self.world_size:
@@ -99,7 +119,18 @@ class RankWatch:
                 if not fds:
                     time.sleep(0.1)
                     continue
-                ready, _, _ = select.select(list(fds), [], [], 0.1 if len(seen) < self.world_size else 0.5)
+                wait = 0.1 if len(seen) < self.world_size else 0.5
+                if self.ended and self.grace_s is not None:
+                    now = time.monotonic()
+                    if self._settled_at is None and self.settled is not None and self.settled():
+                        self._settled_at = now
+                    left = self.ended[0][1] + self.grace_s - now
+                    if self._settled_at is not None:
+                        left = min(left, self._settled_at + self.SETTLE_S - now)
+                    if left <= 0 and not self.killed:
+                        self._kill(fds)
+                    wait = min(wait, max(left, 0.05))
+                ready, _, _ = select.select(list(fds), [], [], wait)
                 now = time.monotonic()
                 for fd in ready:
                     self.ended.append((fds.pop(fd), now))
@@ -107,3 +138,10 @@ class RankWatch:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _kill(self, fds: dict[int, int]) -> None:
+        """SIGKILL the ranks still running (through their pidfds: never a recycled pid)."""
+        for fd, rank in fds.items():
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                self.killed.append(rank)

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from runconfig.contract import write_json_atomic
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -83,7 +85,14 @@ class RunDir:
         record = {"rank": rank, "message": message, "kind": kind}
         if suspects:
             record["suspects"] = suspects
-        self.failure.write_text(json.dumps(record) + "\n")
+        # Atomic: several ranks may report at once, and a rank may be killed while it writes (the job aborted).
+        write_json_atomic(self.failure, record)
+
+    def clear_failure(self) -> None:
+        """Remove an earlier launch's diagnosis, and what a rank killed while writing one left behind."""
+        self.failure.unlink(missing_ok=True)
+        for partial in self.root.glob(f".{self.failure.name}.tmp-*"):
+            partial.unlink(missing_ok=True)
 
     def failure_record(self) -> dict:
         """failure.json as written by ``write_failure``; {} when there is none (or it cannot be read)."""

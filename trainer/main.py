@@ -81,10 +81,6 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     # Imported here so that `--help` and config errors do not pay for importing torch.
     import torch
 
-    # DDP's constructor imports torch._dynamo (1.5-3 s on a loaded 2-core host): import it in the background while
-    # this thread reads the config, the MPI layout, rendezvous and the recipe's data; DDP then finds it loaded.
-    threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True).start()
-
     from runconfig import code, shm
     from trainer.build import build_parts, restore_or_start
     from trainer.checkpoint.fingerprint import params_sha256
@@ -100,6 +96,13 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     from trainer.observe.timing import peak_memory_mb
     from trainer.parallel.distributed import init_distributed, pick_device
 
+    # DDP's constructor imports torch._dynamo (1.5-3 s on a loaded 2-core host): import it in the background while
+    # this thread reads the config and the MPI layout and meets the other ranks, which import nothing; joined before
+    # the parts are built. Never beside this thread's own imports: two threads importing torch's packages at once
+    # can each find the other's module half-initialised (seen: "cannot import name '_FSDPDeviceHandle' from
+    # partially initialized module 'torch.distributed.fsdp._common_utils'" on one rank of a Slurm test).
+    importer = threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True)
+    importer.start()
     # Where a launch's start-up goes (rank 0's clock; "imports" is the slowest rank's), in the start/resume event.
     marks = {"imports": time.time()}
     try:  # deterministic checks: every rank fails the same way
@@ -145,6 +148,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     device = pick_device(env, cfg.train.device)
     d = init_distributed(env, cfg.comm, device, comm)
     marks["rendezvous"] = time.time()
+    importer.join()
     with contextlib.ExitStack() as stack:
         memory: dict[str, float] = {}
         p = build_parts(cfg, env, d, rundir, comm, stop, stack, code_sha256=code_sha256, marks=marks, memory=memory)

@@ -66,7 +66,8 @@ def test_many_multi_node_starts_in_a_row(on_hosts):
         assert out.returncode == 0, f"start {attempt}: {out.stdout}{out.stderr}"
         lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         assert sorted(r["rank"] for r in lines) == [0, 1, 2, 3], out.stdout
-        assert {r["rank"]: r["node"] for r in lines} == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
+        nodes = {r["rank"]: r["node"] for r in lines}  # any two idle nodes: an earlier test's may still be completing
+        assert nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes
         assert all(r["world"] == 4 and r["ranks"] == [0, 1, 2, 3] for r in lines)
         assert all(r["waited_s"] < 2 for r in lines), lines  # the broadcast arrived while rank 0 waited
     assert {p.name for p in shm.stale()} <= before

@@ -188,3 +188,14 @@ def test_ranks_ended_with_the_job_are_not_restarted_and_name_no_node(rundir):
     situation = Situation(slurm=True, ending=True, nodes=("n1",), launch_nodes=("n1",), ranks_per_node=1, first_ended=0)
     decision = decide(rundir, job(nodes=1), Ended("failed", 137), situation)
     assert decision.action == "end" and not decision.new_bad and "while Slurm was ending the job" in decision.message
+
+
+def test_a_failure_record_is_whole_or_absent_and_a_new_launch_clears_partial_ones(tmp_path):
+    """Several ranks may report at once and one may be killed mid-write (the job aborted): the launcher reads the
+    old record or a new one, never a torn one; what a killed writer left is removed with the record."""
+    rundir = RunDir(tmp_path)
+    rundir.write_failure(1, "rank 1: a collective failed", "crash", [{"rank": 2, "node": "n1", "why": "silent"}])
+    (tmp_path / ".failure.json.tmp-4242").write_text('{"rank": 3, "mess')  # a writer killed mid-write
+    assert rundir.failure_record()["suspects"][0]["rank"] == 2
+    rundir.clear_failure()
+    assert rundir.failure_record() == {} and not list(tmp_path.glob(".failure*"))

@@ -10,6 +10,10 @@ from types import FrameType
 # Signals a run may be stopped with whose default action ends the process (SIGINT stays an interrupt until the
 # config is read; SIGCONT's default is harmless).
 EARLY_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGHUP", "SIGXCPU")
+# Not stop signals unless configured so, yet never fatal: MPICH's mpirun sends SIGUSR1 to the surviving ranks when
+# one ended badly (the local launcher runs it with -disable-auto-cleanup and ends the launch itself after the
+# survivors named the rank that went away: hpc/ranks.py); NCCL uses it on some systems.
+NOTICE_SIGNALS = ("SIGUSR1",)
 
 
 class EarlySignals:
@@ -52,7 +56,16 @@ class StopFlag:
             self._previous[signum] = previous
         if early is not None:
             for signum, previous in early.installed.items():
-                if signum not in wanted:
+                if signum in wanted:
+                    continue
+                if signal.Signals(signum).name in NOTICE_SIGNALS:
+                    # Ignored, not the previous handler back: that may be the default action, which ends the
+                    # process (MPI_Init's own handler was replaced by the early one). Ignored rather than caught:
+                    # the interpreter puts the default action back on its way out for any handler but SIG_IGN, and
+                    # a rank still tearing down must not die of a notice.
+                    signal.signal(signum, signal.SIG_IGN)
+                    self._previous[signum] = previous
+                else:
                     signal.signal(signum, previous)
             if early.signum is not None:
                 if early.signum in wanted:
@@ -72,3 +85,12 @@ class StopFlag:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+def ignore_stop_signals() -> None:
+    """From here to the process's exit, the signals of ``EARLY_SIGNALS`` are ignored: the run's outcome is decided
+    and recorded, and the interpreter's own exit would put their default action (ending the process) back, turning
+    a late stop signal, or mpirun's notice that another rank ended (SIGUSR1), into a death by signal."""
+    if threading.current_thread() is threading.main_thread():
+        for name in EARLY_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
