@@ -7,8 +7,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from runconfig.contract import write_json_atomic
-
 
 @dataclass(frozen=True)
 class RunDir:
@@ -85,8 +83,17 @@ class RunDir:
         record = {"rank": rank, "message": message, "kind": kind}
         if suspects:
             record["suspects"] = suspects
-        # Atomic: several ranks may report at once, and a rank may be killed while it writes (the job aborted).
-        write_json_atomic(self.failure, record)
+        # Whole or absent, and the first one stays: several ranks may report, a rank may be killed while it writes
+        # (the job aborted), and a later report is a consequence (a rank that declared a hang ended; a survivor's
+        # collective then failed), never the cause. The launch's launcher removed any earlier launch's record.
+        tmp = self.failure.with_name(f".{self.failure.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(record) + "\n")
+        try:
+            os.link(tmp, self.failure)  # atomic, and refused where a record exists
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def clear_failure(self) -> None:
         """Remove an earlier launch's diagnosis, and what a rank killed while writing one left behind."""

@@ -83,8 +83,10 @@ def test_failures_restart_with_a_doubling_back_off_up_to_the_cap(rundir):
 def test_the_trainers_diagnosis_is_the_cause_and_bad_input_is_never_retried(rundir):
     rundir.write_failure(3, "rank 3: a collective failed at step 7", FAILURE_CRASH)
     assert decide(rundir, job(), Ended("failed", 1), LOCAL).cause == "rank 3: a collective failed at step 7"
+    rundir.clear_failure()  # each as a new launch
     rundir.write_failure(1, "rank 1 made no progress for 30 s", FAILURE_HANG)
     assert decide(rundir, job(), Ended("failed", 3), LOCAL).cause.startswith("hang: rank 1 made no progress")
+    rundir.clear_failure()
     rundir.write_failure(0, "data.path /x does not exist", FAILURE_USER)
     decision = decide(rundir, job(max_failures=5), Ended("failed", 1), SLURM)
     assert (decision.action, decision.status) == ("end", EXIT_USER_ERROR)
@@ -190,12 +192,13 @@ def test_ranks_ended_with_the_job_are_not_restarted_and_name_no_node(rundir):
     assert decision.action == "end" and not decision.new_bad and "while Slurm was ending the job" in decision.message
 
 
-def test_a_failure_record_is_whole_or_absent_and_a_new_launch_clears_partial_ones(tmp_path):
+def test_the_first_failure_record_stays_whole_and_a_new_launch_clears_it(tmp_path):
     """Several ranks may report at once and one may be killed mid-write (the job aborted): the launcher reads the
     old record or a new one, never a torn one; what a killed writer left is removed with the record."""
     rundir = RunDir(tmp_path)
-    rundir.write_failure(1, "rank 1: a collective failed", "crash", [{"rank": 2, "node": "n1", "why": "silent"}])
+    rundir.write_failure(0, "hang: rank 2 stopped", "hang", [{"rank": 2, "node": "n1", "why": "silent"}])
     (tmp_path / ".failure.json.tmp-4242").write_text('{"rank": 3, "mess')  # a writer killed mid-write
-    assert rundir.failure_record()["suspects"][0]["rank"] == 2
+    rundir.write_failure(1, "rank 1: a collective failed", "crash")  # a consequence: the first record stays
+    assert rundir.failure_record()["kind"] == "hang" and rundir.failure_record()["suspects"][0]["rank"] == 2
     rundir.clear_failure()
     assert rundir.failure_record() == {} and not list(tmp_path.glob(".failure*"))
