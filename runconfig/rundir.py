@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +87,8 @@ class RunDir:
         # Whole or absent, and the first one stays: several ranks may report, a rank may be killed while it writes
         # (the job aborted), and a later report is a consequence (a rank that declared a hang ended; a survivor's
         # collective then failed), never the cause. The launch's launcher removed any earlier launch's record.
-        tmp = self.failure.with_name(f".{self.failure.name}.tmp-{os.getpid()}")
+        # (Per thread: a rank's watchdog thread and main thread may both report.)
+        tmp = self.failure.with_name(f".{self.failure.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(json.dumps(record) + "\n")
         try:
             os.link(tmp, self.failure)  # atomic, and refused where a record exists
