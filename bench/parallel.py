@@ -14,6 +14,7 @@ nodes, 1 thread per rank, alternated round by round so machine noise hits every 
 - ``pp``: one pipeline stage per node (1F1B), the ranks of a node replicas of their stage.
 
 Figures per layout: the median step time over the steps after ``--skip`` (tokens/s over all ranks), rank 0's
+exposed communication per step, in all and per parallel dimension (``comm_by_dim`` of metrics.jsonl), rank 0's
 peak resident memory (``peak_mem_mb``: the process, torch and the data included), the largest rank's peak once the
 model is built and split, before any forward (``built_mem_mb``, from the start event: what ``parallel.meta_init``
 lowers) and what a rank holds of the model (``state_bytes_per_rank`` in summary.json: parameters, gradients, AdamW
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace, layout: str, layers: int, out: Path, extra: li
     return {
         "built_mem_mb": start["peak_mem_mb"]["model_built"],
         "step_s": [r["step_time_s"] for r in records if r["step"] > args.skip],
+        "comm": [{"all": r["time_comm_s"], **(r.get("comm_by_dim") or {})} for r in records if r["step"] > args.skip],
         "peak_mem_mb": max(r.get("peak_mem_mb") or 0 for r in records),
         "state_mb": {k: v / 2**20 for k, v in summary["state_bytes_per_rank"].items()},
         "n_params": summary["n_params"],
@@ -136,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         for label, name, extra in args.variants:
             wait_for_quiet()
             got = run(args, name, args.layers, work / f"{label}-{r}", extra)
-            big[label] = {**got, "step_s": big[label]["step_s"] + got["step_s"]}
+            big[label] = {
+                **got,
+                "step_s": big[label]["step_s"] + got["step_s"],
+                "comm": big[label].get("comm", []) + got["comm"],
+            }
     for label, name, extra in args.variants:
         wait_for_quiet()
         small[label] = run(args, name, args.small_layers, work / f"{label}-small", extra)
@@ -156,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         per_param = (b["peak_mem_mb"] - s["peak_mem_mb"]) / (b["n_params"] - s["n_params"])
         fixed = b["peak_mem_mb"] - per_param * b["n_params"]
         fits = (args.cap_mb - fixed) / per_param if per_param > 0 else float("inf")
+        dims = sorted({d for c in b["comm"] for d in c})
+        exposed = {d: 1000 * statistics.median(c.get(d, 0.0) for c in b["comm"]) for d in dims}
         result["layouts"][name] = {
             "allreduce": b["allreduce"],
             "median_step_s": step,
             "tokens_per_s": tokens_per_step / step,
+            # rank 0's exposed communication per step, in all and per parallel dimension (medians, ms)
+            "exposed_comm_ms": exposed,
             "vs_ddp": base / step if base else None,
             "peak_mem_mb": b["peak_mem_mb"],
             "built_mem_mb": b["built_mem_mb"],
@@ -184,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:8} {x['tokens_per_s']:9.0f} {vs:>7} {x['built_mem_mb']:9.0f} {x['peak_mem_mb']:8.0f} "
               f"{state:14.1f} {x['mb_per_million_params']:17.2f} "
               f"{x['largest_params_under_cap'] / 1e6:20.0f} M")  # fmt: skip
+    print()
+    print("exposed communication of rank 0, ms per step (median): in all, then per parallel dimension")
+    for name, x in result["layouts"].items():
+        parts = ", ".join(f"{d} {ms:.1f}" for d, ms in x["exposed_comm_ms"].items() if d != "all")
+        print(f"{name:8} {x['exposed_comm_ms'].get('all', 0.0):7.1f}   {parts}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if not args.work_dir:

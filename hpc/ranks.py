@@ -12,9 +12,12 @@ find all of them ended at once and could name nobody. The local launcher therefo
 ``-disable-auto-cleanup`` (hpc/mpi.py) and ends the launch itself: the survivors see their collective fail, name
 the silent rank from the heartbeats and abort the MPI job (trainer/main.py); whichever ranks are still running
 ``grace_s`` after the first one ended (blocked in MPI, say), or once the launch's failure is on record, are killed
-here. This narrows the race, it does not close it: hydra still ends every rank when one's PMI connection closes
+here. That narrows the race without closing it: hydra still ends every rank when one's PMI connection closes
 before MPI_Finalize, and for a killed rank that path races the notice one (measured: all ranks killed within
-~10 ms in 3 of 12 SIGKILLs of a sleeping MPI rank). (Open MPI's mpirun keeps its own clean-up; best effort there.)
+~10 ms in 3 of 12 SIGKILLs of a sleeping MPI rank). Where the kernel lets the launcher read its process-exit
+events (hpc/procexit.py: root outside a container, as in CI), the order comes from their timestamps instead,
+which a late wake-up does not lose; elsewhere from the wake-ups. (Open MPI's mpirun keeps its own clean-up; best
+effort there.)
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from hpc.procexit import ProcExits
 
 RANK_VARS = (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")
 
@@ -82,6 +87,10 @@ class RankWatch:
         self.ended: list[tuple[int, float]] = []
         self.killed: list[int] = []
         self.seen: set[int] = set()  # the ranks found (a pidfd open for each)
+        self.found: dict[int, int] = {}  # rank -> pid
+        # Opened before any rank can end (mpirun was just started): the kernel's exit events, where readable.
+        self.exits = ProcExits.open()
+        self._started = time.monotonic()  # a rank's exit is later (its pid may have served an earlier process)
         self._settled_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
@@ -90,16 +99,30 @@ class RankWatch:
     @property
     def first_ended(self) -> int | None:
         """The rank that ended first, if it ended clearly before the rest (not all in the same instant)."""
-        if not self.ended:
+        order = self.order()
+        if not order:
             return None
-        first_rank, first_time = self.ended[0]
-        if len(self.ended) > 1 and self.ended[1][1] - first_time < 1e-4:
+        first_rank, first_time = order[0]
+        if len(order) > 1 and order[1][1] - first_time < 1e-4:
             return None  # ended together (a launcher-wide kill): no rank to blame
         return first_rank
+
+    def order(self) -> list[tuple[int, float]]:
+        """(rank, time) of the ranks that ended, first first: by the kernel's exit timestamps where it gave one for
+        every such rank, else by when the watch saw them end."""
+        ended = list(self.ended)
+        if self.exits is not None and self.exits.lossless and ended:
+            exits = [self.exits.exited(self.found[rank], self._started) for rank, _ in ended]
+            if all(e is not None for e in exits):
+                return sorted(((rank, e[0]) for (rank, _), e in zip(ended, exits, strict=True)), key=lambda x: x[1])
+        return ended
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.exits is not None:
+            self.exits.drain()
+            self.exits.close()  # what it read stays: order() needs no socket
 
     def _run(self) -> None:
         fds: dict[int, int] = {}  # fd -> rank
@@ -115,6 +138,7 @@ class RankWatch:
                         except OSError:
                             continue
                         seen.add(rank)
+                        self.found[rank] = pid
                 elif not fds:
                     return
                 if not fds:
@@ -133,6 +157,8 @@ class RankWatch:
                     wait = min(wait, max(left, 0.05))
                 ready, _, _ = select.select(list(fds), [], [], wait)
                 now = time.monotonic()
+                if self.exits is not None:
+                    self.exits.drain()  # keep the kernel's queue short
                 for fd in ready:
                     self.ended.append((fds.pop(fd), now))
                     os.close(fd)

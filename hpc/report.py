@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from hpc.plots import render
+from hpc.plots import PART_LABELS, render
 from hpc.runlog import RunLog, analyze
 from runconfig import RunDir
 from runconfig.badnodes import bad_node_events
-from runconfig.contract import EXIT_USER_ERROR
+from runconfig.contract import EXIT_USER_ERROR, PARTS
 from runconfig.stopsignal import newest_budget
 
 DEFINITIONS = """\
@@ -228,6 +228,7 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
         lines.append(f"| {what} | {duration(seconds)} | {seconds:.1f} | {share} |")
     lines.append(f"| **total wall** | {duration(total)} | {total:.1f} | 100 % |")
 
+    lines += step_time_lines([{**x.raw, **{k: x.get(k) for k in TIMED}} for x in log.kept])
     lines += ["", "## Stragglers", ""]
     if not st.checks:
         lines.append("No straggler checks in the metrics (no record has `rank_step_time_s`).")
@@ -256,6 +257,54 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
         lines += [f"### {caption}", "", f"![{caption}]({name})", ""]
     lines += ["## Definitions", "", DEFINITIONS]
     return "\n".join(lines)
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    n = len(values)
+    return (values[n // 2] + values[(n - 1) // 2]) / 2 if n else 0.0
+
+
+TIMED = ("step_time_s", *(f"time_{part}_s" for part in PARTS))
+
+
+def _dims(record: dict) -> dict[str, float]:
+    dims = record.get("comm_by_dim")
+    if not isinstance(dims, dict):
+        return {}
+    return {str(d): float(v) for d, v in dims.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def step_time_lines(records: list[dict]) -> list[str]:
+    """Where a step's time goes on rank 0: the median of each part over the kept records after the first (start-up),
+    and the exposed communication per parallel dimension where the trainer measured it."""
+    timed = [r for r in records if r.get("step_time_s")][1:]
+    if not timed:
+        return []
+    step = _median([r["step_time_s"] for r in timed])
+    lines = [
+        "",
+        f"## Step time (rank 0, median of {len(timed)} records after the first)",
+        "",
+        "| part | per step | share |",
+        "|---|---|---|",
+    ]
+    dims = sorted({d for r in timed for d in _dims(r)})
+    for part in PARTS:
+        seconds = _median([r.get(f"time_{part}_s") or 0.0 for r in timed])
+        lines.append(f"| {PART_LABELS[part]} | {1000 * seconds:.1f} ms | {100 * seconds / step:.1f} % |")
+        if part == "comm":
+            for d in dims:
+                seconds = _median([_dims(r).get(d, 0.0) for r in timed])
+                lines.append(f"| &nbsp;&nbsp;of which `{d}` | {1000 * seconds:.1f} ms | {100 * seconds / step:.1f} % |")
+    lines.append(f"| **step** | {1000 * step:.1f} ms | 100 % |")
+    if dims:
+        lines += [
+            "",
+            "Exposed communication per parallel dimension: the time rank 0 waited in that dimension's collectives "
+            "(`comm_by_dim` in metrics.jsonl; medians do not add up exactly).",
+        ]
+    return lines
 
 
 def summary_lines(log: RunLog, f: dict) -> list[str]:

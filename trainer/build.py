@@ -145,7 +145,7 @@ def build_parts(
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
-    mon = build_monitors(cfg, env, d, model, rundir, flops)
+    mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh)
     stack.callback(mon.close)
     checkpoints = Checkpointer(
         cfg=cfg,

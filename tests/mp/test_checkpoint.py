@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from runconfig.checkpoints import generations, read_latest, validate
-from runconfig.contract import EXIT_STOPPED
+from runconfig.contract import EXIT_STOPPED, INJECT_VAR
 from tests.conftest import PY, ROOT, history, rank_pids, summary, wait_for_step
 
 pytestmark = pytest.mark.mp
@@ -43,21 +43,24 @@ def submit_args(target, sets, resume=False) -> list[str]:
     return args
 
 
-def env() -> dict:
+def env(inject: str = "") -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT)
+    if inject:
+        e[INJECT_VAR] = inject
     return e
 
 
-def start(run_dir, sets, resume=False) -> subprocess.Popen:
+def start(run_dir, sets, resume=False, inject: str = "") -> subprocess.Popen:
+    """``inject``: faults for HPC_INJECT (trainer/observe/inject.py), e.g. a slowed rank."""
     args = submit_args(run_dir if resume else "tiny", sets, resume)
     if not resume:
         args += ["--run-dir", str(run_dir)]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(inject), cwd=ROOT)
 
 
-def run(run_dir, sets=(), resume=False) -> subprocess.CompletedProcess:
-    proc = start(run_dir, sets, resume)
+def run(run_dir, sets=(), resume=False, inject: str = "") -> subprocess.CompletedProcess:
+    proc = start(run_dir, sets, resume, inject)
     out, err = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

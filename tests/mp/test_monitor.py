@@ -59,6 +59,8 @@ def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset
     assert gaps[len(gaps) // 2] <= 0.02, gaps
     # In the steady state rank 0's wait for rank 2 shows as exposed communication.
     assert sorted(r["time_comm_s"] for r in recs)[len(recs) // 2] >= 0.1
+    # DDP's exposed communication is its data-parallel dimension's (per dimension: tests/mp/test_parallel.py).
+    assert all(r["comm_by_dim"] == {"dp_replicate": r["time_comm_s"]} for r in recs)
     # The checkpoint of step 10 is written after that step's record: its stall shows in step 11's record. The
     # one at the end (step 20) is in no record (teardown).
     assert [r["step"] for r in recs if r["time_ckpt_s"] > 0] == [11]

@@ -6,8 +6,10 @@ stop signal under FSDP and under TP (with async saves of the shards) resumes bit
 and resharded (FSDP -> DDP, FSDP -> TP x DP, TP x DP -> TP x FSDP) within tolerance. Pipeline parallelism (2
 stages, 1F1B; TP x PP with GPipe) likewise, its stop resumed bit-identical and its stages' checkpoint loaded whole
 (PP -> DDP), and FSDP -> PP x DP. Built on the meta device (parallel.meta_init), TP x FSDP trains and resumes
-bit-identical."""
+bit-identical. Each of these runs has one rank slowed (a sleep in every step): rank 0's exposed communication
+lands in the dimension whose collectives wait for that rank."""
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +27,20 @@ FSDP = ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
 HSDP = ["parallel.dp_shard=2"]
 TP = ["parallel.tp=2"]  # dp_replicate -1: 2 replicas (one per node) of a model split over the 2 ranks of a node
 PP = ["parallel.pp=2"]  # 2 stages (one per node), the 2 ranks of a node replicas: 1F1B, 2 pipeline micro-batches
+SLOW = 0.1  # seconds a slowed rank sleeps in each step
+
+
+def assert_waits_in(run_dir, dim: str) -> None:
+    """Rank 0 waited for the slowed rank in ``dim``'s collectives: its exposed communication per step (records
+    after the first) is at least most of the sleep there, more than in any other dimension, and the dimensions
+    add up to the exposed communication of the step-time breakdown."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    for r in records:
+        assert abs(sum(r["comm_by_dim"].values()) - r["time_comm_s"]) < 1e-6, r
+    median = {
+        d: sorted(r["comm_by_dim"].get(d, 0.0) for r in records)[len(records) // 2] for d in records[-1]["comm_by_dim"]
+    }
+    assert median.get(dim, 0.0) >= 0.6 * SLOW and max(median, key=median.get) == dim, (dim, median)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +60,7 @@ def single(tmp_path_factory, sets):
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory, sets):
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    done = run(run_dir, [*sets, *FSDP])
+    done = run(run_dir, [*sets, *FSDP], inject=f"slow:3:{SLOW}")
     assert done.returncode == 0, done.stdout + done.stderr
     return run_dir
 
@@ -79,11 +95,14 @@ def test_fsdp_and_hsdp_train_like_one_process(tmp_path, sets, single, fsdp):
         assert 0.24 < mine[key] / whole[key] < 0.27, (key, mine, whole)
     manifest = validate(fsdp / "checkpoints" / "step_00000024")
     assert manifest["params_sha256"] == s["params_sha256"]
+    assert_waits_in(fsdp, "dp_shard")  # rank 3 slowed: rank 0 waits in FSDP2's all-gathers
 
     hsdp = tmp_path / "hsdp"
-    done = run(hsdp, [*sets, *HSDP, "parallel.activation_checkpointing=full", "parallel.compile=true"])
+    sets_hsdp = [*sets, *HSDP, "parallel.activation_checkpointing=full", "parallel.compile=true"]
+    done = run(hsdp, sets_hsdp, inject=f"slow:2:{SLOW}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert_close_to(hsdp, single)
+    assert_waits_in(hsdp, "dp_replicate")  # rank 2 (the other replica) slowed: the all-reduce across replicas
     s = summary(hsdp)
     assert s["allreduce"] == "hsdp" and s["parallel"]["dp_replicate"] == 2 and s["parallel"]["dp_shard"] == 2
     assert 0.49 < s["state_bytes_per_rank"]["params"] / whole["params"] < 0.52
@@ -151,13 +170,16 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
     assert 0.55 < s["state_bytes_per_rank"]["params"] / alone["state_bytes_per_rank"]["params"] < 0.62
 
     gpipe = tmp_path / "gpipe"
-    done = run(gpipe, [*sets, *PP, "parallel.pp_schedule=GPipe"])
+    done = run(gpipe, [*sets, *PP, "parallel.pp_schedule=GPipe"], inject=f"slow:2:{SLOW}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert_close_to(gpipe, single)
+    assert_waits_in(gpipe, "pp")  # rank 2 (the next stage) slowed: rank 0 waits in the schedule's send/recv
 
     tp_pp = tmp_path / "tp_pp"
-    done = run(tp_pp, [*sets, *PP, *TP, "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=4"])
+    sets_tp_pp = [*sets, *PP, *TP, "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=4"]
+    done = run(tp_pp, sets_tp_pp, inject=f"slow:1:{SLOW}")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert_waits_in(tp_pp, "tp")  # rank 1 (its tensor-parallel peer) slowed: rank 0 waits in DTensor's collectives
     assert summary(tp_pp)["parallel"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
     assert summary(tp_pp)["allreduce"] == "tp"
     assert_close_to(tp_pp, single)

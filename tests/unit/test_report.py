@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpc.report import main as report_main
-from hpc.report import write_report
+from hpc.report import step_time_lines, write_report
 from hpc.runlog import analyze
 from runconfig import RunDir
 from runconfig.contract import (
@@ -255,3 +255,20 @@ def test_cli_wiring_and_lazy_imports(tmp_path):
     code = "import sys, hpc.report, hpc.verbs; print(sorted({'torch', 'matplotlib'} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert imported.stdout.strip() == "[]", imported.stderr
+
+
+def test_step_time_section_medians_and_comm_per_dimension():
+    recs = [
+        record(s, 100.0 + s, "L", 1.0 if s > 1 else 9.0, data=0.1, comm_by_dim={"tp": 0.07, "pp": 0.03})
+        for s in range(1, 6)
+    ]
+    recs[2]["comm_by_dim"] = {"tp": "x", "pp": True}  # malformed values are left out, never a crash
+    text = "\n".join(step_time_lines(recs))
+    assert "median of 4 records after the first" in text  # step 1 (start-up, 9 s) left out
+    assert "| exposed communication | 100.0 ms | 10.0 % |" in text
+    assert "| &nbsp;&nbsp;of which `tp` | 70.0 ms | 7.0 % |" in text
+    assert "| &nbsp;&nbsp;of which `pp` | 30.0 ms | 3.0 % |" in text
+    assert "| **step** | 1000.0 ms | 100 % |" in text
+    assert step_time_lines([]) == []
+    plain = [record(s, 100.0 + s, "L", 1.0, data=0.1) for s in range(1, 4)]  # DDP before per-dimension records
+    assert "of which" not in "\n".join(step_time_lines(plain))

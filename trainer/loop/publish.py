@@ -30,7 +30,7 @@ class Publisher:
         sync, and like the checkpoint after it, falls in the next record's interval."""
         p, t = self.p, self.p.cfg.train
         now_pc = time.perf_counter()
-        parts, steps = p.mon.clock.take()
+        parts, comm_dims, steps = p.mon.clock.take()
         step_time = (now_pc - self.boundary - self.interval_eval) / steps
         self.boundary = now_pc
         units = p.units_per_step
@@ -45,6 +45,8 @@ class Publisher:
             "step_time_s": step_time,
             **{f"time_{name}_s": seconds / steps for name, seconds in parts.items()},
             "time_eval_s": self.interval_eval,
+            # exposed communication per parallel dimension (s/step; sums to time_comm_s where measured)
+            "comm_by_dim": {name: seconds / steps for name, seconds in sorted(comm_dims.items())},
             "tokens_seen": p.state.tokens_seen,
             "peak_mem_mb": peak_memory_mb(p.d.device),
             "time": time.time(),

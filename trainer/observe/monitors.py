@@ -48,9 +48,12 @@ def build_monitors(
     model: torch.nn.Module,
     rundir: RunDir,
     flops_per_sample: float | None,
+    *,
+    ddp: bool,
 ) -> Monitors:
     """``flops_per_sample``: the training FLOPs of one sample where MFU is reported (a known peak: GPU, or
-    monitor.peak_tflops), else None."""
+    monitor.peak_tflops), else None. ``ddp``: the model is DDP's (its exposed communication is the data-parallel
+    all-reduce's)."""
     watchdog = Watchdog(env, cfg.monitor, rundir, d.store_addr, d.store_port)
     watchdog.start()
     d.groups.blocked.on_block = watchdog.block
@@ -58,7 +61,12 @@ def build_monitors(
     tflops = peak_tflops(d.device, cfg.monitor.peak_tflops)
     return Monitors(
         clock=StepClock(
-            d.device, params, d.groups.blocked, lambda: watchdog.enter("waiting for the gradient all-reduce")
+            d.device,
+            params,
+            d.groups.blocked,
+            lambda: watchdog.enter("waiting for the gradient all-reduce"),
+            ledger=d.ledger,
+            tail_dim="dp_replicate" if ddp else None,
         ),
         watchdog=watchdog,
         stragglers=StragglerCheck(env, cfg.monitor, d.device),

@@ -47,6 +47,8 @@ class TensorBoard:
             value = record.get(key)
             if isinstance(value, (int, float)):
                 self._writer.add_scalar(tag, value, step, walltime=record.get("time"))
+        for dim, seconds in (record.get("comm_by_dim") or {}).items():
+            self._writer.add_scalar(f"time/exposed_comm_{dim}_s", seconds, step, walltime=record.get("time"))
         for s in record.get("stragglers") or ():
             self._writer.add_scalar(f"stragglers/rank_{s['rank']}_ratio", s["ratio"], step)
 

@@ -9,6 +9,11 @@ computing: from the moment the last gradient is ready to the end of ``backward()
 all-reduce), plus, for a synchronous communication hook such as the hierarchical one, the time spent blocked
 inside the hook before that moment. Communication that overlaps with computing gradients is not exposed and is
 not counted. With a synchronous hook on GPU the hook's waits inside backward show up as compute.
+
+The layouts whose forward is collective (FSDP2, tensor and pipeline parallelism) block the training thread in
+their collectives wherever they fall; on CPU their exposed communication is the time the thread slept in
+forward/backward, split by parallel dimension (trainer.parallel.commtime), and reported per dimension as well.
+DDP's is its data-parallel dimension's (``dp_replicate``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from runconfig.contract import PARTS
 from trainer.parallel.comm import BlockedIntervals
+from trainer.parallel.commtime import CommLedger
 
 
 class StepClock:
@@ -31,6 +37,8 @@ class StepClock:
         params: list[torch.nn.Parameter],
         blocked: BlockedIntervals,
         on_grads_ready: Callable[[], None] | None = None,
+        ledger: CommLedger | None = None,
+        tail_dim: str | None = None,
     ) -> None:
         self.cuda = device.type == "cuda"
         self.on_grads_ready = on_grads_ready  # every gradient of a synchronizing backward exists: comm remains
@@ -45,6 +53,10 @@ class StepClock:
         self._last_grad: float | None = None
         self._last_grad_event: torch.cuda.Event | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        self.ledger = ledger if ledger is not None and ledger.enabled else None
+        self.tail_dim = tail_dim  # the dimension the tail after the last gradient reduces over (DDP's)
+        self.comm_dims: dict[str, float] = {}  # exposed communication per parallel dimension since the last take()
+        self._step_dims: dict[str, float] = {}
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         """Per-parameter hook: counts; the last gradient of a synchronizing backward takes the time."""
@@ -81,6 +93,10 @@ class StepClock:
         self.blocked.take()  # intervals of an earlier backward (a no_sync micro-batch has none)
         self._last_grad, self._last_grad_event = None, None
         self._grads_seen, self._synchronizing = 0, synchronizing
+        ledger = self.ledger
+        if ledger is not None:
+            ledger.take()  # what an evaluation or a checkpoint left
+            slept = ledger.clock.now()
         start = time.perf_counter()
         end_event = None
         try:
@@ -93,13 +109,23 @@ class StepClock:
             end = time.perf_counter()
         total, blocked = end - start, self.blocked.take()
         exposed = 0.0
-        if synchronizing:
+        if ledger is not None:  # collectives anywhere in forward/backward, every micro-batch's
+            dims = ledger.take()
+            rest = ledger.clock.now() - slept - sum(dims.values())
+            if ledger.rest is not None and rest > 0:
+                dims[ledger.rest] = dims.get(ledger.rest, 0.0) + rest
+            for name, seconds in dims.items():
+                self._step_dims[name] = self._step_dims.get(name, 0.0) + seconds
+            exposed = min(sum(dims.values()), total)
+        elif synchronizing:
             if self.cuda and end_event is not None and self._last_grad_event is not None:
                 exposed = self._last_grad_event.elapsed_time(end_event) / 1000.0
             elif self._last_grad is not None:
                 last = self._last_grad
                 exposed = end - last + sum(max(0.0, min(e, last) - max(s, start)) for s, e in blocked)
             exposed = min(max(exposed, 0.0), total)
+            if self.tail_dim is not None:
+                self._step_dims[self.tail_dim] = self._step_dims.get(self.tail_dim, 0.0) + exposed
         self._step["compute"] += total - exposed
         self._step["comm"] += exposed
 
@@ -112,14 +138,18 @@ class StepClock:
         """Add the finished step's parts to the totals that take() returns."""
         for name, seconds in self._step.items():
             self.parts[name] += seconds
+        for name, seconds in self._step_dims.items():
+            self.comm_dims[name] = self.comm_dims.get(name, 0.0) + seconds
         self._step = dict.fromkeys(PARTS, 0.0)
+        self._step_dims = {}
         self.steps += 1
 
-    def take(self) -> tuple[dict[str, float], int]:
-        """Per-part seconds summed since the last take, and the number of steps they cover."""
-        parts, steps = self.parts, self.steps
-        self.parts, self.steps = dict.fromkeys(PARTS, 0.0), 0
-        return parts, steps
+    def take(self) -> tuple[dict[str, float], dict[str, float], int]:
+        """Per-part seconds summed since the last take, the exposed communication per parallel dimension (part of
+        ``comm``), and the number of steps they cover."""
+        parts, dims, steps = self.parts, self.comm_dims, self.steps
+        self.parts, self.comm_dims, self.steps = dict.fromkeys(PARTS, 0.0), {}, 0
+        return parts, dims, steps
 
     def close(self) -> None:
         for h in self._hooks:

@@ -5,7 +5,7 @@ This is the one place process groups are created; every rank creates them in the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -17,6 +17,7 @@ from runconfig.schema import CommConfig
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
 from trainer.parallel.comm import HierGroups
+from trainer.parallel.commtime import CommLedger
 from trainer.parallel.topology import MESH_DIMS
 
 
@@ -28,6 +29,9 @@ class Distributed:
     groups: HierGroups
     store_addr: str  # the rendezvous TCPStore (on rank 0's host): the hang watchdog's heartbeats go there too
     store_port: int
+    # Exposed communication per parallel dimension where the layout's collectives block this thread (CPU mesh
+    # layouts); built here, on the training thread, whose sleep it measures.
+    ledger: CommLedger = field(default_factory=CommLedger, compare=False)
 
 
 def pick_device(env: RuntimeEnv, device: str) -> torch.device:

@@ -17,10 +17,12 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.errors import UserError
+from trainer.parallel.commtime import CommLedger
 
 
 def find_blocks(model: nn.Module, classes: Sequence[type] | None, *, recipe: str) -> list[nn.Module]:
@@ -94,9 +96,11 @@ def shard(
     *,
     param_dtype: torch.dtype | None,
     reshard_after_forward: bool,
+    ledger: CommLedger | None = None,
 ) -> None:
     """fully_shard every block, then the root. ``param_dtype`` (bf16 on GPUs) is the compute dtype of the gathered
-    parameters; gradients are reduced in fp32 and the sharded parameters and optimizer state stay fp32."""
+    parameters; gradients are reduced in fp32 and the sharded parameters and optimizer state stay fp32. With an
+    enabled ``ledger``, FSDP2's all-gathers and reduce-scatters are timed into it (the same collectives)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # 0.2-0.7 s: only where it is used
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -104,3 +108,57 @@ def shard(
         # The last block's parameters are needed again at once by backward: keep them gathered (torchtitan).
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if ledger is not None and ledger.enabled:
+        for module in [*blocks, model]:
+            module.set_custom_all_gather(TimedAllGather(ledger))  # type: ignore[operator]
+            module.set_custom_reduce_scatter(TimedReduceScatter(ledger))  # type: ignore[operator]
+
+
+class _TimedWork(dist.Work):
+    """An asynchronous all-gather's handle: FSDP2 waits on it before the block runs; the wait is timed."""
+
+    def __init__(self, work: dist.Work, ledger: CommLedger) -> None:
+        super().__init__()
+        self.work, self.ledger = work, ledger
+
+    def wait(self, timeout=None) -> bool:  # noqa: ANN001 (c10d's signature)
+        with self.ledger.region("dp_shard"):
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+
+
+class TimedAllGather:
+    """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``): the default one, timed as ``dp_shard``."""
+
+    def __init__(self, ledger: CommLedger) -> None:
+        self.ledger = ledger
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        with self.ledger.region("dp_shard"):
+            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return _TimedWork(work, self.ledger) if work is not None else None
+
+
+class TimedReduceScatter:
+    """FSDP2's reduce-scatter of gradients (``FSDPModule.set_custom_reduce_scatter``), timed as ``dp_shard``."""
+
+    def __init__(self, ledger: CommLedger) -> None:
+        self.ledger = ledger
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self.ledger.region("dp_shard"):  # FSDP2 calls it synchronously
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

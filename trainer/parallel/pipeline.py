@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from runconfig.layout import Layout
 from trainer.errors import UserError, first_line
+from trainer.parallel.commtime import CommLedger
 from trainer.recipes.api import Pipeline
 
 
@@ -45,6 +46,7 @@ class Pipe:
     aliases: dict[str, str]  # names of tied copies the whole model does not list -> the name it lists
     tied: list[tuple[dist.ProcessGroup, nn.Parameter]] = field(default_factory=list)
     accum: int = 1  # loop micro-batches per optimizer step (set once the loader knows)
+    ledger: CommLedger | None = None  # times the schedule's waits as ``pp`` (CPU)
 
     @property
     def first(self) -> bool:
@@ -68,7 +70,11 @@ class Pipe:
         """Forward and backward of one loop micro-batch through the pipeline. Returns this rank's share of the
         step loss for the boundary's world mean: the last stage's (times ``stages``), 0 elsewhere."""
         losses: list[torch.Tensor] = []
-        self._run(self.schedule.step, batch, losses)
+        if self.ledger is not None:
+            with self.ledger.region("pp"):  # less the stage's own chunks (TimedStage): send/recv waits, bubble
+                self._run(self.schedule.step, batch, losses)
+        else:
+            self._run(self.schedule.step, batch, losses)
         if not self.last:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).sum().detach() * self.stages
@@ -167,9 +173,11 @@ def schedule(
     *,
     kind: str,
     microbatches: int,
+    ledger: CommLedger | None = None,
 ) -> Pipe:
     """The schedule of this rank's stage (``module``: tensor-parallel and/or FSDP-wrapped already), and the
-    groups that sum tied gradients. Collective: every rank creates every tie group in the same order."""
+    groups that sum tied gradients. Collective: every rank creates every tie group in the same order. With an
+    enabled ``ledger``, the schedule's waits outside the stage's own forward and backward are timed as ``pp``."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stage = layout.coords(rank)["pp"]
@@ -183,8 +191,11 @@ def schedule(
         group=group,
         device=device,
         aliases=cut_info["aliases"],
+        ledger=ledger if ledger is not None and ledger.enabled else None,
     )
-    runner = PipelineStage(module, stage, layout.pp, device, group=group)
+    runner = (_timed_stage(pipe.ledger) if pipe.ledger else PipelineStage)(
+        module, stage, layout.pp, device, group=group
+    )
     cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[kind]
     pipe.schedule = cls(runner, microbatches, loss_fn=pipe.scaled_loss, scale_grads=False)
     # One group per tie and per position in the other dimensions: the ranks that differ only in their stage.
@@ -198,6 +209,28 @@ def schedule(
                 name = dict(holders)[stage]
                 pipe.tied.append((g, params[name]))
     return pipe
+
+
+def _timed_stage(ledger: CommLedger) -> type:
+    """A PipelineStage whose forward and backward chunks are regions of their own, so that the ``pp`` region
+    around the schedule keeps only what the schedule waits for (what the chunks wait for is FSDP2's or tensor
+    parallelism's)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with ledger.region(None):
+                return super().forward_one_chunk(*args, **kwargs)
+
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with ledger.region(None):
+                return super().backward_one_chunk(*args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with ledger.region(None):
+                return super().backward_weight_one_chunk(*args, **kwargs)
+
+    return TimedStage
 
 
 def _columns(layout: Layout) -> list[list[int]]:

@@ -110,6 +110,9 @@ def wrap(
             bucket_cap_mb=cfg.comm.bucket_mb,
         )
         return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync, model, n_params)
+    if d.device.type == "cpu":  # collectives block the training thread: their waits are its exposed communication
+        rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
+        d.ledger.enable("+".join(rest) or None)
     if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
         allreduce, no_sync = ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
     else:
@@ -123,6 +126,7 @@ def wrap(
             # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
             # (torchtitan does the same).
             reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1 and layout.pp == 1,
+            ledger=d.ledger,
         )
         if layout.dp_replicate > 1:
             allreduce = "hsdp" if layout.dp_shard > 1 else "replicate"
@@ -145,6 +149,7 @@ def wrap(
             cut_info,
             kind=cfg.parallel.pp_schedule,
             microbatches=cfg.parallel.microbatches(layout.pp),
+            ledger=d.ledger,
         )
     return Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
 
