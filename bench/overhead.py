@@ -6,6 +6,8 @@ Runs, alternated round by round so machine noise hits every variant alike:
 - ``trainer-flat`` / ``trainer-hier``: ``python -m hpc.submit tiny --local`` with comm.allreduce=flat / hierarchical
   (trainer-hier only with more than one node and more than one rank per node: otherwise the trainer uses DDP's flat
   all-reduce and the variant would repeat trainer-flat)
+- ``trainer-hier-sync``: trainer-hier with ``comm.overlap=false`` (the three phases inside DDP's hook, blocking
+  backward, instead of on the reducer's thread while backward goes on)
 - ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
 - ``trainer-recipe``: trainer-flat entering through the user-recipe door: the same GPT and data from a user-style
   recipe module (bench/recipes/user_gpt.py, copied next to a config written into the work folder with
@@ -43,7 +45,8 @@ from trainer.data.prepare import prepare  # noqa: E402
 from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
 from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
-ALL_VARIANTS = ("plain", "trainer-flat", "trainer-hier", "trainer-quiet", "trainer-recipe")
+ALL_VARIANTS = ("plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-quiet", "trainer-recipe")
+HIER = ("trainer-hier", "trainer-hier-sync")
 VARIANTS = ALL_VARIANTS  # narrowed in main() to those that differ for the layout
 # trainer-quiet: flat all-reduce with TensorBoard, straggler checks and the hang watchdog off (the step clock stays):
 # the cost of the monitors, side by side.
@@ -120,21 +123,23 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
         script = [str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config, "--data", str(args.data)]
         return [*launcher, *script, *sets, "--out", str(out)]
-    allreduce = {"trainer-hier": "hierarchical"}.get(variant, "flat")
+    allreduce = "hierarchical" if variant in HIER else "flat"
     config = args.config
     if variant == "trainer-recipe":  # the model's shape is in the written config's recipe_args
         config = str(args.recipe_config)
         sets = [a for kv in overrides if not kv.startswith("model.") for a in ("--set", kv)]
     submit = [sys.executable, "-m", "hpc.submit", config, "--local", "--run-dir", str(out)]
     quiet = [a for kv in QUIET for a in ("--set", kv)] if variant == "trainer-quiet" else []
-    return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet]
+    sync = ["--set", "comm.overlap=false"] if variant == "trainer-hier-sync" else []
+    return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync]
 
 
-def step_times(variant: str, out: Path) -> list[float]:
+def step_times(variant: str, out: Path, key: str = "step_time_s") -> list[float]:
+    """Per-step ``key`` (``step_time_s``; ``time_comm_s``: the trainer's exposed communication, None for plain)."""
     if variant == "plain":
-        return [float(x) for x in json.loads(out.read_text())["step_time_s"]]
+        return [float(x) for x in json.loads(out.read_text())["step_time_s"]] if key == "step_time_s" else []
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [float(r["step_time_s"]) for r in records if "step_time_s" in r]
+    return [float(r[key]) for r in records if key in r]
 
 
 def warm_page_cache(folder: Path) -> None:
@@ -169,9 +174,17 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
             if proc.returncode != 0:
                 raise RuntimeError(f"{variant} round {rnd} failed ({proc.returncode}); see {folder / 'launch.log'}")
             times = step_times(variant, out)[args.skip :]
+            comm = step_times(variant, out, "time_comm_s")[args.skip :]
             median = statistics.median(times)
             runs[variant].append(
-                {"round": rnd, "wall_s": wall, "other_load": other, "median_step_s": median, "steps": times}
+                {
+                    "round": rnd,
+                    "wall_s": wall,
+                    "other_load": other,
+                    "median_step_s": median,
+                    "steps": times,
+                    "comm": comm,
+                }
             )
             print(
                 f"round {rnd + 1}/{args.rounds} {variant:<14} median step {1e3 * median:6.1f} ms "
@@ -186,6 +199,9 @@ def summarize(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
         pooled = [t for run in runs[variant] for t in run["steps"]]
         median, p25 = statistics.median(pooled), statistics.quantiles(pooled, n=4)[0]
         summary[variant] = {"median_step_s": median, "p25_step_s": p25, "tokens_per_s": tokens_per_step / median}
+        comm = [t for run in runs[variant] for t in run["comm"]]
+        if comm:  # the trainer's exposed communication per step (not what overlapped with backward)
+            summary[variant]["median_exposed_comm_s"] = statistics.median(comm)
     plain = summary["plain"]
     for variant in VARIANTS:
         s = summary[variant]
@@ -207,16 +223,18 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
         "p25: the same from the lower-quartile step time (less hit by bursts of machine noise);\n"
         "per round: the round's median step ms / ratio of the round's medians\n"
     )
-    head = f"{'variant':<14} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
-    print(f"{head} | per-round ms / ratio\n" + "-" * 100)
+    head = f"{'variant':<17} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
+    print(f"{head} | {'comm ms':>7} | per-round ms / ratio\n" + "-" * 110)
     for variant in VARIANTS:
         s = summary[variant]
         rounds = " ".join(
             f"{1e3 * r['median_step_s']:.0f}/{q:.2f}" for r, q in zip(runs[variant], s["round_ratios"], strict=True)
         )
+        comm = f"{1e3 * s['median_exposed_comm_s']:7.1f}" if "median_exposed_comm_s" in s else f"{'-':>7}"
         print(
-            f"{variant:<14} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
-            f"{s['ratio_vs_plain']:>5.3f} | {1e3 * s['p25_step_s']:>6.1f} | {s['ratio_vs_plain_p25']:>5.3f} | {rounds}"
+            f"{variant:<17} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
+            f"{s['ratio_vs_plain']:>5.3f} | {1e3 * s['p25_step_s']:>6.1f} | {s['ratio_vs_plain_p25']:>5.3f} | "
+            f"{comm} | {rounds}"
         )
 
 
@@ -224,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     global VARIANTS
     args = parse_args(argv)
     VARIANTS = tuple(v for v in ALL_VARIANTS if not args.variants or v in args.variants)
-    if (args.nodes < 2 or args.ranks < 2) and "trainer-hier" in VARIANTS:
-        VARIANTS = tuple(v for v in VARIANTS if v != "trainer-hier")
+    if (args.nodes < 2 or args.ranks < 2) and set(HIER) & set(VARIANTS):
+        VARIANTS = tuple(v for v in VARIANTS if v not in HIER)
         print(f"{args.nodes} node(s) x {args.ranks} ranks: no trainer-hier (the trainer falls back to flat all-reduce)")
     sys.stdout.reconfigure(line_buffering=True)  # progress lines show up live through a pipe too
     started = time.perf_counter()

@@ -376,6 +376,12 @@ class CommConfig:
         "than one rank per node; otherwise there is one level and flat is used.",
         "hierarchical",
     )
+    overlap: bool = doc(
+        "Run the hierarchical all-reduce on a thread of its own, bucket by bucket while backward goes on (CPU; "
+        "on GPUs it runs in the hook for now); false: synchronously inside DDP's hook, blocking backward. The "
+        "results are bit-identical.",
+        True,
+    )
     bucket_mb: float = doc("DDP gradient bucket size in MB.", 25.0)
     backend: Literal["auto", "gloo", "nccl"] = doc("auto = NCCL on CUDA, gloo on CPU.", "auto")
     timeout_s: float = doc("Timeout of process-group set-up and of every collective, seconds.", 300.0)

@@ -21,7 +21,7 @@ from runconfig import RunConfig
 from runconfig.layout import Layout, LayoutError
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.parallel.comm import hierarchical_hook
+from trainer.parallel.comm import BucketReducer, hierarchical_hook, overlapped_hook
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
 from trainer.parallel.mesh import dp_mesh, train_mesh
@@ -180,10 +180,13 @@ def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) ->
     """Register the hierarchical hook where there are two levels; return the all-reduce that actually runs."""
     topo = env.topology
     if cfg.comm.allreduce == "hierarchical" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
-        ddp.register_comm_hook(d.groups, hierarchical_hook)
+        if d.device.type == "cuda" or not cfg.comm.overlap:  # overlapping on a GPU needs a side stream: not yet
+            ddp.register_comm_hook(d.groups, hierarchical_hook)
+        else:
+            ddp.register_comm_hook(BucketReducer(d.groups), overlapped_hook)
         return "hierarchical"
     if cfg.comm.allreduce == "hierarchical" and env.rank == 0 and env.world_size > 1:
-        # One node (or one rank per node): the hierarchy has a single level, and DDP's own all-reduce, which
-        # overlaps with the backward pass, is strictly better than the synchronous three-phase hook.
+        # One node (or one rank per node): the hierarchy has a single level, and DDP's own all-reduce does the
+        # same work in one collective instead of three.
         log.info("hierarchical all-reduce needs >1 node and >1 rank per node; using DDP's flat all-reduce")
     return "flat"

@@ -1,4 +1,5 @@
-"""Worker: DDP with the hierarchical hook vs plain DDP, K AdamW steps from the same weights on the same batches.
+"""Worker: DDP with the hierarchical hook vs plain DDP, K AdamW steps from the same weights on the same batches,
+and the overlapped hook (the trainer's, on its own thread) vs the same phases run synchronously in the hook.
 
 The all-reduce is wired by trainer.parallel.wrap.wire_allreduce, the trainer's own code path, for several bucket sizes.
 argv: OUT_DIR STEPS
@@ -16,6 +17,7 @@ from runconfig import load_config
 from trainer.env import from_mpi
 from trainer.loop.optim import build_optimizer
 from trainer.models.gpt import GPT, loss_fn
+from trainer.parallel.comm import hierarchical_hook
 from trainer.parallel.distributed import init_distributed, shutdown
 from trainer.parallel.wrap import wire_allreduce
 
@@ -27,12 +29,15 @@ base = load_config("tiny", ["model.d_model=32", "model.n_layers=2", "model.seq_l
 d = init_distributed(env, base.comm, torch.device("cpu"), comm)
 
 
-def train(allreduce: str, bucket_mb: float) -> tuple[dict, str | None]:
+def train(allreduce: str, bucket_mb: float, sync: bool = False) -> tuple[dict, str | None]:
     cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, allreduce=allreduce, bucket_mb=bucket_mb))
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.comm.bucket_mb)
-    assert wire_allreduce(cfg, env, d, ddp) == allreduce
+    if sync:
+        ddp.register_comm_hook(d.groups, hierarchical_hook)
+    else:
+        assert wire_allreduce(cfg, env, d, ddp) == allreduce
     optimizer = build_optimizer(model, cfg.train)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(100 + env.rank)  # different data on every rank, same for both runs
@@ -53,6 +58,8 @@ result = {"rank": env.rank, "plain_hook": plain_hook, "moved": moved, "runs": {}
 for bucket_mb in (25.0, 0.01, 0.003):
     hier, hook, _ = train("hierarchical", bucket_mb)
     diff = max(float((hier[n] - plain[n]).abs().max()) for n in plain)
-    result["runs"][str(bucket_mb)] = {"max_abs_diff": diff, "hook": hook}
+    sync, sync_hook, _ = train("hierarchical", bucket_mb, sync=True)
+    same = all(torch.equal(hier[n], sync[n]) for n in hier)
+    result["runs"][str(bucket_mb)] = {"max_abs_diff": diff, "hook": hook, "sync_hook": sync_hook, "same_as_sync": same}
 (out_dir / f"rank_{env.rank}.json").write_text(json.dumps(result))
 shutdown(comm, clean=True)
