@@ -5,13 +5,14 @@ bootstraps like the trainer (``trainer.env.from_mpi`` + ``trainer.parallel.distr
 ``dist.all_reduce`` on the default group against ``trainer.parallel.comm.hierarchical_all_reduce``, alternated per
 iteration. Figures follow nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0 prints a
 table and a JSON object. ``--link-mbit RATE`` puts ranks 0-1 and 2-3 in two network namespaces joined by a veth
-pair rate-limited with tbf (root only), so the inter-node link is slow as between real nodes.
+pair rate-limited with tbf (root only), so the inter-node link is slow as between real nodes. ``--compress`` adds
+the hierarchical all-reduce with its inter-node phase in bfloat16 (``comm.compress: bf16``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -20,17 +21,15 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-from common import ROOT, mpirun_and_env  # bench/common.py (scripts run from bench/ on sys.path)
+from common import LINK_IFNAME, LINK_IPS, ROOT, emulated_link, mpirun_and_env  # bench/common.py (on sys.path)
 
 from runconfig.contract import EXIT_USER_ERROR
 
 WORLD = 4
 PER_NODE = 2
-LINK_IFNAME = "ic0"  # both veth ends carry this name, so one GLOO_SOCKET_IFNAME fits every rank
-LINK_IPS = ("10.213.7.1", "10.213.7.2")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget-mb", type=float, default=256, help="cap timed iterations at this many MB moved per variant and size"
     )
     p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
+    p.add_argument("--compress", action="store_true", help="also the hierarchical one with comm.compress=bf16")
+    p.add_argument("--chunk-kb", type=float, default=0, help="also the hierarchical one pipelined over chunks of this")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--master-addr", help=argparse.SUPPRESS)
@@ -94,6 +95,12 @@ def worker(args: argparse.Namespace) -> int:
         "flat": lambda t: dist.all_reduce(t),
         "hier": lambda t: hierarchical_all_reduce(t, d.groups),
     }
+    if args.chunk_kb:  # the phases pipelined over chunks of this size
+        chunked = dataclasses.replace(d.groups, chunk_bytes=int(args.chunk_kb * 1024))
+        ops["hier_pipe"] = lambda t: hierarchical_all_reduce(t, chunked)
+    if args.compress:  # comm.compress=bf16: the inter-node phase in bfloat16
+        compressed = dataclasses.replace(d.groups, compress=True)
+        ops["hier_bf16"] = lambda t: hierarchical_all_reduce(t, compressed)
     bus_factor = 2 * (world - 1) / world
     setup = {
         "world_size": world,
@@ -116,9 +123,11 @@ def worker(args: argparse.Namespace) -> int:
             "(> 1: hierarchical faster)\n",
             flush=True,
         )
+        extra = f" | {'pipe us':>10} {'ratio':>6}" if args.chunk_kb else ""
+        extra += f" | {'bf16 us':>10} {'ratio':>6}" if args.compress else ""
         print(
             f"{'bytes':>10} {'iters':>5} | {'flat us':>10} {'algbw':>7} {'busbw':>7} | "
-            f"{'hier us':>10} {'algbw':>7} {'busbw':>7} | {'ratio':>6}\n" + "-" * 84,
+            f"{'hier us':>10} {'algbw':>7} {'busbw':>7} | {'ratio':>6}{extra}\n" + "-" * (84 + len(extra)),
             flush=True,
         )
     rows = []
@@ -153,11 +162,18 @@ def worker(args: argparse.Namespace) -> int:
             algbw = size / t / 1e9
             row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor}
         row["ratio_hier_over_flat"] = row["hier"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
+        extra = ""
+        if "hier_pipe" in row:
+            row["ratio_hier_pipe_over_flat"] = row["hier_pipe"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
+            extra += f" | {row['hier_pipe']['time_us']:>10.1f} {row['ratio_hier_pipe_over_flat']:>6.2f}"
+        if "hier_bf16" in row:
+            row["ratio_hier_bf16_over_flat"] = row["hier_bf16"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
+            extra += f" | {row['hier_bf16']['time_us']:>10.1f} {row['ratio_hier_bf16_over_flat']:>6.2f}"
         rows.append(row)
         cells = " | ".join(
             f"{r['time_us']:>10.1f} {r['algbw_GBps']:>7.3f} {r['busbw_GBps']:>7.3f}" for r in (row["flat"], row["hier"])
         )
-        print(f"{size:>10} {iters:>5} | {cells} | {row['ratio_hier_over_flat']:>6.2f}", flush=True)
+        print(f"{size:>10} {iters:>5} | {cells} | {row['ratio_hier_over_flat']:>6.2f}{extra}", flush=True)
     if env.rank == 0:
         result = {"benchmark": "allreduce", "setup": setup, "units": {"time": "us", "bw": "GB/s (1e9)"}, "rows": rows}
         text = json.dumps(result, indent=2)
@@ -171,40 +187,10 @@ def worker(args: argparse.Namespace) -> int:
 # --- launcher --------------------------------------------------------------------------------------------------
 
 
-def sh(*cmd: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
-
-
-@contextlib.contextmanager
-def emulated_link(mbit: float) -> Iterator[tuple[str, str]]:
-    """Two network namespaces joined by a veth pair named ``ic0`` at both ends, shaped by tbf on both ends
-    (this kernel has no netem). Torn down on every path."""
-    names = (f"arbench{os.getpid()}a", f"arbench{os.getpid()}b")
-    rate_bytes = mbit * 1e6 / 8
-    burst = max(64 << 10, int(rate_bytes / 250))  # enough tokens for a 4 ms timer tick at this rate
-    try:
-        for ns in names:
-            sh("ip", "netns", "add", ns)
-        peer = ("peer", "name", LINK_IFNAME, "netns", names[1])
-        sh("ip", "link", "add", LINK_IFNAME, "netns", names[0], "type", "veth", *peer)
-        for ns, ip in zip(names, LINK_IPS, strict=True):
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", LINK_IFNAME)
-            sh("ip", "-n", ns, "link", "set", LINK_IFNAME, "up")
-            shape = ("rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "50ms")
-            sh("tc", "-n", ns, "qdisc", "add", "dev", LINK_IFNAME, "root", "tbf", *shape)
-        yield names
-    finally:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # deleting one end removes the pair
-
-
 def worker_args(args: argparse.Namespace) -> list[str]:
     out = [f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}", f"--factor={args.factor}"]
     out += [f"--warmup={args.warmup}", f"--iters={args.iters}", f"--min-iters={args.min_iters}"]
-    out += [f"--budget-mb={args.budget_mb}"]
+    out += [f"--budget-mb={args.budget_mb}", f"--chunk-kb={args.chunk_kb}"] + (["--compress"] if args.compress else [])
     if args.link_mbit:
         out += [f"--link-mbit={args.link_mbit}", f"--master-addr={LINK_IPS[0]}"]
     if args.json:

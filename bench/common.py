@@ -4,6 +4,7 @@ files, waiting for a condition)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -11,10 +12,45 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OTHER_LOAD_LIMIT = 0.1  # cores used by other processes during a run above which its figures are suspect
+LINK_IFNAME = "ic0"  # both veth ends of an emulated link carry this name: one GLOO_SOCKET_IFNAME fits every rank
+LINK_IPS = ("10.213.7.1", "10.213.7.2")
+
+
+def _ip(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def emulated_link(mbit: float) -> Iterator[tuple[str, str]]:
+    """Two network namespaces (two emulated nodes, root only) joined by a veth pair named ``ic0`` at both ends,
+    with addresses LINK_IPS, shaped by tbf on both ends to ``mbit`` (this kernel has no netem). Ranks in one
+    namespace reach each other over its own address, unshaped; across, over the shaped link. Torn down on every
+    path."""
+    names = (f"arbench{os.getpid()}a", f"arbench{os.getpid()}b")
+    rate_bytes = mbit * 1e6 / 8
+    burst = max(64 << 10, int(rate_bytes / 250))  # enough tokens for a 4 ms timer tick at this rate
+    try:
+        for ns in names:
+            _ip("ip", "netns", "add", ns)
+        peer = ("peer", "name", LINK_IFNAME, "netns", names[1])
+        _ip("ip", "link", "add", LINK_IFNAME, "netns", names[0], "type", "veth", *peer)
+        for ns, ip in zip(names, LINK_IPS, strict=True):
+            _ip("ip", "-n", ns, "link", "set", "lo", "up")
+            _ip("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", LINK_IFNAME)
+            _ip("ip", "-n", ns, "link", "set", LINK_IFNAME, "up")
+            shape = ("rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "50ms")
+            _ip("tc", "-n", ns, "qdisc", "add", "dev", LINK_IFNAME, "root", "tbf", *shape)
+        yield names
+    finally:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # deleting one end removes the pair
 
 
 def mpirun_and_env(*, per_node: int, threads: int) -> tuple[Path, dict[str, str]] | None:

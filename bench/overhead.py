@@ -8,13 +8,18 @@ Runs, alternated round by round so machine noise hits every variant alike:
   all-reduce and the variant would repeat trainer-flat)
 - ``trainer-hier-sync``: trainer-hier with ``comm.overlap=false`` (the three phases inside DDP's hook, blocking
   backward, instead of on the reducer's thread while backward goes on)
+- ``trainer-hier-pipe``: trainer-hier with ``comm.chunk_kb=1024`` (the phases pipelined over 1 MiB chunks)
+- ``trainer-hier-bf16``: trainer-hier with ``comm.compress=bf16`` (the inter-node phase in bfloat16)
 - ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
 - ``trainer-recipe``: trainer-flat entering through the user-recipe door: the same GPT and data from a user-style
   recipe module (bench/recipes/user_gpt.py, copied next to a config written into the work folder with
   ``recipe: user_gpt:recipe`` and the model's shape as ``recipe_args``), submitted like the others
 
 all on N simulated nodes x R ranks (``--nodes``, ``--ranks``; default 1 x 2) on this host, 1 thread per rank, eval
-off. The first ``--skip`` steps of every run are warm-up; the figure is the median step time over the remaining
+off. ``--link-mbit RATE`` (root, 2 nodes) runs each node's ranks in a network namespace of its own, the two joined
+by a link shaped to RATE (bench/common.py ``emulated_link``), so the inter-node traffic is as slow as between real
+nodes: the trainer through the local launcher's per-node prefix (HPC_LOCAL_NODE_WRAP), plain DDP through mpirun.
+The first ``--skip`` steps of every run are warm-up; the figure is the median step time over the remaining
 steps of all rounds. Prints a table and a JSON object.
 """
 
@@ -25,6 +30,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,19 +40,31 @@ from pathlib import Path
 
 import mpi4py
 import yaml
-from common import OTHER_LOAD_LIMIT, busy_cpu_s, children_cpu_s, wait_for_quiet  # bench/common.py (bench/ on sys.path)
+from common import (  # bench/common.py (bench/ on sys.path)
+    LINK_IFNAME,
+    LINK_IPS,
+    OTHER_LOAD_LIMIT,
+    busy_cpu_s,
+    children_cpu_s,
+    emulated_link,
+    wait_for_quiet,
+)
 
 mpi4py.rc.initialize = False  # trainer.data imports mpi4py; this process only orchestrates, MPI runs in the children
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from runconfig import RunConfig, load_config  # noqa: E402
+from runconfig.contract import NODE_WRAP_VAR  # noqa: E402
 from runconfig.load import load_raw  # noqa: E402
 from trainer.data.prepare import prepare  # noqa: E402
 from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
 from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
-ALL_VARIANTS = ("plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-quiet", "trainer-recipe")
-HIER = ("trainer-hier", "trainer-hier-sync")
+ALL_VARIANTS = (
+    "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
+    "trainer-quiet", "trainer-recipe",
+)  # fmt: skip
+HIER = ("trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16")
 VARIANTS = ALL_VARIANTS  # narrowed in main() to those that differ for the layout
 # trainer-quiet: flat all-reduce with TensorBoard, straggler checks and the hang watchdog off (the step clock stays):
 # the cost of the monitors, side by side.
@@ -74,9 +92,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--work-dir", type=Path, help="keep run directories and logs here (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
+    p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
     args = p.parse_args(argv)
+    args.namespaces = ()
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
+    if args.link_mbit and (args.nodes != 2 or os.geteuid() != 0):
+        p.error("--link-mbit emulates 2 nodes (--nodes 2) with network namespaces, which needs root")
     if args.variants:
         chosen = {v.strip() for v in args.variants.split(",") if v.strip()}
         if chosen - set(ALL_VARIANTS):
@@ -119,9 +141,17 @@ def write_user_recipe(args: argparse.Namespace, overrides: list[str], folder: Pa
 def command(variant: str, args: argparse.Namespace, overrides: list[str], out: Path) -> list[str]:
     sets = [a for kv in overrides for a in ("--set", kv)]
     if variant == "plain":
+        script = [str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config, "--data", str(args.data)]
+        if args.namespaces:  # one MPMD segment per emulated node; torchrun's variables from MPICH's
+            rank_env = ["sh", "-c", 'RANK=$PMI_RANK WORLD_SIZE=$PMI_SIZE LOCAL_RANK=0 exec "$@"', "sh"]
+            cmd = [str(Path(sys.executable).parent / "mpirun")]
+            for i, ns in enumerate(args.namespaces):
+                cmd += [":"] if i else []
+                cmd += ["-n", str(args.ranks), "ip", "netns", "exec", ns, *rank_env, sys.executable, *script]
+                cmd += [*sets, "--out", str(out)]
+            return cmd
         nproc = f"--nproc-per-node={args.nodes * args.ranks}"
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
-        script = [str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config, "--data", str(args.data)]
         return [*launcher, *script, *sets, "--out", str(out)]
     allreduce = "hierarchical" if variant in HIER else "flat"
     config = args.config
@@ -131,7 +161,10 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     submit = [sys.executable, "-m", "hpc.submit", config, "--local", "--run-dir", str(out)]
     quiet = [a for kv in QUIET for a in ("--set", kv)] if variant == "trainer-quiet" else []
     sync = ["--set", "comm.overlap=false"] if variant == "trainer-hier-sync" else []
-    return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync]
+    sync += ["--set", "comm.compress=bf16"] if variant == "trainer-hier-bf16" else []
+    sync += ["--set", "comm.chunk_kb=1024"] if variant == "trainer-hier-pipe" else []
+    link = ["--set", f"comm.master_addr={LINK_IPS[0]}"] if args.namespaces else []
+    return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync, *link]
 
 
 def step_times(variant: str, out: Path, key: str = "step_time_s") -> list[float]:
@@ -156,6 +189,11 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.namespaces:
+        env[NODE_WRAP_VAR] = "|".join(f"ip netns exec {ns}" for ns in args.namespaces)
+        env["GLOO_SOCKET_IFNAME"] = LINK_IFNAME
+        env["MASTER_ADDR"], env["MASTER_PORT"] = LINK_IPS[0], str(29500 + os.getpid() % 1000)  # plain's
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns it cannot resolve the veth addresses' names
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for rnd in range(args.rounds):
         k = rnd % len(VARIANTS)
@@ -217,7 +255,9 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
     print(
         f"\n{args.config}: {args.nodes} node(s) x {args.ranks} ranks, {args.threads} thread(s)/rank, "
         f"{args.steps} steps (first {args.skip} skipped), {args.rounds} rounds, {tokens_per_step} tokens/step, "
-        f"grad accumulation {cfg.grad_accum(args.nodes * args.ranks)}\n"
+        f"grad accumulation {cfg.grad_accum(args.nodes * args.ranks)}"
+        + (f", the 2 nodes joined by an emulated {args.link_mbit:g} Mbit/s link" if args.link_mbit else "")
+        + "\n"
         f"ratio = tokens/s / plain DDP's (target >= {TARGET} for every trainer variant) from the median step time "
         "over all rounds;\n"
         "p25: the same from the lower-quartile step time (less hit by bursts of machine noise);\n"
@@ -264,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     if "trainer-recipe" in VARIANTS:
         args.recipe_config = write_user_recipe(args, overrides, work / "user-project")
     try:
-        runs = run_rounds(args, overrides, work)
+        if args.link_mbit:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are removed on TERM too
+            with emulated_link(args.link_mbit) as args.namespaces:
+                runs = run_rounds(args, overrides, work)
+        else:
+            runs = run_rounds(args, overrides, work)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -292,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "tokens_per_step": tokens_per_step,
             "data": str(args.data),
+            "link_mbit": args.link_mbit,
             "target_ratio": TARGET,
         },
         "disturbed_runs": disturbed,

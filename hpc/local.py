@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -12,11 +13,11 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.mpi import MpiLauncher
+from hpc.mpi import LauncherError, MpiLauncher
 from hpc.progress import MetricsFollower, Progress
 from hpc.ranks import RankWatch
 from runconfig import RunConfig, RunDir, shm
-from runconfig.contract import LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR
+from runconfig.contract import LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
 from runconfig.outcome import Ended, how_it_ended, new_launch_id
 
 
@@ -65,6 +66,21 @@ class LaunchResult:
         return None
 
 
+def node_wraps(cfg: RunConfig, nodes: tuple[str, ...]) -> list[list[str]] | None:
+    """The command prefix of each simulated node's ranks from HPC_LOCAL_NODE_WRAP (one per node of the job,
+    "|"-separated; benchmarks put each emulated node in a network namespace of its own), None where unset."""
+    text = os.environ.get(NODE_WRAP_VAR)
+    if not text:
+        return None
+    wraps = [shlex.split(part) for part in text.split("|")]
+    if len(wraps) != cfg.job.nodes:
+        raise LauncherError(
+            f"environment variable {NODE_WRAP_VAR} has {len(wraps)} command prefixes separated by '|'; the job has "
+            f"{cfg.job.nodes} nodes (one prefix each)."
+        )
+    return [wraps[simulated_nodes(cfg).index(name)] for name in nodes]
+
+
 def simulated_nodes(cfg: RunConfig) -> tuple[str, ...]:
     """The names of a local run's simulated nodes (a node left out keeps the others' names)."""
     return tuple(f"node{i}" for i in range(cfg.job.nodes))
@@ -82,7 +98,7 @@ def run_local(
     metrics, and return how it ended."""
     nodes = simulated_nodes(cfg) if nodes is None else nodes
     world_size = len(nodes) * cfg.job.ranks_per_node
-    command = launcher.command(world_size, trainer_command(rundir, cfg.job.launch_prefix))
+    command = launcher.command(world_size, trainer_command(rundir, cfg.job.launch_prefix), node_wraps(cfg, nodes))
     rundir.clear_failure()  # from an earlier attempt of this run directory
     launch_id = new_launch_id()
     follower = MetricsFollower(rundir.metrics)

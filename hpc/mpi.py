@@ -19,8 +19,10 @@ class MpiLauncher:
     path: str
     flavour: str  # "mpich" | "openmpi"
 
-    def command(self, nprocs: int, program: list[str]) -> list[str]:
-        args = [self.path, "-n", str(nprocs)]
+    def command(self, nprocs: int, program: list[str], wraps: list[list[str]] | None = None) -> list[str]:
+        """``nprocs`` ranks of ``program``; with ``wraps`` (one command prefix per node of nprocs / len(wraps)
+        consecutive ranks), one MPMD segment per node, its ranks run under its prefix."""
+        args = [self.path]
         if self.flavour == "mpich":
             # The launcher ends a launch whose rank died (hpc/ranks.py), after the survivors had time to name it.
             args.append("-disable-auto-cleanup")
@@ -28,7 +30,13 @@ class MpiLauncher:
             args += ["--oversubscribe", "--bind-to", "none"]
             if os.geteuid() == 0:
                 args.append("--allow-run-as-root")
-        return args + program
+        if not wraps:
+            return [*args, "-n", str(nprocs), *program]
+        per_node = nprocs // len(wraps)
+        for i, wrap in enumerate(wraps):
+            args += [":"] if i else []
+            args += ["-n", str(per_node), *wrap, *program]
+        return args
 
 
 def find_launcher() -> MpiLauncher:

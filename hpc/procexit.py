@@ -4,9 +4,10 @@
 A watcher that wakes on a process's end (a pidfd) can only order what it saw in separate wake-ups; when one rank's
 death makes the launcher kill the others within milliseconds and the host is busy, it wakes once to find all of
 them ended. The connector's events carry the moment each process exited (CLOCK_MONOTONIC, as ``time.monotonic``)
-and queue in the socket until read, so a late reader still gets the order. The kernel sends them only to a
-listener with CAP_NET_ADMIN in the initial user and pid namespaces (root on a VM or bare metal; not in most
-containers, nor for ordinary users): elsewhere ``ProcExits.open`` returns None and the pidfd order stands alone.
+and queue in the socket until read, so a late reader still gets the order. The kernel sends them to listeners in
+the initial pid namespace (any user since Linux 6.6, measured here as `nobody` on 6.18; before that only with
+CAP_NET_ADMIN); in a container's pid namespace ``ProcExits.open`` returns None, and where no event comes for a rank
+its caller falls back to the order it saw.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ class ProcExits:
             return None
         return cls(sock)
 
-    def drain(self) -> None:
-        """Read what the kernel queued (non-blocking)."""
+    def drain(self, only: set[int] | None = None) -> None:
+        """Read what the kernel queued (non-blocking); with ``only``, keep the exits of those pids alone (the
+        others are dropped: a long run on a busy host sees many)."""
         while True:
             try:
                 data = self.sock.recv(65536)
@@ -78,9 +80,9 @@ class ProcExits:
             except OSError:  # ENOBUFS: the queue overflowed, events were dropped
                 self.lossless = False
                 continue
-            self._parse(data)
+            self._parse(data, only)
 
-    def _parse(self, data: bytes) -> None:
+    def _parse(self, data: bytes, only: set[int] | None) -> None:
         offset = 0
         while offset + _NLMSGHDR.size <= len(data):
             length = _NLMSGHDR.unpack_from(data, offset)[0]
@@ -90,7 +92,7 @@ class ProcExits:
             what, _cpu, ts_ns = _EVENT.unpack_from(data, event)
             if what == PROC_EVENT_EXIT:
                 pid, tgid, status, _ = _EXIT.unpack_from(data, event + _EVENT.size)
-                if pid == tgid:  # the process, not one of its threads
+                if pid == tgid and (only is None or tgid in only):  # the process, not one of its threads
                     self._exits.setdefault(tgid, []).append((ts_ns / 1e9, status))
             offset += (length + 3) & ~3
 

@@ -15,9 +15,9 @@ the silent rank from the heartbeats and abort the MPI job (trainer/main.py); whi
 here. That narrows the race without closing it: hydra still ends every rank when one's PMI connection closes
 before MPI_Finalize, and for a killed rank that path races the notice one (measured: all ranks killed within
 ~10 ms in 3 of 12 SIGKILLs of a sleeping MPI rank). Where the kernel lets the launcher read its process-exit
-events (hpc/procexit.py: root outside a container, as in CI), the order comes from their timestamps instead,
-which a late wake-up does not lose; elsewhere from the wake-ups. (Open MPI's mpirun keeps its own clean-up; best
-effort there.)
+events (hpc/procexit.py: outside a container's pid namespace, on Linux >= 6.6 or as root), the order comes from
+their timestamps instead, which a late wake-up does not lose; elsewhere from the wake-ups. (Open MPI's mpirun
+keeps its own clean-up; best effort there.)
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class RankWatch:
         self._stop.set()
         self._thread.join(timeout=5)
         if self.exits is not None:
-            self.exits.drain()
+            self.exits.drain(set(self.found.values()))
             self.exits.close()  # what it read stays: order() needs no socket
 
     def _run(self) -> None:
@@ -157,8 +157,8 @@ class RankWatch:
                     wait = min(wait, max(left, 0.05))
                 ready, _, _ = select.select(list(fds), [], [], wait)
                 now = time.monotonic()
-                if self.exits is not None:
-                    self.exits.drain()  # keep the kernel's queue short
+                if self.exits is not None:  # keep the kernel's queue short; once every rank is known, only theirs
+                    self.exits.drain(set(self.found.values()) if len(seen) == self.world_size else None)
                 for fd in ready:
                     self.ended.append((fds.pop(fd), now))
                     os.close(fd)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from hpc.driver import submit_link
-from hpc.local import LaunchResult, run_local, simulated_nodes, trainer_command
+from hpc.local import LaunchResult, node_wraps, run_local, simulated_nodes, trainer_command
 from hpc.mpi import LauncherError, find_launcher
 from hpc.slurm import sbatch_script
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
             return 0
         launcher = None if use_slurm else find_launcher()
+        if launcher is not None:
+            node_wraps(cfg, simulated_nodes(cfg))  # refused here, before the run directory, if malformed
         if resume_dir:
             rundir = RunDir(run_path)
         else:

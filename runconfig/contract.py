@@ -44,6 +44,9 @@ SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"  # lay one host's ranks out as simu
 DATA_CACHE_VAR = "HPC_DATA_CACHE"  # datasets prepared on first use (default ~/.cache/hpc-trainer/data)
 NODE_LABELS_VAR = "HPC_NODE_LABELS"  # simulated nodes' names, comma-separated in node order (local launcher)
 INJECT_VAR = "HPC_INJECT"  # faults injected on purpose by tests (trainer/observe/inject.py)
+# Read by the local launcher (hpc/local.py): one command prefix per simulated node, "|"-separated (benchmarks run
+# each emulated node's ranks in a network namespace of its own: `ip netns exec NAME`)
+NODE_WRAP_VAR = "HPC_LOCAL_NODE_WRAP"
 
 # -- step-time parts: metrics.jsonl has time_<part>_s for each ----------------------------------------------------
 PARTS = ("data", "compute", "comm", "optim", "ckpt", "sync")

@@ -152,3 +152,19 @@ def test_pipeline_layout():
     assert layout == Layout(pp=2, dp_replicate=2) and layout.dp == 2 and layout.kind == "ddp+pp"
     assert [layout.coords(r)["pp"] for r in range(4)] == [0, 0, 1, 1]
     assert [layout.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_gradient_compression_is_ddps_and_refused_under_fsdp2():
+    ok = from_dict({**raw(), "comm": {"compress": "bf16"}}, source="cfg.yaml")
+    assert ok.comm.compress == "bf16"
+    with pytest.raises(ConfigError) as err:
+        from_dict({**raw(dp_shard=2), "comm": {"compress": "bf16"}}, source="cfg.yaml")
+    assert "key 'comm.compress': bf16 compresses DDP's gradient all-reduce; the hsdp layout" in str(err.value)
+    with pytest.raises(ConfigError, match="comm.compress"):
+        from_dict({**raw(), "comm": {"compress": "fp8"}}, source="cfg.yaml")
+
+
+def test_chunk_size_of_the_pipelined_all_reduce():
+    assert from_dict({**raw(), "comm": {"chunk_kb": 1024}}, source="cfg.yaml").comm.chunk_kb == 1024
+    with pytest.raises(ConfigError, match="comm.chunk_kb': must be >= 0"):
+        from_dict({**raw(), "comm": {"chunk_kb": -1}}, source="cfg.yaml")

@@ -57,19 +57,73 @@ class HierGroups:
     ranks_per_node: int
     num_nodes: int
     blocked: BlockedIntervals = field(default_factory=BlockedIntervals, compare=False)  # for the step clock
+    compress: bool = False  # comm.compress: bf16 on the inter-node link
+    chunk_bytes: int = 0  # comm.chunk_kb: buckets larger than this are reduced in pipelined chunks of this size
 
     @property
     def world_size(self) -> int:
         return self.ranks_per_node * self.num_nodes
 
 
+def _inter_all_reduce(shard: torch.Tensor, groups: HierGroups) -> None:
+    """The inter-node phase, in bfloat16 on the wire with ``groups.compress`` (the slow link carries half)."""
+    if groups.compress and shard.dtype == torch.float32:
+        low = shard.to(torch.bfloat16)
+        dist.all_reduce(low, group=groups.inter)
+        shard.copy_(low)
+    else:
+        dist.all_reduce(shard, group=groups.inter)
+
+
+class _InterReduce:
+    """An asynchronous inter-node all-reduce of ``shard`` (in bfloat16 on the wire with ``groups.compress``)."""
+
+    def __init__(self, shard: torch.Tensor, groups: HierGroups) -> None:
+        self.shard = shard
+        self.low = shard.to(torch.bfloat16) if groups.compress and shard.dtype == torch.float32 else None
+        self.work = dist.all_reduce(self.shard if self.low is None else self.low, group=groups.inter, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.low is not None:
+            self.shard.copy_(self.low)
+
+
+def _pipelined(buf: torch.Tensor, chunk: int, groups: HierGroups) -> None:
+    """The three phases over chunks of ``chunk`` elements (a multiple of the node size), overlapped: while chunk
+    i crosses the inter-node link, chunk i+1 is reduce-scattered and chunk i-1 all-gathered inside the node. Each
+    group sees its collectives issued in one fixed order (intra: RS0 RS1 AG0 RS2 AG1 ...; inter: AR0 AR1 ...) on
+    every rank; an element's sum takes the same path as without chunks, so integer-valued sums stay exact."""
+    k, intra = groups.ranks_per_node, groups.intra
+    pieces = list(buf.split(chunk))
+    shards = [p.new_empty(p.numel() // k) for p in pieces]
+    rs = {0: dist.reduce_scatter_single(shards[0], pieces[0], group=intra, async_op=True)}
+    inter: dict[int, _InterReduce] = {}
+    gathers = []
+    for i in range(len(pieces)):
+        rs.pop(i).wait()
+        inter[i] = _InterReduce(shards[i], groups)
+        if i + 1 < len(pieces):
+            rs[i + 1] = dist.reduce_scatter_single(shards[i + 1], pieces[i + 1], group=intra, async_op=True)
+        if i >= 1:
+            inter.pop(i - 1).wait()
+            gathers.append(dist.all_gather_single(pieces[i - 1], shards[i - 1], group=intra, async_op=True))
+    last = len(pieces) - 1
+    inter.pop(last).wait()
+    gathers.append(dist.all_gather_single(pieces[last], shards[last], group=intra, async_op=True))
+    for work in gathers:
+        work.wait()
+
+
 def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks in place and return it. Any length: padded to a multiple of the node size."""
+    """Sum ``tensor`` over all ranks in place and return it. Any length: padded to a multiple of the node size.
+    With ``groups.chunk_bytes`` (and more than one node), a tensor larger than that goes through the phases in
+    chunks of about that size, pipelined (``_pipelined``)."""
     flat = tensor.view(-1)
     k = groups.ranks_per_node
     if k == 1:
         if groups.num_nodes > 1:
-            dist.all_reduce(flat, group=groups.inter)
+            _inter_all_reduce(flat, groups)
         return tensor
     n = flat.numel()
     padded_len = -(-n // k) * k
@@ -78,10 +132,16 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.T
     else:
         buf = flat.new_zeros(padded_len)
         buf[:n].copy_(flat)
+    chunk = max(k, groups.chunk_bytes // buf.element_size() // k * k) if groups.chunk_bytes else padded_len
+    if groups.num_nodes > 1 and chunk < padded_len:
+        _pipelined(buf, chunk, groups)
+        if buf is not flat:
+            flat.copy_(buf[:n])
+        return tensor
     shard = buf.new_empty(padded_len // k)
     dist.reduce_scatter_single(shard, buf, group=groups.intra)
     if groups.num_nodes > 1:
-        dist.all_reduce(shard, group=groups.inter)
+        _inter_all_reduce(shard, groups)
     dist.all_gather_single(buf, shard, group=groups.intra)
     if buf is not flat:
         flat.copy_(buf[:n])

@@ -76,6 +76,8 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
         inter=mesh.get_group("node"),
         ranks_per_node=env.topology.ranks_per_node,
         num_nodes=env.topology.num_nodes,
+        compress=cfg.compress == "bf16",
+        chunk_bytes=int(cfg.chunk_kb * 1024),
     )
     return Distributed(backend=backend, device=device, mesh=mesh, groups=groups, store_addr=addr, store_port=int(port))
 

@@ -177,7 +177,9 @@ def _no_all_reduce(model: nn.Module) -> Iterator[None]:
 
 
 def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) -> str:
-    """Register the hierarchical hook where there are two levels; return the all-reduce that actually runs."""
+    """Register the hierarchical hook where there are two levels (comm.compress: its inter-node phase in bf16),
+    torch's bf16 compression hook for a flat all-reduce across nodes with comm.compress; return the all-reduce that
+    actually runs."""
     topo = env.topology
     if cfg.comm.allreduce == "hierarchical" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
         if d.device.type == "cuda" or not cfg.comm.overlap:  # overlapping on a GPU needs a side stream: not yet
@@ -185,6 +187,10 @@ def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) ->
         else:
             ddp.register_comm_hook(BucketReducer(d.groups), overlapped_hook)
         return "hierarchical"
+    if cfg.comm.compress == "bf16" and topo.num_nodes > 1:  # the whole flat all-reduce crosses nodes in bf16
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(None, bf16_compress_hook)
     if cfg.comm.allreduce == "hierarchical" and env.rank == 0 and env.world_size > 1:
         # One node (or one rank per node): the hierarchy has a single level, and DDP's own all-reduce does the
         # same work in one collective instead of three.
