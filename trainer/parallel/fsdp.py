@@ -126,14 +126,18 @@ class _TimedWork(dist.Work):
             return self.work.wait() if timeout is None else self.work.wait(timeout)
 
 
-class TimedAllGather:
-    """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``): the default one, timed as ``dp_shard``."""
+class _TimedComm:
+    """FSDP2's custom-collective interface: plain buffers; each call timed into the ledger as ``dp_shard``."""
 
     def __init__(self, ledger: CommLedger) -> None:
         self.ledger = ledger
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class TimedAllGather(_TimedComm):
+    """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``): the default one, timed as ``dp_shard``."""
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -143,14 +147,8 @@ class TimedAllGather:
         return _TimedWork(work, self.ledger) if work is not None else None
 
 
-class TimedReduceScatter:
+class TimedReduceScatter(_TimedComm):
     """FSDP2's reduce-scatter of gradients (``FSDPModule.set_custom_reduce_scatter``), timed as ``dp_shard``."""
-
-    def __init__(self, ledger: CommLedger) -> None:
-        self.ledger = ledger
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
