@@ -161,7 +161,8 @@ def hierarchical_hook(groups: HierGroups, bucket: dist.GradBucket) -> torch.futu
 
 class BucketReducer:
     """A thread that reduces DDP's gradient buckets hierarchically, in the order they were handed over, while the
-    training thread goes on with backward. One per rank; a daemon (idle between backward passes)."""
+    training thread goes on with backward. One per rank, for the process's life: a daemon, idle between backward
+    passes (DDP has waited for every bucket before backward returns)."""
 
     def __init__(self, groups: HierGroups) -> None:
         self.groups = groups
@@ -176,20 +177,13 @@ class BucketReducer:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            buf, fut = item
+            buf, fut = self._queue.get()
             try:
                 hierarchical_all_reduce(buf, self.groups).div_(self.groups.world_size)
             except Exception as exc:  # noqa: BLE001 (a failed collective reaches DDP, on the training thread)
                 fut.set_exception(exc)
             else:
                 fut.set_result(buf)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
 
 
 def overlapped_hook(reducer: BucketReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
