@@ -65,18 +65,9 @@ class HierGroups:
         return self.ranks_per_node * self.num_nodes
 
 
-def _inter_all_reduce(shard: torch.Tensor, groups: HierGroups) -> None:
-    """The inter-node phase, in bfloat16 on the wire with ``groups.compress`` (the slow link carries half)."""
-    if groups.compress and shard.dtype == torch.float32:
-        low = shard.to(torch.bfloat16)
-        dist.all_reduce(low, group=groups.inter)
-        shard.copy_(low)
-    else:
-        dist.all_reduce(shard, group=groups.inter)
-
-
 class _InterReduce:
-    """An asynchronous inter-node all-reduce of ``shard`` (in bfloat16 on the wire with ``groups.compress``)."""
+    """The inter-node all-reduce of ``shard``, asynchronous until ``wait`` (in bfloat16 on the wire with
+    ``groups.compress``: the slow link carries half)."""
 
     def __init__(self, shard: torch.Tensor, groups: HierGroups) -> None:
         self.shard = shard
@@ -123,7 +114,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.T
     k = groups.ranks_per_node
     if k == 1:
         if groups.num_nodes > 1:
-            _inter_all_reduce(flat, groups)
+            _InterReduce(flat, groups).wait()
         return tensor
     n = flat.numel()
     padded_len = -(-n // k) * k
@@ -141,7 +132,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.T
     shard = buf.new_empty(padded_len // k)
     dist.reduce_scatter_single(shard, buf, group=groups.intra)
     if groups.num_nodes > 1:
-        _inter_all_reduce(shard, groups)
+        _InterReduce(shard, groups).wait()
     dist.all_gather_single(buf, shard, group=groups.intra)
     if buf is not flat:
         flat.copy_(buf[:n])

@@ -17,6 +17,7 @@ What torch leaves to the caller, done here:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,10 +71,8 @@ class Pipe:
         """Forward and backward of one loop micro-batch through the pipeline. Returns this rank's share of the
         step loss for the boundary's world mean: the last stage's (times ``stages``), 0 elsewhere."""
         losses: list[torch.Tensor] = []
-        if self.ledger is not None:
-            with self.ledger.region("pp"):  # less the stage's own chunks (TimedStage): send/recv waits, bubble
-                self._run(self.schedule.step, batch, losses)
-        else:
+        # Timed as pp, less the stage's own chunks (TimedStage): send/recv waits and bubble.
+        with self.ledger.region("pp") if self.ledger is not None else contextlib.nullcontext():
             self._run(self.schedule.step, batch, losses)
         if not self.last:
             return torch.zeros((), device=self.device)
