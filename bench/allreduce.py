@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
     p.add_argument("--compress", action="store_true", help="also the hierarchical one with comm.compress=bf16")
     p.add_argument("--chunk-kb", type=float, default=0, help="also the hierarchical one pipelined over chunks of this")
+    p.add_argument("--small", action="store_true", help="also the two-level and the leader all-reduce")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--master-addr", help=argparse.SUPPRESS)
@@ -77,7 +78,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from runconfig.schema import CommConfig
     from trainer.env import from_mpi
-    from trainer.parallel.comm import hierarchical_all_reduce
+    from trainer.parallel.comm import hierarchical_all_reduce, leader_all_reduce, two_level_all_reduce
     from trainer.parallel.distributed import init_distributed, pick_device, shutdown
 
     comm = MPI.COMM_WORLD
@@ -95,6 +96,9 @@ def worker(args: argparse.Namespace) -> int:
         "flat": lambda t: dist.all_reduce(t),
         "hier": lambda t: hierarchical_all_reduce(t, d.groups),
     }
+    if args.small:  # the latency variants
+        ops["two_level"] = lambda t: two_level_all_reduce(t, d.groups)
+        ops["leader"] = lambda t: leader_all_reduce(t, d.groups)
     if args.chunk_kb:  # the phases pipelined over chunks of this size
         chunked = dataclasses.replace(d.groups, chunk_bytes=int(args.chunk_kb * 1024))
         ops["hier_pipe"] = lambda t: hierarchical_all_reduce(t, chunked)
@@ -166,6 +170,10 @@ def worker(args: argparse.Namespace) -> int:
         if "hier_pipe" in row:
             row["ratio_hier_pipe_over_flat"] = row["hier_pipe"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
             extra += f" | {row['hier_pipe']['time_us']:>10.1f} {row['ratio_hier_pipe_over_flat']:>6.2f}"
+        for name in ("two_level", "leader"):
+            if name in row:
+                row[f"ratio_{name}_over_flat"] = row[name]["busbw_GBps"] / row["flat"]["busbw_GBps"]
+                extra += f" | {row[name]['time_us']:>10.1f} {row[f'ratio_{name}_over_flat']:>6.2f}"
         if "hier_bf16" in row:
             row["ratio_hier_bf16_over_flat"] = row["hier_bf16"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
             extra += f" | {row['hier_bf16']['time_us']:>10.1f} {row['ratio_hier_bf16_over_flat']:>6.2f}"
@@ -191,6 +199,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     out = [f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}", f"--factor={args.factor}"]
     out += [f"--warmup={args.warmup}", f"--iters={args.iters}", f"--min-iters={args.min_iters}"]
     out += [f"--budget-mb={args.budget_mb}", f"--chunk-kb={args.chunk_kb}"] + (["--compress"] if args.compress else [])
+    out += ["--small"] if args.small else []
     if args.link_mbit:
         out += [f"--link-mbit={args.link_mbit}", f"--master-addr={LINK_IPS[0]}"]
     if args.json:

@@ -10,6 +10,8 @@ Runs, alternated round by round so machine noise hits every variant alike:
   backward, instead of on the reducer's thread while backward goes on)
 - ``trainer-hier-pipe``: trainer-hier with ``comm.chunk_kb=1024`` (the phases pipelined over 1 MiB chunks)
 - ``trainer-hier-bf16``: trainer-hier with ``comm.compress=bf16`` (the inter-node phase in bfloat16)
+- ``trainer-agree-sync``: trainer-flat with ``comm.defer_agreement=false`` (every step waits for the ranks'
+  agreement on loss, stop and checkpoint trigger, instead of reading it at the next step boundary)
 - ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
 - ``trainer-recipe``: trainer-flat entering through the user-recipe door: the same GPT and data from a user-style
   recipe module (bench/recipes/user_gpt.py, copied next to a config written into the work folder with
@@ -62,7 +64,7 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
-    "trainer-quiet", "trainer-recipe",
+    "trainer-quiet", "trainer-recipe", "trainer-agree-sync",
 )  # fmt: skip
 HIER = ("trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16")
 VARIANTS = ALL_VARIANTS  # narrowed in main() to those that differ for the layout
@@ -163,6 +165,7 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sync = ["--set", "comm.overlap=false"] if variant == "trainer-hier-sync" else []
     sync += ["--set", "comm.compress=bf16"] if variant == "trainer-hier-bf16" else []
     sync += ["--set", "comm.chunk_kb=1024"] if variant == "trainer-hier-pipe" else []
+    sync += ["--set", "comm.defer_agreement=false"] if variant == "trainer-agree-sync" else []
     link = ["--set", f"comm.master_addr={LINK_IPS[0]}"] if args.namespaces else []
     return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync, *link]
 
@@ -225,7 +228,7 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
                 }
             )
             print(
-                f"round {rnd + 1}/{args.rounds} {variant:<14} median step {1e3 * median:6.1f} ms "
+                f"round {rnd + 1}/{args.rounds} {variant:<18} median step {1e3 * median:6.1f} ms "
                 f"(run {wall:.1f} s, other processes used {other:.2f} cores)"
             )
     return runs
@@ -263,7 +266,7 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
         "p25: the same from the lower-quartile step time (less hit by bursts of machine noise);\n"
         "per round: the round's median step ms / ratio of the round's medians\n"
     )
-    head = f"{'variant':<17} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
+    head = f"{'variant':<18} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
     print(f"{head} | {'comm ms':>7} | per-round ms / ratio\n" + "-" * 110)
     for variant in VARIANTS:
         s = summary[variant]
@@ -272,7 +275,7 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
         )
         comm = f"{1e3 * s['median_exposed_comm_s']:7.1f}" if "median_exposed_comm_s" in s else f"{'-':>7}"
         print(
-            f"{variant:<17} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
+            f"{variant:<18} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
             f"{s['ratio_vs_plain']:>5.3f} | {1e3 * s['p25_step_s']:>6.1f} | {s['ratio_vs_plain_p25']:>5.3f} | "
             f"{comm} | {rounds}"
         )

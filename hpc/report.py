@@ -19,6 +19,7 @@ from pathlib import Path
 from hpc.plots import PART_LABELS, render
 from hpc.runlog import RunLog, analyze
 from runconfig import RunDir
+from runconfig.allreduce_plan import plan_table
 from runconfig.badnodes import bad_node_events
 from runconfig.contract import EXIT_USER_ERROR, PARTS
 from runconfig.stopsignal import newest_budget
@@ -229,6 +230,15 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
     lines.append(f"| **total wall** | {duration(total)} | {total:.1f} | 100 % |")
 
     lines += step_time_lines([{**x.raw, **{k: x.get(k) for k in TIMED}} for x in log.kept])
+    plan = (log.summary or {}).get("allreduce_plan")
+    if plan:
+        lines += ["", "## All-reduce plan (comm.allreduce=auto)", ""]
+        lines += [
+            f"Measured at start-up in {plan['measured_s']:.2f} s on {plan['topology'][0]} nodes x "
+            f"{plan['topology'][1]} ranks: {plan['timing']} ({plan['repeats']} calls); the fastest per bucket size.",
+            "",
+            *plan_table(plan),
+        ]
     lines += ["", "## Stragglers", ""]
     if not st.checks:
         lines.append("No straggler checks in the metrics (no record has `rank_step_time_s`).")

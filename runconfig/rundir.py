@@ -39,6 +39,12 @@ class RunDir:
         return self.root / "summary.json"
 
     @property
+    def allreduce_plan(self) -> Path:
+        """comm.allreduce=auto: the plan measured at the run's start (trainer/parallel/autotune.py); comm.plan_from
+        of another run may name this run directory to use it."""
+        return self.root / "allreduce_plan.json"
+
+    @property
     def failure(self) -> Path:
         """A user error found by the trainer: {"rank": ..., "message": ...}."""
         return self.root / "failure.json"

@@ -370,11 +370,22 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CommConfig:
-    allreduce: Literal["hierarchical", "flat"] = doc(
-        "Gradient all-reduce: hierarchical (intra-node reduce-scatter, inter-node all-reduce, intra-node "
-        "all-gather) or flat (DDP's own ring all-reduce). Hierarchical applies with more than one node and more "
-        "than one rank per node; otherwise there is one level and flat is used.",
-        "hierarchical",
+    allreduce: Literal["auto", "flat", "hierarchical", "leader", "two_level"] = doc(
+        "Gradient all-reduce of DDP layouts across nodes. auto: measure flat and the hierarchical variants on the "
+        "run's own process groups at start-up for the model's bucket sizes (well under a second on a fast fabric), "
+        "log the table, use the fastest per bucket size, and record the choice in summary.json and the checkpoints "
+        "(a resume reuses it: same reduction order, bit-exact). flat: DDP's own all-reduce over all ranks. "
+        "hierarchical: intra-node reduce-scatter, inter-node all-reduce of the shard, intra-node all-gather (each "
+        "rank's NIC carries 1/ranks_per_node of the data). leader: reduce to each node's first rank, all-reduce "
+        "among those, broadcast inside the node. two_level: all-reduce inside the node, then across nodes. All but "
+        "flat need more than one node and more than one rank per node; otherwise flat is used.",
+        "auto",
+    )
+    plan_from: str | None = doc(
+        "comm.allreduce=auto: use the plan measured by an earlier run (its run directory, or its "
+        "allreduce_plan.json) instead of measuring: the same algorithm per bucket size, so two runs are bit-identical "
+        "(on CPU) as with a fixed algorithm. Its topology and comm settings must match this run's.",
+        None,
     )
     overlap: bool = doc(
         "Run the hierarchical all-reduce on a thread of its own, bucket by bucket while backward goes on (CPU; "
@@ -396,6 +407,13 @@ class CommConfig:
         0.0,
     )
     bucket_mb: float = doc("DDP gradient bucket size in MB.", 25.0)
+    defer_agreement: bool = doc(
+        "The per-step agreement of the ranks (the step's loss, a stop request, the time-based checkpoint trigger) "
+        "runs while the next step computes and is acted on at the next step boundary (a stop one step later, all "
+        "ranks at the same step); a boundary that saves or ends training still agrees on its own step at once. "
+        "false: every step waits for it (one small all-reduce's latency per step).",
+        True,
+    )
     backend: Literal["auto", "gloo", "nccl"] = doc("auto = NCCL on CUDA, gloo on CPU.", "auto")
     timeout_s: float = doc("Timeout of process-group set-up and of every collective, seconds.", 300.0)
     master_addr: str | None = doc(

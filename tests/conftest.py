@@ -125,11 +125,17 @@ def wait_for_step(run_dir, step, proc, timeout=120) -> None:
 #: The user projects under examples/, shortened for the tests (steps, checkpoints; dropout on, so that a resume that
 #: did not restore every rank's RNG streams would not end bit-identical). Their local runs (2 simulated nodes x 2
 #: ranks) are the references the interrupted local runs and the Slurm runs must reproduce bit for bit.
+# comm.allreduce pinned: runs compared bit for bit must reduce in the same order (auto measures per run; the
+# auto path's own bitwise resume is pinned in tests/mp/test_checkpoint.py with comm.plan_from)
 EXAMPLES = {
-    "digits": ["train.steps=40", "train.warmup_steps=4", "train.eval_every=20", "checkpoint.every_steps=4"],
+    "digits": [
+        "train.steps=40", "train.warmup_steps=4", "train.eval_every=20", "checkpoint.every_steps=4",
+        "comm.allreduce=hierarchical",
+    ],
     "lm_bpe": [
         "train.steps=24", "train.warmup_steps=4", "train.eval_every=12", "checkpoint.every_steps=4",
         "recipe_args.dropout=0.1", "data.max_source_bytes=1500000", "data.val_fraction=0.1",
+        "comm.allreduce=hierarchical",
     ],
 }  # fmt: skip
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,8 @@ from mpi4py import MPI
 from torch.utils.data import default_collate
 
 from runconfig import RunConfig, RunDir
+from runconfig.allreduce_plan import choose, plan_table
+from runconfig.contract import write_json_atomic
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.state import TrainState, rank_seed
 from trainer.data.loader import BatchLoader, fetch, to_device
@@ -31,6 +35,7 @@ from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.timing import peak_memory_mb, peak_tflops
+from trainer.parallel.autotune import bucket_sizes, measure
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.materialise import buffers_to, owners, params_on_meta
 from trainer.parallel.materialise import materialise as fill
@@ -305,6 +310,60 @@ def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, d: Distributed) -> fl
         recipe.loss(recipe.model, batch).backward()
     recipe.model.zero_grad(set_to_none=True)
     return counter.get_total_flops() / len(ids)
+
+
+def plan_allreduce(p: Parts, rundir: RunDir) -> None:
+    """comm.allreduce=auto (collective): give DDP's hook its plan. A resumed run reuses the plan its checkpoint
+    recorded (the same algorithms, so the same reduction order: bit-exact), unless it was measured for another
+    topology or comm settings; then comm.plan_from's; else it is measured now, for the bucket sizes the throw-away
+    step saw, and written into the run directory."""
+    dispatch = p.wrapped.dispatch
+    if dispatch is None or dispatch.algorithm is not None:
+        return
+    groups, plan = p.d.groups, p.state.allreduce_plan
+    wanted = {"topology": [groups.num_nodes, groups.ranks_per_node], "compress": groups.compress}
+    wanted["chunk_bytes"] = groups.chunk_bytes
+    how = "recorded in the checkpoint, reused"
+    if plan is not None and any(plan[k] != v for k, v in wanted.items()):
+        how = f"measured again: the checkpoint's plan was for {plan['topology'][0]} nodes x {plan['topology'][1]}"
+        plan = None
+    source = p.cfg.comm.plan_from
+    if plan is None and source:
+        plan, how = _plan_from(source, wanted), f"from {source}"
+    if plan is None:
+        plan = measure(groups, bucket_sizes(dispatch.seen), p.d.device)
+        how = how if how.startswith("measured") else "measured"
+        if p.env.rank == 0:
+            write_json_atomic(rundir.allreduce_plan, plan)
+    p.state.allreduce_plan = plan
+    dispatch.plan = functools.partial(choose, plan)
+    if p.env.rank == 0:
+        log.info(
+            "all-reduce plan (comm.allreduce=auto, %s; measured in %.2f s, median of %d calls, slowest rank):\n%s",
+            how,
+            plan["measured_s"],
+            plan["repeats"],
+            "\n".join(plan_table(plan)),
+        )
+
+
+def _plan_from(source: str, wanted: dict) -> dict:
+    path = Path(source)
+    path = path / RunDir(path).allreduce_plan.name if path.is_dir() else path
+    try:
+        plan = json.loads(path.read_text())
+        mismatch = [f"{k} {plan[k]} (this run: {v})" for k, v in wanted.items() if plan[k] != v]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(
+            f"comm.plan_from: cannot read an all-reduce plan from {path} ({first_line(exc)}); name the run directory "
+            "of a run with comm.allreduce=auto (its allreduce_plan.json), or unset comm.plan_from to measure."
+        ) from None
+    if mismatch:
+        raise UserError(
+            f"comm.plan_from: the plan in {path} was measured for another set-up: {'; '.join(mismatch)}. Unset "
+            "comm.plan_from to measure one for this run."
+        )
+    return plan
 
 
 def restore_or_start(p: Parts) -> bool:

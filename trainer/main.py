@@ -82,7 +82,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     import torch
 
     from runconfig import code, shm
-    from trainer.build import build_parts, restore_or_start
+    from trainer.build import build_parts, plan_allreduce, restore_or_start
     from trainer.checkpoint.fingerprint import params_sha256
     from trainer.env import agree, from_mpi
     from trainer.loop.stop import StopFlag
@@ -154,6 +154,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         p = build_parts(cfg, env, d, rundir, comm, stop, stack, code_sha256=code_sha256, marks=marks, memory=memory)
         marks["build"] = time.time()
         resumed = restore_or_start(p)
+        plan_allreduce(p, rundir)  # comm.allreduce=auto: after the restore, which may hold the plan to reuse
         marks["restore"] = time.time()
         if not run_preflight(p, comm, rundir):  # a node named, monitor.preflight: exclude (in failure.json)
             return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows
@@ -235,6 +236,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             "world_size": env.world_size,
             "topology": env.topology.describe(),
             "allreduce": p.allreduce,
+            "allreduce_plan": state.allreduce_plan,
             "parallel": p.wrapped.layout.sizes(),
             "state_bytes_per_rank": _largest(comm, state_bytes(p.model, p.optimizer)),
             "backend": d.backend,

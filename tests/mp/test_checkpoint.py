@@ -26,11 +26,13 @@ pytestmark = pytest.mark.mp
 KEYS = ("step", "loss", "lr", "grad_norm", "eval_loss", "tokens_seen")
 
 
-def common(data) -> list[str]:
+def common(data, reference=None) -> list[str]:
+    """The runs' settings; with ``reference``, its measured all-reduce plan (comm.allreduce=auto, the default) is
+    used instead of measuring one: the same algorithm per bucket, so the runs can end bit-identical to it."""
     return [
         f"data.path={data}", "train.steps=24", "train.warmup_steps=2", "train.eval_every=8",
         "model.d_model=64", "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=4",
-        "checkpoint.keep_last=3", "model.dropout=0.1",
+        "checkpoint.keep_last=3", "model.dropout=0.1", *([f"comm.plan_from={reference}"] if reference else []),
     ]  # fmt: skip
 
 
@@ -135,7 +137,7 @@ def test_generations_retention_and_manifest(reference):
 
 def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_dataset, reference):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, common(small_dataset))
+    proc = start(run_dir, common(small_dataset, reference))
     wait_for_step(run_dir, 6, proc)
     os.kill(rank_pids(run_dir)[3], signal.SIGUSR2)  # one rank: the others learn it at the next step boundary
     out, err = proc.communicate(timeout=120)
@@ -174,6 +176,15 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     assert launches[0] == launches[1] != launches[2] == launches[3] != launches[4] == launches[5]
     assert all(launch.startswith("local-") for launch in launches)
     assert_same_as(reference, run_dir)
+    # comm.allreduce=auto: the reference measured its plan; this run took it (comm.plan_from) and each resume
+    # reused the one its checkpoint recorded instead of measuring another reduction order.
+    plan = summary(reference)["allreduce_plan"]
+    assert summary(reference)["allreduce"] == "auto" and plan["topology"] == [2, 2] and plan["sizes"]
+    assert json.loads((reference / "allreduce_plan.json").read_text()) == plan
+    assert summary(run_dir)["allreduce_plan"] == plan and not (run_dir / "allreduce_plan.json").exists()
+    log0 = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert f"comm.allreduce=auto, from {reference};" in log0, log0
+    assert log0.count("comm.allreduce=auto, recorded in the checkpoint, reused;") == 2, log0
 
     # The report of this 3-launch run: 2 restarts, recomputed steps, valid PNGs of non-trivial size.
     report = subprocess.run([PY, "-m", "hpc", "report", str(run_dir)], capture_output=True, text=True, env=env())
@@ -181,6 +192,7 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     assert "restarts 2 (3 launches)" in report.stdout, report.stdout
     markdown = (run_dir / "report" / "report.md").read_text()
     assert "goodput" in markdown.lower() and "recomputed steps" in markdown
+    assert "## All-reduce plan (comm.allreduce=auto)" in markdown
     pngs = sorted((run_dir / "report").glob("*.png"))
     assert len(pngs) >= 4
     for png in pngs:
@@ -195,7 +207,12 @@ def test_sigkill_at_random_moments_restarts_in_the_job_and_ends_bitwise(tmp_path
     process throughout: after each SIGKILL it restarts the ranks from the newest valid checkpoint by itself
     (job.max_failures), records the restart with its cause, and the run ends bit-identical to the uninterrupted one."""
     run_dir = tmp_path / "run"
-    sets = [*common(small_dataset), "checkpoint.every_steps=1", "job.max_failures=3", "job.restart_backoff_s=0.2"]
+    sets = [
+        *common(small_dataset, reference),
+        "checkpoint.every_steps=1",
+        "job.max_failures=3",
+        "job.restart_backoff_s=0.2",
+    ]
     rng = random.Random(20261123)
     proc = start(run_dir, sets)
     kills = 0
@@ -231,7 +248,12 @@ def test_a_hung_rank_is_restarted_in_the_job_and_ends_bitwise(tmp_path, small_da
     """A rank that stops (SIGSTOP: a real hang, no injected code path): the others' watchdog ends the launch, the
     launcher restarts the ranks from the newest checkpoint, and the run ends bit-identical, the hang in history."""
     run_dir = tmp_path / "run"
-    sets = [*common(small_dataset), "monitor.hang_timeout_s=5", "monitor.heartbeat_s=0.5", "job.restart_backoff_s=0.2"]
+    sets = [
+        *common(small_dataset, reference),
+        "monitor.hang_timeout_s=5",
+        "monitor.heartbeat_s=0.5",
+        "job.restart_backoff_s=0.2",
+    ]
     # The preflight (~0.3 s, 2.4 and 5.4 s seen on this 2-core host with 4 ranks) is one watched phase: with the
     # 5 s limit this test needs, a slow one was itself ended as a hang. It has its own tests.
     sets.append("monitor.preflight=off")
@@ -259,7 +281,7 @@ def test_a_stop_signal_at_any_moment_of_start_up_is_a_clean_stop(tmp_path, small
     log = run_dir / "logs" / "rank_00000.log"
     # Seconds after the ranks' processes appear, or a line of rank 0's log as soon as this launch writes it.
     for n, moments in enumerate([[0.15, 0.6, 1.2], [0.6, 1.2, "restoring", "resumed from"]]):
-        proc = start(run_dir, common(small_dataset)) if n == 0 else start(run_dir, [], resume=True)
+        proc = start(run_dir, common(small_dataset, reference)) if n == 0 else start(run_dir, [], resume=True)
         deadline = time.monotonic() + 60
         while len(pids := rank_pids(run_dir)) < 4 and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -376,7 +398,7 @@ def test_forced_model_change_is_a_warm_start(tmp_path, reference):
 def test_async_save_gives_the_same_result_and_commits_before_exit(tmp_path, small_dataset, reference):
     """Async saves every 2 steps, a stop in the middle: the stop's generation is committed before the exit."""
     run_dir = tmp_path / "run"
-    sets = [*common(small_dataset), "checkpoint.async_save=true", "checkpoint.every_steps=2"]
+    sets = [*common(small_dataset, reference), "checkpoint.async_save=true", "checkpoint.every_steps=2"]
     stop_step = stopped_by_a_signal(run_dir, sets, at_step=7, rank=1)
     assert read_latest(run_dir / "checkpoints") == f"step_{stop_step:08d}"
     assert validate(run_dir / "checkpoints" / f"step_{stop_step:08d}")["step"] == stop_step
@@ -400,7 +422,7 @@ def small_fs(tmp_path):
 
 def test_disk_full_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, small_dataset, reference, small_fs):
     run_dir = small_fs / "run"
-    proc = run(run_dir, common(small_dataset))
+    proc = run(run_dir, common(small_dataset, reference))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "could not be saved" in proc.stderr
     assert "No space left on device" in proc.stderr or "is full" in proc.stderr, proc.stderr
@@ -434,7 +456,7 @@ def test_unwritable_run_directory_is_refused(tmp_path, reference, small_fs):
 def test_time_based_checkpoints(tmp_path, small_dataset, reference):
     """every_minutes alone: rank 0's clock decides and the step collective carries the decision to all ranks."""
     run_dir = tmp_path / "run"
-    sets = [*common(small_dataset), "checkpoint.every_steps=0", "checkpoint.every_minutes=0.003",
+    sets = [*common(small_dataset, reference), "checkpoint.every_steps=0", "checkpoint.every_minutes=0.003",
             "checkpoint.keep_last=50", "checkpoint.at_end=false"]  # fmt: skip
     done = run(run_dir, sets)
     assert done.returncode == 0, done.stdout + done.stderr

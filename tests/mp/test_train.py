@@ -48,7 +48,10 @@ def metrics(run_dir) -> list[dict]:
 @pytest.mark.slow
 def test_tiny_example_trains_and_loss_falls(tmp_path, tiny_data):
     run_dir = tmp_path / "tiny"
-    proc = submit(run_dir, "train.steps=60", "train.warmup_steps=6", "train.eval_every=30")
+    # comm.allreduce pinned: the pins below were taken with the hierarchical algorithm (auto may choose another)
+    proc = submit(
+        run_dir, "train.steps=60", "train.warmup_steps=6", "train.eval_every=30", "comm.allreduce=hierarchical"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The run found the session's copy of its dataset (tiny_data) instead of preparing its own inside this run.
     prepared = [line for line in (run_dir / "logs" / "rank_00000.log").read_text().splitlines() if "preparing" in line]
@@ -117,7 +120,7 @@ def test_one_rank_and_four_ranks_agree_and_runs_repeat_bitwise(tmp_path, small_d
     assert one.returncode == 0, one.stdout + one.stderr
     four = submit(tmp_path / "four", *common)
     assert four.returncode == 0, four.stdout + four.stderr
-    again = submit(tmp_path / "again", *common)
+    again = submit(tmp_path / "again", *common, f"comm.plan_from={tmp_path / 'four'}")  # auto: the same plan
     assert again.returncode == 0, again.stdout + again.stderr
 
     l1 = [r["loss"] for r in metrics(tmp_path / "one")]

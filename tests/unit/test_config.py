@@ -64,7 +64,7 @@ def test_ints_accepted_for_floats(tmp_path):
         ("train:\n  lr: fast\n", ["'train.lr'", "number"]),
         ("train:\n  steps: 0\n", ["'train.steps'", ">= 1"]),
         ("train:\n  lr: -1\n", ["'train.lr'", "> 0"]),
-        ("comm:\n  allreduce: ring\n", ["'comm.allreduce'", "'hierarchical', 'flat'"]),
+        ("comm:\n  allreduce: ring\n", ["'comm.allreduce'", "'auto', 'flat', 'hierarchical', 'leader', 'two_level'"]),
         ("model:\n  d_model: 100\n  n_heads: 3\n", ["'model.n_heads'", "does not divide"]),
         ("job:\n  name: 'a b$(x)'\n", ["'job.name'"]),
         ("train: 5\n", ["'train' must be a mapping"]),

@@ -17,13 +17,17 @@ class TrainState:
     last_loss: float | None = None
     last_eval_loss: float | None = None
     elapsed_s: float = 0.0  # wall time spent in training over all runs of this run directory
+    # comm.allreduce=auto: the measured plan (runconfig/allreduce_plan.py), reused on resume so the gradients are
+    # reduced in the same order as before the stop
+    allreduce_plan: dict | None = None
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name in state:  # a checkpoint written before a field existed keeps its default
+                setattr(self, f.name, state[f.name])
 
 
 def rank_seed(seed: int, rank: int, step: int = 0) -> int:

@@ -1,5 +1,6 @@
 """The record of a step: built from the step clock and the boundary decision, then published to metrics.jsonl,
-TensorBoard, rank 0's progress bar and, at most every ``monitor.log_every_s``, a plain log line."""
+TensorBoard, rank 0's progress bar and, at most every ``monitor.log_every_s``, a plain log line. A record whose
+loss is still being agreed on (comm.defer_agreement) waits for the next boundary (``complete``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Publisher:
         self.interval_eval = 0.0  # eval seconds inside the interval (not step time; reported apart)
         self.last_line = time.monotonic()
         self.run_start, self.first_step = time.time(), p.state.step
+        self.waiting: tuple[int, dict, float, bool] | None = None  # a record whose loss is not agreed yet
 
     def due(self, step: int, decision: Decision, evaluated: bool, extra: dict | None) -> bool:
         return step % self.p.cfg.train.log_every == 0 or decision.last or evaluated or bool(extra)
@@ -36,7 +38,7 @@ class Publisher:
         units = p.units_per_step
         record = {
             "step": step,
-            "loss": decision.loss,
+            "loss": decision.loss,  # None until agreed: then ``complete`` fills it in and writes the record
             "lr": result.lr,
             "grad_norm": float(result.grad_norm),
             "tokens_per_s": units / step_time,  # the recipe's units ("unit") per second
@@ -59,12 +61,27 @@ class Publisher:
         if extra:
             record.update(extra)
         self.interval_eval = 0.0
+        if decision.loss is None:
+            self.waiting = (step, record, step_time, bool(evals))
+        else:
+            self._write(step, record, step_time, bool(evals) or decision.last)
+
+    def complete(self, loss: float) -> None:
+        """The waiting record's loss has been agreed on (at the next boundary): write it."""
+        if self.waiting is not None:
+            step, record, step_time, force = self.waiting
+            self.waiting = None
+            record["loss"] = loss
+            self._write(step, record, step_time, force)
+
+    def _write(self, step: int, record: dict, step_time: float, force_line: bool) -> None:
+        p = self.p
         with p.mon.clock.part("sync"):
             p.metrics.write(record)
             p.mon.tensorboard.write(record)
             if p.mon.progress is not None:
                 p.mon.progress.update(record)
-            self._line(step, record, step_time, bool(evals) or decision.last)
+            self._line(step, record, step_time, force_line)
 
     def _line(self, step: int, record: dict, step_time: float, force: bool) -> None:
         p = self.p

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from trainer.loop.boundary import decide
+from trainer.loop.boundary import Boundary
 from trainer.loop.evaluate import evaluate
 from trainer.loop.parts import Parts
 from trainer.loop.publish import Publisher
@@ -33,6 +33,7 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
         p.d.device,
     )
     publisher = Publisher(p)
+    boundary = Boundary(p)
     run_start, elapsed_before = time.time(), state.elapsed_s
     p.loader.start(state.data_position)
     p.wrapped.module.train()
@@ -41,12 +42,16 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
         step_start = time.perf_counter()
         result = train_step(p, step)
         mon.watchdog.enter("metric all-reduce", step)
-        decision = decide(p, step, result.loss)
+        decision = boundary.decide(step, result.loss)
         agreed, step_s = time.time(), time.perf_counter() - step_start
+        if decision.earlier_loss is not None:  # the previous step's loss, agreed only now (comm.defer_agreement)
+            state.last_loss = decision.earlier_loss
+            publisher.complete(decision.earlier_loss)
         state.step = step
         state.data_position += t.global_batch_size
         state.tokens_seen += p.units_per_step
-        state.last_loss = decision.loss
+        if decision.loss is not None:
+            state.last_loss = decision.loss
         state.elapsed_s = elapsed_before + time.time() - run_start
         # Straggler check on this step's busy time (before end_step: its all-gather is sync time of this step).
         mon.stragglers.add(mon.clock.busy_so_far())
@@ -76,6 +81,10 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
             if lead is not None and not decision.stop:
                 lead.after_save(step, step_s, p.checkpoints.last_save_s)
         if extra and "evict" in extra and not decision.last:
+            settled = boundary.settle()  # every rank is here (the straggler check is collective)
+            if settled is not None:
+                state.last_loss = settled
+                publisher.complete(settled)
             if not decision.checkpoint:  # the launch ends here: nothing computed so far is lost
                 mon.watchdog.enter("checkpoint", step)
                 with mon.clock.part("ckpt"):

@@ -1,18 +1,28 @@
-"""Hierarchical all-reduce (intra-node reduce-scatter, inter-node all-reduce, intra-node all-gather).
+"""The gradient all-reduce algorithms and the DDP communication hooks that run them.
 
-On GPU clusters the intra-node phases run over NVLink and only 1/ranks_per_node of the data crosses the
-inter-node fabric per rank. Two DDP communication hooks run it:
+Algorithms (each sums a tensor over all ranks in place; ``ALGORITHMS``):
 
-- ``overlapped_hook`` (the trainer's, on CPU): the hook hands the bucket to a ``BucketReducer``, a thread of its
-  own that reduces DDP's buckets one after another in the order the hook received them, and returns a future that
-  completes when the bucket is reduced; backward goes on meanwhile. DDP's reducer launches buckets in bucket index
-  order on every rank, and nothing else issues collectives on the intra- and inter-node groups during training,
-  so every rank issues the same collectives in the same order on each group. (Chaining the phases through
-  futures' callbacks instead lets ranks issue them in different orders, a hang measured on torch 2.13; gloo has no
-  future for a reduce-scatter anyway: see shared notes.)
-- ``hierarchical_hook``: the same three phases run synchronously inside the hook, blocking backward while each
-  bucket is reduced (on CUDA, where a side stream would be needed to overlap, and as the reference the overlapped
-  one is tested against: both end bit-identical).
+- ``flat``: one all-reduce over all ranks (on a world group of its own, so that nothing the training thread
+  issues on the default group can interleave with it).
+- ``hierarchical``: intra-node reduce-scatter, inter-node all-reduce of the shard, intra-node all-gather: only
+  1/ranks_per_node of the data crosses the inter-node fabric per rank (with one NIC per GPU, every NIC busy);
+  pipelined over chunks with ``comm.chunk_kb``.
+- ``leader``: reduce to the node's first rank, all-reduce among the node leaders, broadcast inside the node.
+- ``two_level``: all-reduce inside the node, then among the ranks with the same local index on every node.
+
+``comm.allreduce: auto`` measures them at start-up (trainer/parallel/autotune.py) and ``BucketDispatch`` picks the
+fastest per bucket size. Two hooks run a dispatch:
+
+- ``overlapped_hook`` (CPU): the hook hands the bucket to a ``BucketReducer``, a thread of its own that reduces
+  DDP's buckets one after another in the order the hook received them, and returns a future that completes when
+  the bucket is reduced; backward goes on meanwhile. DDP's reducer launches buckets in bucket index order on every
+  rank, the choice of algorithm depends only on the bucket's size and a plan every rank holds alike, and nothing
+  else issues collectives on these groups during training, so every rank issues the same collectives in the same
+  order on each group. (Chaining the phases through futures' callbacks instead lets ranks issue them in different
+  orders, a hang measured on torch 2.13; gloo has no future for a reduce-scatter anyway: see shared notes.)
+- ``sync_hook``: the same, synchronously inside the hook, blocking backward while each bucket is reduced (on CUDA,
+  where a side stream would be needed to overlap, and as the reference the overlapped one is tested against: both
+  end bit-identical).
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook checks the hook's annotations at run
@@ -59,6 +69,7 @@ class HierGroups:
     blocked: BlockedIntervals = field(default_factory=BlockedIntervals, compare=False)  # for the step clock
     compress: bool = False  # comm.compress: bf16 on the inter-node link
     chunk_bytes: int = 0  # comm.chunk_kb: buckets larger than this are reduced in pipelined chunks of this size
+    world: dist.ProcessGroup | None = None  # all ranks, for the flat algorithm inside hooks (None: the default group)
 
     @property
     def world_size(self) -> int:
@@ -139,24 +150,90 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.T
     return tensor
 
 
-def hierarchical_hook(groups: HierGroups, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average the bucket's gradients with the hierarchical all-reduce."""
+def two_level_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place: an all-reduce inside the node, then one among the ranks with this
+    local index on every node. Two collectives instead of three, but every rank sends the whole tensor over the
+    inter-node link: for small, latency-bound buckets."""
+    dist.all_reduce(tensor, group=groups.intra)
+    if groups.num_nodes > 1:
+        _InterReduce(tensor.view(-1), groups).wait()
+    return tensor
+
+
+def leader_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place: reduce to the node's first rank, all-reduce among those node leaders,
+    broadcast inside the node. Only the leaders cross the inter-node link, with the whole tensor: for small
+    buckets, where one link crossing per node beats the ring's several."""
+    dist.reduce(tensor, group_dst=0, group=groups.intra)
+    if groups.num_nodes > 1 and dist.get_rank(groups.intra) == 0:
+        _InterReduce(tensor.view(-1), groups).wait()
+    dist.broadcast(tensor, group_src=0, group=groups.intra)
+    return tensor
+
+
+def flat_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place with one all-reduce (in bfloat16 with ``groups.compress``: every
+    byte of a flat all-reduce may cross the slow link)."""
+    if groups.compress and tensor.dtype == torch.float32:
+        low = tensor.to(torch.bfloat16)
+        dist.all_reduce(low, group=groups.world)
+        tensor.copy_(low)
+    else:
+        dist.all_reduce(tensor, group=groups.world)
+    return tensor
+
+
+ALGORITHMS: dict[str, Callable[[torch.Tensor, HierGroups], torch.Tensor]] = {
+    "flat": flat_all_reduce,
+    "hierarchical": hierarchical_all_reduce,
+    "leader": leader_all_reduce,
+    "two_level": two_level_all_reduce,
+}
+
+
+class BucketDispatch:
+    """Averages a gradient bucket with one algorithm, or per bucket size with a plan (``comm.allreduce: auto``):
+    ``choose(nbytes)`` gives the algorithm's name. Until a plan is set (the throw-away step before it is measured)
+    buckets go flat, and their sizes are noted: they are the sizes the plan is measured for."""
+
+    def __init__(self, groups: HierGroups, algorithm: str | None = None) -> None:
+        self.groups = groups
+        self.algorithm = algorithm  # a fixed choice; None: by the plan
+        self.plan: Callable[[int], str] | None = None
+        self.seen: list[int] = []  # bucket sizes in bytes, before a plan was set
+
+    def choose(self, nbytes: int) -> str:
+        if self.algorithm is not None:
+            return self.algorithm
+        if self.plan is None:
+            self.seen.append(nbytes)
+            return "flat"
+        return self.plan(nbytes)
+
+    def __call__(self, buf: torch.Tensor) -> torch.Tensor:
+        name = self.choose(buf.numel() * buf.element_size())
+        return ALGORITHMS[name](buf, self.groups).div_(self.groups.world_size)
+
+
+def sync_hook(dispatch: BucketDispatch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the bucket's gradients inside the hook (blocking backward)."""
     buf = bucket.buffer()
-    start = groups.blocked.enter()
-    hierarchical_all_reduce(buf, groups).div_(groups.world_size)
-    groups.blocked.add(start, time.perf_counter())
+    blocked = dispatch.groups.blocked
+    start = blocked.enter()
+    dispatch(buf)
+    blocked.add(start, time.perf_counter())
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut
 
 
 class BucketReducer:
-    """A thread that reduces DDP's gradient buckets hierarchically, in the order they were handed over, while the
-    training thread goes on with backward. One per rank, for the process's life: a daemon, idle between backward
-    passes (DDP has waited for every bucket before backward returns)."""
+    """A thread that averages DDP's gradient buckets with ``dispatch``, in the order they were handed over, while
+    the training thread goes on with backward. One per rank, for the process's life: a daemon, idle between
+    backward passes (DDP has waited for every bucket before backward returns)."""
 
-    def __init__(self, groups: HierGroups) -> None:
-        self.groups = groups
+    def __init__(self, dispatch: BucketDispatch) -> None:
+        self.dispatch = dispatch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="bucket-reducer", daemon=True)
         self._thread.start()
@@ -170,7 +247,7 @@ class BucketReducer:
         while True:
             buf, fut = self._queue.get()
             try:
-                hierarchical_all_reduce(buf, self.groups).div_(self.groups.world_size)
+                self.dispatch(buf)
             except Exception as exc:  # noqa: BLE001 (a failed collective reaches DDP, on the training thread)
                 fut.set_exception(exc)
             else:
@@ -178,6 +255,6 @@ class BucketReducer:
 
 
 def overlapped_hook(reducer: BucketReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average the bucket's gradients with the hierarchical all-reduce, on the reducer's
-    thread; DDP waits for the returned future at the end of backward."""
+    """DDP communication hook: average the bucket's gradients on the reducer's thread; DDP waits for the returned
+    future at the end of backward."""
     return reducer.submit(bucket.buffer())

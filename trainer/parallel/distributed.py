@@ -78,6 +78,7 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
         num_nodes=env.topology.num_nodes,
         compress=cfg.compress == "bf16",
         chunk_bytes=int(cfg.chunk_kb * 1024),
+        world=dist.new_group(),  # the flat algorithm's inside hooks (apart from the default group's traffic)
     )
     return Distributed(backend=backend, device=device, mesh=mesh, groups=groups, store_addr=addr, store_port=int(port))
 

@@ -21,7 +21,7 @@ from runconfig import RunConfig
 from runconfig.layout import Layout, LayoutError
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.parallel.comm import BucketReducer, hierarchical_hook, overlapped_hook
+from trainer.parallel.comm import BucketDispatch, BucketReducer, overlapped_hook, sync_hook
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
 from trainer.parallel.mesh import dp_mesh, train_mesh
@@ -36,13 +36,15 @@ log = logging.getLogger(__name__)
 class Wrapped:
     module: nn.Module  # what the loss calls: the DDP wrapper, or the (sharded) model itself
     layout: Layout
-    # The gradient reduction that runs: "hierarchical" or "flat" (DDP), "fsdp", "hsdp", "replicate" (FSDP2's
+    # The gradient reduction that runs: comm.allreduce's choice ("auto", "hierarchical", "leader", "two_level"; "flat"
+    # where DDP's own all-reduce runs), "fsdp", "hsdp", "replicate" (FSDP2's
     # all-reduce over whole replicas of a tensor-parallel model) or "tp" (none but tensor parallelism's own).
     allreduce: str
     no_sync: Callable[[], AbstractContextManager]  # around the micro-batches that only accumulate gradients
     model: nn.Module  # the bare module this rank trains: the whole model, or its pipeline stage (names unchanged)
     n_params: int  # of the whole model
     pipe: Pipe | None = None  # pipeline parallelism: this rank's stage and schedule
+    dispatch: BucketDispatch | None = None  # DDP's hook's choice of algorithm (comm.allreduce=auto: its plan)
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -109,7 +111,8 @@ def wrap(
             device_ids=[d.device.index] if d.device.type == "cuda" else None,
             bucket_cap_mb=cfg.comm.bucket_mb,
         )
-        return Wrapped(ddp, layout, wire_allreduce(cfg, env, d, ddp), ddp.no_sync, model, n_params)
+        allreduce, dispatch = wire_allreduce(cfg, env, d, ddp)
+        return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch)
     if d.device.type == "cpu":  # collectives block the training thread: their waits are its exposed communication
         rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
         d.ledger.enable("+".join(rest) or None)
@@ -176,23 +179,24 @@ def _no_all_reduce(model: nn.Module) -> Iterator[None]:
         model.set_requires_all_reduce(True)  # type: ignore[operator]
 
 
-def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) -> str:
-    """Register the hierarchical hook where there are two levels (comm.compress: its inter-node phase in bf16),
-    torch's bf16 compression hook for a flat all-reduce across nodes with comm.compress; return the all-reduce that
-    actually runs."""
-    topo = env.topology
-    if cfg.comm.allreduce == "hierarchical" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
+def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) -> tuple[str, BucketDispatch | None]:
+    """Register the hook that runs the configured algorithm (or, for auto, the measured plan: set later) where
+    there are two levels, torch's bf16 compression hook for a flat all-reduce across nodes with comm.compress;
+    return the all-reduce that runs and the hook's dispatch (None where DDP's own all-reduce runs)."""
+    topo, algorithm = env.topology, cfg.comm.allreduce
+    if algorithm != "flat" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
+        dispatch = BucketDispatch(d.groups, None if algorithm == "auto" else algorithm)
         if d.device.type == "cuda" or not cfg.comm.overlap:  # overlapping on a GPU needs a side stream: not yet
-            ddp.register_comm_hook(d.groups, hierarchical_hook)
+            ddp.register_comm_hook(dispatch, sync_hook)
         else:
-            ddp.register_comm_hook(BucketReducer(d.groups), overlapped_hook)
-        return "hierarchical"
+            ddp.register_comm_hook(BucketReducer(dispatch), overlapped_hook)
+        return algorithm, dispatch
     if cfg.comm.compress == "bf16" and topo.num_nodes > 1:  # the whole flat all-reduce crosses nodes in bf16
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
         ddp.register_comm_hook(None, bf16_compress_hook)
-    if cfg.comm.allreduce == "hierarchical" and env.rank == 0 and env.world_size > 1:
+    if algorithm not in ("flat", "auto") and env.rank == 0 and env.world_size > 1:
         # One node (or one rank per node): the hierarchy has a single level, and DDP's own all-reduce does the
-        # same work in one collective instead of three.
-        log.info("hierarchical all-reduce needs >1 node and >1 rank per node; using DDP's flat all-reduce")
-    return "flat"
+        # same work in one collective instead of several.
+        log.info("comm.allreduce=%s needs >1 node and >1 rank per node; using DDP's flat all-reduce", algorithm)
+    return "flat", None

@@ -1,5 +1,6 @@
-"""Worker: hierarchical all-reduce == flat all-reduce exactly on integer-valued tensors of awkward sizes, whole
-and pipelined over chunks; with
+"""Worker: every all-reduce algorithm (hierarchical, leader, two_level, and flat on its own world group) ==
+torch's flat all-reduce exactly on integer-valued tensors of awkward sizes, the hierarchical one whole and
+pipelined over chunks; the algorithms of an auto plan measured on these groups too; with
 comm.compress=bf16 (the inter-node phase in bfloat16) still exactly on small integers, whose per-node partial
 sums bfloat16 holds exactly, and within bfloat16 rounding (but not exactly, where nodes are crossed) on fractions."""
 
@@ -12,9 +13,11 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from runconfig.allreduce_plan import choose
 from runconfig.schema import CommConfig
 from trainer.env import from_mpi
-from trainer.parallel.comm import hierarchical_all_reduce
+from trainer.parallel.autotune import measure
+from trainer.parallel.comm import ALGORITHMS, hierarchical_all_reduce
 from trainer.parallel.distributed import init_distributed, shutdown
 
 comm = MPI.COMM_WORLD
@@ -26,8 +29,8 @@ for size in [1, 2, 5, 7, 1000, 12_345, 65_537]:
     x = torch.randint(-1000, 1000, (size,), generator=g).float()
     flat = x.clone()
     dist.all_reduce(flat)
-    hier = hierarchical_all_reduce(x.clone(), d.groups)
-    results[size] = bool(torch.equal(flat, hier))
+    for name, algorithm in ALGORITHMS.items():
+        results[f"{size}_{name}"] = bool(torch.equal(flat, algorithm(x.clone(), d.groups)))
     # pipelined over chunks: of 12 elements (one to six per rank of a node) for the small sizes, of 1024 for the
     # others; uneven last chunks
     chunked = dataclasses.replace(d.groups, chunk_bytes=48 if size <= 1000 else 4096)
@@ -37,6 +40,14 @@ y = torch.arange(3 * 11, dtype=torch.float32).view(3, 11) * (env.rank + 1)
 flat = y.clone()
 dist.all_reduce(flat)
 results["2d"] = bool(torch.equal(flat, hierarchical_all_reduce(y.clone(), d.groups)))
+# the plan auto measures (on these groups, for a small and a larger bucket) and the algorithm it picks per size
+plan = measure(d.groups, [4096, 65_536], torch.device("cpu"))
+results["plan_agreed"] = comm.allgather(plan["sizes"]) == [plan["sizes"]] * env.world_size
+for size in (1000, 12_345, 65_537):
+    x = torch.randint(-1000, 1000, (size,), generator=torch.Generator().manual_seed(size + env.rank)).float()
+    flat = x.clone()
+    dist.all_reduce(flat)
+    results[f"{size}_auto"] = bool(torch.equal(flat, ALGORITHMS[choose(plan, 4 * size)](x.clone(), d.groups)))
 compressed = dataclasses.replace(d.groups, compress=True)
 g = torch.Generator().manual_seed(7 + env.rank)
 x = torch.randint(

@@ -1,11 +1,13 @@
-"""Worker: DDP with the hierarchical hook vs plain DDP, K AdamW steps from the same weights on the same batches,
-and the overlapped hook (the trainer's, on its own thread) vs the same phases run synchronously in the hook.
+"""Worker: DDP with each algorithm's hook (hierarchical, leader, two_level, and auto with a plan measured here) vs
+plain DDP, K AdamW steps from the same weights on the same batches, and the overlapped hook (the trainer's, on its
+own thread) vs the same algorithm run synchronously in the hook.
 
 The all-reduce is wired by trainer.parallel.wrap.wire_allreduce, the trainer's own code path, for several bucket sizes.
 argv: OUT_DIR STEPS
 """
 
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -14,10 +16,12 @@ import torch
 from mpi4py import MPI
 
 from runconfig import load_config
+from runconfig.allreduce_plan import choose
 from trainer.env import from_mpi
 from trainer.loop.optim import build_optimizer
 from trainer.models.gpt import GPT, loss_fn
-from trainer.parallel.comm import hierarchical_hook
+from trainer.parallel.autotune import measure
+from trainer.parallel.comm import BucketDispatch, sync_hook
 from trainer.parallel.distributed import init_distributed, shutdown
 from trainer.parallel.wrap import wire_allreduce
 
@@ -27,6 +31,7 @@ env = from_mpi(comm)
 torch.set_num_threads(1)
 base = load_config("tiny", ["model.d_model=32", "model.n_layers=2", "model.seq_len=16"])
 d = init_distributed(env, base.comm, torch.device("cpu"), comm)
+PLAN = measure(d.groups, [1024, 40_000, 400_000], torch.device("cpu"))  # the 3 bucket sizes below, roughly
 
 
 def train(allreduce: str, bucket_mb: float, sync: bool = False) -> tuple[dict, str | None]:
@@ -35,9 +40,13 @@ def train(allreduce: str, bucket_mb: float, sync: bool = False) -> tuple[dict, s
     model = GPT(cfg.model)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.comm.bucket_mb)
     if sync:
-        ddp.register_comm_hook(d.groups, hierarchical_hook)
+        dispatch = BucketDispatch(d.groups, None if allreduce == "auto" else allreduce)
+        ddp.register_comm_hook(dispatch, sync_hook)
     else:
-        assert wire_allreduce(cfg, env, d, ddp) == allreduce
+        wired, dispatch = wire_allreduce(cfg, env, d, ddp)
+        assert wired == allreduce
+    if dispatch is not None and allreduce == "auto":
+        dispatch.plan = functools.partial(choose, PLAN)
     optimizer = build_optimizer(model, cfg.train)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(100 + env.rank)  # different data on every rank, same for both runs
@@ -55,11 +64,15 @@ def train(allreduce: str, bucket_mb: float, sync: bool = False) -> tuple[dict, s
 
 plain, plain_hook, moved = train("flat", 25.0)
 result = {"rank": env.rank, "plain_hook": plain_hook, "moved": moved, "runs": {}}
-for bucket_mb in (25.0, 0.01, 0.003):
-    hier, hook, _ = train("hierarchical", bucket_mb)
-    diff = max(float((hier[n] - plain[n]).abs().max()) for n in plain)
-    sync, sync_hook, _ = train("hierarchical", bucket_mb, sync=True)
-    same = all(torch.equal(hier[n], sync[n]) for n in hier)
-    result["runs"][str(bucket_mb)] = {"max_abs_diff": diff, "hook": hook, "sync_hook": sync_hook, "same_as_sync": same}
+runs = [("hierarchical", b) for b in (25.0, 0.01, 0.003)] + [(a, 0.01) for a in ("leader", "two_level", "auto")]
+for allreduce, bucket_mb in runs:
+    hooked, hook, _ = train(allreduce, bucket_mb)
+    diff = max(float((hooked[n] - plain[n]).abs().max()) for n in plain)
+    synced, synced_hook, _ = train(allreduce, bucket_mb, sync=True)
+    same = all(torch.equal(hooked[n], synced[n]) for n in hooked)
+    result["runs"][f"{allreduce} {bucket_mb}"] = {
+        "max_abs_diff": diff, "hook": hook, "sync_hook": synced_hook, "same_as_sync": same
+    }  # fmt: skip
+result["plan"] = [row["choice"] for row in PLAN["sizes"]]
 (out_dir / f"rank_{env.rank}.json").write_text(json.dumps(result))
 shutdown(comm, clean=True)
