@@ -1,12 +1,14 @@
-"""Bus bandwidth of flat vs hierarchical all-reduce on 2 (simulated) nodes x 2 ranks.
+"""Bus bandwidth of flat vs the hierarchical all-reduce algorithms on 2 (simulated) nodes x 2 ranks.
 
 ``python bench/allreduce.py`` starts itself under the venv's mpirun with 4 ranks (``--worker``); every rank
 bootstraps like the trainer (``trainer.env.from_mpi`` + ``trainer.parallel.distributed.init_distributed``) and times
-``dist.all_reduce`` on the default group against ``trainer.parallel.comm.hierarchical_all_reduce``, alternated per
-iteration. Figures follow nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0 prints a
-table and a JSON object. ``--link-mbit RATE`` puts ranks 0-1 and 2-3 in two network namespaces joined by a veth
-pair rate-limited with tbf (root only), so the inter-node link is slow as between real nodes. ``--compress`` adds
-the hierarchical all-reduce with its inter-node phase in bfloat16 (``comm.compress: bf16``).
+``dist.all_reduce`` on the default group against each of ``trainer.parallel.comm.ALGORITHMS`` (hierarchical, leader,
+two_level) and against ``auto``: the algorithm that ``comm.allreduce: auto``'s plan, measured at the start of the
+benchmark as the trainer measures it, chose for the size; all alternated per iteration. Figures follow nccl-tests:
+algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0 prints a table and a JSON object. ``--link-mbit RATE``
+puts ranks 0-1 and 2-3 in two network namespaces joined by a veth pair rate-limited with tbf (root only), so the
+inter-node link is slow as between real nodes. ``--compress`` adds the hierarchical all-reduce with its inter-node
+phase in bfloat16 (``comm.compress: bf16``); ``--chunk-kb`` the hierarchical one pipelined over chunks.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
     p.add_argument("--compress", action="store_true", help="also the hierarchical one with comm.compress=bf16")
     p.add_argument("--chunk-kb", type=float, default=0, help="also the hierarchical one pipelined over chunks of this")
-    p.add_argument("--small", action="store_true", help="also the two-level and the leader all-reduce")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--master-addr", help=argparse.SUPPRESS)
@@ -76,9 +77,11 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
 
+    from runconfig.allreduce_plan import choose
     from runconfig.schema import CommConfig
     from trainer.env import from_mpi
-    from trainer.parallel.comm import hierarchical_all_reduce, leader_all_reduce, two_level_all_reduce
+    from trainer.parallel.autotune import measure
+    from trainer.parallel.comm import ALGORITHMS, hierarchical_all_reduce
     from trainer.parallel.distributed import init_distributed, pick_device, shutdown
 
     comm = MPI.COMM_WORLD
@@ -92,13 +95,19 @@ def worker(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    sizes = message_sizes(args.min_bytes, args.max_bytes, args.factor)
+    # comm.allreduce=auto as the trainer runs it: a plan measured on these groups at these sizes (the trainer's
+    # budget and repeats), then per size the algorithm it chose
+    started = time.perf_counter()
+    plan = measure(d.groups, sizes, device)
+    plan_wall = time.perf_counter() - started
     ops: dict[str, Callable[[torch.Tensor], object]] = {
         "flat": lambda t: dist.all_reduce(t),
         "hier": lambda t: hierarchical_all_reduce(t, d.groups),
+        "leader": lambda t: ALGORITHMS["leader"](t, d.groups),
+        "two_level": lambda t: ALGORITHMS["two_level"](t, d.groups),
+        "auto": lambda t: ALGORITHMS[choose(plan, t.numel() * 4)](t, d.groups),
     }
-    if args.small:  # the latency variants
-        ops["two_level"] = lambda t: two_level_all_reduce(t, d.groups)
-        ops["leader"] = lambda t: leader_all_reduce(t, d.groups)
     if args.chunk_kb:  # the phases pipelined over chunks of this size
         chunked = dataclasses.replace(d.groups, chunk_bytes=int(args.chunk_kb * 1024))
         ops["hier_pipe"] = lambda t: hierarchical_all_reduce(t, chunked)
@@ -123,19 +132,17 @@ def worker(args: argparse.Namespace) -> int:
         link = f"{args.link_mbit:g} Mbit/s tbf-shaped veth between nodes" if args.link_mbit else "no link emulation"
         print(
             f"all-reduce, float32, {setup['nodes']} nodes x {setup['ranks_per_node']} ranks, backend {d.backend} "
-            f"on {device}, {link}\nbusbw = algbw * 2(n-1)/n, n = {world}; ratio = hier busbw / flat busbw "
-            "(> 1: hierarchical faster)\n",
+            f"on {device}, {link}\nbusbw = algbw * 2(n-1)/n, n = {world}; ratio = busbw / flat's (> 1: faster "
+            "than flat); auto = comm.allreduce=auto's choice per size from the plan measured at start-up "
+            f"({plan_wall:.2f} s here)\n",
             flush=True,
         )
-        extra = f" | {'pipe us':>10} {'ratio':>6}" if args.chunk_kb else ""
-        extra += f" | {'bf16 us':>10} {'ratio':>6}" if args.compress else ""
-        print(
-            f"{'bytes':>10} {'iters':>5} | {'flat us':>10} {'algbw':>7} {'busbw':>7} | "
-            f"{'hier us':>10} {'algbw':>7} {'busbw':>7} | {'ratio':>6}{extra}\n" + "-" * (84 + len(extra)),
-            flush=True,
-        )
+        names = [n for n in ops if n != "flat"]
+        head = " | ".join(f"{n + ' us':>11} {'ratio':>5}" for n in names)
+        print(f"{'bytes':>10} {'iters':>5} | {'flat us':>10} {'busbw':>7} | {head} | auto's choice", flush=True)
+        print("-" * (48 + 20 * len(names)), flush=True)
     rows = []
-    for size in message_sizes(args.min_bytes, args.max_bytes, args.factor):
+    for size in sizes:
         x = torch.empty(size // 4, dtype=torch.float32, device=device)
         for name, op in ops.items():  # correctness: the sum of ones is the world size
             x.fill_(1.0)
@@ -165,25 +172,28 @@ def worker(args: argparse.Namespace) -> int:
             t = statistics.median(per_iter)
             algbw = size / t / 1e9
             row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor}
-        row["ratio_hier_over_flat"] = row["hier"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
-        extra = ""
-        if "hier_pipe" in row:
-            row["ratio_hier_pipe_over_flat"] = row["hier_pipe"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
-            extra += f" | {row['hier_pipe']['time_us']:>10.1f} {row['ratio_hier_pipe_over_flat']:>6.2f}"
-        for name in ("two_level", "leader"):
-            if name in row:
+        for name in ops:
+            if name != "flat":
                 row[f"ratio_{name}_over_flat"] = row[name]["busbw_GBps"] / row["flat"]["busbw_GBps"]
-                extra += f" | {row[name]['time_us']:>10.1f} {row[f'ratio_{name}_over_flat']:>6.2f}"
-        if "hier_bf16" in row:
-            row["ratio_hier_bf16_over_flat"] = row["hier_bf16"]["busbw_GBps"] / row["flat"]["busbw_GBps"]
-            extra += f" | {row['hier_bf16']['time_us']:>10.1f} {row['ratio_hier_bf16_over_flat']:>6.2f}"
+        row["auto_choice"] = choose(plan, size)
         rows.append(row)
         cells = " | ".join(
-            f"{r['time_us']:>10.1f} {r['algbw_GBps']:>7.3f} {r['busbw_GBps']:>7.3f}" for r in (row["flat"], row["hier"])
+            f"{row[n]['time_us']:>11.1f} {row[f'ratio_{n}_over_flat']:>5.2f}" for n in ops if n != "flat"
         )
-        print(f"{size:>10} {iters:>5} | {cells} | {row['ratio_hier_over_flat']:>6.2f}{extra}", flush=True)
+        flat = row["flat"]
+        print(
+            f"{size:>10} {iters:>5} | {flat['time_us']:>10.1f} {flat['busbw_GBps']:>7.3f} | {cells} | "
+            f"{row['auto_choice']}",
+            flush=True,
+        )
     if env.rank == 0:
-        result = {"benchmark": "allreduce", "setup": setup, "units": {"time": "us", "bw": "GB/s (1e9)"}, "rows": rows}
+        result = {
+            "benchmark": "allreduce",
+            "setup": setup,
+            "auto_plan": plan,
+            "units": {"time": "us", "bw": "GB/s (1e9)"},
+            "rows": rows,
+        }
         text = json.dumps(result, indent=2)
         print("\n" + text, flush=True)
         if args.json:
@@ -199,7 +209,6 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     out = [f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}", f"--factor={args.factor}"]
     out += [f"--warmup={args.warmup}", f"--iters={args.iters}", f"--min-iters={args.min_iters}"]
     out += [f"--budget-mb={args.budget_mb}", f"--chunk-kb={args.chunk_kb}"] + (["--compress"] if args.compress else [])
-    out += ["--small"] if args.small else []
     if args.link_mbit:
         out += [f"--link-mbit={args.link_mbit}", f"--master-addr={LINK_IPS[0]}"]
     if args.json:

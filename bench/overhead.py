@@ -10,6 +10,7 @@ Runs, alternated round by round so machine noise hits every variant alike:
   backward, instead of on the reducer's thread while backward goes on)
 - ``trainer-hier-pipe``: trainer-hier with ``comm.chunk_kb=1024`` (the phases pipelined over 1 MiB chunks)
 - ``trainer-hier-bf16``: trainer-hier with ``comm.compress=bf16`` (the inter-node phase in bfloat16)
+- ``trainer-auto`` / ``trainer-leader``: comm.allreduce=auto (measured at start-up, per bucket size) / leader
 - ``trainer-agree-sync``: trainer-flat with ``comm.defer_agreement=false`` (every step waits for the ranks'
   agreement on loss, stop and checkpoint trigger, instead of reading it at the next step boundary)
 - ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
@@ -22,7 +23,8 @@ off. ``--link-mbit RATE`` (root, 2 nodes) runs each node's ranks in a network na
 by a link shaped to RATE (bench/common.py ``emulated_link``), so the inter-node traffic is as slow as between real
 nodes: the trainer through the local launcher's per-node prefix (HPC_LOCAL_NODE_WRAP), plain DDP through mpirun.
 The first ``--skip`` steps of every run are warm-up; the figure is the median step time over the remaining
-steps of all rounds. Prints a table and a JSON object.
+steps of all rounds. "comm ms" is the trainer's exposed communication per step; "hidden" the share of its own
+hook's whole reduction time that overlapped with backward. Prints a table and a JSON object.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
-    "trainer-quiet", "trainer-recipe", "trainer-agree-sync",
+    "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-auto", "trainer-leader",
 )  # fmt: skip
-HIER = ("trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16")
+HIER = ("trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16", "trainer-auto", "trainer-leader")
 VARIANTS = ALL_VARIANTS  # narrowed in main() to those that differ for the layout
 # trainer-quiet: flat all-reduce with TensorBoard, straggler checks and the hang watchdog off (the step clock stays):
 # the cost of the monitors, side by side.
@@ -155,7 +157,8 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
         nproc = f"--nproc-per-node={args.nodes * args.ranks}"
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
         return [*launcher, *script, *sets, "--out", str(out)]
-    allreduce = "hierarchical" if variant in HIER else "flat"
+    allreduce = {"trainer-auto": "auto", "trainer-leader": "leader"}.get(variant, "hierarchical")
+    allreduce = allreduce if variant in HIER else "flat"
     config = args.config
     if variant == "trainer-recipe":  # the model's shape is in the written config's recipe_args
         config = str(args.recipe_config)
@@ -216,6 +219,7 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
                 raise RuntimeError(f"{variant} round {rnd} failed ({proc.returncode}); see {folder / 'launch.log'}")
             times = step_times(variant, out)[args.skip :]
             comm = step_times(variant, out, "time_comm_s")[args.skip :]
+            busy = step_times(variant, out, "comm_busy_s")[args.skip :]  # where the trainer's own hook ran
             median = statistics.median(times)
             runs[variant].append(
                 {
@@ -225,6 +229,7 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
                     "median_step_s": median,
                     "steps": times,
                     "comm": comm,
+                    "comm_busy": busy,
                 }
             )
             print(
@@ -243,6 +248,10 @@ def summarize(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
         comm = [t for run in runs[variant] for t in run["comm"]]
         if comm:  # the trainer's exposed communication per step (not what overlapped with backward)
             summary[variant]["median_exposed_comm_s"] = statistics.median(comm)
+        busy = [t for run in runs[variant] for t in run.get("comm_busy", [])]
+        if comm and busy:  # the reduction's whole time: the share of it hidden behind backward
+            summary[variant]["median_comm_busy_s"] = statistics.median(busy)
+            summary[variant]["hidden_share"] = max(0.0, 1 - statistics.median(comm) / statistics.median(busy))
     plain = summary["plain"]
     for variant in VARIANTS:
         s = summary[variant]
@@ -267,13 +276,14 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
         "per round: the round's median step ms / ratio of the round's medians\n"
     )
     head = f"{'variant':<18} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
-    print(f"{head} | {'comm ms':>7} | per-round ms / ratio\n" + "-" * 110)
+    print(f"{head} | {'comm ms':>7} | {'hidden':>6} | per-round ms / ratio\n" + "-" * 119)
     for variant in VARIANTS:
         s = summary[variant]
         rounds = " ".join(
             f"{1e3 * r['median_step_s']:.0f}/{q:.2f}" for r, q in zip(runs[variant], s["round_ratios"], strict=True)
         )
         comm = f"{1e3 * s['median_exposed_comm_s']:7.1f}" if "median_exposed_comm_s" in s else f"{'-':>7}"
+        comm += f" | {100 * s['hidden_share']:5.0f}%" if "hidden_share" in s else f" | {'-':>6}"
         print(
             f"{variant:<18} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
             f"{s['ratio_vs_plain']:>5.3f} | {1e3 * s['p25_step_s']:>6.1f} | {s['ratio_vs_plain_p25']:>5.3f} | "

@@ -23,6 +23,9 @@ class Publisher:
         self.last_line = time.monotonic()
         self.run_start, self.first_step = time.time(), p.state.step
         self.waiting: tuple[int, dict, float, bool] | None = None  # a record whose loss is not agreed yet
+        self.dispatch = p.wrapped.dispatch  # DDP's hook: how long the gradient reduction ran (comm_busy_s)
+        if self.dispatch is not None:
+            self.dispatch.take_busy()  # the throw-away step's
 
     def due(self, step: int, decision: Decision, evaluated: bool, extra: dict | None) -> bool:
         return step % self.p.cfg.train.log_every == 0 or decision.last or evaluated or bool(extra)
@@ -55,6 +58,8 @@ class Publisher:
             "launch": p.env.launch_id,
             **evals,
         }
+        if self.dispatch is not None:  # the reduction's whole time; time_comm_s is the part backward waited for
+            record["comm_busy_s"] = self.dispatch.take_busy() / steps
         if p.mon.peak_flops and p.mon.flops_per_sample:
             samples_per_rank_s = t.global_batch_size / step_time / p.env.world_size
             record["mfu"] = samples_per_rank_s * p.mon.flops_per_sample / p.mon.peak_flops

@@ -201,6 +201,13 @@ class BucketDispatch:
         self.algorithm = algorithm  # a fixed choice; None: by the plan
         self.plan: Callable[[int], str] | None = None
         self.seen: list[int] = []  # bucket sizes in bytes, before a plan was set
+        self.busy_s = 0.0  # wall seconds spent reducing buckets (overlapped with backward or not), see take_busy
+
+    def take_busy(self) -> float:
+        """Seconds spent reducing since the last call (read by the training thread between steps, when the
+        reducer is idle)."""
+        busy, self.busy_s = self.busy_s, 0.0
+        return busy
 
     def choose(self, nbytes: int) -> str:
         if self.algorithm is not None:
@@ -211,8 +218,11 @@ class BucketDispatch:
         return self.plan(nbytes)
 
     def __call__(self, buf: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         name = self.choose(buf.numel() * buf.element_size())
-        return ALGORITHMS[name](buf, self.groups).div_(self.groups.world_size)
+        ALGORITHMS[name](buf, self.groups).div_(self.groups.world_size)
+        self.busy_s += time.perf_counter() - start
+        return buf
 
 
 def sync_hook(dispatch: BucketDispatch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
