@@ -11,6 +11,8 @@ Runs, alternated round by round so machine noise hits every variant alike:
 - ``trainer-hier-pipe``: trainer-hier with ``comm.chunk_kb=1024`` (the phases pipelined over 1 MiB chunks)
 - ``trainer-hier-bf16``: trainer-hier with ``comm.compress=bf16`` (the inter-node phase in bfloat16)
 - ``trainer-auto`` / ``trainer-leader``: comm.allreduce=auto (measured at start-up, per bucket size) / leader
+- ``trainer-auto-small``: trainer-auto with comm.bucket_mb=0.25 (the tiny model's gradients fit one 25 MB bucket,
+  which is ready only when backward ends: nothing can overlap; small buckets let the reduction start earlier)
 - ``trainer-agree-sync``: trainer-flat with ``comm.defer_agreement=false`` (every step waits for the ranks'
   agreement on loss, stop and checkpoint trigger, instead of reading it at the next step boundary)
 - ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
@@ -67,8 +69,17 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
     "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-auto", "trainer-leader",
+    "trainer-auto-small",
 )  # fmt: skip
-HIER = ("trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16", "trainer-auto", "trainer-leader")
+HIER = (
+    "trainer-hier",
+    "trainer-hier-sync",
+    "trainer-hier-pipe",
+    "trainer-hier-bf16",
+    "trainer-auto",
+    "trainer-leader",
+    "trainer-auto-small",
+)
 VARIANTS = ALL_VARIANTS  # narrowed in main() to those that differ for the layout
 # trainer-quiet: flat all-reduce with TensorBoard, straggler checks and the hang watchdog off (the step clock stays):
 # the cost of the monitors, side by side.
@@ -157,7 +168,9 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
         nproc = f"--nproc-per-node={args.nodes * args.ranks}"
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
         return [*launcher, *script, *sets, "--out", str(out)]
-    allreduce = {"trainer-auto": "auto", "trainer-leader": "leader"}.get(variant, "hierarchical")
+    allreduce = {"trainer-auto": "auto", "trainer-auto-small": "auto", "trainer-leader": "leader"}.get(
+        variant, "hierarchical"
+    )
     allreduce = allreduce if variant in HIER else "flat"
     config = args.config
     if variant == "trainer-recipe":  # the model's shape is in the written config's recipe_args
@@ -169,6 +182,7 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sync += ["--set", "comm.compress=bf16"] if variant == "trainer-hier-bf16" else []
     sync += ["--set", "comm.chunk_kb=1024"] if variant == "trainer-hier-pipe" else []
     sync += ["--set", "comm.defer_agreement=false"] if variant == "trainer-agree-sync" else []
+    sync += ["--set", "comm.bucket_mb=0.25"] if variant == "trainer-auto-small" else []
     link = ["--set", f"comm.master_addr={LINK_IPS[0]}"] if args.namespaces else []
     return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync, *link]
 

@@ -235,7 +235,7 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
         lines += ["", "## All-reduce plan (comm.allreduce=auto)", ""]
         lines += [
             f"Measured at start-up in {plan['measured_s']:.2f} s on {plan['topology'][0]} nodes x "
-            f"{plan['topology'][1]} ranks: {plan['timing']} ({plan['repeats']} calls); the fastest per bucket size.",
+            f"{plan['topology'][1]} ranks: {plan['timing']}; the fastest per bucket size.",
             "",
             *plan_table(plan),
         ]

@@ -429,6 +429,8 @@ class CommConfig:
             out.append(("timeout_s", f"must be > 0, got {self.timeout_s}"))
         if not self.chunk_kb >= 0:
             out.append(("chunk_kb", f"must be >= 0 (0: whole buckets), got {self.chunk_kb}"))
+        if self.plan_from and self.allreduce != "auto":
+            out.append(("plan_from", f"applies to comm.allreduce=auto only (this config has {self.allreduce!r})"))
         return out
 
 

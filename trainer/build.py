@@ -339,10 +339,10 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
     dispatch.plan = functools.partial(choose, plan)
     if p.env.rank == 0:
         log.info(
-            "all-reduce plan (comm.allreduce=auto, %s; measured in %.2f s, median of %d calls, slowest rank):\n%s",
+            "all-reduce plan (comm.allreduce=auto, %s; measured in %.2f s, %s):\n%s",
             how,
             plan["measured_s"],
-            plan["repeats"],
+            plan["timing"],
             "\n".join(plan_table(plan)),
         )
 

@@ -1,0 +1,52 @@
+"""The all-reduce plan of comm.allreduce=auto as data: the choice per bucket size and the table that the trainer's
+log and `hpc report` print (the measurement itself runs on real process groups in tests/mp/test_allreduce.py)."""
+
+import pytest
+
+from runconfig import load_config
+from runconfig.allreduce_plan import choose, plan_table
+from runconfig.load import ConfigError
+
+PLAN = {
+    "topology": [2, 2],
+    "algorithms": ["flat", "hierarchical", "leader", "two_level"],
+    "sizes": [
+        {"bytes": 4096, "seconds": {"flat": 0.005, "hierarchical": 0.008, "leader": 0.004, "two_level": 0.006},
+         "choice": "leader"},
+        {"bytes": 1 << 20, "seconds": {"flat": 0.066, "hierarchical": 0.045, "leader": 0.046, "two_level": 0.09},
+         "choice": "hierarchical"},
+        {"bytes": 16 << 20, "seconds": {"flat": 1.07, "hierarchical": 0.75, "leader": 0.73, "two_level": 1.45},
+         "choice": "leader"},
+    ],
+    "measured_s": 0.4,
+    "timing": "median",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "nbytes,expected",
+    [(1, "leader"), (4096, "leader"), (60_000, "leader"), (70_000, "hierarchical"), (25 << 20, "leader")],
+)
+def test_choice_is_the_nearest_measured_size_on_a_log_scale(nbytes, expected):
+    # 4 KiB and 1 MiB: the geometric midpoint is 64 KiB
+    assert choose(PLAN, nbytes) == expected
+
+
+def test_no_bucket_measured_is_flat():
+    assert choose({**PLAN, "sizes": []}, 1 << 20) == "flat"
+
+
+def test_table_has_every_algorithm_and_the_gain_over_flat():
+    lines = plan_table(PLAN)
+    assert lines[0] == "| bucket | flat ms | hierarchical ms | leader ms | two_level ms | chosen | vs flat |"
+    assert lines[2] == "| 4.0 KiB | 5.00 | 8.00 | 4.00 | 6.00 | leader | 1.25x |"
+    assert lines[3].startswith("| 1.0 MiB | 66.00 | 45.00 |") and lines[3].endswith("| hierarchical | 1.47x |")
+    assert lines[4] == "| 16.0 MiB | 1070.00 | 750.00 | 730.00 | 1450.00 | leader | 1.47x |"
+    assert plan_table({**PLAN, "sizes": [{"bytes": 512, "seconds": {}, "choice": "flat"}]})[2] == (
+        "| 512 B | - | - | - | - | flat | - |"
+    )
+
+
+def test_plan_from_needs_auto():
+    with pytest.raises(ConfigError, match="comm.plan_from"):
+        load_config("tiny", ["comm.allreduce=flat", "comm.plan_from=/some/run"])
