@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             # Only this rank stopped (say, on a corrupt window it read mid-training): the others may be blocked in
             # a collective waiting for it. End every rank now with the user-error status, the report written.
             _abort_job(comm, EXIT_USER_ERROR)
+        _meet(comm)
         return EXIT_USER_ERROR
     except OSError as exc:
         # Storage that kept failing past its retries (runconfig/ioretry.py): a crash, restarted in the job. One that
@@ -306,6 +307,18 @@ def main(argv: list[str] | None = None) -> int:
             shutdown(comm, clean=clean)
         if progress is not None:
             progress.stop()
+
+
+def _meet(comm: MPI.Comm, timeout_s: float = 30.0) -> None:
+    """Wait, at most ``timeout_s``, until every rank has reached the same (collective) error. A rank that found it
+    first (rank 0 checks a checkpoint's sizes alone; MPI's broadcast does not wait for the receivers) would
+    otherwise leave while slower ranks are still building their process groups with it, and they would fail there
+    ("Connection closed by peer") and end the job with a crash's status instead of the user error's."""
+    if comm.Get_size() == 1:
+        return
+    request, deadline = comm.Ibarrier(), time.monotonic() + timeout_s
+    while not request.Test() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _abort_job(comm: MPI.Comm, status: int) -> None:
