@@ -7,10 +7,11 @@ Collective: every rank runs the same calls in the same order. Per size, each alg
 rank's (one all-reduce MAX per round), and an algorithm's figure is its best round, so every rank computes the same
 figures and the same choices. Back-to-back batches amortize the ranks' skew at a batch's start, which a single
 timed call would charge to whichever algorithm came first. The first size starts with one untimed call of each
-algorithm (first use of its groups); each batch ends with a check of the sum. Every size gets one round; a second
-round (the algorithms in reverse order) runs while the measurement so far has taken less than ``BUDGET_S``. On a
-fast fabric the whole measurement takes milliseconds; over a slow link it is about ``4 x batch_calls`` calls of
-each bucket size (no size is guessed from another: the best algorithm changes with the size)."""
+algorithm on 4 KiB (first use of its groups); each batch ends with a check of the sum. Every size gets one round;
+a second round (the algorithms in reverse order) runs while the measurement so far has taken less than
+``BUDGET_S``. On a fast fabric the whole measurement takes milliseconds; over a slow link it is about
+``4 x batch_calls`` calls of each bucket size (no size is guessed from another: the best algorithm changes with
+the size)."""
 
 from __future__ import annotations
 
@@ -65,9 +66,9 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device) -> dict:
     measured_s = 0.0
     for i, size in enumerate(sizes):
         x = torch.empty(max(1, size // 4), dtype=torch.float32, device=device)
-        if i == 0:
+        if i == 0:  # first use of each algorithm's groups, on a small piece: set-up costs, not bandwidth
             for name in names:
-                _run_batch(name, x, 1, groups, device)
+                _run_batch(name, x[: min(x.numel(), 1024)], 1, groups, device)
         best = torch.full((len(names),), float("inf"), dtype=torch.float64)
         for rnd in range(ROUNDS):
             mine = torch.zeros(len(names) + 1, dtype=torch.float64)
