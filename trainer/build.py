@@ -320,19 +320,20 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
     dispatch = p.wrapped.dispatch
     if dispatch is None or dispatch.algorithm is not None:
         return
-    groups, plan = p.d.groups, p.state.allreduce_plan
-    wanted = {"topology": [groups.num_nodes, groups.ranks_per_node], "compress": groups.compress}
-    wanted["chunk_bytes"] = groups.chunk_bytes
-    how = "recorded in the checkpoint, reused"
+    groups, plan, source = p.d.groups, p.state.allreduce_plan, p.cfg.comm.plan_from
+    wanted = {
+        "topology": [groups.num_nodes, groups.ranks_per_node],
+        "compress": groups.compress,
+        "chunk_bytes": groups.chunk_bytes,
+    }
+    how, measured = "recorded in the checkpoint, reused", "measured"
     if plan is not None and any(plan[k] != v for k, v in wanted.items()):
-        how = f"measured again: the checkpoint's plan was for {plan['topology'][0]} nodes x {plan['topology'][1]}"
+        measured = f"measured again: the checkpoint's plan was for {plan['topology'][0]} x {plan['topology'][1]}"
         plan = None
-    source = p.cfg.comm.plan_from
     if plan is None and source:
         plan, how = _plan_from(source, wanted), f"from {source}"
     if plan is None:
-        plan = measure(groups, bucket_sizes(dispatch.seen), p.d.device)
-        how = how if how.startswith("measured") else "measured"
+        plan, how = measure(groups, bucket_sizes(dispatch.seen), p.d.device), measured
         if p.env.rank == 0:
             write_json_atomic(rundir.allreduce_plan, plan)
     p.state.allreduce_plan = plan

@@ -34,6 +34,13 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
     )
     publisher = Publisher(p)
     boundary = Boundary(p)
+
+    def agreed_later(loss: float | None) -> None:
+        """A step's loss agreed after its boundary (comm.defer_agreement): its record can be written now."""
+        if loss is not None:
+            state.last_loss = loss
+            publisher.complete(loss)
+
     run_start, elapsed_before = time.time(), state.elapsed_s
     p.loader.start(state.data_position)
     p.wrapped.module.train()
@@ -44,9 +51,7 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
         mon.watchdog.enter("metric all-reduce", step)
         decision = boundary.decide(step, result.loss)
         agreed, step_s = time.time(), time.perf_counter() - step_start
-        if decision.earlier_loss is not None:  # the previous step's loss, agreed only now (comm.defer_agreement)
-            state.last_loss = decision.earlier_loss
-            publisher.complete(decision.earlier_loss)
+        agreed_later(decision.earlier_loss)  # the previous step's
         state.step = step
         state.data_position += t.global_batch_size
         state.tokens_seen += p.units_per_step
@@ -81,10 +86,7 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
             if lead is not None and not decision.stop:
                 lead.after_save(step, step_s, p.checkpoints.last_save_s)
         if extra and "evict" in extra and not decision.last:
-            settled = boundary.settle()  # every rank is here (the straggler check is collective)
-            if settled is not None:
-                state.last_loss = settled
-                publisher.complete(settled)
+            agreed_later(boundary.settle())  # every rank is here (the straggler check is collective)
             if not decision.checkpoint:  # the launch ends here: nothing computed so far is lost
                 mon.watchdog.enter("checkpoint", step)
                 with mon.clock.part("ckpt"):
