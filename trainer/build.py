@@ -35,7 +35,7 @@ from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.timing import peak_memory_mb, peak_tflops
-from trainer.parallel.autotune import bucket_sizes, measure
+from trainer.parallel.autotune import bucket_sizes, measure, setup_of
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.materialise import buffers_to, owners, params_on_meta
 from trainer.parallel.materialise import materialise as fill
@@ -321,11 +321,7 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
     if dispatch is None or dispatch.algorithm is not None:
         return
     groups, plan, source = p.d.groups, p.state.allreduce_plan, p.cfg.comm.plan_from
-    wanted = {
-        "topology": [groups.num_nodes, groups.ranks_per_node],
-        "compress": groups.compress,
-        "chunk_bytes": groups.chunk_bytes,
-    }
+    wanted = setup_of(groups)
     how, measured = "recorded in the checkpoint, reused", "measured"
     if plan is not None and any(plan[k] != v for k, v in wanted.items()):
         measured = f"measured again: the checkpoint's plan was for {plan['topology'][0]} x {plan['topology'][1]}"

@@ -58,6 +58,13 @@ def _run_batch(name: str, x: torch.Tensor, calls: int, groups: HierGroups, devic
     return seconds
 
 
+def setup_of(groups: HierGroups) -> dict:
+    """What a plan is valid for: a plan measured under another topology or comm settings is measured again."""
+    return {
+        "topology": [groups.num_nodes, groups.ranks_per_node],
+    }
+
+
 def measure(groups: HierGroups, sizes: list[int], device: torch.device) -> dict:
     """The plan for these bucket sizes (bytes): see runconfig/allreduce_plan.py for its use and table."""
     names = list(ALGORITHMS)
@@ -83,7 +90,7 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device) -> dict:
         seconds = {name: float(best[j]) for j, name in enumerate(names)}
         rows.append({"bytes": size, "seconds": seconds, "choice": min(names, key=lambda n: seconds[n])})
     return {
-        "topology": [groups.num_nodes, groups.ranks_per_node],
+        **setup_of(groups),
         "algorithms": names,
         "sizes": rows,
         "measured_s": round(measured_s, 4),
@@ -91,6 +98,4 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device) -> dict:
             f"per call, in batches of 2-8 back-to-back calls (about {BATCH_BYTES >> 20} MiB a batch), the slowest "
             f"rank's; the best of {ROUNDS} rounds while within {BUDGET_S} s, else of 1"
         ),
-        "compress": groups.compress,
-        "chunk_bytes": groups.chunk_bytes,
     }

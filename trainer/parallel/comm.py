@@ -77,18 +77,19 @@ class HierGroups:
 
 
 class _InterReduce:
-    """The inter-node all-reduce of ``shard``, asynchronous until ``wait`` (in bfloat16 on the wire with
-    ``groups.compress``: the slow link carries half)."""
+    """An all-reduce of ``tensor`` over ``group`` (by default the inter-node group), asynchronous until ``wait``;
+    in bfloat16 on the wire with ``groups.compress`` (the slow link carries half)."""
 
-    def __init__(self, shard: torch.Tensor, groups: HierGroups) -> None:
-        self.shard = shard
-        self.low = shard.to(torch.bfloat16) if groups.compress and shard.dtype == torch.float32 else None
-        self.work = dist.all_reduce(self.shard if self.low is None else self.low, group=groups.inter, async_op=True)
+    def __init__(self, tensor: torch.Tensor, groups: HierGroups, group: dist.ProcessGroup | None = None) -> None:
+        self.tensor = tensor
+        self.low = tensor.to(torch.bfloat16) if groups.compress and tensor.dtype == torch.float32 else None
+        wire = tensor if self.low is None else self.low
+        self.work = dist.all_reduce(wire, group=groups.inter if group is None else group, async_op=True)
 
     def wait(self) -> None:
         self.work.wait()
         if self.low is not None:
-            self.shard.copy_(self.low)
+            self.tensor.copy_(self.low)
 
 
 def _pipelined(buf: torch.Tensor, chunk: int, groups: HierGroups) -> None:
@@ -156,7 +157,7 @@ def two_level_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tens
     inter-node link: for small, latency-bound buckets."""
     dist.all_reduce(tensor, group=groups.intra)
     if groups.num_nodes > 1:
-        _InterReduce(tensor.view(-1), groups).wait()
+        _InterReduce(tensor, groups).wait()
     return tensor
 
 
@@ -166,7 +167,7 @@ def leader_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
     buckets, where one link crossing per node beats the ring's several."""
     dist.reduce(tensor, group_dst=0, group=groups.intra)
     if groups.num_nodes > 1 and dist.get_rank(groups.intra) == 0:
-        _InterReduce(tensor.view(-1), groups).wait()
+        _InterReduce(tensor, groups).wait()
     dist.broadcast(tensor, group_src=0, group=groups.intra)
     return tensor
 
@@ -174,12 +175,7 @@ def leader_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
 def flat_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place with one all-reduce (in bfloat16 with ``groups.compress``: every
     byte of a flat all-reduce may cross the slow link)."""
-    if groups.compress and tensor.dtype == torch.float32:
-        low = tensor.to(torch.bfloat16)
-        dist.all_reduce(low, group=groups.world)
-        tensor.copy_(low)
-    else:
-        dist.all_reduce(tensor, group=groups.world)
+    _InterReduce(tensor, groups, groups.world).wait()
     return tensor
 
 
