@@ -68,6 +68,7 @@ def make_recipe(
         micro_batch_size=cfg.train.micro_batch_size,
         config=cfg,
         run_dir=rundir.root,
+        cache_dir=env.data_cache,
         _barrier=comm.Barrier,
         _token_data=token_data,
     )

@@ -333,29 +333,33 @@ class Checkpointer:
             except OSError as exc:
                 error = (exc, f"cannot create {tmp}: {exc.strerror or exc}")
         self._agree(error, began)
-        error = None
+        # Then each rank's part, up to its first failure: DCP's files (DCP itself makes every rank raise when one
+        # rank's write fails), this rank's own files, and the digests of what it wrote (1/N of the generation). One
+        # agreement for the three: every rank learns every failure, and rank 0 the digests for the manifest.
+        error, mine = None, {}
         try:
             dcp.save(state_dict, storage_writer=self._dcp_writer(tmp / "dcp"), process_group=self.group)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException wrapping per-rank errors
             error = (exc, f"writing the model and optimizer state failed: {_root_cause(exc)}{_space_note(tmp)}")
-        self._agree(error, began)
-        error = None
+        if error is None:
+            error = self._write_own(files, tmp)
+        if error is None:
+            try:
+                mine = _hash_files(tmp, own_files(tmp, self.env.rank))
+            except OSError as exc:
+                error = (exc, f"reading back {getattr(exc, 'filename', None) or tmp}: {_root_cause(exc)}")
+        parts = self._agree(error, began, payload=mine)
+        self._written = {k: v for part in parts for k, v in part.items()}
+
+    def _write_own(self, files: dict[str, bytes], tmp: Path) -> tuple[BaseException, str] | None:
+        """This rank's own files into ``tmp``; the first failure, as ``_agree`` takes it."""
         for file_name, data in files.items():
             path = tmp / file_name
             try:
                 self._write_file(path, data)
             except OSError as exc:
-                error = (exc, f"cannot write {path}: {_root_cause(exc)}{_space_note(tmp)}")
-                break
-        self._agree(error, began)
-        # Each rank hashes what it wrote (1/N of the generation); rank 0 gathers the digests for the manifest.
-        error, mine = None, {}
-        try:
-            mine = _hash_files(tmp, own_files(tmp, self.env.rank))
-        except OSError as exc:
-            error = (exc, f"reading back {getattr(exc, 'filename', None) or tmp}: {_root_cause(exc)}")
-        parts = self._agree(error, began, payload=mine)
-        self._written = {k: v for part in parts for k, v in part.items()}
+                return exc, f"cannot write {path}: {_root_cause(exc)}{_space_note(tmp)}"
+        return None
 
     def _commit(self, tmp: Path, final: Path, meta: dict) -> None:
         """Rank 0 hashes the files into the manifest and commits (each retried alone); every rank learns the outcome.

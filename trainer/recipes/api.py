@@ -129,6 +129,10 @@ class RecipeContext:
     config: Any
     """The whole run config (``runconfig.RunConfig``), read-only: ``config.data``, ``config.train``..."""
     run_dir: Path
+    cache_dir: Path
+    """A folder for data the recipe prepares on first use and keeps across runs (``$HPC_DATA_CACHE``, default
+    ``~/.cache/hpc-trainer/data``; the trainer's own prepared datasets live there too). It may be node-local: write
+    a file there atomically (a temporary name, then ``os.replace``) and look for it on every rank."""
     _barrier: Callable[[], None] = lambda: None
     _token_data: Callable[..., tuple[Any, Any]] | None = None
 

@@ -7,7 +7,11 @@ and resume. The data ship inside scikit-learn (1,797 images): nothing is downloa
 
 from __future__ import annotations
 
+import contextlib
+import os
+import zipfile
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,23 +27,44 @@ CLASSES = 10
 PIXELS = 64
 
 
+def load_cached(cache_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """sklearn's digits as (pixels uint8 [1797, 64], labels int64 [1797]), from ``CACHE_DIR/digits/digits-v1.npz``,
+    written on first use: importing scikit-learn takes seconds on every rank of every launch, reading the file
+    milliseconds. The file appears whole or not at all (written under a temporary name, then renamed), so ranks of
+    concurrent runs, or of nodes that do not share the folder, each find it or make it."""
+    path = Path(cache_dir) / "digits" / "digits-v1.npz"
+    with contextlib.suppress(OSError, ValueError, KeyError, zipfile.BadZipFile), np.load(path) as cached:
+        return cached["pixels"], cached["labels"]
+    from sklearn.datasets import load_digits  # the images ship with scikit-learn
+
+    x, y = load_digits(return_X_y=True)
+    pixels, labels = x.astype(np.uint8), y.astype(np.int64)  # pixel values are the integers 0..16
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, pixels=pixels, labels=labels)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: load from scikit-learn every time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return pixels, labels
+
+
 class Digits(Dataset):
     """One split of the digits as float32 tensors, standardised per pixel with the training split's statistics.
 
     ``ds[i]`` is ``(image [64] float32, label int)``: the default collate makes a (float [B, 64], int64 [B]) batch.
     """
 
-    def __init__(self, split: str) -> None:
-        from sklearn.datasets import load_digits  # the images ship with scikit-learn
-
-        x, y = load_digits(return_X_y=True)
-        held_out = np.arange(len(y)) % HOLD_OUT == 0
-        x = x.astype(np.float32) / 16.0  # pixel values are 0..16
+    def __init__(self, split: str, pixels: np.ndarray, labels: np.ndarray) -> None:
+        held_out = np.arange(len(labels)) % HOLD_OUT == 0
+        x = pixels.astype(np.float32) / 16.0  # pixel values are 0..16
         mean, std = x[~held_out].mean(0), x[~held_out].std(0)
         x = (x - mean) / np.maximum(std, 0.1)  # border pixels are (almost) always 0: do not blow them up
         keep = held_out if split == "val" else ~held_out
         self.images = torch.from_numpy(np.ascontiguousarray(x[keep]))
-        self.labels = y[keep].astype(np.int64)
+        self.labels = labels[keep].astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -89,8 +114,9 @@ def recipe(ctx: RecipeContext, hidden: int = 128, layers: int = 2, dropout: floa
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
-    with ctx.main_process_first():  # not needed for sklearn's shipped data; where a download would go
-        train, val = Digits("train"), Digits("val")
+    with ctx.main_process_first():  # rank 0 writes the cache on first use, the others then read it
+        pixels, labels = load_cached(ctx.cache_dir)
+    train, val = Digits("train", pixels, labels), Digits("val", pixels, labels)
     return Recipe(
         model=mlp(hidden, layers, dropout),
         train_data=train,
