@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +40,7 @@ def load_cached(cache_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 
     x, y = load_digits(return_X_y=True)
     pixels, labels = x.astype(np.uint8), y.astype(np.int64)  # pixel values are the integers 0..16
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}")  # unique on a shared folder too
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
