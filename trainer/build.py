@@ -35,7 +35,7 @@ from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.timing import peak_memory_mb, peak_tflops
-from trainer.parallel.autotune import bucket_sizes, measure, setup_of
+from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.materialise import buffers_to, owners, params_on_meta
 from trainer.parallel.materialise import materialise as fill
@@ -324,8 +324,8 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
     groups, plan, source = p.d.groups, p.state.allreduce_plan, p.cfg.comm.plan_from
     wanted = setup_of(groups)
     how, measured = "recorded in the checkpoint, reused", "measured"
-    if plan is not None and any(plan[k] != v for k, v in wanted.items()):
-        measured = f"measured again: the checkpoint's plan was for {plan['topology'][0]} x {plan['topology'][1]}"
+    if plan is not None and (changed := mismatches(plan, wanted)):
+        measured = f"measured again: the checkpoint's plan was for {'; '.join(changed)}"
         plan = None
     if plan is None and source:
         plan, how = _plan_from(source, wanted), f"from {source}"
@@ -350,8 +350,8 @@ def _plan_from(source: str, wanted: dict) -> dict:
     path = path / RunDir(path).allreduce_plan.name if path.is_dir() else path
     try:
         plan = json.loads(path.read_text())
-        mismatch = [f"{k} {plan[k]} (this run: {v})" for k, v in wanted.items() if plan[k] != v]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        mismatch = mismatches(plan, wanted)
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
         raise UserError(
             f"comm.plan_from: cannot read an all-reduce plan from {path} ({first_line(exc)}); name the run directory "
             "of a run with comm.allreduce=auto (its allreduce_plan.json), or unset comm.plan_from to measure."

@@ -50,3 +50,17 @@ def test_table_has_every_algorithm_and_the_gain_over_flat():
 def test_plan_from_needs_auto():
     with pytest.raises(ConfigError, match="comm.plan_from"):
         load_config("tiny", ["comm.allreduce=flat", "comm.plan_from=/some/run"])
+
+
+def test_a_plan_is_valid_only_for_the_set_up_it_was_measured_in():
+    """Topology, comm.compress and comm.chunk_kb all change what each algorithm costs: a recorded plan that differs
+    in any (or lacks one: written before it was recorded) is measured again, and comm.plan_from refuses it."""
+    from trainer.parallel.autotune import mismatches, setup_of
+    from trainer.parallel.comm import HierGroups
+
+    wanted = setup_of(HierGroups(intra=None, inter=None, ranks_per_node=2, num_nodes=2, chunk_bytes=1 << 20))
+    recorded = {**PLAN, "compress": False, "chunk_bytes": 1 << 20}
+    assert mismatches(recorded, wanted) == []
+    assert mismatches({**recorded, "compress": True}, wanted) == ["compress True (this run: False)"]
+    assert mismatches({**recorded, "topology": [1, 4]}, wanted) == ["topology [1, 4] (this run: [2, 2])"]
+    assert mismatches(PLAN, wanted) == ["compress None (this run: False)", "chunk_bytes None (this run: 1048576)"]

@@ -62,7 +62,15 @@ def setup_of(groups: HierGroups) -> dict:
     """What a plan is valid for: a plan measured under another topology or comm settings is measured again."""
     return {
         "topology": [groups.num_nodes, groups.ranks_per_node],
+        "compress": groups.compress,
+        "chunk_bytes": groups.chunk_bytes,
     }
+
+
+def mismatches(plan: dict, wanted: dict) -> list[str]:
+    """How ``plan`` differs from ``wanted`` (``setup_of`` this run), one "key: plan's (this run: value)" each; a key
+    the plan lacks (written before it was recorded) counts as different."""
+    return [f"{k} {plan.get(k)} (this run: {v})" for k, v in wanted.items() if plan.get(k) != v]
 
 
 def measure(groups: HierGroups, sizes: list[int], device: torch.device) -> dict:
