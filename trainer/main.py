@@ -212,8 +212,8 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             diagnosis, suspects = p.mon.watchdog.diagnose(exc)
             message = f"rank {env.rank}: a collective failed at step {state.step + 1}{diagnosis}. The error: {first}"
+            _report_failure(rundir, env.rank, message, FAILURE_CRASH, suspects)  # first: see _report_failure
             log.error("%s", message)
-            _report_failure(rundir, env.rank, message, FAILURE_CRASH, suspects)
             raise
         p.mon.watchdog.close()
         p.checkpoints.close()  # a background save is committed before anything else happens
@@ -286,10 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         # every rank raised (a checkpoint's GaveUp) is reported by rank 0 and ends every rank without an abort.
         collective = getattr(exc, "collective", False)
         if rank == 0 or not collective:
-            traceback.print_exc()
             text = str(exc) if collective else f"rank {rank}: {str(exc).splitlines()[0][:300]}"
             notes = "; ".join(getattr(exc, "__notes__", []))
-            _report_failure(rundir, rank, f"{text} ({notes})" if notes else text, FAILURE_CRASH)
+            _report_failure(rundir, rank, f"{text} ({notes})" if notes else text, FAILURE_CRASH)  # before any output
+            traceback.print_exc()
         if not collective:
             _abort_job(comm, EXIT_FAILED)
         return EXIT_FAILED
@@ -347,7 +347,11 @@ def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float
 
 
 def _report_failure(rundir: RunDir, rank: int, message: str, kind: str, suspects: list[dict] | None = None) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """failure.json, then the message on stderr. In that order: once a rank of the MPI job has ended, MPICH's
+    hydra ends every other rank the moment any of them writes to stdout or stderr (measured with mpirun
+    -disable-auto-cleanup: a survivor's first line after a rank's SIGKILL), so a report printed first was lost
+    with the rank that was writing it and the launcher restarted with "no diagnosis recorded"."""
     if rundir.root.is_dir():
         with contextlib.suppress(OSError):
             rundir.write_failure(rank, message, kind, suspects)
+    print(f"error: {message}", file=sys.stderr, flush=True)

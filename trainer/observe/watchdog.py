@@ -10,8 +10,13 @@ that sees the claim dumps the Python stacks of all its threads (faulthandler) in
 rank writes ``failure.json`` and a ``hang`` history event and every rank exits with status EXIT_HANG, which the
 launcher does not requeue. Nothing here runs in a signal handler.
 
-A collective that fails outright (gloo notices a peer's closed connection) is diagnosed the same way from the
-heartbeats (``diagnose``), so the error names the rank that went away.
+A collective that fails outright (gloo notices a peer's closed connection) is diagnosed by a roll call
+(``diagnose``), so the error names the rank that went away: every live rank has a second daemon thread blocked in
+the store's ``wait`` on a key of its own (its own connection, no polling); the failing rank sets all those keys
+(one ``multi_set``) and each thread answers at once; a rank that has not answered within ``answer_window(cfg)``
+(1-5 s) has ended or is frozen. ``close`` wakes the rank's own thread to end it, so that no thread is left
+blocked on the store of a rank 0 that leaves first. Waiting out heartbeats instead (a gone rank is silent for
+longer than the 3-beat limit) cost 4 beats, 8 s at the default, for every crash, and the job's restart waited.
 """
 
 from __future__ import annotations
@@ -33,7 +38,15 @@ from runconfig.schema import MonitorConfig
 from trainer.env import RuntimeEnv
 
 HANG_KEY = "hpc/watchdog/hang"
+ANSWERS_KEY = "hpc/watchdog/answers"  # how many ranks answered the roll call
+ROLL_CALL, CLOSE = "roll call", "close"  # what wakes a rank's answering thread
 log = logging.getLogger(__name__)
+
+
+def answer_window(cfg: MonitorConfig) -> float:
+    """Seconds a roll call waits for the live ranks' answers: one heartbeat interval, within 1-5 s (an answer takes
+    milliseconds; the margin is for a loaded host whose answering thread waits for a core and the GIL)."""
+    return min(5.0, max(1.0, cfg.heartbeat_s))
 
 
 class Watchdog:
@@ -47,12 +60,14 @@ class Watchdog:
         self._stop = threading.Event()
         self._store: dist.TCPStore | None = None
         self._thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
+        self._answerer = threading.Thread(target=self._answer_roll_call, name="hpc-roll-call", daemon=True)
         self.enabled = cfg.hang_timeout_s > 0
 
     # -- main thread ------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self.enabled:
             self._thread.start()
+            self._answerer.start()
 
     def enter(self, phase: str, step: int | None = None) -> None:
         """Note the phase the main thread starts (also called from autograd hooks: no locks, no I/O)."""
@@ -78,26 +93,66 @@ class Watchdog:
             self._thread.join(timeout=2 * self.cfg.heartbeat_s + 5)
         with contextlib.suppress(Exception):
             self._client().set(self._key(self.env.rank), self._beat())
+        with contextlib.suppress(Exception):
+            self._client().set(self._call_key(self.env.rank), CLOSE)
+        if self._answerer.is_alive():
+            self._answerer.join(timeout=2.0)
 
     def diagnose(self, error: BaseException) -> tuple[str, list[dict]]:
-        """Why a collective failed, from the heartbeats: which ranks stopped publishing (waits out 4 beats, so a
-        rank gone is silent for longer than the 3-beat limit), as text and as suspects for failure.json."""
+        """Why a collective failed: which ranks did not answer a roll call (ended or frozen), as text and as
+        suspects for failure.json. Takes ``answer_window`` seconds when a rank is gone, less when all answer."""
         if not self.enabled:
             return "", []
-        time.sleep(4 * self.cfg.heartbeat_s)
+        window = answer_window(self.cfg)
         try:
-            beats = self._read_beats()
+            store = self._connect(timedelta(seconds=max(5.0, 2 * window)))  # the heartbeat thread owns _client()
+            store.set(self._answer_key(self.env.rank), "1")  # this rank is alive whatever its answering thread does
+            ranks = range(self.env.world_size)
+            store.multi_set([self._call_key(r) for r in ranks], [ROLL_CALL] * len(ranks))
+            deadline = time.monotonic() + window
+            while time.monotonic() < deadline and store.add(ANSWERS_KEY, 0) < self.env.world_size:
+                time.sleep(0.05)
+            silent = [
+                r
+                for r in range(self.env.world_size)
+                if not store.check([self._answer_key(r)]) and not self._finished(store, r)
+            ]
         except Exception:
             why = "its rendezvous store became unreachable during a failed collective (rank 0 ended?)"
             return "; the rendezvous store on rank 0's host is unreachable too (rank 0 ended?)", [
                 self.env.suspect(0, why)
             ]
-        silent = self._silent(beats)
         if not silent:
             return "", []
-        why = "stopped publishing heartbeats (ended or frozen) when a collective failed"
-        text = f"; rank(s) {_ranks(silent)} stopped publishing heartbeats (ended or frozen)"
+        why = "did not answer the roll call after a collective failed (ended or frozen)"
+        text = f"; rank(s) {_ranks(silent)} did not answer within {window:g} s (ended or frozen)"
         return text, [self.env.suspect(r, why) for r in silent]
+
+    # -- roll-call thread -------------------------------------------------------------------------------------
+    def _answer_key(self, rank: int) -> str:
+        return f"hpc/watchdog/answer/{rank}"
+
+    def _call_key(self, rank: int) -> str:
+        return f"hpc/watchdog/call/{rank}"
+
+    def _finished(self, store: dist.TCPStore, rank: int) -> bool:
+        """The rank closed its watchdog after its last step (it left, but not by failing)."""
+        key = self._key(rank)
+        return bool(store.check([key])) and json.loads(store.get(key))["phase"] == "finished"
+
+    def _connect(self, timeout: timedelta) -> dist.TCPStore:
+        return dist.TCPStore(self._addr, self._port, self.env.world_size, is_master=False, timeout=timeout)
+
+    def _answer_roll_call(self) -> None:
+        """Block in the store (on its own connection: no traffic while nothing happens) until this rank's key is
+        set: answer a roll call, or end on ``close``. Ends quietly if the store goes away."""
+        with contextlib.suppress(Exception):
+            store = self._connect(timedelta(seconds=max(60.0, 2 * self.cfg.heartbeat_s)))
+            key = self._call_key(self.env.rank)
+            store.wait([key], timedelta(days=30))
+            if store.get(key).decode() == ROLL_CALL:
+                store.set(self._answer_key(self.env.rank), "1")
+                store.add(ANSWERS_KEY, 1)
 
     # -- watchdog thread --------------------------------------------------------------------------------------
     def _key(self, rank: int) -> str:
