@@ -38,6 +38,7 @@ from runconfig.schema import MonitorConfig
 from trainer.env import RuntimeEnv
 
 HANG_KEY = "hpc/watchdog/hang"
+REPORTED_KEY = "hpc/watchdog/reported"  # the claiming rank has written failure.json and the hang event
 ANSWERS_KEY = "hpc/watchdog/answers"  # how many ranks answered the roll call
 ROLL_CALL, CLOSE = "roll call", "close"  # what wakes a rank's answering thread
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class Watchdog:
         expected = [r for r in live if r != self.env.rank]
         while time.time() < deadline and not all(store.check([f"hpc/watchdog/dumped/{r}"]) for r in expected):
             time.sleep(0.2)
-        self._fail(message, suspects)
+        self._fail(message, suspects, store)
         return True
 
     def _follow(self, store: dist.TCPStore) -> None:
@@ -269,7 +270,8 @@ class Watchdog:
         self._dump()
         with contextlib.suppress(Exception):
             store.set(f"hpc/watchdog/dumped/{self.env.rank}", "1")
-        time.sleep(3 * self.cfg.heartbeat_s + 5)  # let the claiming rank write the report, then end
+        with contextlib.suppress(Exception):  # let the claiming rank write the report (at most 3 beats + 5 s), then end
+            store.wait([REPORTED_KEY], timedelta(seconds=3 * self.cfg.heartbeat_s + 5))
         os._exit(EXIT_HANG)
 
     def _dump(self) -> None:
@@ -285,11 +287,14 @@ class Watchdog:
         except OSError:
             faulthandler.dump_traceback(all_threads=True)  # to stderr
 
-    def _fail(self, message: str, suspects: list[dict]) -> None:
+    def _fail(self, message: str, suspects: list[dict], store: dist.TCPStore | None = None) -> None:
         with contextlib.suppress(OSError):
             self.rundir.write_failure(self.env.rank, message, FAILURE_HANG, suspects)
         with contextlib.suppress(OSError):
             append_event(self.rundir.history, EVENT_HANG, step=self.step, launch=self.env.launch_id, message=message)
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(REPORTED_KEY, str(self.env.rank))  # the other ranks may end now
         print(f"error: {message}", flush=True)
         os._exit(EXIT_HANG)
 
