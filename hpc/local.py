@@ -11,13 +11,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from hpc.mpi import LauncherError, MpiLauncher
 from hpc.progress import MetricsFollower, Progress
 from hpc.ranks import RankWatch
 from runconfig import RunConfig, RunDir, shm
-from runconfig.contract import LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
+from runconfig.contract import FAILURE_HANG, LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
 from runconfig.outcome import Ended, how_it_ended, new_launch_id
 
 
@@ -111,7 +112,7 @@ def run_local(
     )
     # The survivors of a rank that died name it and abort within ~4 heartbeats (trainer/observe/watchdog.py);
     # ranks still running well after that (blocked in MPI), or after the failure is on record, are killed.
-    watch = RankWatch(proc.pid, world_size, grace_s=4 * cfg.monitor.heartbeat_s + 20, settled=rundir.failure.exists)
+    watch = RankWatch(proc.pid, world_size, grace_s=4 * cfg.monitor.heartbeat_s + 20, settled=partial(settle_s, rundir))
     copier = threading.Thread(
         target=_copy_output, args=(proc, rundir.logs / "mpirun.log", command, tail_lines), daemon=True
     )
@@ -143,6 +144,18 @@ def run_local(
         shm.sweep()
     ended = how_it_ended(rundir, launch_id, proc.returncode)
     return LaunchResult(ended, list(tail_lines), launch_id, nodes, watch.first_ended)
+
+
+#: After a hang's report, the seconds the ranks still running get before they are killed: the live ones end right
+#: after the report (trainer/observe/watchdog.py), what is left is hung (frozen, or stuck without its watchdog).
+HANG_SETTLE_S = 3.0
+
+
+def settle_s(rundir: RunDir) -> float | None:
+    """For RankWatch: None until the launch's failure is on record, then how long the rest get to end themselves."""
+    if not rundir.failure.exists():
+        return None
+    return HANG_SETTLE_S if rundir.failure_record().get("kind") == FAILURE_HANG else RankWatch.SETTLE_S
 
 
 def _copy_output(proc: subprocess.Popen, path: Path, command: list[str], tail_lines: deque[str]) -> None:

@@ -13,12 +13,12 @@ find all of them ended at once and could name nobody. The local launcher therefo
 the silent rank by a roll call (trainer/observe/watchdog.py), write failure.json and abort the MPI job
 (trainer/main.py; in that order, since hydra also ends every rank as soon as one writes to stdout or stderr after a
 rank died); whichever ranks are still running ``grace_s`` after the first one ended (blocked in MPI, say), or once
-the launch's failure is on record, are killed here. That narrows the race without closing it: hydra still ends every rank when one's PMI connection closes
-before MPI_Finalize, and for a killed rank that path races the notice one (measured: all ranks killed within
-~10 ms in 3 of 12 SIGKILLs of a sleeping MPI rank). Where the kernel lets the launcher read its process-exit
-events (hpc/procexit.py: outside a container's pid namespace, on Linux >= 6.6 or as root), the order comes from
-their timestamps instead, which a late wake-up does not lose; elsewhere from the wake-ups. (Open MPI's mpirun
-keeps its own clean-up; best effort there.)
+the launch's failure is on record, are killed here. That narrows the race without closing it: hydra still ends
+every rank when one's PMI connection closes before MPI_Finalize, and for a killed rank that path races the notice
+one (measured: all ranks killed within ~10 ms in 3 of 12 SIGKILLs of a sleeping MPI rank). Where the kernel lets
+the launcher read its process-exit events (hpc/procexit.py: outside a container's pid namespace, on Linux >= 6.6
+or as root), the order comes from their timestamps instead, which a late wake-up does not lose; elsewhere from
+the wake-ups. (Open MPI's mpirun keeps its own clean-up; best effort there.)
 """
 
 from __future__ import annotations
@@ -75,14 +75,20 @@ def find_ranks(root: int) -> dict[int, int]:
 class RankWatch:
     """Watches the ranks under ``root`` (the mpirun process) from a daemon thread until ``world_size`` of them are
     seen and all have ended, or ``close``. ``ended`` lists (rank, time) in the order they ended. With ``grace_s``,
-    the ranks still running that long after one ended are killed (``killed`` lists them), or sooner: ``SETTLE_S``
-    after ``settled()`` says the launch's outcome is recorded (the diagnosis is in; the ranks that are only tearing
-    down, e.g. after a bad-input error, exit on their own meanwhile with their own status)."""
+    the ranks still running that long after one ended are killed (``killed`` lists them), or sooner: once
+    ``settled()`` says the launch's outcome is recorded (the diagnosis is in), it returns how many seconds the ranks
+    still running get to end on their own (``SETTLE_S``: those only tearing down, e.g. after a bad-input error, exit
+    meanwhile with their own status; after a hang the live ranks end right after the report, and the rest are hung);
+    None before."""
 
     SETTLE_S = 10.0
 
     def __init__(
-        self, root: int, world_size: int, grace_s: float | None = None, settled: Callable[[], bool] | None = None
+        self,
+        root: int,
+        world_size: int,
+        grace_s: float | None = None,
+        settled: Callable[[], float | None] | None = None,
     ) -> None:
         self.root, self.world_size, self.grace_s, self.settled = root, world_size, grace_s, settled
         self.ended: list[tuple[int, float]] = []
@@ -93,6 +99,7 @@ class RankWatch:
         self.exits = ProcExits.open()
         self._started = time.monotonic()  # a rank's exit is later (its pid may have served an earlier process)
         self._settled_at: float | None = None
+        self._settle_s = self.SETTLE_S
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
         self._thread.start()
@@ -148,11 +155,13 @@ class RankWatch:
                 wait = 0.1 if len(seen) < self.world_size else 0.5
                 if self.ended and self.grace_s is not None:
                     now = time.monotonic()
-                    if self._settled_at is None and self.settled is not None and self.settled():
-                        self._settled_at = now
+                    if self._settled_at is None and self.settled is not None:
+                        settle_s = self.settled()
+                        if settle_s is not None:
+                            self._settled_at, self._settle_s = now, settle_s
                     left = self.ended[0][1] + self.grace_s - now
                     if self._settled_at is not None:
-                        left = min(left, self._settled_at + self.SETTLE_S - now)
+                        left = min(left, self._settled_at + self._settle_s - now)
                     if left <= 0 and not self.killed:
                         self._kill(fds)
                     wait = min(wait, max(left, 0.05))

@@ -54,18 +54,17 @@ def test_the_first_rank_ended_is_named_and_the_rest_are_killed_when_the_grace_en
             proc.wait()
 
 
-def test_the_rest_are_killed_soon_after_the_outcome_is_on_record(tmp_path, monkeypatch):
-    monkeypatch.setattr(RankWatch, "SETTLE_S", 1.0)
+def test_the_rest_are_killed_soon_after_the_outcome_is_on_record(tmp_path):
     record = tmp_path / "failure.json"
     proc = start(2, first=0)
     try:
-        watch = RankWatch(proc.pid, 2, grace_s=300.0, settled=record.exists)
+        watch = RankWatch(proc.pid, 2, grace_s=300.0, settled=lambda: 1.0 if record.exists() else None)
         wait_for(lambda: watch.ended)
         time.sleep(0.5)
         assert watch.killed == []  # nothing on record yet: rank 1 lives on
         record.write_text("{}")
         time.sleep(0.5)
-        assert watch.killed == []  # the ranks tearing down get SETTLE_S to exit on their own
+        assert watch.killed == []  # the ranks tearing down get the settle time to exit on their own
         proc.wait(timeout=30)
         watch.close()
         assert watch.first_ended == 0 and watch.killed == [1], watch.ended
