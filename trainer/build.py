@@ -27,7 +27,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.state import TrainState, rank_seed
 from trainer.data.loader import BatchLoader, fetch, to_device
 from trainer.data.resolve import open_splits
-from trainer.env import RuntimeEnv, agree
+from trainer.env import RuntimeEnv, agree, patient_barrier
 from trainer.errors import UserError, first_line
 from trainer.loop.optim import build_optimizer, lr_at
 from trainer.loop.parts import Parts, autocast
@@ -69,7 +69,7 @@ def make_recipe(
         config=cfg,
         run_dir=rundir.root,
         cache_dir=env.data_cache,
-        _barrier=comm.Barrier,
+        _barrier=functools.partial(patient_barrier, comm),  # the others wait without spinning on rank 0's cores
         _token_data=token_data,
     )
     torch.manual_seed(cfg.train.seed)
