@@ -110,7 +110,7 @@ def run_local(
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"
     )
-    # The survivors of a rank that died name it and abort within ~4 heartbeats (trainer/observe/watchdog.py);
+    # The survivors of a rank that died name it by a roll call (1-5 s, trainer/observe/watchdog.py) and abort;
     # ranks still running well after that (blocked in MPI), or after the failure is on record, are killed.
     watch = RankWatch(proc.pid, world_size, grace_s=4 * cfg.monitor.heartbeat_s + 20, settled=partial(settle_s, rundir))
     copier = threading.Thread(

@@ -68,8 +68,8 @@ def setup_of(groups: HierGroups) -> dict:
 
 
 def mismatches(plan: dict, wanted: dict) -> list[str]:
-    """How ``plan`` differs from ``wanted`` (``setup_of`` this run), one "key: plan's (this run: value)" each; a key
-    the plan lacks (written before it was recorded) counts as different."""
+    """How ``plan`` differs from ``wanted`` (``setup_of`` this run), one "KEY PLAN_VALUE (this run: VALUE)" each; a
+    key the plan lacks (written before it was recorded) counts as different."""
     return [f"{k} {plan.get(k)} (this run: {v})" for k, v in wanted.items() if plan.get(k) != v]
 
 
