@@ -29,6 +29,15 @@ def start(n: int, first: int) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped, or no longer there)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 def wait_for(predicate, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -96,7 +105,9 @@ def test_the_kernels_exit_order_stands_where_the_watch_woke_too_late():
         for rank in (2, 0, 1):
             with contextlib.suppress(ProcessLookupError):  # mpirun may have ended them already
                 os.kill(watch.found[rank], signal.SIGKILL)
-            time.sleep(0.005)
+            # A signalled process exits when it next runs: on a busy host a later one can run first (a rank
+            # killed 5 ms after another once exited 0.45 ms before it). Each exit is awaited before the next kill.
+            wait_for(lambda pid=watch.found[rank]: gone(pid), timeout=10.0)
         proc.wait(timeout=30)
         wait_for(lambda: len(watch.ended) == 3)
         watch.close()
