@@ -293,10 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         if not collective:
             _abort_job(comm, EXIT_FAILED)
         return EXIT_FAILED
-    except Exception:
+    except Exception as exc:
         # Anything else (a collective failed because a peer went away, a bug): the other ranks may be blocked
         # in a collective, or in MPI_Finalize's barrier waiting for a rank that is gone. Abort the whole MPI job
-        # so the launcher ends every rank at once; the traceback and failure.json are written first.
+        # so the launcher ends every rank at once; failure.json (the exception and where) and the traceback first.
+        _report_failure(rundir, rank, _describe(rank, exc), FAILURE_CRASH)
         traceback.print_exc()
         _abort_job(comm, EXIT_FAILED)
         raise  # not reached
@@ -344,6 +345,22 @@ def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float
     for name, before, after in zip(names[1:], times, times[1:], strict=False):
         out[name] = round(after - before, 3)
     return out
+
+
+def _describe(rank: int, exc: BaseException) -> str:
+    """``rank R: Type: first line of the message (at file:line in function)``: the innermost frame, for a
+    diagnosis that says where a bug was hit without the whole traceback."""
+    text = str(exc).strip().splitlines()
+    where = ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        f = frames[-1]
+        try:
+            name = str(Path(f.filename).resolve().relative_to(Path(__file__).resolve().parent.parent))
+        except ValueError:
+            name = f.filename
+        where = f" (at {name}:{f.lineno} in {f.name})"
+    return f"rank {rank}: {type(exc).__name__}: {text[0][:300] if text else ''}{where}"
 
 
 def _report_failure(rundir: RunDir, rank: int, message: str, kind: str, suspects: list[dict] | None = None) -> None:

@@ -125,6 +125,19 @@ def test_non_finite_loss_stops_with_the_last_checkpoint_intact(tmp_path):
     assert json.loads((run_dir / "failure.json").read_text())["rank"] == 1
 
 
+def test_a_bug_in_the_recipe_is_diagnosed_with_where_it_was_hit(tmp_path):
+    """Every rank raises a KeyError in the user's loss at step 2: failure.json and the launcher name the exception
+    and the line, not "no diagnosis recorded" (found on a GPU machine: a torch API missing from an older release
+    ended a launch with nothing recorded, and it was restarted three times)."""
+    run_dir = tmp_path / "run"
+    proc = submit(make_project(tmp_path, "recipes:bug_in_loss", job={"max_failures": 0}), run_dir)
+    assert proc.returncode not in (0, EXIT_USER_ERROR), proc.stdout + proc.stderr
+    message = json.loads((run_dir / "failure.json").read_text())["message"]
+    assert "KeyError: 'weights' (at " in message and "toyproj/recipes.py:" in message, message
+    assert message.endswith(" in loss)"), message
+    assert "KeyError: 'weights'" in proc.stderr and "no diagnosis recorded" not in proc.stderr, proc.stderr
+
+
 def test_prefetch_hides_a_dataset_slower_than_a_step(tmp_path):
     """Each micro-batch takes 4 x 25 ms to fetch, longer than the 40 ms a micro-batch computes; 4 prefetch threads
     fetch 4 batches at once, so the data wait vanishes, while without prefetch every step waits for its batches."""

@@ -36,6 +36,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (the old names warn there); older
+# releases (the package supports torch >= 2.6) have only the old names.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class BlockedIntervals:
@@ -100,20 +105,20 @@ def _pipelined(buf: torch.Tensor, chunk: int, groups: HierGroups) -> None:
     k, intra = groups.ranks_per_node, groups.intra
     pieces = list(buf.split(chunk))
     shards = [p.new_empty(p.numel() // k) for p in pieces]
-    rs = {0: dist.reduce_scatter_single(shards[0], pieces[0], group=intra, async_op=True)}
+    rs = {0: reduce_scatter_single(shards[0], pieces[0], group=intra, async_op=True)}
     inter: dict[int, _InterReduce] = {}
     gathers = []
     for i in range(len(pieces)):
         rs.pop(i).wait()
         inter[i] = _InterReduce(shards[i], groups)
         if i + 1 < len(pieces):
-            rs[i + 1] = dist.reduce_scatter_single(shards[i + 1], pieces[i + 1], group=intra, async_op=True)
+            rs[i + 1] = reduce_scatter_single(shards[i + 1], pieces[i + 1], group=intra, async_op=True)
         if i >= 1:
             inter.pop(i - 1).wait()
-            gathers.append(dist.all_gather_single(pieces[i - 1], shards[i - 1], group=intra, async_op=True))
+            gathers.append(all_gather_single(pieces[i - 1], shards[i - 1], group=intra, async_op=True))
     last = len(pieces) - 1
     inter.pop(last).wait()
-    gathers.append(dist.all_gather_single(pieces[last], shards[last], group=intra, async_op=True))
+    gathers.append(all_gather_single(pieces[last], shards[last], group=intra, async_op=True))
     for work in gathers:
         work.wait()
 
@@ -142,10 +147,10 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.T
             flat.copy_(buf[:n])
         return tensor
     shard = buf.new_empty(padded_len // k)
-    dist.reduce_scatter_single(shard, buf, group=groups.intra)
+    reduce_scatter_single(shard, buf, group=groups.intra)
     if groups.num_nodes > 1:
         _InterReduce(shard, groups).wait()
-    dist.all_gather_single(buf, shard, group=groups.intra)
+    all_gather_single(buf, shard, group=groups.intra)
     if buf is not flat:
         flat.copy_(buf[:n])
     return tensor

@@ -44,6 +44,48 @@ def pick_device(env: RuntimeEnv, device: str) -> torch.device:
     return torch.device("cpu")
 
 
+def gpu_identity(device: torch.device) -> str:
+    """The physical GPU behind ``device``: its UUID (the same whatever CUDA_VISIBLE_DEVICES numbers it), else its
+    PCI bus id."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    return f"pci {getattr(props, 'pci_bus_id', '?')}:{getattr(props, 'pci_device_id', '?')}"
+
+
+def shared_gpus(placements: list[tuple[str, str]]) -> list[tuple[int, int, str]]:
+    """(rank, earlier rank, host) for every rank placed on a GPU that an earlier rank already uses;
+    ``placements[rank]`` is (host, GPU identity)."""
+    first: dict[tuple[str, str], int] = {}
+    out = []
+    for rank, where in enumerate(placements):
+        if where in first:
+            out.append((rank, first[where], where[0]))
+        else:
+            first[where] = rank
+    return out
+
+
+def check_one_rank_per_gpu(env: RuntimeEnv, device: torch.device, comm: MPI.Comm) -> None:
+    """NCCL refuses two ranks on one GPU, deep in its set-up ("Duplicate GPU detected", or a hang on older
+    versions): say so first, on every rank alike, with the numbers to change. Identities are compared, not
+    device counts: under Slurm's GPU binding each rank may see only its own GPU, as device 0."""
+    placements = comm.allgather((env.hostname, gpu_identity(device)))
+    shared = shared_gpus(placements)
+    if not shared:
+        return
+    rank, other, host = shared[0]
+    on_host = sum(1 for h, _ in placements if h == host)
+    gpus = len({g for h, g in placements if h == host})
+    raise UserError(
+        f"ranks {other} and {rank} on {host} would share one GPU ({len(shared)} rank(s) without a GPU of their own; "
+        f"{on_host} ranks on that host, {gpus} distinct GPU(s) visible to them): NCCL allows one rank per GPU. "
+        "Set job.ranks_per_node (and job.gpus_per_node) to the GPUs per node, check CUDA_VISIBLE_DEVICES, or set "
+        "comm.backend: gloo to let ranks share a GPU (slow; for tests)."
+    )
+
+
 def rendezvous_address(env: RuntimeEnv, cfg: CommConfig) -> str:
     if cfg.master_addr:
         return cfg.master_addr
@@ -54,6 +96,8 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
     """Rank 0 opens a TCPStore on a free port (chosen by the OS, so no race), MPI broadcasts the port, and all
     ranks join the default group; then the (node, local) mesh is built from the topology."""
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type == "cuda":
+        check_one_rank_per_gpu(env, device, comm)
     timeout = timedelta(seconds=cfg.timeout_s)
     addr = rendezvous_address(env, cfg)
     port = None

@@ -107,6 +107,19 @@ def nan_loss(ctx: RecipeContext, bad_rank: int = 1, from_call: int = 10) -> Reci
     return Recipe(model=mlp(8, 0.0), train_data=Points(512), loss=loss)
 
 
+def bug_in_loss(ctx: RecipeContext, from_call: int = 6) -> Recipe:
+    """A bug every rank hits from its ``from_call``-th loss call on: a dictionary lookup of a key never set."""
+    calls = [0]
+    extras: dict[str, torch.Tensor] = {}
+
+    def loss(model, batch):
+        calls[0] += 1
+        value = classify(model, batch)
+        return value * extras["weights"].mean() if calls[0] >= from_call else value
+
+    return Recipe(model=mlp(8, 0.0), train_data=Points(512), loss=loss)
+
+
 def wrong_tp_plan(ctx: RecipeContext) -> Recipe:
     """A tensor-parallel plan that splits both layers by output: the second gets half of its input features."""
     from torch.distributed.tensor.parallel import ColwiseParallel

@@ -1,0 +1,256 @@
+"""The trainer's CUDA/NCCL path on a real GPU machine, end to end, as one short script (one lease of a GPU node).
+
+``python bench/gpu_check.py [--out DIR]`` runs, each through ``python -m hpc.submit ... --local`` as a user would:
+
+- ``env``: torch, CUDA, NCCL and MPI versions, the GPUs seen;
+- ``shared_gpu``: more ranks than GPUs with NCCL (2 ranks, one GPU each wanted): the launch must fail with the
+  trainer's one-paragraph error naming the ranks and the host (before NCCL's "Duplicate GPU detected");
+- ``tiny``: the tiny example on one GPU (1 rank, NCCL, bf16 autocast): loss, eval loss, tokens/s;
+- ``resume``: a run stopped by SIGUSR2 at a step boundary and resumed ends with the same parameters (params_sha256)
+  and the same per-step losses as an uninterrupted one, on the GPU (dropout on: the RNG streams must be restored);
+- ``gpt124m``: a GPT-2-small-shaped model (12 x 768, 1024 tokens, batch 16) for throughput: tokens/s, MFU and peak
+  memory, eager and with ``parallel.compile=true`` (``gpt124m_compile``);
+- ``gloo_2x2``: 2 simulated nodes x 2 ranks sharing the GPU over gloo (CUDA tensors through the hierarchical
+  all-reduce and through flat): every variant trains and the losses agree within bf16 noise.
+
+With one GPU, NCCL cannot run more than one rank (it refuses two ranks on one device), so the NCCL all-reduce
+benchmark itself needs a node of several GPUs: ``python bench/allreduce.py`` there. Prints a table last and writes
+the JSON object and every run's launcher log under ``--out``. ``--device cpu --quick`` rehearses the script on a
+machine without a GPU (the CUDA-only checks are skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from runconfig.contract import EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
+
+# The resume check's run: small and short, dropout on, a checkpoint every 4 steps.
+RESUME_SETS = [
+    "train.steps=24", "train.warmup_steps=2", "train.eval_every=8", "model.d_model=64", "model.n_layers=2",
+    "model.seq_len=64", "checkpoint.every_steps=4", "checkpoint.keep_last=3", "model.dropout=0.1",
+]  # fmt: skip
+GPT124M_SETS = [
+    "model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.seq_len=1024", "train.global_batch_size=16",
+    "train.micro_batch_size=16", "train.steps=40", "train.warmup_steps=4", "train.eval_every=0",
+    "checkpoint.every_steps=0",
+]  # fmt: skip
+
+
+class Runner:
+    def __init__(self, work: Path, device: str, log: Path) -> None:
+        self.work, self.device, self.log = work, device, log
+        self.env = dict(os.environ)
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), self.env.get("PYTHONPATH", "")) if p)
+        self.env["HPC_DATA_CACHE"] = str(work / "data-cache")
+
+    def args(self, target: str, run_dir: Path | None, layout: tuple[int, int], sets: list[str]) -> list[str]:
+        nodes, ranks = layout
+        out = [sys.executable, "-m", "hpc.submit", target, "--local"]
+        if run_dir is not None:
+            out += ["--run-dir", str(run_dir)]
+        for s in [f"job.nodes={nodes}", f"job.ranks_per_node={ranks}", f"train.device={self.device}", *sets]:
+            out += ["--set", s]
+        return out
+
+    def start(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            args, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def finish(self, name: str, proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            out += f"\n[gpu_check: killed after {timeout:.0f} s]"
+        with self.log.open("a") as f:
+            f.write(f"\n===== {name}: {' '.join(map(str, proc.args))}\n===== exit {proc.returncode}\n{out}\n")
+        return proc.returncode, out
+
+    def run(self, name: str, target: str, layout: tuple[int, int], sets: list[str], timeout: float = 300):
+        run_dir = self.work / name
+        started = time.perf_counter()
+        rc, out = self.finish(name, self.start(self.args(target, run_dir, layout, sets)), timeout)
+        return rc, out, run_dir, time.perf_counter() - started
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+
+
+def steady(rows: list[dict], skip: int) -> dict:
+    """Medians over the steps after the first ``skip`` (warm-up, compilation)."""
+    rows = [r for r in rows if r.get("step", 0) > skip and "tokens_per_s" in r]
+    if not rows:
+        return {}
+    out = {
+        "steps_measured": len(rows),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+        "step_time_ms": 1e3 * statistics.median(r["step_time_s"] for r in rows),
+        "peak_mem_mb": max(r.get("peak_mem_mb", 0.0) for r in rows),
+    }
+    if all("mfu" in r for r in rows):
+        out["mfu"] = statistics.median(r["mfu"] for r in rows)
+    return out
+
+
+def summary(run_dir: Path) -> dict:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def rank_pids(run_dir: Path) -> list[int]:
+    pids = subprocess.run(["pgrep", "-f", f"trainer --run-dir {run_dir}"], capture_output=True, text=True)
+    out = []
+    for pid in pids.stdout.split():
+        try:
+            if any(x.startswith(b"PMI_RANK=") for x in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def check_env() -> dict:
+    import torch
+
+    out: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    probe = "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+    mpi = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    out["mpi"] = mpi.stdout.strip() or mpi.stderr.strip()[-300:]
+    mpirun = Path(sys.executable).parent / "mpirun"
+    out["mpirun_beside_python"] = mpirun.exists()
+    return {"ok": True, **out}
+
+
+def check_shared_gpu(r: Runner) -> dict:
+    rc, out, _, wall = r.run("shared_gpu", "tiny", (1, 2), ["comm.backend=nccl", "train.steps=4"], timeout=180)
+    named = "would share one GPU" in out
+    lines = [x for x in out.splitlines() if "share one GPU" in x]
+    return {"ok": rc == EXIT_USER_ERROR and named, "exit": rc, "wall_s": wall, "message": lines[:1]}
+
+
+def check_tiny(r: Runner) -> dict:
+    rc, _, run_dir, wall = r.run("tiny", "tiny", (1, 1), [])
+    s = summary(run_dir)
+    res = {"exit": rc, "wall_s": wall, "backend": s.get("backend"), "final_loss": s.get("final_loss")}
+    res.update(eval_loss=s.get("final_eval_loss"), **steady(metrics(run_dir), 20))
+    res["ok"] = rc == 0 and s.get("final_loss") is not None and s["final_loss"] < 3.0
+    return res
+
+
+def check_resume(r: Runner, layout: tuple[int, int]) -> dict:
+    ref_rc, _, ref_dir, _ = r.run("resume_ref", "tiny", layout, RESUME_SETS)
+    run_dir = r.work / "resume_cut"
+    proc = r.start(r.args("tiny", run_dir, layout, RESUME_SETS))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(row.get("step", 0) >= 8 for row in metrics(run_dir)):
+            break
+        time.sleep(0.05)
+    for pid in rank_pids(run_dir):
+        os.kill(pid, signal.SIGUSR2)
+    cut_rc, _ = r.finish("resume_cut", proc, 180)
+    stopped_at = max((row.get("step", 0) for row in metrics(run_dir)), default=0)
+    resume_args = [sys.executable, "-m", "hpc.submit", "--resume", str(run_dir), "--local"]
+    res_rc, _ = r.finish("resume_resumed", r.start(resume_args), 300)
+    a, b = summary(ref_dir), summary(run_dir)
+    keys = ("step", "loss", "eval_loss", "tokens_seen")
+    same_rows = [{k: x.get(k) for k in keys} for x in metrics(ref_dir)] == [
+        {k: x.get(k) for k in keys} for x in metrics(run_dir)
+    ]
+    same = a.get("params_sha256") is not None and a.get("params_sha256") == b.get("params_sha256")
+    return {
+        "ok": ref_rc == 0 and cut_rc == EXIT_STOPPED and res_rc == 0 and same and same_rows,
+        "exits": [ref_rc, cut_rc, res_rc],
+        "stopped_at_step": stopped_at,
+        "params_identical": same,
+        "losses_identical": same_rows,
+    }
+
+
+def check_gpt124m(r: Runner, compile_: bool) -> dict:
+    name = "gpt124m_compile" if compile_ else "gpt124m"
+    sets = [*GPT124M_SETS, *(["parallel.compile=true"] if compile_ else [])]
+    rc, _, run_dir, wall = r.run(name, "tiny", (1, 1), sets, timeout=420)
+    s = summary(run_dir)
+    return {"ok": rc == 0, "exit": rc, "wall_s": wall, "n_params": s.get("n_params"), **steady(metrics(run_dir), 10)}
+
+
+def check_gloo_2x2(r: Runner) -> dict:
+    res: dict = {}
+    for algo in ("hierarchical", "flat"):
+        sets = ["comm.backend=gloo", f"comm.allreduce={algo}", "train.steps=40", "train.eval_every=20"]
+        rc, _, run_dir, wall = r.run(f"gloo_2x2_{algo}", "tiny", (2, 2), sets)
+        res[algo] = {"exit": rc, "wall_s": wall, "final_loss": summary(run_dir).get("final_loss")}
+    losses = [res[a]["final_loss"] for a in ("hierarchical", "flat")]
+    res["ok"] = all(res[a]["exit"] == 0 for a in ("hierarchical", "flat")) and None not in losses
+    if res["ok"]:
+        res["loss_difference"] = abs(losses[0] - losses[1])
+        res["ok"] = res["loss_difference"] < 0.05
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, help="write gpu_check.json and runs.log here")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: rehearse without a GPU")
+    p.add_argument("--only", nargs="*", help="run only these checks")
+    args = p.parse_args(argv)
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-out-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    log = out_dir / "runs.log"
+    r = Runner(work, args.device, log)
+    cuda = args.device == "cuda"
+    checks = {
+        "env": check_env,
+        "shared_gpu": (lambda: check_shared_gpu(r)) if cuda else None,
+        "tiny": lambda: check_tiny(r),
+        "resume": lambda: check_resume(r, (1, 1)),
+        "gloo_2x2": (lambda: check_gloo_2x2(r)) if cuda else None,
+        "gpt124m": lambda: check_gpt124m(r, False),
+        "gpt124m_compile": lambda: check_gpt124m(r, True),
+    }
+    results: dict = {}
+    for name, fn in checks.items():
+        if fn is None or (args.only and name not in args.only):
+            continue
+        started = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as exc:  # noqa: BLE001 (one check's failure must not lose the others' figures)
+            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        results[name]["check_s"] = round(time.perf_counter() - started, 1)
+        (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2) + "\n")
+        print(f"[{name}] {json.dumps(results[name])}", flush=True)
+    print(f"\n{'check':<16} {'ok':<5} {'s':>6}  figures")
+    for name, res in results.items():
+        figures = {k: v for k, v in res.items() if k not in ("ok", "check_s") and not isinstance(v, dict)}
+        text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
+        print(f"{name:<16} {str(res['ok']):<5} {res['check_s']:>6}  {text[:300]}")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(res["ok"] for res in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
