@@ -9,7 +9,8 @@
 - ``resume``: a run stopped by SIGUSR2 at a step boundary and resumed ends with the same parameters (params_sha256)
   and the same per-step losses as an uninterrupted one, on the GPU (dropout on: the RNG streams must be restored);
 - ``gpt124m``: a GPT-2-small-shaped model (12 x 768, 1024 tokens, batch 16) for throughput: tokens/s, MFU and peak
-  memory, eager and with ``parallel.compile=true`` (``gpt124m_compile``);
+  memory, eager and with ``parallel.compile=true`` (``gpt124m_compile``); ``plain``: the same against plain DDP
+  (bench/plain_ddp.py under torchrun), alternated, as the ratio of tokens/s;
 - ``gloo_2x2``: 2 simulated nodes x 2 ranks sharing the GPU over gloo (CUDA tensors through the hierarchical
   all-reduce and through flat): every variant trains and the losses agree within bf16 noise.
 
@@ -107,6 +108,9 @@ def steady(rows: list[dict], skip: int) -> dict:
     }
     if all("mfu" in r for r in rows):
         out["mfu"] = statistics.median(r["mfu"] for r in rows)
+    for part in ("data", "compute", "comm", "optim", "sync"):  # the trainer's step-time breakdown
+        if all(f"time_{part}_s" in r for r in rows):
+            out[f"{part}_ms"] = 1e3 * statistics.median(r[f"time_{part}_s"] for r in rows)
     return out
 
 
@@ -196,6 +200,36 @@ def check_gpt124m(r: Runner, compile_: bool) -> dict:
     return {"ok": rc == 0, "exit": rc, "wall_s": wall, "n_params": s.get("n_params"), **steady(metrics(run_dir), 10)}
 
 
+def check_plain(r: Runner, rounds: int) -> dict:
+    """The trainer against plain DDP (bench/plain_ddp.py under torchrun) on the GPT-2-small shape, alternated
+    ``rounds`` times: tokens/s (median over steps after 10) and the trainer's share of plain's; also the trainer
+    with ``monitor.device_sync=false`` (no device synchronization at the breakdown's phase boundaries)."""
+    trainer, nosync, plain, breakdown = [], [], [], {}
+    for i in range(rounds):
+        for name, extra, into in (("trainer", [], trainer), ("nosync", ["monitor.device_sync=false"], nosync)):
+            rc, _, run_dir, _ = r.run(f"plain_{name}_{i}", "tiny", (1, 1), [*GPT124M_SETS, *extra], timeout=300)
+            if rc != 0:
+                return {"ok": False, f"{name}_exit": rc}
+            figures = steady(metrics(run_dir), 10)
+            into.append(figures["tokens_per_s"])
+            breakdown[name] = {k: v for k, v in figures.items() if k.endswith("_ms")}
+        data = next((r.work / "data-cache").rglob("manifest.json")).parent
+        out = r.work / f"plain_{i}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+        cmd += [str(ROOT / "bench" / "plain_ddp.py"), "--device", r.device, "--data", str(data), "--out", str(out)]
+        for s in ["job.nodes=1", "job.ranks_per_node=1", *GPT124M_SETS]:
+            cmd += ["--set", s]
+        rc, _ = r.finish(f"plain_{i}", r.start(cmd), 300)
+        if rc != 0 or not out.exists():
+            return {"ok": False, "plain_exit": rc, "trainer_tokens_per_s": trainer}
+        res = json.loads(out.read_text())
+        plain.append(res["tokens_per_step"] / statistics.median(res["step_time_s"][10:]))
+    t, n, q = statistics.median(trainer), statistics.median(nosync), statistics.median(plain)
+    return {"ok": True, "trainer_tokens_per_s": t, "nosync_tokens_per_s": n, "plain_tokens_per_s": q,
+            "ratio": t / q, "ratio_nosync": n / q, "rounds": rounds, "each_trainer": trainer, "each_nosync": nosync,
+            "each_plain": plain, "breakdown_last_round": breakdown}  # fmt: skip
+
+
 def check_gloo_2x2(r: Runner) -> dict:
     res: dict = {}
     for algo in ("hierarchical", "flat"):
@@ -230,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "gloo_2x2": (lambda: check_gloo_2x2(r)) if cuda else None,
         "gpt124m": lambda: check_gpt124m(r, False),
         "gpt124m_compile": lambda: check_gpt124m(r, True),
+        "plain": lambda: check_plain(r, 3),
     }
     results: dict = {}
     for name, fn in checks.items():

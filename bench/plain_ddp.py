@@ -42,10 +42,15 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--data", type=Path, required=True, help="prepared dataset folder (manifest.json + shards)")
     p.add_argument("--out", type=Path, help="rank 0 also writes its JSON here")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, bf16 autocast as the trainer")
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = load_config(args.config, args.overrides)
     t = cfg.train
@@ -53,8 +58,9 @@ def main() -> int:
     window = cfg.model.seq_len + 1
 
     torch.manual_seed(t.seed)
-    model = GPT(cfg.model)
-    ddp = DDP(model, bucket_cap_mb=cfg.comm.bucket_mb)
+    model = GPT(cfg.model).to(device)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=cfg.comm.bucket_mb)
+    precision = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     decay = [q for q in model.parameters() if q.dim() >= 2]
     no_decay = [q for q in model.parameters() if q.dim() < 2]
     opt = torch.optim.AdamW(
@@ -75,7 +81,7 @@ def main() -> int:
             ds = shards[rng.integers(len(shards))]
             start = int(rng.integers(len(ds) - window))
             rows.append(ds[start : start + window])
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return torch.from_numpy(np.stack(rows).astype(np.int64)).to(device, non_blocking=True)
 
     ddp.train()
     step_times: list[float] = []
@@ -87,8 +93,9 @@ def main() -> int:
         for micro in range(accum):
             x = batch()
             with ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                logits = ddp(x[:, :-1])
-                loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), x[:, 1:].reshape(-1)) / accum
+                with precision:
+                    logits = ddp(x[:, :-1])
+                    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), x[:, 1:].reshape(-1)) / accum
                 loss.backward()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -96,6 +103,8 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         if (step + 1) % t.log_every == 0:
             losses.append(loss.item() * accum)  # this rank's last micro-batch: what a plain script logs
+        if cuda:
+            torch.cuda.synchronize()
         now = time.perf_counter()
         step_times.append(now - last)
         last = now

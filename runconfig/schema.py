@@ -586,6 +586,12 @@ class MonitorConfig:
     peak_tflops: float = doc(
         "Peak bf16 dense TFLOP/s of one device for MFU; 0 = looked up from the GPU's name (no MFU on CPU).", 0.0
     )
+    device_sync: bool = doc(
+        "On GPU, synchronize the device at each phase boundary of a step, so that the step-time breakdown (data, "
+        "compute, comm, optim) is device time. false: no synchronization inside a step (the GPU's queue is never "
+        "drained mid-step); the parts are then host times. No effect on CPU.",
+        True,
+    )
     log_every_s: float = doc("Rank 0's plain progress line in batch logs at most this often (seconds).", 30.0)
     preflight: Literal["off", "warn", "exclude", False] = doc(
         "Gang preflight before step 0 of every launch (well under a second): each rank's device and free memory, a "

@@ -67,6 +67,7 @@ def build_monitors(
             lambda: watchdog.enter("waiting for the gradient all-reduce"),
             ledger=d.ledger,
             tail_dim="dp_replicate" if ddp else None,
+            device_sync=cfg.monitor.device_sync,
         ),
         watchdog=watchdog,
         stragglers=StragglerCheck(env, cfg.monitor, d.device),

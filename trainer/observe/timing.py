@@ -1,8 +1,8 @@
 """Where a step's time goes: data wait, forward+backward, exposed communication, optimizer, checkpoint, sync.
 
 ``StepClock`` times the phases of each step with the host clock. On CUDA it synchronizes the device at each
-phase boundary (a handful per step) so the host clock measures device work, and it finds the moment the last
-gradient was produced with CUDA events recorded by per-parameter hooks.
+phase boundary (a handful per step; ``monitor.device_sync``) so the host clock measures device work, and it finds
+the moment the last gradient was produced with CUDA events recorded by per-parameter hooks.
 
 Exposed communication is the time the backward pass spends waiting on gradient communication rather than
 computing: from the moment the last gradient is ready to the end of ``backward()`` (DDP waits there for its
@@ -39,8 +39,10 @@ class StepClock:
         on_grads_ready: Callable[[], None] | None = None,
         ledger: CommLedger | None = None,
         tail_dim: str | None = None,
+        device_sync: bool = True,
     ) -> None:
         self.cuda = device.type == "cuda"
+        self.device_sync = self.cuda and device_sync  # monitor.device_sync
         self.on_grads_ready = on_grads_ready  # every gradient of a synchronizing backward exists: comm remains
         self._n_params = len(params)
         self._grads_seen = 0
@@ -72,7 +74,7 @@ class StepClock:
             self.on_grads_ready()
 
     def _sync(self) -> None:
-        if self.cuda:
+        if self.device_sync:
             torch.cuda.synchronize(self.device)
 
     @contextmanager
