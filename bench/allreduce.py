@@ -1,14 +1,16 @@
-"""Bus bandwidth of flat vs the hierarchical all-reduce algorithms on 2 (simulated) nodes x 2 ranks.
+"""Bus bandwidth of flat vs the hierarchical all-reduce algorithms on N (simulated) nodes x K ranks (default 2 x 2).
 
-``python bench/allreduce.py`` starts itself under the venv's mpirun with 4 ranks (``--worker``); every rank
-bootstraps like the trainer (``trainer.env.from_mpi`` + ``trainer.parallel.distributed.init_distributed``) and times
-``dist.all_reduce`` on the default group against each of ``trainer.parallel.comm.ALGORITHMS`` (hierarchical, leader,
-two_level) and against ``auto``: the algorithm that ``comm.allreduce: auto``'s plan, measured at the start of the
-benchmark as the trainer measures it, chose for the size; all alternated per iteration. Figures follow nccl-tests:
-algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0 prints a table and a JSON object. ``--link-mbit RATE``
-puts ranks 0-1 and 2-3 in two network namespaces joined by a veth pair rate-limited with tbf (root only), so the
-inter-node link is slow as between real nodes. ``--compress`` adds the hierarchical all-reduce with its inter-node
-phase in bfloat16 (``comm.compress: bf16``); ``--chunk-kb`` the hierarchical one pipelined over chunks.
+``python bench/allreduce.py [--nodes N --ranks-per-node K]`` starts itself under the venv's mpirun with N x K ranks
+(``--worker``); on a GPU machine each rank takes a GPU and the collectives run on NCCL (one rank per GPU: K x N at
+most the GPUs, e.g. ``--nodes 2 --ranks-per-node 4`` on an 8-GPU node); every rank bootstraps like the trainer
+(``trainer.env.from_mpi`` + ``trainer.parallel.distributed.init_distributed``) and times ``dist.all_reduce`` on the
+default group against each of ``trainer.parallel.comm.ALGORITHMS`` (hierarchical, leader, two_level) and against
+``auto``: the algorithm that ``comm.allreduce: auto``'s plan, measured at the start of the benchmark as the trainer
+measures it, chose for the size; all alternated per iteration. Figures follow nccl-tests: algbw = bytes / time,
+busbw = algbw * 2 (n - 1) / n. Rank 0 prints a table and a JSON object. ``--link-mbit RATE`` puts the two nodes'
+ranks in two network namespaces joined by a veth pair rate-limited with tbf (root only), so the inter-node link is
+slow as between real nodes. ``--compress`` adds the hierarchical all-reduce with its inter-node phase in bfloat16
+(``comm.compress: bf16``); ``--chunk-kb`` the hierarchical one pipelined over chunks.
 """
 
 from __future__ import annotations
@@ -30,9 +32,6 @@ from common import LINK_IFNAME, LINK_IPS, ROOT, emulated_link, mpirun_and_env  #
 
 from runconfig.contract import EXIT_USER_ERROR
 
-WORLD = 4
-PER_NODE = 2
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--budget-mb", type=float, default=256, help="cap timed iterations at this many MB moved per variant and size"
     )
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2; one per GPU on GPUs)")
     p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
     p.add_argument("--compress", action="store_true", help="also the hierarchical one with comm.compress=bf16")
     p.add_argument("--chunk-kb", type=float, default=0, help="also the hierarchical one pipelined over chunks of this")
@@ -54,6 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.min_bytes < 4 or args.max_bytes < args.min_bytes or args.factor < 2:
         p.error("need 4 <= --min-bytes <= --max-bytes and --factor >= 2")
+    if args.nodes < 1 or args.ranks_per_node < 1 or args.nodes * args.ranks_per_node < 2:
+        p.error("need --nodes >= 1, --ranks-per-node >= 1 and at least 2 ranks")
+    if args.link_mbit and args.nodes != 2:
+        p.error("--link-mbit emulates a link between 2 nodes: use --nodes 2")
     return args
 
 
@@ -217,7 +222,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    found = mpirun_and_env(per_node=PER_NODE, threads=1)  # simulated nodes also in link mode: MPI sees one host
+    per_node = args.ranks_per_node
+    found = mpirun_and_env(per_node=per_node, threads=1)  # simulated nodes also in link mode: MPI sees one host
     if found is None:
         return EXIT_USER_ERROR
     mpirun, env = found
@@ -232,14 +238,15 @@ def launch(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are removed on TERM too
         try:
             with emulated_link(args.link_mbit) as (ns_a, ns_b):
-                cmd = [str(mpirun), "-n", str(PER_NODE), "ip", "netns", "exec", ns_a, *worker_cmd]
-                cmd += [":", "-n", str(PER_NODE), "ip", "netns", "exec", ns_b, *worker_cmd]
+                cmd = [str(mpirun), "-n", str(per_node), "ip", "netns", "exec", ns_a, *worker_cmd]
+                cmd += [":", "-n", str(per_node), "ip", "netns", "exec", ns_b, *worker_cmd]
                 status = subprocess.run(cmd, env=env, cwd=ROOT).returncode
         except RuntimeError as exc:
             print(f"error: cannot emulate the link: {exc}", file=sys.stderr)
             return EXIT_USER_ERROR
     else:
-        status = subprocess.run([str(mpirun), "-n", str(WORLD), *worker_cmd], env=env, cwd=ROOT).returncode
+        world = args.nodes * per_node
+        status = subprocess.run([str(mpirun), "-n", str(world), *worker_cmd], env=env, cwd=ROOT).returncode
     print(f"(wall time {time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return status
 
