@@ -16,7 +16,8 @@
 
 With one GPU, NCCL cannot run more than one rank (it refuses two ranks on one device), so the NCCL all-reduce
 benchmark itself needs a node of several GPUs: ``python bench/allreduce.py`` there. Prints a table last and writes
-the JSON object and every run's launcher log under ``--out``. ``--device cpu --quick`` rehearses the script on a
+the JSON object, every run's launcher log and a tarball of every run's records (metrics.jsonl, summary.json,
+history.jsonl, failure.json) under ``--out``. ``--device cpu --quick`` rehearses the script on a
 machine without a GPU (the CUDA-only checks are skipped).
 """
 
@@ -30,6 +31,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -283,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         figures = {k: v for k, v in res.items() if k not in ("ok", "check_s") and not isinstance(v, dict)}
         text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
         print(f"{name:<16} {str(res['ok']):<5} {res['check_s']:>6}  {text[:300]}")
+    with tarfile.open(out_dir / "runs.tar.gz", "w:gz") as tar:  # every run's records, for a later look
+        for path in sorted(work.glob("*/*")):
+            if path.name in ("metrics.jsonl", "summary.json", "history.jsonl", "failure.json"):
+                tar.add(path, arcname=str(path.relative_to(work)))
     shutil.rmtree(work, ignore_errors=True)
     return 0 if all(res["ok"] for res in results.values()) else 1
 
