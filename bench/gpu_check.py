@@ -15,10 +15,10 @@
   all-reduce and through flat): every variant trains and the losses agree within bf16 noise.
 
 With one GPU, NCCL cannot run more than one rank (it refuses two ranks on one device), so the NCCL all-reduce
-benchmark itself needs a node of several GPUs: ``python bench/allreduce.py`` there. Prints a table last and writes
-the JSON object, every run's launcher log and a tarball of every run's records (metrics.jsonl, summary.json,
-history.jsonl, failure.json) under ``--out``. ``--device cpu --quick`` rehearses the script on a
-machine without a GPU (the CUDA-only checks are skipped).
+benchmark itself needs a node of several GPUs: ``python bench/allreduce.py --nodes 2 --ranks-per-node 4`` there.
+Prints a table last and writes the JSON object, every run's launcher log and a tarball of every run's records
+(metrics.jsonl, summary.json, history.jsonl, failure.json) under ``--out``. ``--device cpu`` rehearses the script on
+a machine without a GPU (the CUDA-only checks are skipped; ``--only`` picks checks).
 """
 
 from __future__ import annotations
