@@ -48,15 +48,20 @@ def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset
         for key in keys:
             assert isinstance(r[key], float) and r[key] >= 0, (key, r)
         # The parts are measured one by one (nothing is computed as a remainder): they add up to the step, but for
-        # the few lines between parts. Four ranks share two cores here, so a rank descheduled in such a gap loses a
-        # time slice (~10 ms) to no part: each record is held to 5 % plus 15 ms, and the median record (below) to 2 %.
-        assert abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) <= 0.05 * r["step_time_s"] + 0.015, r
-        # Every rank waits for the slowed one: no step is shorter than its sleep. (Not compute + comm >= 0.15 per
-        # record: rank 2 may start sleeping while rank 0 still publishes the previous record or, in step 1, warms
-        # up its forward pass, so part of the sleep overlaps rank 0's other parts.)
-        assert r["step_time_s"] >= 0.15, r
+        # the few lines between parts. Four ranks share two cores here, so a rank descheduled in such a gap loses
+        # time slices to no part (31 ms once, with one more busy process on the machine): each record is held to
+        # 5 % plus 50 ms (a part left out would be 100 ms or more), the median record and the whole run (below) to 2 %.
+        assert abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) <= 0.05 * r["step_time_s"] + 0.05, r
     gaps = sorted(abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) / r["step_time_s"] for r in recs)
     assert gaps[len(gaps) // 2] <= 0.02, gaps
+    total = sum(r["step_time_s"] for r in recs)
+    assert abs(sum(r[k] for r in recs for k in PART_KEYS) - total) <= 0.02 * total
+    # Every rank waits for the slowed one: rank 0's 20 steps take at least rank 2's 20 sleeps but the one it may have
+    # begun before rank 0's clock started, and the median step at least one sleep. (Not per record: rank 2 may start
+    # a step's sleep while rank 0 still publishes the previous record, 0.131 s seen on a loaded host; nor compute +
+    # comm >= 0.15 per record, for the same reason.)
+    assert total >= 19 * 0.15, total
+    assert sorted(r["step_time_s"] for r in recs)[len(recs) // 2] >= 0.15
     # In the steady state rank 0's wait for rank 2 shows as exposed communication.
     assert sorted(r["time_comm_s"] for r in recs)[len(recs) // 2] >= 0.1
     # DDP's exposed communication is its data-parallel dimension's (per dimension: tests/mp/test_parallel.py).
