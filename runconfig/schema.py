@@ -698,6 +698,17 @@ class RunConfig:
             )
         if self.monitor.straggler_exclude_after and self.job.nodes == 1:
             out.append(("monitor.straggler_exclude_after", "needs job.nodes >= 2: one node has no peers to lag behind"))
+        job = self.job
+        nccl = self.comm.backend == "nccl" or (self.comm.backend == "auto" and self.train.device != "cpu")
+        if nccl and 0 < job.gpus_per_node < job.ranks_per_node:
+            out.append(
+                (
+                    "job.ranks_per_node",
+                    f"{job.ranks_per_node} ranks per node on {job.gpus_per_node} GPU(s) per node (job.gpus_per_node): "
+                    "NCCL allows one rank per GPU. Set ranks_per_node to the GPUs per node, or comm.backend: gloo "
+                    "(or train.device: cpu) for ranks that share a GPU",
+                )
+            )
         if self.monitor.hang_timeout_s and self.monitor.hang_timeout_s < 2 * self.checkpoint.io_retry_backoff_s:
             out.append(
                 (

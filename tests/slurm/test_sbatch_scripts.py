@@ -129,7 +129,7 @@ def test_sbatch_args_from_the_config_are_what_sbatch_accepts(slurm, tmp_path):
     """`python -m hpc sbatch-args CONFIG`: the job section (signal and its lead, time, partition, shape) as options
     for the plain scripts, checked by the real sbatch (--test-only: validated against the cluster, not queued)."""
     sets = ["job.signal=SIGUSR1", "checkpoint.stop_signals=[SIGUSR1,SIGTERM]", "job.signal_lead_s=45"]
-    sets += ["job.time=25:00", "job.partition=urgent", "job.gpus_per_node=1", "job.nodes=2"]
+    sets += ["job.time=25:00", "job.partition=urgent", "job.gpus_per_node=1", "job.ranks_per_node=1", "job.nodes=2"]
     args = [sys.executable, "-m", "hpc", "sbatch-args", "tiny", *(x for s in sets for x in ("--set", s))]
     options = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
     assert "--signal=USR1@45" in options and "--time=0-00:25:00" in options and "--partition=urgent" in options

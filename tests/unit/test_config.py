@@ -75,6 +75,10 @@ def test_ints_accepted_for_floats(tmp_path):
         ("job:\n  time: 25:60\n", ["'job.time'", "MM:SS"]),
         ("data:\n  verify: sha1\n", ["'data.verify'", "'checksum' or 'size'", "'sha1'"]),
         (
+            "job:\n  ranks_per_node: 4\n  gpus_per_node: 2\n",
+            ["'job.ranks_per_node'", "4 ranks per node on 2 GPU(s)", "NCCL allows one rank per GPU"],
+        ),
+        (
             "job:\n  nodes: 3\n  ranks_per_node: 1\ntrain:\n  global_batch_size: 32\n  micro_batch_size: 4\n",
             ["'train.global_batch_size'", "32 is not a multiple", "3 nodes"],
         ),
@@ -105,6 +109,11 @@ def test_bad_override(override, needle):
     with pytest.raises(ConfigError) as info:
         load_config("tiny", [override])
     assert needle in str(info.value)
+
+
+def test_ranks_may_share_gpus_without_nccl():
+    for sets in (["comm.backend=gloo"], ["train.device=cpu"]):
+        load_config("tiny", ["job.ranks_per_node=4", "job.gpus_per_node=2", "train.micro_batch_size=4", *sets])
 
 
 def test_missing_config_lists_examples():
