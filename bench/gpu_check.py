@@ -11,6 +11,7 @@
 - ``gpt124m``: a GPT-2-small-shaped model (12 x 768, 1024 tokens, batch 16) for throughput: tokens/s, MFU and peak
   memory, eager and with ``parallel.compile=true`` (``gpt124m_compile``); ``plain``: the same against plain DDP
   (bench/plain_ddp.py under torchrun), alternated, as the ratio of tokens/s;
+- ``profile``: the GPT-2-small shape with ``monitor.profile_steps=20-21`` (its trace and table in runs.tar.gz);
 - ``gloo_2x2``: 2 simulated nodes x 2 ranks sharing the GPU over gloo (CUDA tensors through the hierarchical
   all-reduce and through flat): every variant trains and the losses agree within bf16 noise.
 
@@ -232,6 +233,16 @@ def check_plain(r: Runner, rounds: int) -> dict:
             "each_plain": plain, "breakdown_last_round": breakdown}  # fmt: skip
 
 
+def check_profile(r: Runner) -> dict:
+    """The GPT-2-small shape with ``monitor.profile_steps=20-21``: the trace and the table come back in
+    runs.tar.gz (profile/), to see where the device idles."""
+    rc, _, run_dir, wall = r.run("profile", "tiny", (1, 1), [*GPT124M_SETS, "monitor.profile_steps=20-21"])
+    folder = run_dir / "profile"
+    table = folder / "rank_00000.txt"
+    top = table.read_text().splitlines()[4:9] if table.exists() else []
+    return {"ok": rc == 0 and table.exists(), "exit": rc, "wall_s": wall, "top": [" ".join(x.split()) for x in top]}
+
+
 def check_gloo_2x2(r: Runner) -> dict:
     res: dict = {}
     for algo in ("hierarchical", "flat"):
@@ -267,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpt124m": lambda: check_gpt124m(r, False),
         "gpt124m_compile": lambda: check_gpt124m(r, True),
         "plain": lambda: check_plain(r, 3),
+        "profile": lambda: check_profile(r),
     }
     results: dict = {}
     for name, fn in checks.items():
@@ -287,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<16} {str(res['ok']):<5} {res['check_s']:>6}  {text[:300]}")
     with tarfile.open(out_dir / "runs.tar.gz", "w:gz") as tar:  # every run's records, for a later look
         for path in sorted(work.glob("*/*")):
-            if path.name in ("metrics.jsonl", "summary.json", "history.jsonl", "failure.json"):
+            if path.name in ("metrics.jsonl", "summary.json", "history.jsonl", "failure.json", "profile"):
                 tar.add(path, arcname=str(path.relative_to(work)))
     shutil.rmtree(work, ignore_errors=True)
     return 0 if all(res["ok"] for res in results.values()) else 1

@@ -592,6 +592,12 @@ class MonitorConfig:
         "drained mid-step); the parts are then host times. No effect on CPU.",
         True,
     )
+    profile_steps: str = doc(
+        "'A-B': record optimizer steps A..B of each launch with torch.profiler on every rank (host operators; on "
+        "GPUs also kernels, copies and NCCL): RUN_DIR/profile/rank_N.json (Chrome trace, for Perfetto) and "
+        "rank_N.txt (the top operators). Empty = off. At most 20 steps (traces grow fast).",
+        "",
+    )
     log_every_s: float = doc("Rank 0's plain progress line in batch logs at most this often (seconds).", 30.0)
     preflight: Literal["off", "warn", "exclude", False] = doc(
         "Gang preflight before step 0 of every launch (well under a second): each rank's device and free memory, a "
@@ -637,7 +643,24 @@ class MonitorConfig:
             out.append(("peak_tflops", f"must be >= 0, got {self.peak_tflops}"))
         if self.log_every_s < 0:
             out.append(("log_every_s", f"must be >= 0, got {self.log_every_s}"))
+        if self.profile_steps:
+            try:
+                self.profile_range()
+            except ValueError as exc:
+                out.append(("profile_steps", str(exc)))
         return out
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first, last) optimizer steps to profile, 1-based and inclusive; None when off. Raises ValueError."""
+        if not self.profile_steps:
+            return None
+        m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(self.profile_steps))
+        if not m:
+            raise ValueError(f"must be 'FIRST-LAST' (optimizer steps, e.g. '10-12'), got {self.profile_steps!r}")
+        first, last = int(m.group(1)), int(m.group(2))
+        if not 1 <= first <= last or last - first >= 20:
+            raise ValueError(f"needs 1 <= FIRST <= LAST and at most 20 steps, got {self.profile_steps!r}")
+        return first, last
 
 
 @dataclass(frozen=True, kw_only=True)

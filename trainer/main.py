@@ -191,7 +191,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             len(p.recipe.eval_data) if p.recipe.eval_data is not None else "none",
         )
         try:
-            stopped = train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env))
+            stopped = train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(cfg, env, d.device, rundir))
         except NodeEvicted as evicted:  # every rank, after a committed checkpoint: leave the slow node out
             p.mon.watchdog.close()
             p.checkpoints.close()
@@ -345,6 +345,16 @@ def _startup(marks: dict[str, float], slowest_imports: float) -> dict[str, float
     for name, before, after in zip(names[1:], times, times[1:], strict=False):
         out[name] = round(after - before, 3)
     return out
+
+
+def _profiler(cfg, env, device, rundir: RunDir):
+    """monitor.profile_steps: a StepProfiler writing into RUN_DIR/profile/, else None."""
+    span = cfg.monitor.profile_range()
+    if span is None:
+        return None
+    from trainer.observe.profile import StepProfiler
+
+    return StepProfiler(*span, device, rundir.root / "profile", env.rank)
 
 
 def _describe(rank: int, exc: BaseException) -> str:

@@ -111,3 +111,25 @@ def test_a_hung_rank_is_named_and_every_rank_dumps_its_stack(tmp_path, small_dat
     assert "in_compute" in (run_dir / "logs" / "rank_00003.log").read_text()  # where rank 3 is stuck
     events = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == EVENT_HANG and events[-1]["step"] == 4
+
+
+def test_profile_steps_write_a_trace_and_a_table_per_rank(tmp_path, small_dataset):
+    """monitor.profile_steps=3-4 on 1 node x 2 ranks: each rank's Chrome trace holds the two steps' operators (the
+    model's matmuls, the gradient all-reduce) and its table names the steps; nothing is written for other steps."""
+    run_dir = tmp_path / "run"
+    sets = [*small(small_dataset, steps=6), "job.nodes=1", "monitor.profile_steps=3-4", "comm.allreduce=flat"]
+    proc = launch(run_dir, sets)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = run_dir / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "rank_00000.json", "rank_00000.txt", "rank_00001.json", "rank_00001.txt",
+    ]  # fmt: skip
+    for rank in (0, 1):
+        events = json.loads((folder / f"rank_{rank:05d}.json").read_text())["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        assert {n for n in names if n.startswith("optimizer step ")} == {"optimizer step 3", "optimizer step 4"}
+        assert "aten::mm" in names or "aten::addmm" in names
+        assert any("all_reduce" in n or "allreduce" in n for n in names), sorted(names)[:50]
+        table = (folder / f"rank_{rank:05d}.txt").read_text()
+        assert table.startswith(f"rank {rank}, steps 3-4, sorted by self_cpu_time_total")
+    assert "profile of steps 3-4 written to" in (run_dir / "logs" / "rank_00000.log").read_text()

@@ -12,14 +12,24 @@ from trainer.loop.parts import Parts
 from trainer.loop.publish import Publisher
 from trainer.loop.step import train_step
 from trainer.loop.stopreport import LeadCheck, StopTimes
+from trainer.observe.profile import StepProfiler
 from trainer.observe.stragglers import NodeEvicted
 
 log = logging.getLogger(__name__)
 
 
-def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
+def train(p: Parts, lead: LeadCheck | None = None, profiler: StepProfiler | None = None) -> StopTimes | None:
     """Train until ``train.steps``. A stop signal ends it early with a committed checkpoint: then the stop's clock
-    readings (trainer/loop/stopreport.py), else None. ``lead`` checks the signal's lead time after each save."""
+    readings (trainer/loop/stopreport.py), else None. ``lead`` checks the signal's lead time after each save;
+    ``profiler`` records the steps of ``monitor.profile_steps`` (written however the loop ends)."""
+    try:
+        return _train(p, lead, profiler)
+    finally:
+        if profiler is not None:
+            profiler.close()
+
+
+def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None) -> StopTimes | None:
     state, mon, t = p.state, p.mon, p.cfg.train
     log.info(
         "training steps %d..%d: world %d (%d nodes x %d), grad accumulation %d, %s all-reduce, device %s",
@@ -46,6 +56,8 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
     p.wrapped.module.train()
     while state.step < t.steps:
         step = state.step + 1
+        if profiler is not None:
+            profiler.before(step)
         step_start = time.perf_counter()
         result = train_step(p, step)
         mon.watchdog.enter("metric all-reduce", step)
@@ -85,6 +97,8 @@ def train(p: Parts, lead: LeadCheck | None = None) -> StopTimes | None:
                 p.checkpoints.save(state, block=decision.stop or decision.last)
             if lead is not None and not decision.stop:
                 lead.after_save(step, step_s, p.checkpoints.last_save_s)
+        if profiler is not None:
+            profiler.after(step)
         if extra and "evict" in extra and not decision.last:
             agreed_later(boundary.settle())  # every rank is here (the straggler check is collective)
             if not decision.checkpoint:  # the launch ends here: nothing computed so far is lost
