@@ -4,21 +4,26 @@ import logging
 import os
 import sys
 
+from runconfig.contract import EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR
 from trainer.loop.stop import ignore_stop_signals
 from trainer.main import main
 
+#: Outcomes after which every rank has met (the last barrier of a clean shutdown, or the user error's meeting) with
+#: the outcome on record (summary.json and the done event, the stopped event after the committed checkpoint, or
+#: failure.json): the ranks leave together and at once. Any other failure takes the usual exit.
+MET = (EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR)
+
 status = main()
 ignore_stop_signals()
-if status:
-    # Stopped (75) or failed: the usual exit. srun (--kill-on-bad-exit) kills the ranks still running when one
-    # exits non-zero and then reports the killed ones' status; with the usual teardown (~2 s each) the ranks leave
-    # at about the same time, and a quicker exit here was measured to get the others killed mid-exit (a bad-input
-    # error reported as a crash). (The local launcher's mpirun only sends them SIGUSR1, a notice: trainer/loop/stop.py.)
+if status not in MET:
     sys.exit(status)
-# Done: leave without the interpreter's teardown. With torch loaded it takes 1.4-2.4 s per rank (measured: freeing
-# modules and their objects), paid by every run; nothing of the trainer's needs it: main() has closed what it
-# opened (checkpoints committed, metrics, logs and data files closed, threads stopped, process groups destroyed).
-# What the teardown would still do is done here: flush the streams and logs, finalize MPI.
+# Leave without the interpreter's teardown. With torch loaded it takes 1.4-2.4 s per rank (measured: freeing modules
+# and their objects), paid by every launch; nothing of the trainer's needs it: main() has closed what it opened
+# (checkpoints committed, metrics, logs and data files closed, threads stopped, process groups destroyed). Leaving
+# together matters under srun --kill-on-bad-exit: the first rank to exit non-zero gets the others killed, and with
+# the teardown's spread (up to a second between ranks) a stopped run's slower ranks were killed mid-teardown (srun
+# then reports 137; the launcher reads the outcome from the run directory: runconfig/outcome.py). What the teardown
+# would still do is done here: flush the streams and logs, finalize MPI.
 sys.stdout.flush()
 sys.stderr.flush()
 logging.shutdown()
@@ -26,4 +31,4 @@ from mpi4py import MPI  # noqa: E402  (imported by trainer.main already)
 
 if MPI.Is_initialized() and not MPI.Is_finalized():
     MPI.Finalize()
-os._exit(0)
+os._exit(status)

@@ -105,7 +105,8 @@ def test_bad_recipe_is_named_before_training(tmp_path, recipe, args, needle):
 
 
 def test_missing_tokenizer_is_named(tmp_path):
-    proc = submit("tiny", tmp_path / "run", "data.tokenizer=/nonexistent/tokenizer.json", "train.steps=2")
+    sets = ["data.tokenizer=/nonexistent/tokenizer.json", "train.steps=2", "job.ranks_per_node=1"]  # 2 nodes x 1
+    proc = submit("tiny", tmp_path / "run", *sets)
     assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
     assert "/nonexistent/tokenizer.json" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
 
