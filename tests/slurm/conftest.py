@@ -144,13 +144,31 @@ def rank_nodes(run_dir) -> dict[int, str]:
     return nodes
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory, small_dataset):
-    """sets_for's config run locally (2 simulated nodes x 2 ranks): Slurm runs of it must end bit-identical."""
+#: 2 nodes x 1 rank (a task per node), for the tests of the job's life (a signal, a preemption, a requeue cap): how
+#: the ranks of a node share it under srun is pinned at 2 x 2 by the others, and a launch of 2 ranks starts in half
+#: the time of 4 on the test machine's 2 cores. One thread per rank as in the local reference: Slurm's fake nodes
+#: share this host, so a task alone on its node would take both cores and sum its matrix products in another order.
+TWO_NODES = ["job.ranks_per_node=1", "job.threads_per_rank=1"]
+
+
+def local_reference(tmp_path_factory, sets: list[str]) -> str:
+    """params_sha256 of ``sets`` run locally: Slurm runs of them must end bit-identical."""
     run_dir = tmp_path_factory.mktemp("slurm-ref") / "run"
     args = ["-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
-    for s in sets_for(small_dataset):
+    for s in sets:
         args += ["--set", s]
     proc = run_cli(args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return summary(run_dir)["params_sha256"]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, small_dataset):
+    """sets_for's config run locally (2 simulated nodes x 2 ranks)."""
+    return local_reference(tmp_path_factory, sets_for(small_dataset))
+
+
+@pytest.fixture(scope="session")
+def reference_2x1(tmp_path_factory, small_dataset):
+    """sets_for's config on 2 simulated nodes x 1 rank (one thread each, as locally), run locally."""
+    return local_reference(tmp_path_factory, [*sets_for(small_dataset), *TWO_NODES])

@@ -16,7 +16,7 @@ from runconfig import RunDir, dump_yaml, load_config
 from runconfig.checkpoints import read_latest, validate
 from runconfig.contract import EVENT_RESTART, EVENT_RESUME, EVENT_STOPPED, INJECT_VAR
 from tests.conftest import PY, ROOT, history, rank_pids, run_cli, summary
-from tests.slurm.conftest import job_log, rank_nodes, sets_for, submit, wait_state, wait_step
+from tests.slurm.conftest import TWO_NODES, job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
 
@@ -48,12 +48,12 @@ def resumed_bitwise(run_dir, job_id, reference) -> dict:
     return info
 
 
-def test_preempted_by_the_job_signal(slurm, small_dataset, reference, tmp_path):
+def test_preempted_by_the_job_signal(slurm, small_dataset, reference_2x1, tmp_path):
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, sets_for(small_dataset))
+    job_id = submit(run_dir, [*sets_for(small_dataset), *TWO_NODES])
     wait_step(run_dir, 10)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # to the job's steps: every rank
-    resumed_bitwise(run_dir, job_id, reference)
+    resumed_bitwise(run_dir, job_id, reference_2x1)
     stopped = [e for e in history(run_dir) if e["event"] == EVENT_STOPPED]
     assert len(stopped) == 1 and stopped[0]["step"] >= 10
 
@@ -77,9 +77,9 @@ def test_requeued_by_scontrol_under_hsdp(slurm, small_dataset, tmp_path):
     assert summary(run_dir)["allreduce"] == "hsdp"
 
 
-def test_preempted_by_a_higher_priority_partition(slurm, small_dataset, reference, tmp_path):
+def test_preempted_by_a_higher_priority_partition(slurm, small_dataset, reference_2x1, tmp_path):
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, sets_for(small_dataset))
+    job_id = submit(run_dir, [*sets_for(small_dataset), *TWO_NODES])
     wait_step(run_dir, 10)
     urgent = subprocess.run(
         ["sbatch", "--parsable", "-p", "urgent", "-N2", "--ntasks-per-node=4", f"--output={tmp_path}/urgent.out",
@@ -87,7 +87,7 @@ def test_preempted_by_a_higher_priority_partition(slurm, small_dataset, referenc
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     wait_state(urgent, {"COMPLETED"}, timeout=180)
-    resumed_bitwise(run_dir, job_id, reference)
+    resumed_bitwise(run_dir, job_id, reference_2x1)
     assert any(e["event"] == EVENT_STOPPED for e in history(run_dir))  # the trainer saw the preemption signal
 
 
@@ -108,7 +108,7 @@ def test_wrong_mpi_plugin_is_detected(slurm, small_dataset, tmp_path):
 
 def test_restart_cap_and_real_errors_are_not_requeued(slurm, small_dataset, tmp_path):
     capped = tmp_path / "capped"
-    job_id = submit(capped, [*sets_for(small_dataset), "train.steps=400", "job.max_restarts=0"])
+    job_id = submit(capped, [*sets_for(small_dataset), *TWO_NODES, "train.steps=400", "job.max_restarts=0"])
     wait_step(capped, 10)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"})
@@ -116,7 +116,7 @@ def test_restart_cap_and_real_errors_are_not_requeued(slurm, small_dataset, tmp_
     assert history(capped)[-1]["event"] == EVENT_STOPPED  # the checkpoint was committed; `hpc resume` continues it
 
     broken = tmp_path / "broken"
-    job_id = submit(broken, [*sets_for(small_dataset), f"data.path={tmp_path / 'missing'}"])
+    job_id = submit(broken, [*sets_for(small_dataset), *TWO_NODES, f"data.path={tmp_path / 'missing'}"])
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"})
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", info
     assert "does not exist" in json.loads((broken / "failure.json").read_text())["message"]
