@@ -4,9 +4,12 @@ import logging
 import os
 import sys
 
-from runconfig.contract import EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR
-from trainer.loop.stop import ignore_stop_signals
-from trainer.main import main
+# trainer.main first: its first lines install the early stop-signal handlers (a signal during the imports must be
+# a clean stop: tests/mp/test_checkpoint.py sends one 0.15 s after the processes appear).
+from trainer.main import main  # isort: skip
+
+from runconfig.contract import EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
+from trainer.loop.stop import ignore_stop_signals  # noqa: E402
 
 #: Outcomes after which every rank has met (the last barrier of a clean shutdown, or the user error's meeting) with
 #: the outcome on record (summary.json and the done event, the stopped event after the committed checkpoint, or
