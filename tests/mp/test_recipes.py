@@ -15,6 +15,7 @@ import yaml
 from runconfig.checkpoints import read_latest
 from runconfig.contract import EXIT_USER_ERROR
 from tests.conftest import history, run_cli, summary
+from tests.mp.test_checkpoint import TWO_NODES
 
 pytestmark = pytest.mark.mp
 PROJECT = Path(__file__).parent / "projects" / "toyproj"
@@ -105,8 +106,7 @@ def test_bad_recipe_is_named_before_training(tmp_path, recipe, args, needle):
 
 
 def test_missing_tokenizer_is_named(tmp_path):
-    sets = ["data.tokenizer=/nonexistent/tokenizer.json", "train.steps=2", "job.ranks_per_node=1"]  # 2 nodes x 1
-    proc = submit("tiny", tmp_path / "run", *sets)
+    proc = submit("tiny", tmp_path / "run", "data.tokenizer=/nonexistent/tokenizer.json", "train.steps=2", *TWO_NODES)
     assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
     assert "/nonexistent/tokenizer.json" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
 

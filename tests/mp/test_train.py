@@ -10,6 +10,7 @@ import pytest
 from runconfig.contract import SIMULATE_VAR
 from runconfig.schema import DataConfig
 from tests.conftest import run_cli, run_mpi
+from tests.mp.test_checkpoint import TWO_NODES  # the checks below are per rank and per node, not per layout
 from tests.unit.test_data import copy_dataset, flip_high_byte
 from trainer.data.dataset import GlobalOrder, TokenShards, rank_slice
 
@@ -134,11 +135,6 @@ def test_one_rank_and_four_ranks_agree_and_runs_repeat_bitwise(tmp_path, small_d
         for name in ("one", "four", "again")
     }
     assert sha["four"] == sha["again"]
-
-
-#: 2 simulated nodes x 1 rank: the checks below are per rank and per node, not per layout, and a launch of 2 ranks
-#: starts in half the time of 4 on the test machine's 2 cores.
-TWO_NODES = ["job.ranks_per_node=1"]
 
 
 @pytest.mark.parametrize(
