@@ -10,8 +10,11 @@
   and the same per-step losses as an uninterrupted one, on the GPU (dropout on: the RNG streams must be restored);
 - ``gpt124m``: a GPT-2-small-shaped model (12 x 768, 1024 tokens, batch 16) for throughput: tokens/s, MFU and peak
   memory, eager and with ``parallel.compile=true`` (``gpt124m_compile``); ``plain``: the same against plain DDP
-  (bench/plain_ddp.py under torchrun), alternated, as the ratio of tokens/s;
-- ``profile``: the GPT-2-small shape with ``monitor.profile_steps=20-21`` (its trace and table in runs.tar.gz);
+  (bench/plain_ddp.py under torchrun), alternated, as the ratio of tokens/s (``plain_large``: 4x the tokens a step,
+  where the device, not the host's kernel launches, sets the pace);
+- ``profile``: steps 20-21 of the GPT-2-small shape under torch.profiler, the trainer's (without and with
+  ``monitor.device_sync``) and plain DDP's: each step's wall time against the device's busy time inside it, and the
+  device time per kernel (the traces and tables in runs.tar.gz);
 - ``gloo_2x2``: 2 simulated nodes x 2 ranks sharing the GPU over gloo (CUDA tensors through the hierarchical
   all-reduce and through flat): every variant trains and the losses agree within bf16 noise.
 
@@ -19,7 +22,8 @@ With one GPU, NCCL cannot run more than one rank (it refuses two ranks on one de
 benchmark itself needs a node of several GPUs: ``python bench/allreduce.py --nodes 2 --ranks-per-node 4`` there.
 Prints a table last and writes the JSON object, every run's launcher log and a tarball of every run's records
 (metrics.jsonl, summary.json, history.jsonl, failure.json) under ``--out``. ``--device cpu`` rehearses the script on
-a machine without a GPU (the CUDA-only checks are skipped; ``--only`` picks checks).
+a machine without a GPU (the CUDA-only checks are skipped; ``--only`` picks checks; ``--small`` swaps the GPT-2-small
+shape for a tiny one so that a rehearsal takes seconds).
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ GPT124M_SETS = [
     "train.micro_batch_size=16", "train.steps=40", "train.warmup_steps=4", "train.eval_every=0",
     "checkpoint.every_steps=0",
 ]  # fmt: skip
+
+# plain_large: 4x the tokens per step (two micro-batches of 32), where the device sets the pace, not the host.
+LARGE = ["train.global_batch_size=64", "train.micro_batch_size=32"]
 
 
 class Runner:
@@ -203,44 +210,112 @@ def check_gpt124m(r: Runner, compile_: bool) -> dict:
     return {"ok": rc == 0, "exit": rc, "wall_s": wall, "n_params": s.get("n_params"), **steady(metrics(run_dir), 10)}
 
 
-def check_plain(r: Runner, rounds: int) -> dict:
+def check_plain(r: Runner, rounds: int, name: str = "plain", more: list[str] | None = None) -> dict:
     """The trainer against plain DDP (bench/plain_ddp.py under torchrun) on the GPT-2-small shape, alternated
     ``rounds`` times: tokens/s (median over steps after 10) and the trainer's share of plain's; also the trainer
-    with ``monitor.device_sync=false`` (no device synchronization at the breakdown's phase boundaries)."""
-    trainer, nosync, plain, breakdown = [], [], [], {}
+    with ``monitor.device_sync=true`` (the device synchronized at each phase boundary of the breakdown). ``more``:
+    settings on top of the shape (``plain_large``: 4x the tokens per step, so that the device, not the host's
+    kernel launches, sets the pace)."""
+    sets = [*GPT124M_SETS, *(more or [])]
+    trainer, hostsync, plain, breakdown = [], [], [], {}
     for i in range(rounds):
-        for name, extra, into in (("trainer", [], trainer), ("nosync", ["monitor.device_sync=false"], nosync)):
-            rc, _, run_dir, _ = r.run(f"plain_{name}_{i}", "tiny", (1, 1), [*GPT124M_SETS, *extra], timeout=300)
+        for variant, extra, into in (("trainer", [], trainer), ("hostsync", ["monitor.device_sync=true"], hostsync)):
+            rc, _, run_dir, _ = r.run(f"{name}_{variant}_{i}", "tiny", (1, 1), [*sets, *extra], timeout=300)
             if rc != 0:
-                return {"ok": False, f"{name}_exit": rc}
+                return {"ok": False, f"{variant}_exit": rc}
             figures = steady(metrics(run_dir), 10)
             into.append(figures["tokens_per_s"])
-            breakdown[name] = {k: v for k, v in figures.items() if k.endswith("_ms")}
-        data = next((r.work / "data-cache").rglob("manifest.json")).parent
-        out = r.work / f"plain_{i}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-        cmd += [str(ROOT / "bench" / "plain_ddp.py"), "--device", r.device, "--data", str(data), "--out", str(out)]
-        for s in ["job.nodes=1", "job.ranks_per_node=1", *GPT124M_SETS]:
-            cmd += ["--set", s]
-        rc, _ = r.finish(f"plain_{i}", r.start(cmd), 300)
+            breakdown[variant] = {k: v for k, v in figures.items() if k.endswith("_ms")}
+        out = r.work / f"{name}_{i}.json"
+        rc, _ = r.finish(f"{name}_{i}", r.start(plain_cmd(r, out, sets)), 300)
         if rc != 0 or not out.exists():
             return {"ok": False, "plain_exit": rc, "trainer_tokens_per_s": trainer}
         res = json.loads(out.read_text())
         plain.append(res["tokens_per_step"] / statistics.median(res["step_time_s"][10:]))
-    t, n, q = statistics.median(trainer), statistics.median(nosync), statistics.median(plain)
-    return {"ok": True, "trainer_tokens_per_s": t, "nosync_tokens_per_s": n, "plain_tokens_per_s": q,
-            "ratio": t / q, "ratio_nosync": n / q, "rounds": rounds, "each_trainer": trainer, "each_nosync": nosync,
-            "each_plain": plain, "breakdown_last_round": breakdown}  # fmt: skip
+    t, h, q = statistics.median(trainer), statistics.median(hostsync), statistics.median(plain)
+    return {"ok": True, "trainer_tokens_per_s": t, "hostsync_tokens_per_s": h, "plain_tokens_per_s": q,
+            "ratio": t / q, "ratio_hostsync": h / q, "rounds": rounds, "each_trainer": trainer,
+            "each_hostsync": hostsync, "each_plain": plain,
+            "ratio_each_round": [a / b for a, b in zip(trainer, plain, strict=True)],
+            "ratio_hostsync_each_round": [a / b for a, b in zip(hostsync, plain, strict=True)],
+            "breakdown_last_round": breakdown}  # fmt: skip
+
+
+def plain_cmd(r: Runner, out: Path, sets: list[str], extra: list[str] | None = None) -> list[str]:
+    """bench/plain_ddp.py under torchrun on one GPU, the GPT-2-small shape, the prepared data of the trainer's runs."""
+    data = next((r.work / "data-cache").rglob("manifest.json")).parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += [str(ROOT / "bench" / "plain_ddp.py"), "--device", r.device, "--data", str(data), "--out", str(out)]
+    for s in ["job.nodes=1", "job.ranks_per_node=1", *sets]:
+        cmd += ["--set", s]
+    return cmd + (extra or [])
+
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_steps(path: Path) -> dict:
+    """A Chrome trace's marked steps ("optimizer step N" on the host): each step's wall time, the device's busy
+    time inside it (the union of kernels, copies and sets: where the device idles shows as the rest), its longest
+    idle gap, and the device time per kernel name (summed over the steps; the largest few), to tell a device that
+    waits from one that does more work. On CPU (no device events) only the wall times."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    marks = sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and str(e.get("name")).startswith("optimizer step ")),
+        key=lambda e: e["ts"],
+    )
+    device = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in DEVICE_CATEGORIES)
+    steps, by_name = [], {}
+    for m in marks:
+        lo, hi = m["ts"], m["ts"] + m["dur"]
+        busy = gap = 0.0
+        cursor = lo
+        for start, end, name in device:
+            if end <= lo or start >= hi:
+                continue
+            start, end = max(start, lo), min(end, hi)
+            by_name[name] = by_name.get(name, 0.0) + (end - start)
+            if start > cursor:
+                gap = max(gap, start - cursor)
+            busy += max(0.0, end - max(start, cursor))
+            cursor = max(cursor, end)
+        gap = max(gap, hi - cursor) if device else 0.0
+        steps.append({"step": m["name"].split()[-1], "wall_ms": m["dur"] / 1e3, "device_busy_ms": busy / 1e3,
+                      "longest_idle_ms": gap / 1e3})  # fmt: skip
+    wall = sum(x["wall_ms"] for x in steps)
+    busy = sum(x["device_busy_ms"] for x in steps)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall / max(1, len(steps)),
+        "device_busy_ms_per_step": busy / max(1, len(steps)),
+        "device_busy_share": busy / wall if wall and device else None,
+        "top_device_ms_per_step": {name[:80]: ms / 1e3 / max(1, len(steps)) for name, ms in top},
+    }
 
 
 def check_profile(r: Runner) -> dict:
-    """The GPT-2-small shape with ``monitor.profile_steps=20-21``: the trace and the table come back in
-    runs.tar.gz (profile/), to see where the device idles."""
-    rc, _, run_dir, wall = r.run("profile", "tiny", (1, 1), [*GPT124M_SETS, "monitor.profile_steps=20-21"])
-    folder = run_dir / "profile"
-    table = folder / "rank_00000.txt"
-    top = table.read_text().splitlines()[4:9] if table.exists() else []
-    return {"ok": rc == 0 and table.exists(), "exit": rc, "wall_s": wall, "top": [" ".join(x.split()) for x in top]}
+    """Steps 20-21 of the GPT-2-small shape under torch.profiler: the trainer (``monitor.profile_steps``, without
+    and with ``monitor.device_sync``) and plain DDP (bench/plain_ddp.py ``--profile-steps``), each step's wall time
+    against the device's busy time inside it (trace_steps). The traces and tables come back in runs.tar.gz."""
+    res: dict = {}
+    for name, extra in (("trainer", []), ("trainer_hostsync", ["monitor.device_sync=true"])):
+        sets = [*GPT124M_SETS, "monitor.profile_steps=20-21", *extra]
+        rc, _, run_dir, _ = r.run(f"profile_{name}", "tiny", (1, 1), sets)
+        trace = run_dir / "profile" / "rank_00000.json"
+        res[name] = {"exit": rc, **(trace_steps(trace) if trace.exists() else {})}
+    trace = r.work / "profile_plain" / "profile" / "plain.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    extra = ["--profile-steps", "20-21", "--profile-out", str(trace)]
+    cmd = plain_cmd(r, r.work / "profile_plain" / "plain.json", GPT124M_SETS, extra)
+    rc, _ = r.finish("profile_plain", r.start(cmd), 300)
+    res["plain"] = {"exit": rc, **(trace_steps(trace) if trace.exists() else {})}
+    res["ok"] = all(x["exit"] == 0 and x.get("steps") for x in res.values())
+    for name in ("trainer", "trainer_hostsync", "plain"):
+        for k in ("wall_ms_per_step", "device_busy_ms_per_step", "device_busy_share"):
+            if res[name].get(k) is not None:
+                res[f"{name}_{k}"] = res[name][k]
+    return res
 
 
 def check_gloo_2x2(r: Runner) -> dict:
@@ -262,7 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write gpu_check.json and runs.log here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: rehearse without a GPU")
     p.add_argument("--only", nargs="*", help="run only these checks")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the plain checks (default 3)")
+    p.add_argument("--small", action="store_true", help="a tiny model instead of GPT-2-small (rehearsal)")
     args = p.parse_args(argv)
+    if args.small:
+        GPT124M_SETS[:5] = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
+                            "train.global_batch_size=16"]  # fmt: skip
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-out-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -277,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         "gloo_2x2": (lambda: check_gloo_2x2(r)) if cuda else None,
         "gpt124m": lambda: check_gpt124m(r, False),
         "gpt124m_compile": lambda: check_gpt124m(r, True),
-        "plain": lambda: check_plain(r, 3),
+        "plain": lambda: check_plain(r, args.rounds),
+        "plain_large": lambda: check_plain(r, args.rounds, "plain_large", LARGE),
         "profile": lambda: check_profile(r),
     }
     results: dict = {}
@@ -294,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] {json.dumps(results[name])}", flush=True)
     print(f"\n{'check':<16} {'ok':<5} {'s':>6}  figures")
     for name, res in results.items():
-        figures = {k: v for k, v in res.items() if k not in ("ok", "check_s") and not isinstance(v, dict)}
+        figures = {k: v for k, v in res.items() if k not in ("ok", "check_s") and not isinstance(v, (dict, list))}
         text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
         print(f"{name:<16} {str(res['ok']):<5} {res['check_s']:>6}  {text[:300]}")
     with tarfile.open(out_dir / "runs.tar.gz", "w:gz") as tar:  # every run's records, for a later look

@@ -43,7 +43,19 @@ def main() -> int:
     p.add_argument("--data", type=Path, required=True, help="prepared dataset folder (manifest.json + shards)")
     p.add_argument("--out", type=Path, help="rank 0 also writes its JSON here")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, bf16 autocast as the trainer")
+    p.add_argument(
+        "--profile-steps",
+        metavar="A-B",
+        help="torch.profiler over steps A..B (1-based, as the trainer's monitor.profile_steps); rank 0 writes a "
+        "Chrome trace to --profile-out, each step marked 'optimizer step N'",
+    )
+    p.add_argument("--profile-out", type=Path, help="the trace's file (with --profile-steps)")
     args = p.parse_args()
+    first = last = 0
+    if args.profile_steps:
+        first, last = (int(x) for x in args.profile_steps.split("-"))
+        if not args.profile_out:
+            p.error("--profile-steps needs --profile-out")
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cuda = args.device == "cuda"
@@ -86,8 +98,18 @@ def main() -> int:
     ddp.train()
     step_times: list[float] = []
     losses: list[float] = []
-    last = time.perf_counter()
+    prof = None
+    started = time.perf_counter()
     for step in range(t.steps):
+        if rank == 0 and step + 1 == first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=activities)
+            prof.__enter__()
+        mark = torch.profiler.record_function(f"optimizer step {step + 1}") if prof is not None else None
+        if mark is not None:
+            mark.__enter__()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, t.lr, t.min_lr, t.warmup_steps, t.steps)
         for micro in range(accum):
@@ -105,9 +127,14 @@ def main() -> int:
             losses.append(loss.item() * accum)  # this rank's last micro-batch: what a plain script logs
         if cuda:
             torch.cuda.synchronize()
-        now = time.perf_counter()
-        step_times.append(now - last)
-        last = now
+        if mark is not None:
+            mark.__exit__(None, None, None)
+        step_times.append(time.perf_counter() - started)
+        if prof is not None and step + 1 == last:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(str(args.profile_out))
+            prof = None
+        started = time.perf_counter()
 
     if rank == 0:
         result = {

@@ -1,8 +1,14 @@
 """Where a step's time goes: data wait, forward+backward, exposed communication, optimizer, checkpoint, sync.
 
-``StepClock`` times the phases of each step with the host clock. On CUDA it synchronizes the device at each
-phase boundary (a handful per step; ``monitor.device_sync``) so the host clock measures device work, and it finds
-the moment the last gradient was produced with CUDA events recorded by per-parameter hooks.
+``StepClock`` times the phases of each step. On CPU it reads the host clock. On CUDA it records a pair of CUDA
+events around each phase on the training stream and reads their device times once the device has passed them (a
+step later, or when a record is written): each phase's time is the device's, and nothing drains the GPU's queue
+mid-step, so the host keeps running ahead (on one H100 the per-phase synchronizations cost 4 % of a device-bound
+step: bench/README.md, ``gpu_check.py``). A phase that blocks the host (a checkpoint's write) shows on the device's
+clock as the time the device waited for its end; a host wait the device did not notice (a late batch while the
+device still had queued work) costs nothing and counts nowhere. ``monitor.device_sync`` instead synchronizes the
+device at each phase boundary and reads the host clock (the older measurement, for comparison). The moment the last
+gradient was produced comes from a CUDA event recorded by per-parameter hooks either way.
 
 Exposed communication is the time the backward pass spends waiting on gradient communication rather than
 computing: from the moment the last gradient is ready to the end of ``backward()`` (DDP waits there for its
@@ -18,16 +24,28 @@ DDP's is its data-parallel dimension's (``dp_replicate``).
 
 from __future__ import annotations
 
+import functools
 import resource
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
 from runconfig.contract import PARTS
 from trainer.parallel.comm import BlockedIntervals
 from trainer.parallel.commtime import CommLedger
+
+
+class Event(Protocol):
+    """What the device clock needs of a timing event (``torch.cuda.Event(enable_timing=True)``'s methods)."""
+
+    def record(self) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_time(self, end: Event) -> float: ...  # milliseconds from this event to ``end``
 
 
 class StepClock:
@@ -39,10 +57,19 @@ class StepClock:
         on_grads_ready: Callable[[], None] | None = None,
         ledger: CommLedger | None = None,
         tail_dim: str | None = None,
-        device_sync: bool = True,
+        device_sync: bool = False,
+        events: Callable[[], Event] | None = None,
     ) -> None:
         self.cuda = device.type == "cuda"
         self.device_sync = self.cuda and device_sync  # monitor.device_sync
+        # Device-clock phases: a new timing event per phase boundary (torch.cuda.Event on CUDA unless device_sync;
+        # host-clock events on CPU only where a caller passes them). None: host-clock phases.
+        if events is None and self.cuda and not self.device_sync:
+            events = functools.partial(torch.cuda.Event, enable_timing=True)
+        self.events = events
+        self._recorded: list[tuple] = []  # the step in progress' phases, as recorded events (device clock)
+        self._unread: list[list[tuple]] = []  # finished steps whose events are not read yet
+        self._last_busy = 0.0  # busy seconds of the newest step read (device clock)
         self.on_grads_ready = on_grads_ready  # every gradient of a synchronizing backward exists: comm remains
         self._n_params = len(params)
         self._grads_seen = 0
@@ -65,9 +92,8 @@ class StepClock:
         self._grads_seen += 1
         if not self._synchronizing or self._grads_seen != self._n_params:
             return
-        if self.cuda:
-            self._last_grad_event = torch.cuda.Event(enable_timing=True)
-            self._last_grad_event.record()
+        if self.cuda or self.events is not None:
+            self._last_grad_event = self._event()
         else:
             self._last_grad = time.perf_counter()
         if self.on_grads_ready is not None:
@@ -77,8 +103,21 @@ class StepClock:
         if self.device_sync:
             torch.cuda.synchronize(self.device)
 
+    def _event(self) -> Event:
+        """A timing event recorded now on the training stream (where the device is, in stream order)."""
+        event = (self.events or functools.partial(torch.cuda.Event, enable_timing=True))()
+        event.record()
+        return event
+
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
+        if self.events is not None:
+            start = self._event()
+            try:
+                yield
+            finally:
+                self._recorded.append((name, start, self._event()))
+            return
         self._sync()
         start = time.perf_counter()
         try:
@@ -96,6 +135,14 @@ class StepClock:
         self._last_grad, self._last_grad_event = None, None
         self._grads_seen, self._synchronizing = 0, synchronizing
         ledger = self.ledger
+        if ledger is None and self.events is not None:
+            start_event = self._event()
+            try:
+                yield
+            finally:
+                self.blocked.take()
+                self._recorded.append(("backward", start_event, self._event(), self._last_grad_event, synchronizing))
+            return
         if ledger is not None:
             ledger.take()  # what an evaluation or a checkpoint left
             slept = ledger.clock.now()
@@ -131,13 +178,45 @@ class StepClock:
         self._step["compute"] += total - exposed
         self._step["comm"] += exposed
 
+    def _read(self, phases: list[tuple]) -> None:
+        """Add one finished step's device-clock phases to the totals (waits until the device has passed them)."""
+        if not phases:
+            return
+        phases[-1][2].synchronize()  # the step's last event: every earlier one is complete too (stream order)
+        busy = 0.0
+        for name, start, end, *grads in phases:
+            seconds = max(0.0, start.elapsed_time(end) / 1000.0)
+            if name != "backward":
+                self.parts[name] += seconds
+                busy += seconds if name in ("data", "optim") else 0.0
+                continue
+            last_grad, synchronizing = grads
+            exposed = 0.0
+            if synchronizing and last_grad is not None:
+                exposed = min(max(last_grad.elapsed_time(end) / 1000.0, 0.0), seconds)
+                if self.tail_dim is not None:
+                    self.comm_dims[self.tail_dim] = self.comm_dims.get(self.tail_dim, 0.0) + exposed
+            self.parts["compute"] += seconds - exposed
+            self.parts["comm"] += exposed
+            busy += seconds - exposed
+        self._last_busy = busy
+
     def busy_so_far(self) -> float:
         """Seconds this rank was busy in the step in progress: data, forward+backward and optimizer (not the
-        time it waited for others in collectives, nor checkpoint writes)."""
+        time it waited for others in collectives, nor checkpoint writes). On the device clock, the newest step
+        whose events were read instead (one step behind: reading the step in progress would drain the queue)."""
+        if self.events is not None:
+            return self._last_busy
         return self._step["data"] + self._step["compute"] + self._step["optim"]
 
     def end_step(self) -> None:
-        """Add the finished step's parts to the totals that take() returns."""
+        """Add the finished step's parts to the totals that take() returns. On the device clock the step's events
+        are read a step later (the step before it is read now: the device is done with it, or nearly)."""
+        if self.events is not None:
+            self._unread.append(self._recorded)
+            self._recorded = []
+            while len(self._unread) > 1:
+                self._read(self._unread.pop(0))
         for name, seconds in self._step.items():
             self.parts[name] += seconds
         for name, seconds in self._step_dims.items():
@@ -148,7 +227,10 @@ class StepClock:
 
     def take(self) -> tuple[dict[str, float], dict[str, float], int]:
         """Per-part seconds summed since the last take, the exposed communication per parallel dimension (part of
-        ``comm``), and the number of steps they cover."""
+        ``comm``), and the number of steps they cover (on the device clock, after waiting for the device to pass
+        the last finished step's events)."""
+        while self._unread:
+            self._read(self._unread.pop(0))
         parts, dims, steps = self.parts, self.comm_dims, self.steps
         self.parts, self.comm_dims, self.steps = dict.fromkeys(PARTS, 0.0), {}, 0
         return parts, dims, steps

@@ -1,0 +1,84 @@
+"""The step clock's device-clock mode (CUDA events on GPUs, read a step late so nothing drains the queue), run here
+with host-clock events that keep the same contract: each phase's time, exposed communication after the last
+gradient, when the events are read, and what the straggler check sees."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from trainer.observe.timing import StepClock
+from trainer.parallel.comm import BlockedIntervals
+
+
+class HostEvent:
+    """A timing event on the host's clock: recorded now, complete at once; counts the waits for it."""
+
+    waits = 0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        HostEvent.waits += 1
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+def one_step(clock: StepClock, model: torch.nn.Module, tail_s: float) -> None:
+    with clock.part("data"):
+        time.sleep(0.02)
+    with clock.backward(synchronizing=True):
+        model(torch.ones(4, 8)).sum().backward()
+        time.sleep(tail_s)  # after the last gradient: what DDP's wait for its all-reduce looks like
+    with clock.part("optim"):
+        time.sleep(0.01)
+    clock.end_step()
+
+
+def test_device_clock_phases_are_read_a_step_late_and_add_up():
+    model = torch.nn.Linear(8, 8)
+    HostEvent.waits = 0
+    clock = StepClock(torch.device("cpu"), list(model.parameters()), BlockedIntervals(), tail_dim="dp_replicate",
+                      events=HostEvent)  # fmt: skip
+    one_step(clock, model, tail_s=0.03)
+    assert HostEvent.waits == 0 and clock.busy_so_far() == 0.0  # nothing read in the step that recorded them
+    one_step(clock, model, tail_s=0.03)
+    assert HostEvent.waits == 1  # step 1 read at the end of step 2: one wait, for its last event
+    busy = clock.busy_so_far()  # step 1's data + compute + optim, not its exposed communication
+    assert 0.03 <= busy < 0.03 + 0.05, busy
+    parts, dims, steps = clock.take()  # reads step 2 as well
+    assert HostEvent.waits == 2 and steps == 2
+    assert 2 * 0.02 <= parts["data"] < 2 * 0.02 + 0.03, parts
+    assert 2 * 0.01 <= parts["optim"] < 2 * 0.01 + 0.03, parts
+    assert 2 * 0.03 <= parts["comm"] < 2 * 0.03 + 0.03, parts  # the tail after the last gradient
+    assert parts["compute"] < 0.05, parts
+    assert dims == {"dp_replicate": parts["comm"]}
+    assert clock.take()[2] == 0 and clock.take()[0]["data"] == 0.0  # taken once
+    clock.close()
+
+
+def test_a_micro_batch_that_does_not_synchronize_has_no_exposed_communication():
+    model = torch.nn.Linear(8, 8)
+    clock = StepClock(torch.device("cpu"), list(model.parameters()), BlockedIntervals(), events=HostEvent)
+    with clock.backward(synchronizing=False):
+        model(torch.ones(4, 8)).sum().backward()
+        time.sleep(0.02)
+    clock.end_step()
+    parts, _, steps = clock.take()
+    assert steps == 1 and parts["comm"] == 0.0 and parts["compute"] >= 0.02
+    clock.close()
+
+
+def test_host_clock_phases_count_in_the_step_that_ran_them():
+    """Without events (CPU, or monitor.device_sync on a GPU) each phase is host time, counted at once."""
+    model = torch.nn.Linear(8, 8)
+    clock = StepClock(torch.device("cpu"), list(model.parameters()), BlockedIntervals())
+    with clock.part("data"):
+        time.sleep(0.02)
+    assert clock.busy_so_far() >= 0.02
+    clock.end_step()
+    assert clock.take()[0]["data"] >= 0.02
+    clock.close()
