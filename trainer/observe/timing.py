@@ -62,11 +62,10 @@ class StepClock:
     ) -> None:
         self.cuda = device.type == "cuda"
         self.device_sync = self.cuda and device_sync  # monitor.device_sync
-        # Device-clock phases: a new timing event per phase boundary (torch.cuda.Event on CUDA unless device_sync;
-        # host-clock events on CPU only where a caller passes them). None: host-clock phases.
-        if events is None and self.cuda and not self.device_sync:
-            events = functools.partial(torch.cuda.Event, enable_timing=True)
-        self.events = events
+        # Device-clock phases: a timing event per phase boundary (CUDA events on CUDA unless device_sync; on CPU only
+        # where a caller passes an event type, e.g. host-clock events); else host-clock phases.
+        self.device_clock = events is not None or (self.cuda and not self.device_sync)
+        self._new_event = events or functools.partial(torch.cuda.Event, enable_timing=True)
         self._recorded: list[tuple] = []  # the step in progress' phases, as recorded events (device clock)
         self._unread: list[list[tuple]] = []  # finished steps whose events are not read yet
         self._last_busy = 0.0  # busy seconds of the newest step read (device clock)
@@ -92,7 +91,7 @@ class StepClock:
         self._grads_seen += 1
         if not self._synchronizing or self._grads_seen != self._n_params:
             return
-        if self.cuda or self.events is not None:
+        if self.cuda or self.device_clock:
             self._last_grad_event = self._event()
         else:
             self._last_grad = time.perf_counter()
@@ -105,13 +104,13 @@ class StepClock:
 
     def _event(self) -> Event:
         """A timing event recorded now on the training stream (where the device is, in stream order)."""
-        event = (self.events or functools.partial(torch.cuda.Event, enable_timing=True))()
+        event = self._new_event()
         event.record()
         return event
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
-        if self.events is not None:
+        if self.device_clock:
             start = self._event()
             try:
                 yield
@@ -135,7 +134,7 @@ class StepClock:
         self._last_grad, self._last_grad_event = None, None
         self._grads_seen, self._synchronizing = 0, synchronizing
         ledger = self.ledger
-        if ledger is None and self.events is not None:
+        if ledger is None and self.device_clock:
             start_event = self._event()
             try:
                 yield
@@ -151,8 +150,7 @@ class StepClock:
         try:
             yield
             if self.cuda:
-                end_event = torch.cuda.Event(enable_timing=True)
-                end_event.record()
+                end_event = self._event()
         finally:
             self._sync()
             end = time.perf_counter()
@@ -205,14 +203,14 @@ class StepClock:
         """Seconds this rank was busy in the step in progress: data, forward+backward and optimizer (not the
         time it waited for others in collectives, nor checkpoint writes). On the device clock, the newest step
         whose events were read instead (one step behind: reading the step in progress would drain the queue)."""
-        if self.events is not None:
+        if self.device_clock:
             return self._last_busy
         return self._step["data"] + self._step["compute"] + self._step["optim"]
 
     def end_step(self) -> None:
         """Add the finished step's parts to the totals that take() returns. On the device clock the step's events
         are read a step later (the step before it is read now: the device is done with it, or nearly)."""
-        if self.events is not None:
+        if self.device_clock:
             self._unread.append(self._recorded)
             self._recorded = []
             while len(self._unread) > 1:
