@@ -163,18 +163,25 @@ class StepClock:
                 dims[ledger.rest] = dims.get(ledger.rest, 0.0) + rest
             for name, seconds in dims.items():
                 self._step_dims[name] = self._step_dims.get(name, 0.0) + seconds
-            exposed = min(sum(dims.values()), total)
+            exposed = sum(dims.values())
         elif synchronizing:
             if self.cuda and end_event is not None and self._last_grad_event is not None:
                 exposed = self._last_grad_event.elapsed_time(end_event) / 1000.0
             elif self._last_grad is not None:
                 last = self._last_grad
                 exposed = end - last + sum(max(0.0, min(e, last) - max(s, start)) for s, e in blocked)
-            exposed = min(max(exposed, 0.0), total)
-            if self.tail_dim is not None:
-                self._step_dims[self.tail_dim] = self._step_dims.get(self.tail_dim, 0.0) + exposed
-        self._step["compute"] += total - exposed
-        self._step["comm"] += exposed
+        self._split(self._step, self._step_dims, total, exposed, tail=ledger is None and synchronizing)
+
+    def _split(self, parts: dict, dims: dict, total: float, exposed: float, *, tail: bool) -> float:
+        """Count a forward+backward's ``total`` seconds as compute and ``exposed`` communication (clamped to
+        0..total) in ``parts``; ``tail``: the exposed tail after the last gradient, also counted for ``tail_dim``
+        in ``dims``. Returns the compute seconds."""
+        exposed = min(max(exposed, 0.0), total)
+        if tail and self.tail_dim is not None:
+            dims[self.tail_dim] = dims.get(self.tail_dim, 0.0) + exposed
+        parts["compute"] += total - exposed
+        parts["comm"] += exposed
+        return total - exposed
 
     def _read(self, phases: list[tuple]) -> None:
         """Add one finished step's device-clock phases to the totals (waits until the device has passed them)."""
@@ -189,14 +196,8 @@ class StepClock:
                 busy += seconds if name in ("data", "optim") else 0.0
                 continue
             last_grad, synchronizing = grads
-            exposed = 0.0
-            if synchronizing and last_grad is not None:
-                exposed = min(max(last_grad.elapsed_time(end) / 1000.0, 0.0), seconds)
-                if self.tail_dim is not None:
-                    self.comm_dims[self.tail_dim] = self.comm_dims.get(self.tail_dim, 0.0) + exposed
-            self.parts["compute"] += seconds - exposed
-            self.parts["comm"] += exposed
-            busy += seconds - exposed
+            exposed = last_grad.elapsed_time(end) / 1000.0 if synchronizing and last_grad is not None else 0.0
+            busy += self._split(self.parts, self.comm_dims, seconds, exposed, tail=synchronizing)
         self._last_busy = busy
 
     def busy_so_far(self) -> float:
