@@ -19,6 +19,9 @@ Runs, alternated round by round so machine noise hits every variant alike:
 - ``trainer-recipe``: trainer-flat entering through the user-recipe door: the same GPT and data from a user-style
   recipe module (bench/recipes/user_gpt.py, copied next to a config written into the work folder with
   ``recipe: user_gpt:recipe`` and the model's shape as ``recipe_args``), submitted like the others
+- ``nanogpt`` (with ``--nanogpt DIR``, a checkout of karpathy/nanoGPT): its ``train.py`` under torchrun on the same
+  prepared data, model shape, batch, optimizer and schedule, with two edits so that it runs on CPU
+  (bench/nanogpt.py); its parameter count is checked against the trainer's
 
 all on N simulated nodes x R ranks (``--nodes``, ``--ranks``; default 1 x 2) on this host, 1 thread per rank, eval
 off. ``--link-mbit RATE`` (root, 2 nodes) runs each node's ranks in a network namespace of its own, the two joined
@@ -45,6 +48,7 @@ import time
 from pathlib import Path
 
 import mpi4py
+import nanogpt  # bench/nanogpt.py
 import yaml
 from common import (  # bench/common.py (bench/ on sys.path)
     LINK_IFNAME,
@@ -69,7 +73,7 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
     "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-auto", "trainer-leader",
-    "trainer-auto-small",
+    "trainer-auto-small", "nanogpt",
 )  # fmt: skip
 HIER = (
     "trainer-hier",
@@ -108,6 +112,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, help="keep run directories and logs here (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
+    p.add_argument(
+        "--nanogpt",
+        type=Path,
+        metavar="DIR",
+        help="also run karpathy's nanoGPT from this checkout (its train.py, model.py, configurator.py) side by side",
+    )
     args = p.parse_args(argv)
     args.namespaces = ()
     if args.steps <= args.skip:
@@ -119,6 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if chosen - set(ALL_VARIANTS):
             p.error(f"unknown variants {sorted(chosen - set(ALL_VARIANTS))}; choose from {', '.join(ALL_VARIANTS)}")
         args.variants = chosen | {"plain"}
+    if args.nanogpt and args.variants:
+        args.variants |= {"nanogpt"}
+    if (args.variants and "nanogpt" in args.variants) and not args.nanogpt:
+        p.error("the nanogpt variant needs --nanogpt DIR (a checkout of https://github.com/karpathy/nanoGPT)")
     return args
 
 
@@ -153,21 +167,27 @@ def write_user_recipe(args: argparse.Namespace, overrides: list[str], folder: Pa
     return config
 
 
+def torchrun_style(args: argparse.Namespace, script: list[str]) -> list[str]:
+    """``script`` (a python command line) on every rank with torchrun's environment: torchrun on one host; over an
+    emulated link, mpirun with one MPMD segment per emulated node and torchrun's variables taken from MPICH's."""
+    if args.namespaces:
+        rank_env = ["sh", "-c", 'RANK=$PMI_RANK WORLD_SIZE=$PMI_SIZE LOCAL_RANK=0 exec "$@"', "sh"]
+        cmd = [str(Path(sys.executable).parent / "mpirun")]
+        for i, ns in enumerate(args.namespaces):
+            cmd += [":"] if i else []
+            cmd += ["-n", str(args.ranks), "ip", "netns", "exec", ns, *rank_env, *script]
+        return cmd
+    nproc = f"--nproc-per-node={args.nodes * args.ranks}"
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc, *script[1:]]
+
+
 def command(variant: str, args: argparse.Namespace, overrides: list[str], out: Path) -> list[str]:
     sets = [a for kv in overrides for a in ("--set", kv)]
     if variant == "plain":
-        script = [str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config, "--data", str(args.data)]
-        if args.namespaces:  # one MPMD segment per emulated node; torchrun's variables from MPICH's
-            rank_env = ["sh", "-c", 'RANK=$PMI_RANK WORLD_SIZE=$PMI_SIZE LOCAL_RANK=0 exec "$@"', "sh"]
-            cmd = [str(Path(sys.executable).parent / "mpirun")]
-            for i, ns in enumerate(args.namespaces):
-                cmd += [":"] if i else []
-                cmd += ["-n", str(args.ranks), "ip", "netns", "exec", ns, *rank_env, sys.executable, *script]
-                cmd += [*sets, "--out", str(out)]
-            return cmd
-        nproc = f"--nproc-per-node={args.nodes * args.ranks}"
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
-        return [*launcher, *script, *sets, "--out", str(out)]
+        script = [sys.executable, str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config]
+        return torchrun_style(args, [*script, "--data", str(args.data), *sets, "--out", str(out)])
+    if variant == "nanogpt":
+        return torchrun_style(args, nanogpt.command(args.nanogpt_folder, sys.executable))
     allreduce = {"trainer-auto": "auto", "trainer-auto-small": "auto", "trainer-leader": "leader"}.get(
         variant, "hierarchical"
     )
@@ -191,6 +211,8 @@ def step_times(variant: str, out: Path, key: str = "step_time_s") -> list[float]
     """Per-step ``key`` (``step_time_s``; ``time_comm_s``: the trainer's exposed communication, None for plain)."""
     if variant == "plain":
         return [float(x) for x in json.loads(out.read_text())["step_time_s"]] if key == "step_time_s" else []
+    if variant == "nanogpt":  # ``out`` is its launch log: rank 0's per-iteration lines
+        return nanogpt.step_times(out) if key == "step_time_s" else []
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r[key]) for r in records if key in r]
 
@@ -221,12 +243,13 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
         for variant in order:
             folder = work / f"{variant}-r{rnd}"
             folder.mkdir(parents=True, exist_ok=True)
-            out = folder / ("times.json" if variant == "plain" else "run")  # the trainer's run directory
+            out = folder / {"plain": "times.json", "nanogpt": "launch.log"}.get(variant, "run")  # or a run directory
+            cwd = args.nanogpt_folder if variant == "nanogpt" else ROOT  # nanoGPT reads its files from its cwd
             wait_for_quiet()
             warm_page_cache(args.data)
             t0, busy0, own0 = time.perf_counter(), busy_cpu_s(), children_cpu_s()
             with open(folder / "launch.log", "w") as log:
-                proc = subprocess.run(command(variant, args, overrides, out), env=env, cwd=ROOT, stdout=log, stderr=log)
+                proc = subprocess.run(command(variant, args, overrides, out), env=env, cwd=cwd, stdout=log, stderr=log)
             wall = time.perf_counter() - t0
             other = (busy_cpu_s() - busy0 - (children_cpu_s() - own0)) / wall  # cores used by other processes
             if proc.returncode != 0:
@@ -235,6 +258,12 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
             comm = step_times(variant, out, "time_comm_s")[args.skip :]
             busy = step_times(variant, out, "comm_busy_s")[args.skip :]  # where the trainer's own hook ran
             median = statistics.median(times)
+            if variant == "nanogpt":
+                params = nanogpt.n_params(out)
+            elif variant != "plain":
+                params = json.loads((out / "summary.json").read_text()).get("n_params")
+            else:
+                params = None
             runs[variant].append(
                 {
                     "round": rnd,
@@ -244,6 +273,7 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
                     "steps": times,
                     "comm": comm,
                     "comm_busy": busy,
+                    "n_params": params,
                 }
             )
             print(
@@ -309,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     global VARIANTS
     args = parse_args(argv)
     VARIANTS = tuple(v for v in ALL_VARIANTS if not args.variants or v in args.variants)
+    if not args.nanogpt:
+        VARIANTS = tuple(v for v in VARIANTS if v != "nanogpt")
     if (args.nodes < 2 or args.ranks < 2) and set(HIER) & set(VARIANTS):
         VARIANTS = tuple(v for v in VARIANTS if v not in HIER)
         print(f"{args.nodes} node(s) x {args.ranks} ranks: no trainer-hier (the trainer falls back to flat all-reduce)")
@@ -330,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if "trainer-recipe" in VARIANTS:
         args.recipe_config = write_user_recipe(args, overrides, work / "user-project")
+    if "nanogpt" in VARIANTS:
+        try:
+            world = args.nodes * args.ranks
+            args.nanogpt_folder = nanogpt.prepare(args.nanogpt, work / "nanogpt", args.data, cfg, world)
+        except nanogpt.NanoGPTError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.link_mbit:
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are removed on TERM too
@@ -345,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarize(runs, tokens_per_step)
     print_table(args, cfg, runs, summary)
+    n_params = {v: runs[v][0]["n_params"] for v in VARIANTS if runs[v][0]["n_params"] is not None}
+    if len(set(n_params.values())) > 1:
+        print(f"\nwarning: the variants' models differ in parameter count ({n_params}): not the same work")
+    elif n_params:
+        count = next(iter(n_params.values()))
+        print(f"\nparameters: {count:,} in every variant that reports them ({', '.join(n_params)})")
     disturbed = [f"{v} round {r['round'] + 1}" for v in VARIANTS for r in runs[v] if r["other_load"] > OTHER_LOAD_LIMIT]
     if disturbed:
         print(
@@ -368,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_ratio": TARGET,
         },
         "disturbed_runs": disturbed,
+        "n_params": n_params,
         "summary": summary,
         "runs": {
             v: [{k: r[k] for k in ("round", "wall_s", "other_load", "median_step_s")} for r in runs[v]]

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runconfig import load_config  # noqa: E402
 from trainer.models.gpt import GPT  # noqa: E402
+from trainer.parallel.buckets import ddp_bucket_caps  # noqa: E402
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float:
@@ -71,7 +72,7 @@ def main() -> int:
 
     torch.manual_seed(t.seed)
     model = GPT(cfg.model).to(device)
-    ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=cfg.comm.bucket_mb)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None, **ddp_bucket_caps(cfg.comm))
     precision = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     decay = [q for q in model.parameters() if q.dim() >= 2]
     no_decay = [q for q in model.parameters() if q.dim() < 2]

@@ -407,6 +407,12 @@ class CommConfig:
         0.0,
     )
     bucket_mb: float = doc("DDP gradient bucket size in MB.", 25.0)
+    first_bucket_mb: float = doc(
+        "Size cap in MB of DDP's first gradient bucket: the gradients backward produces first (the last layers'), "
+        "reduced while backward goes on; the buckets after it are bucket_mb. 1 is DDP's own default (which DDP "
+        "applies only when no bucket size is given at all); >= bucket_mb: the first bucket as large as the rest.",
+        1.0,
+    )
     defer_agreement: bool = doc(
         "The per-step agreement of the ranks (the step's loss, a stop request, the time-based checkpoint trigger) "
         "runs while the next step computes and is acted on at the next step boundary (a stop one step later, all "
@@ -425,6 +431,8 @@ class CommConfig:
         out: Problems = []
         if not self.bucket_mb > 0:
             out.append(("bucket_mb", f"must be > 0, got {self.bucket_mb}"))
+        if not self.first_bucket_mb > 0:
+            out.append(("first_bucket_mb", f"must be > 0, got {self.first_bucket_mb}"))
         if not self.timeout_s > 0:
             out.append(("timeout_s", f"must be > 0, got {self.timeout_s}"))
         if not self.chunk_kb >= 0:

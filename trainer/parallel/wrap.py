@@ -21,6 +21,7 @@ from runconfig import RunConfig
 from runconfig.layout import Layout, LayoutError
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
+from trainer.parallel.buckets import ddp_bucket_caps
 from trainer.parallel.comm import BucketDispatch, BucketReducer, overlapped_hook, sync_hook
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
@@ -109,7 +110,7 @@ def wrap(
         ddp = DDP(
             model,
             device_ids=[d.device.index] if d.device.type == "cuda" else None,
-            bucket_cap_mb=cfg.comm.bucket_mb,
+            **ddp_bucket_caps(cfg.comm),
         )
         allreduce, dispatch = wire_allreduce(cfg, env, d, ddp)
         return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch)
