@@ -58,11 +58,13 @@ def prepare(src: Path, folder: Path, data: Path, cfg, world: int) -> Path:
         shutil.copyfile(src / name, folder / name)
     train = (folder / "train.py").read_text()
     for before, after in EDITS:
+        if after in train:  # edited already (by hand, as EDITS says)
+            continue
         if before not in train:
             raise NanoGPTError(
                 f"--nanogpt {src}: train.py does not contain {before.strip().splitlines()[0]!r}, one of the two lines "
                 "this benchmark edits so that nanoGPT's DDP runs on CPU; it is not karpathy/nanoGPT's train.py "
-                "(or that file has changed): edit it by hand so that it runs with --device=cpu under torchrun"
+                "(or that file has changed): make the change of bench/nanogpt.py's EDITS by hand and run again"
             )
         train = train.replace(before, after, 1)
     (folder / "train.py").write_text(train)
