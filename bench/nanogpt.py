@@ -95,7 +95,7 @@ def write_config(path: Path, cfg, world: int) -> None:
     evaluates at iteration 0 whatever eval_interval is: one batch, inside the first, skipped, step), no
     checkpoints, no wandb."""
     m, t = cfg.model, cfg.train
-    steps = {
+    values = {
         "out_dir": str(path.parent / "out"),
         "dataset": DATASET,
         "eval_interval": t.steps + 1,
@@ -128,9 +128,9 @@ def write_config(path: Path, cfg, world: int) -> None:
     }
     if m.mlp_ratio != 4:
         raise NanoGPTError(f"model.mlp_ratio={m.mlp_ratio}: nanoGPT's MLP is 4 x n_embd wide")
-    if steps["gradient_accumulation_steps"] % world:
+    if values["gradient_accumulation_steps"] % world:
         raise NanoGPTError(f"global batch {t.global_batch_size} is not a multiple of micro-batch x {world} ranks")
-    path.write_text("".join(f"{k} = {v!r}\n" for k, v in steps.items()))
+    path.write_text("".join(f"{k} = {v!r}\n" for k, v in values.items()))
 
 
 def command(folder: Path, python: str) -> list[str]:
