@@ -12,7 +12,6 @@ otherwise, under torchrun (or mpirun over an emulated link), with ``--device=cpu
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 import shutil
@@ -75,7 +74,9 @@ def prepare(src: Path, folder: Path, data: Path, cfg, world: int) -> Path:
 
 def write_dataset(data: Path, out: Path) -> None:
     """The prepared HDF5 shards as nanoGPT reads them: each split's tokens concatenated into one uint16 file."""
-    manifest = json.loads((data / "manifest.json").read_text())
+    from trainer.data.dataset import read_manifest  # the trainer's own check of a prepared dataset's manifest
+
+    manifest = read_manifest(data)
     if manifest["vocab_size"] > 1 << 16:
         raise NanoGPTError(f"{data}: vocabulary {manifest['vocab_size']} does not fit nanoGPT's uint16 token files")
     out.mkdir(parents=True, exist_ok=True)
