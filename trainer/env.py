@@ -65,6 +65,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
     environ = dict(os.environ if environ is None else environ)
     rank, size = comm.Get_rank(), comm.Get_size()
     hostname = socket.gethostname()
+    patient_barrier(comm)  # the first meeting after the imports, which end seconds apart on a loaded host
     hosts = tuple(comm.allgather(hostname))
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     host_local_rank, host_local_size = local.Get_rank(), local.Get_size()

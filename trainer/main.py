@@ -11,6 +11,14 @@ import time
 
 PROCESS_START = time.time()  # before the heavy imports: a launch's start-up cost counts from here
 
+import gc  # noqa: E402
+
+# Start-up's imports (torch, DCP with DTensor, torch._dynamo: some 2,200 modules and 290,000 long-lived objects)
+# run with the cyclic garbage collector off: they leave nothing to collect, yet set off full collections that walk
+# everything imported so far (measured here: 5 of them, 0.4 s of a 2.3 s import; with 4 ranks on 2 cores the
+# slowest rank's imports went from 4.6 to 3.8 s). ``_collector_back_on`` turns it on again.
+gc.disable()
+
 from trainer.loop.stop import EarlySignals  # noqa: E402
 
 # A stop signal during the imports or MPI_Init is recorded, not fatal: the run stops cleanly at its first step.
@@ -149,6 +157,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     d = init_distributed(env, cfg.comm, device, comm)
     marks["rendezvous"] = time.time()
     importer.join()
+    _collector_back_on()
     with contextlib.ExitStack() as stack:
         memory: dict[str, float] = {}
         p = build_parts(cfg, env, d, rundir, comm, stop, stack, code_sha256=code_sha256, marks=marks, memory=memory)
@@ -328,6 +337,13 @@ def _abort_job(comm: MPI.Comm, status: int) -> None:
     sys.stderr.flush()
     logging.shutdown()
     comm.Abort(status)
+
+
+def _collector_back_on() -> None:
+    """The garbage collector on again once the heavy imports are done, their objects first frozen (moved out of
+    its sight: the loop's collections then do not walk them again; modules live as long as the process anyway)."""
+    gc.freeze()
+    gc.enable()
 
 
 def _import_quietly(name: str) -> None:

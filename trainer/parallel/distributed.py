@@ -14,7 +14,7 @@ from mpi4py import MPI
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from runconfig.schema import CommConfig
-from trainer.env import RuntimeEnv
+from trainer.env import RuntimeEnv, patient_barrier
 from trainer.errors import UserError
 from trainer.parallel.comm import HierGroups
 from trainer.parallel.commtime import CommLedger
@@ -138,4 +138,4 @@ def shutdown(comm: MPI.Comm, *, clean: bool) -> None:
         dist.barrier()
     dist.destroy_process_group()
     if clean:
-        comm.Barrier()
+        patient_barrier(comm)

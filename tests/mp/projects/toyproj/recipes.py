@@ -3,6 +3,7 @@ knobs for a slow dataset and slow compute, and recipes that break one rule each 
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -50,6 +51,10 @@ def recipe(
         raise ValueError(f"hidden must be a positive width, got {hidden}")
 
     def loss(model, batch):
+        # The trainer's start-up imports run with the garbage collector off (trainer/main.py); the loop must have it
+        # back, or every reference cycle a step makes would stay. Every launch of this project checks it.
+        if not gc.isenabled():
+            raise RuntimeError("the garbage collector is off during training")
         if compute_s:
             time.sleep(compute_s)  # a step that takes time without taking the CPU from the prefetch threads
         return classify(model, batch)
