@@ -114,9 +114,10 @@ def reference(tmp_path_factory, small_dataset):
     return run_dir
 
 
-#: 2 simulated nodes x 1 rank, for the tests of what is on disk (damaged, full, read-only, changed): a launch of 2
-#: ranks starts in half the time of 4 on the test machine's 2 cores. How 2 x 2 ranks stop, restart and resume
-#: bit-identical (the hierarchical all-reduce's measured plan included) is pinned on ``reference``.
+#: 2 simulated nodes x 1 rank, for the tests of what is on disk (damaged, full, read-only, changed) and of the
+#: launcher's in-job restarts (SIGKILL, a hang), which restart every rank whatever the layout: a launch of 2 ranks
+#: starts in half the time of 4 on the test machine's 2 cores. How 2 x 2 ranks stop and resume bit-identical (the
+#: hierarchical all-reduce's measured plan included), and stop at any moment of start-up, is pinned on ``reference``.
 TWO_NODES = ["job.ranks_per_node=1"]
 
 
@@ -216,13 +217,14 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
         assert width >= 400 and height >= 300, (png, width, height)
 
 
-def test_sigkill_at_random_moments_restarts_in_the_job_and_ends_bitwise(tmp_path, small_dataset, reference):
+def test_sigkill_at_random_moments_restarts_in_the_job_and_ends_bitwise(tmp_path, small_dataset, reference_2x1):
     """Checkpoint every step so kills often land inside a save; one kill is aimed at a save in progress. One launcher
     process throughout: after each SIGKILL it restarts the ranks from the newest valid checkpoint by itself
     (job.max_failures), records the restart with its cause, and the run ends bit-identical to the uninterrupted one."""
     run_dir = tmp_path / "run"
     sets = [
-        *common(small_dataset, reference),
+        *common(small_dataset),
+        *TWO_NODES,
         "checkpoint.every_steps=1",
         "job.max_failures=3",
         "job.restart_backoff_s=0.2",
@@ -255,15 +257,16 @@ def test_sigkill_at_random_moments_restarts_in_the_job_and_ends_bitwise(tmp_path
     assert all(e["status"] != 0 and e["cause"] for e in restarts), restarts
     assert [e["event"] for e in events].count("resume") == kills
     assert out.count("restart ") >= kills  # the launcher says each one
-    assert_same_as(reference, run_dir)
+    assert_same_as(reference_2x1, run_dir)
 
 
-def test_a_hung_rank_is_restarted_in_the_job_and_ends_bitwise(tmp_path, small_dataset, reference):
+def test_a_hung_rank_is_restarted_in_the_job_and_ends_bitwise(tmp_path, small_dataset, reference_2x1):
     """A rank that stops (SIGSTOP: a real hang, no injected code path): the others' watchdog ends the launch, the
     launcher restarts the ranks from the newest checkpoint, and the run ends bit-identical, the hang in history."""
     run_dir = tmp_path / "run"
     sets = [
-        *common(small_dataset, reference),
+        *common(small_dataset),
+        *TWO_NODES,
         "monitor.hang_timeout_s=5",
         "monitor.heartbeat_s=0.5",
         "job.restart_backoff_s=0.2",
@@ -273,13 +276,13 @@ def test_a_hung_rank_is_restarted_in_the_job_and_ends_bitwise(tmp_path, small_da
     sets.append("monitor.preflight=off")
     proc = start(run_dir, sets)
     wait_for_step(run_dir, 6, proc)
-    os.kill(rank_pids(run_dir)[2], signal.SIGSTOP)
+    os.kill(rank_pids(run_dir)[1], signal.SIGSTOP)
     restart = wait_for_event(run_dir, "restart", 1, proc)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
-    assert restart["cause"].startswith("hang: ") and "rank(s) 2 stopped publishing heartbeats" in restart["cause"]
+    assert restart["cause"].startswith("hang: ") and "rank(s) 1 stopped publishing heartbeats" in restart["cause"]
     assert [e["event"] for e in history(run_dir)].count("hang") == 1
-    assert_same_as(reference, run_dir)
+    assert_same_as(reference_2x1, run_dir)
 
 
 def test_a_stop_signal_at_any_moment_of_start_up_is_a_clean_stop(tmp_path, small_dataset, reference):
