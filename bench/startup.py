@@ -7,10 +7,10 @@ side by side with what it replaced.
   fresh processes with Python's cyclic garbage collector on (Python's default) and off (trainer/main.py keeps it
   off until they are done), alternating, --rounds times each.
 - waits: --nodes x --ranks ranks under mpirun on this host; rank 0 works (a fixed number of small matmuls) while
-  the others wait for it in an MPI all-gather, either blocking in it (MPICH spins) or first in
-  ``trainer.env.patient_barrier`` (a non-blocking barrier tested every 2 ms), --rounds times each, alternating:
-  how long rank 0's work took and the CPU seconds the waiting ranks used. The trainer's start-up and teardown
-  meetings (after the imports, the preflight, the checkpoint checks, a stop, the teardown) wait patiently.
+  the others wait for it in an MPI all-gather, either blocking in it (MPICH spins) or through
+  ``trainer.env.patient_allgather`` (first a non-blocking barrier tested every 2 ms), --rounds times each,
+  alternating: how long rank 0's work took and the CPU seconds the waiting ranks used. The trainer's meetings
+  outside the loop (after the imports, the preflight, a restore's checks, a stop, the teardown) wait patiently.
 - launches: --launches one-step runs of the tiny model (d_model 64, 2 layers) through `python -m hpc.submit tiny
   --local` on --nodes x --ranks simulated nodes: per start-up phase (the start event's ``startup_s``: imports of the
   slowest rank, mpi, rendezvous, recipe, build, restore, preflight) the median and the largest, the launch's wall
@@ -68,7 +68,7 @@ def wait_worker(mode: str, out: Path) -> None:
     import torch
     from mpi4py import MPI
 
-    from trainer.env import patient_barrier
+    from trainer.env import patient_allgather
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -80,8 +80,9 @@ def wait_worker(mode: str, out: Path) -> None:
             torch.mm(a, a)
     work = time.perf_counter() - t0
     if mode == "patient":
-        patient_barrier(comm)
-    comm.allgather(comm.rank)
+        patient_allgather(comm, comm.rank)
+    else:
+        comm.allgather(comm.rank)
     figures = {"rank": comm.rank, "work_s": work, "cpu_s": time.process_time() - cpu0}
     (out / f"rank_{comm.rank}.json").write_text(json.dumps(figures))
 

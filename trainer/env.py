@@ -10,6 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from mpi4py import MPI
 
@@ -18,6 +19,8 @@ from trainer.errors import UserError
 from trainer.observe import inject
 from trainer.observe.inject import Fault
 from trainer.parallel.topology import Topology
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
     environ = dict(os.environ if environ is None else environ)
     rank, size = comm.Get_rank(), comm.Get_size()
     hostname = socket.gethostname()
-    patient_barrier(comm)  # the first meeting after the imports, which end seconds apart on a loaded host
-    hosts = tuple(comm.allgather(hostname))
+    hosts = tuple(patient_allgather(comm, hostname))  # the first meeting after the imports, which end seconds apart
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     host_local_rank, host_local_size = local.Get_rank(), local.Get_size()
     leader = local.bcast(rank, root=0)  # world rank of the first rank on this host
@@ -133,14 +135,26 @@ def patient_barrier(comm: MPI.Comm, poll_s: float = 0.002) -> None:
         time.sleep(poll_s)
 
 
+def patient_allgather(comm: MPI.Comm, value: T) -> list[T]:
+    """``comm.allgather`` for a meeting the ranks reach at different times (start-up, a restore's checks, a stop,
+    the teardown): they wait in ``patient_barrier`` first, so none spins while another still works."""
+    patient_barrier(comm)
+    return comm.allgather(value)
+
+
+def patient_bcast(comm: MPI.Comm, value: T, root: int = 0) -> T:
+    """``comm.bcast`` after ``patient_barrier``: the others wait without spinning while ``root`` works alone."""
+    patient_barrier(comm)
+    return comm.bcast(value, root=root)
+
+
 def agree(comm: MPI.Comm, error: str | None) -> None:
     """Collective check: if any rank has an error, every rank raises UserError naming the first failing rank.
 
     Lets one rank's bad input (say, a corrupt shard it opened) stop all ranks cleanly instead of leaving the
     others blocked in the next collective.
     """
-    patient_barrier(comm)
-    errors = comm.allgather(error)
+    errors = patient_allgather(comm, error)
     for rank, message in enumerate(errors):
         if message is not None:
             text = message if message.startswith("rank ") else f"rank {rank}: {message}"

@@ -62,7 +62,7 @@ from runconfig.load import config_hash
 from trainer.checkpoint.fingerprint import owners, params_sha256, params_sha256_v1, tensors_sha256
 from trainer.checkpoint.provenance import git_commit, versions
 from trainer.checkpoint.state import TrainState, rank_seed
-from trainer.env import RuntimeEnv, patient_barrier
+from trainer.env import RuntimeEnv, patient_allgather, patient_bcast
 from trainer.errors import UserError
 from trainer.observe.inject import Injector
 
@@ -564,8 +564,7 @@ class Checkpointer:
                 gens = self._retry(lambda: [str(p) for p in self._generations()], self.root)
             except OSError as exc:
                 crash = _read_failed(exc, f"the checkpoints in {self.root}")
-        patient_barrier(self.comm)  # the others wait without spinning on rank 0's cores while it lists
-        gens, crash = self.comm.bcast((gens, crash), root=0)
+        gens, crash = patient_bcast(self.comm, (gens, crash))  # rank 0 listed them alone
         _raise_crash(crash)
         warn = log.warning if self.env.rank == 0 else lambda _: None
         try:
@@ -594,12 +593,9 @@ class Checkpointer:
                 problem = str(exc)
             except OSError as exc:
                 crash = _read_failed(exc, str(path))
-        patient_barrier(self.comm)  # rank 0 read the manifest alone
-        manifest, problem, crash = self.comm.bcast((manifest, problem, crash), root=0)
+        manifest, problem, crash = patient_bcast(self.comm, (manifest, problem, crash))  # rank 0 read it alone
         if not crash and not problem:
-            share = self._verify_share(path, manifest["files"])
-            patient_barrier(self.comm)  # the shares differ in size
-            reports = self.comm.allgather(share)
+            reports = patient_allgather(self.comm, self._verify_share(path, manifest["files"]))  # shares differ
             crash = next((c for _, c in reports if c), None)
             problem = next((p for p, _ in reports if p), None)
         _raise_crash(crash)

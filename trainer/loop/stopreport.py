@@ -31,7 +31,7 @@ from runconfig.stopsignal import (
     rank_record_path,
     signal_name,
 )
-from trainer.env import RuntimeEnv, patient_barrier
+from trainer.env import RuntimeEnv, patient_allgather
 from trainer.loop.stop import EarlySignals, StopFlag
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,7 @@ def stopped_fields(comm: MPI.Comm, env: RuntimeEnv, stop: StopFlag, times: StopT
         )
     else:
         log.info("stop: this rank received no stop signal itself; it stopped because the other ranks agreed to")
-    patient_barrier(comm)  # the ranks come from the stop's save at different times
-    arrivals = comm.allgather((stop.signum, stop.at))
+    arrivals = patient_allgather(comm, (stop.signum, stop.at))  # the ranks come from the stop's save at different times
     received: dict[str, list[int]] = {}
     for rank, (signum, _) in enumerate(arrivals):
         if signum is not None:

@@ -34,7 +34,7 @@ from mpi4py import MPI
 from runconfig import RunDir
 from runconfig.contract import EVENT_PREFLIGHT, FAILURE_PREFLIGHT, append_event
 from trainer.data.loader import BatchLoader
-from trainer.env import RuntimeEnv, patient_barrier
+from trainer.env import RuntimeEnv, patient_allgather
 from trainer.errors import first_line
 from trainer.loop.parts import Parts
 from trainer.observe.inject import Injector
@@ -360,10 +360,10 @@ def run_preflight(p: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
     mine = measure(
         env, p.d.device, p.d.groups, p.loader, position=p.state.data_position, mib=mib, injector=p.mon.injector
     )
-    # The nodes finish measuring at different times; a rank spinning in MPI's gather starved the gloo transfers the
-    # others were still finishing on a shared host (measured: 1 to 27 s longer, in 1 launch of 10).
-    patient_barrier(comm)
-    verdict = judge(comm.allgather(mine), ranks_per_node=env.topology.ranks_per_node, margin=cfg.preflight_margin)
+    # The nodes finish measuring at different times; ranks spinning in MPI's gather starved the gloo transfers the
+    # others were still finishing on a shared host (measured: 1-2 s longer in 2 of 20 launches, once 27 s).
+    figures = patient_allgather(comm, mine)
+    verdict = judge(figures, ranks_per_node=env.topology.ranks_per_node, margin=cfg.preflight_margin)
     seconds = time.perf_counter() - start
     exclude = cfg.preflight == "exclude" and bool(verdict.named)
     if env.rank == 0:
