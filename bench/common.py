@@ -82,6 +82,41 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _stat_after_comm(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the ``(comm)`` one (the name may hold spaces): [state, ppid, ...]."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it now, from the parent ids in /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(_stat_after_comm(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) that the processes ``pids`` have used so far; a gone one adds 0."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = _stat_after_comm(pid)
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+        except (OSError, ValueError, IndexError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def wait_for_quiet(max_wait_s: float = 60.0) -> None:
     """Wait (at most ``max_wait_s``) until other processes use less than OTHER_LOAD_LIMIT cores for a second."""
     deadline = time.monotonic() + max_wait_s

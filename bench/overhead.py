@@ -28,8 +28,10 @@ off. ``--link-mbit RATE`` (root, 2 nodes) runs each node's ranks in a network na
 by a link shaped to RATE (bench/common.py ``emulated_link``), so the inter-node traffic is as slow as between real
 nodes: the trainer through the local launcher's per-node prefix (HPC_LOCAL_NODE_WRAP), plain DDP through mpirun.
 The first ``--skip`` steps of every run are warm-up; the figure is the median step time over the remaining
-steps of all rounds. "comm ms" is the trainer's exposed communication per step; "hidden" the share of its own
-hook's whole reduction time that overlapped with backward. Prints a table and a JSON object.
+steps of all rounds. "CPU-s" is the CPU time a step costs, every process of the run together (sampled from
+/proc while the run trains): with the step time, it tells work from waiting. "comm ms" is the trainer's exposed
+communication per step; "hidden" the share of its own hook's whole reduction time that overlapped with backward.
+Prints a table and a JSON object.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ from common import (  # bench/common.py (bench/ on sys.path)
     busy_cpu_s,
     children_cpu_s,
     emulated_link,
+    process_tree,
+    tree_cpu_s,
     wait_for_quiet,
 )
 
@@ -92,6 +96,8 @@ QUIET = ["monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.hang
 USER_RECIPE = ROOT / "bench" / "recipes" / "user_gpt.py"
 USER_RECIPE_SPEC = "user_gpt:recipe"
 TARGET = 0.95
+RUN_CPU = "cpu_per_step_s"  # a run's CPU seconds per step, all its processes together
+PLAIN_PROGRESS = "progress.txt"  # plain_ddp.py's live step count, beside its times.json
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -185,7 +191,8 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sets = [a for kv in overrides for a in ("--set", kv)]
     if variant == "plain":
         script = [sys.executable, str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config]
-        return torchrun_style(args, [*script, "--data", str(args.data), *sets, "--out", str(out)])
+        progress = ["--progress", str(out.with_name(PLAIN_PROGRESS))]
+        return torchrun_style(args, [*script, "--data", str(args.data), *sets, "--out", str(out), *progress])
     if variant == "nanogpt":
         return torchrun_style(args, nanogpt.command(args.nanogpt_folder, sys.executable))
     allreduce = {"trainer-auto": "auto", "trainer-auto-small": "auto", "trainer-leader": "leader"}.get(
@@ -215,6 +222,40 @@ def step_times(variant: str, out: Path, key: str = "step_time_s") -> list[float]
         return nanogpt.step_times(out) if key == "step_time_s" else []
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r[key]) for r in records if key in r]
+
+
+def steps_done(variant: str, out: Path) -> int:
+    """The steps the run has finished so far, from the file its rank 0 appends to after every step."""
+    path = {"plain": out.with_name(PLAIN_PROGRESS), "nanogpt": out}.get(variant, out / "metrics.jsonl")
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return 0
+    return len(nanogpt.ITER_RE.findall(text)) if variant == "nanogpt" else text.count("\n")
+
+
+def run_measured(variant: str, cmd: list[str], out: Path, log: Path, skip: int, **kw) -> tuple[int, float | None]:
+    """Runs ``cmd``; returns its exit status and the CPU seconds that its whole process tree (launcher, ranks, their
+    threads) used per step between step ``skip`` and the last step but one: the work a step costs, which machine noise
+    hardly moves (wall time on a shared host does). Polls the step count every 20 ms and samples the ranks' CPU
+    (/proc/PID/stat) when it changes; None if fewer than 5 steps fell between the samples."""
+    samples: list[tuple[int, float]] = []
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=f, **kw)
+        pids: list[int] = []
+        while proc.poll() is None:
+            done = steps_done(variant, out)
+            if done >= 1 and (not samples or done != samples[-1][0]):
+                if done <= skip or not pids:  # every rank is up by the first step; refreshed up to the window
+                    pids = process_tree(proc.pid)
+                samples.append((done, tree_cpu_s(pids)))
+            time.sleep(0.02)
+    last = steps_done(variant, out)
+    window = [(n, cpu) for n, cpu in samples if skip <= n < last]
+    if len(window) < 2 or window[-1][0] - window[0][0] < 5:
+        return proc.returncode, None
+    (n0, cpu0), (n1, cpu1) = window[0], window[-1]
+    return proc.returncode, (cpu1 - cpu0) / (n1 - n0)
 
 
 def warm_page_cache(folder: Path) -> None:
@@ -248,12 +289,14 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
             wait_for_quiet()
             warm_page_cache(args.data)
             t0, busy0, own0 = time.perf_counter(), busy_cpu_s(), children_cpu_s()
-            with open(folder / "launch.log", "w") as log:
-                proc = subprocess.run(command(variant, args, overrides, out), env=env, cwd=cwd, stdout=log, stderr=log)
+            cmd = command(variant, args, overrides, out)
+            run_env = {**env, "PYTHONUNBUFFERED": "1"} if variant == "nanogpt" else env  # its iter lines, live
+            log = folder / "launch.log"
+            returncode, cpu_step = run_measured(variant, cmd, out, log, args.skip, env=run_env, cwd=cwd)
             wall = time.perf_counter() - t0
             other = (busy_cpu_s() - busy0 - (children_cpu_s() - own0)) / wall  # cores used by other processes
-            if proc.returncode != 0:
-                raise RuntimeError(f"{variant} round {rnd} failed ({proc.returncode}); see {folder / 'launch.log'}")
+            if returncode != 0:
+                raise RuntimeError(f"{variant} round {rnd} failed ({returncode}); see {folder / 'launch.log'}")
             times = step_times(variant, out)[args.skip :]
             comm = step_times(variant, out, "time_comm_s")[args.skip :]
             busy = step_times(variant, out, "comm_busy_s")[args.skip :]  # where the trainer's own hook ran
@@ -270,14 +313,16 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
                     "wall_s": wall,
                     "other_load": other,
                     "median_step_s": median,
+                    RUN_CPU: cpu_step,
                     "steps": times,
                     "comm": comm,
                     "comm_busy": busy,
                     "n_params": params,
                 }
             )
+            cpu = f", {cpu_step:.3f} CPU-s a step" if cpu_step is not None else ""
             print(
-                f"round {rnd + 1}/{args.rounds} {variant:<18} median step {1e3 * median:6.1f} ms "
+                f"round {rnd + 1}/{args.rounds} {variant:<18} median step {1e3 * median:6.1f} ms{cpu} "
                 f"(run {wall:.1f} s, other processes used {other:.2f} cores)"
             )
     return runs
@@ -289,6 +334,9 @@ def summarize(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
         pooled = [t for run in runs[variant] for t in run["steps"]]
         median, p25 = statistics.median(pooled), statistics.quantiles(pooled, n=4)[0]
         summary[variant] = {"median_step_s": median, "p25_step_s": p25, "tokens_per_s": tokens_per_step / median}
+        cpu = [run[RUN_CPU] for run in runs[variant] if run.get(RUN_CPU) is not None]
+        if cpu:  # the work a step costs, all processes together: the median over rounds
+            summary[variant]["cpu_per_step_s"] = statistics.median(cpu)
         comm = [t for run in runs[variant] for t in run["comm"]]
         if comm:  # the trainer's exposed communication per step (not what overlapped with backward)
             summary[variant]["median_exposed_comm_s"] = statistics.median(comm)
@@ -301,6 +349,8 @@ def summarize(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
         s = summary[variant]
         s["ratio_vs_plain"] = plain["median_step_s"] / s["median_step_s"]
         s["ratio_vs_plain_p25"] = plain["p25_step_s"] / s["p25_step_s"]
+        if "cpu_per_step_s" in s and "cpu_per_step_s" in plain:
+            s["cpu_ratio_vs_plain"] = plain["cpu_per_step_s"] / s["cpu_per_step_s"]
         pairs = zip(runs["plain"], runs[variant], strict=True)
         s["round_ratios"] = [p["median_step_s"] / r["median_step_s"] for p, r in pairs]
     return summary
@@ -317,10 +367,13 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
         f"ratio = tokens/s / plain DDP's (target >= {TARGET} for every trainer variant) from the median step time "
         "over all rounds;\n"
         "p25: the same from the lower-quartile step time (less hit by bursts of machine noise);\n"
+        "CPU-s: CPU seconds a step costs, every process of the run together (median over rounds), and plain's / "
+        "the variant's:\n  the work per step (slower at the same CPU-s: waiting; at more CPU-s: more work);\n"
         "per round: the round's median step ms / ratio of the round's medians\n"
     )
     head = f"{'variant':<18} | {'median ms':>9} | {'tokens/s':>8} | {'ratio':>5} | {'p25 ms':>6} | {'ratio':>5}"
-    print(f"{head} | {'comm ms':>7} | {'hidden':>6} | per-round ms / ratio\n" + "-" * 119)
+    head += f" | {'CPU-s':>5} | {'ratio':>5}"
+    print(f"{head} | {'comm ms':>7} | {'hidden':>6} | per-round ms / ratio\n" + "-" * 135)
     for variant in VARIANTS:
         s = summary[variant]
         rounds = " ".join(
@@ -328,10 +381,12 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
         )
         comm = f"{1e3 * s['median_exposed_comm_s']:7.1f}" if "median_exposed_comm_s" in s else f"{'-':>7}"
         comm += f" | {100 * s['hidden_share']:5.0f}%" if "hidden_share" in s else f" | {'-':>6}"
+        cpu = f"{s['cpu_per_step_s']:>5.3f}" if "cpu_per_step_s" in s else f"{'-':>5}"
+        cpu += f" | {s['cpu_ratio_vs_plain']:>5.3f}" if "cpu_ratio_vs_plain" in s else f" | {'-':>5}"
         print(
             f"{variant:<18} | {1e3 * s['median_step_s']:>9.1f} | {s['tokens_per_s']:>8.0f} | "
             f"{s['ratio_vs_plain']:>5.3f} | {1e3 * s['p25_step_s']:>6.1f} | {s['ratio_vs_plain_p25']:>5.3f} | "
-            f"{comm} | {rounds}"
+            f"{cpu} | {comm} | {rounds}"
         )
 
 
@@ -416,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "n_params": n_params,
         "summary": summary,
         "runs": {
-            v: [{k: r[k] for k in ("round", "wall_s", "other_load", "median_step_s")} for r in runs[v]]
+            v: [{k: r[k] for k in ("round", "wall_s", "other_load", "median_step_s", RUN_CPU)} for r in runs[v]]
             for v in VARIANTS
         },
         "wall_s": time.perf_counter() - started,

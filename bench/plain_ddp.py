@@ -43,6 +43,7 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--data", type=Path, required=True, help="prepared dataset folder (manifest.json + shards)")
     p.add_argument("--out", type=Path, help="rank 0 also writes its JSON here")
+    p.add_argument("--progress", type=Path, help="rank 0 appends a line here after every step (a live step count)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, bf16 autocast as the trainer")
     p.add_argument(
         "--profile-steps",
@@ -97,6 +98,7 @@ def main() -> int:
         return torch.from_numpy(np.stack(rows).astype(np.int64)).to(device, non_blocking=True)
 
     ddp.train()
+    progress = open(args.progress, "a", buffering=1) if args.progress and rank == 0 else None  # noqa: SIM115
     step_times: list[float] = []
     losses: list[float] = []
     prof = None
@@ -131,6 +133,8 @@ def main() -> int:
         if mark is not None:
             mark.__exit__(None, None, None)
         step_times.append(time.perf_counter() - started)
+        if progress is not None:
+            progress.write(f"{step + 1}\n")
         if prof is not None and step + 1 == last:
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(str(args.profile_out))
@@ -152,6 +156,8 @@ def main() -> int:
             args.out.write_text(text + "\n")
     for f in files:
         f.close()
+    if progress is not None:
+        progress.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

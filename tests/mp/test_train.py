@@ -105,9 +105,10 @@ def params_sha256_v1_of(checkpoint: Path) -> str:
     return params_sha256_v1(tensors.items())
 
 
-def test_one_rank_and_four_ranks_agree_and_runs_repeat_bitwise(tmp_path, small_dataset):
+def test_one_rank_and_four_ranks_agree(tmp_path, small_dataset):
     """Same global batch: 1 rank x 4 accumulation steps vs 2 nodes x 2 ranks. Losses agree within float
-    tolerance (the reductions sum in different orders); a repeated 4-rank run is bit-identical."""
+    tolerance (the reductions sum in different orders). That a repeated run is bit-identical, auto's measured plan
+    reused through comm.plan_from, tests/mp/test_checkpoint.py's stop-and-resume against its reference shows."""
     common = [
         f"data.path={small_dataset}",
         "train.steps=12",
@@ -121,20 +122,12 @@ def test_one_rank_and_four_ranks_agree_and_runs_repeat_bitwise(tmp_path, small_d
     assert one.returncode == 0, one.stdout + one.stderr
     four = submit(tmp_path / "four", *common)
     assert four.returncode == 0, four.stdout + four.stderr
-    again = submit(tmp_path / "again", *common, f"comm.plan_from={tmp_path / 'four'}")  # auto: the same plan
-    assert again.returncode == 0, again.stdout + again.stderr
 
     l1 = [r["loss"] for r in metrics(tmp_path / "one")]
     l4 = [r["loss"] for r in metrics(tmp_path / "four")]
     assert len(l1) == len(l4) == 12
     assert max(abs(a - b) for a, b in zip(l1, l4, strict=True)) < 2e-4, (l1, l4)
     assert l1[-1] < l1[0] - 1.0
-    assert [r["loss"] for r in metrics(tmp_path / "again")] == l4
-    sha = {
-        name: json.loads((tmp_path / name / "summary.json").read_text())["params_sha256"]
-        for name in ("one", "four", "again")
-    }
-    assert sha["four"] == sha["again"]
 
 
 @pytest.mark.parametrize(
