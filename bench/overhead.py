@@ -11,6 +11,9 @@ Runs, alternated round by round so machine noise hits every variant alike:
 - ``trainer-hier-pipe``: trainer-hier with ``comm.chunk_kb=1024`` (the phases pipelined over 1 MiB chunks)
 - ``trainer-hier-bf16``: trainer-hier with ``comm.compress=bf16`` (the inter-node phase in bfloat16)
 - ``trainer-auto`` / ``trainer-leader``: comm.allreduce=auto (measured at start-up, per bucket size) / leader
+- ``trainer-auto-flat``: trainer-auto given a plan that picks flat for every bucket (``comm.plan_from``, a file the
+  benchmark writes): the trainer's overlapped hook and its thread with flat's collectives, apart from which
+  algorithms auto's measurement chose
 - ``trainer-auto-small``: trainer-auto with comm.bucket_mb=0.25 (the tiny model's gradients fit one 25 MB bucket,
   which is ready only when backward ends: nothing can overlap; small buckets let the reduction start earlier)
 - ``trainer-agree-sync``: trainer-flat with ``comm.defer_agreement=false`` (every step waits for the ranks'
@@ -76,7 +79,7 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
-    "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-auto", "trainer-leader",
+    "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-auto", "trainer-auto-flat", "trainer-leader",
     "trainer-auto-small", "nanogpt",
 )  # fmt: skip
 HIER = (
@@ -85,6 +88,7 @@ HIER = (
     "trainer-hier-pipe",
     "trainer-hier-bf16",
     "trainer-auto",
+    "trainer-auto-flat",
     "trainer-leader",
     "trainer-auto-small",
 )
@@ -195,9 +199,8 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
         return torchrun_style(args, [*script, "--data", str(args.data), *sets, "--out", str(out), *progress])
     if variant == "nanogpt":
         return torchrun_style(args, nanogpt.command(args.nanogpt_folder, sys.executable))
-    allreduce = {"trainer-auto": "auto", "trainer-auto-small": "auto", "trainer-leader": "leader"}.get(
-        variant, "hierarchical"
-    )
+    auto = ("trainer-auto", "trainer-auto-flat", "trainer-auto-small")
+    allreduce = {**dict.fromkeys(auto, "auto"), "trainer-leader": "leader"}.get(variant, "hierarchical")
     allreduce = allreduce if variant in HIER else "flat"
     config = args.config
     if variant == "trainer-recipe":  # the model's shape is in the written config's recipe_args
@@ -210,6 +213,7 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sync += ["--set", "comm.chunk_kb=1024"] if variant == "trainer-hier-pipe" else []
     sync += ["--set", "comm.defer_agreement=false"] if variant == "trainer-agree-sync" else []
     sync += ["--set", "comm.bucket_mb=0.25"] if variant == "trainer-auto-small" else []
+    sync += ["--set", f"comm.plan_from={args.flat_plan}"] if variant == "trainer-auto-flat" else []
     link = ["--set", f"comm.master_addr={LINK_IPS[0]}"] if args.namespaces else []
     return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync, *link]
 
@@ -224,6 +228,22 @@ def step_times(variant: str, out: Path, key: str = "step_time_s") -> list[float]
     return [float(r[key]) for r in records if key in r]
 
 
+def write_flat_plan(args: argparse.Namespace, cfg: RunConfig, path: Path) -> Path:
+    """An all-reduce plan (trainer/parallel/autotune.py's format) for this layout and comm settings that picks flat
+    for every bucket size: trainer-auto-flat's comm.plan_from."""
+    plan = {
+        "topology": [args.nodes, args.ranks],
+        "compress": cfg.comm.compress == "bf16",
+        "chunk_bytes": int(cfg.comm.chunk_kb * 1024),
+        "algorithms": ["flat"],
+        "sizes": [{"bytes": 1 << 20, "seconds": {}, "choice": "flat"}],  # the nearest row for any size
+        "measured_s": 0.0,
+        "timing": "not measured: written by bench/overhead.py, flat for every bucket",
+    }
+    path.write_text(json.dumps(plan))
+    return path
+
+
 def steps_done(variant: str, out: Path) -> int:
     """The steps the run has finished so far, from the file its rank 0 appends to after every step."""
     path = {"plain": out.with_name(PLAIN_PROGRESS), "nanogpt": out}.get(variant, out / "metrics.jsonl")
@@ -231,13 +251,21 @@ def steps_done(variant: str, out: Path) -> int:
         text = path.read_text(errors="replace")
     except OSError:
         return 0
-    return len(nanogpt.ITER_RE.findall(text)) if variant == "nanogpt" else text.count("\n")
+    if variant == "nanogpt":
+        return len(nanogpt.ITER_RE.findall(text))
+    if variant == "plain":
+        return text.count("\n")
+    complete = text[: text.rfind("\n")].rsplit("\n", 1)[-1]  # the newest whole record (every train.log_every steps)
+    try:
+        return int(json.loads(complete)["step"]) if complete else 0
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 def run_measured(variant: str, cmd: list[str], out: Path, log: Path, skip: int, **kw) -> tuple[int, float | None]:
     """Runs ``cmd``; returns its exit status and the CPU seconds that its whole process tree (launcher, ranks, their
-    threads) used per step between step ``skip`` and the last step but one: the work a step costs, which machine noise
-    hardly moves (wall time on a shared host does). Polls the step count every 20 ms and samples the ranks' CPU
+    threads) used per step between step ``skip`` and the last step but one: the work a step costs, which together
+    with the step time tells work from waiting. Polls the step count every 20 ms and samples the ranks' CPU
     (/proc/PID/stat) when it changes; None if fewer than 5 steps fell between the samples."""
     samples: list[tuple[int, float]] = []
     with open(log, "w") as f:
@@ -417,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if "trainer-recipe" in VARIANTS:
         args.recipe_config = write_user_recipe(args, overrides, work / "user-project")
+    if "trainer-auto-flat" in VARIANTS:
+        args.flat_plan = write_flat_plan(args, cfg, work / "flat_plan.json")
     if "nanogpt" in VARIANTS:
         try:
             world = args.nodes * args.ranks
