@@ -104,7 +104,7 @@ def worker(args: argparse.Namespace) -> int:
     # comm.allreduce=auto as the trainer runs it: a plan measured on these groups at these sizes (the trainer's
     # budget and repeats), then per size the algorithm it chose
     started = time.perf_counter()
-    plan = measure(d.groups, sizes, device)
+    plan = measure(d.groups, sizes, device, one_network=env.one_network)  # as the trainer: flat on one network
     plan_wall = time.perf_counter() - started
     ops: dict[str, Callable[[torch.Tensor], object]] = {
         "flat": lambda t: dist.all_reduce(t),

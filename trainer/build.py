@@ -330,7 +330,8 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
     if plan is None and source:
         plan, how = _plan_from(source, wanted), f"from {source}"
     if plan is None:
-        plan, how = measure(groups, bucket_sizes(dispatch.seen), p.d.device), measured
+        plan = measure(groups, bucket_sizes(dispatch.seen), p.d.device, one_network=p.env.one_network)
+        how = measured + ("; one host, one network: flat chosen" if plan["one_network"] else "")
         if p.env.rank == 0:
             write_json_atomic(rundir.allreduce_plan, plan)
     p.state.allreduce_plan = plan

@@ -32,6 +32,9 @@ class RuntimeEnv:
     hostname: str
     slurm_node: str | None  # SLURMD_NODENAME inside a Slurm step
     hosts: tuple[str, ...]  # host name of every rank
+    # Every rank on one host and in one network namespace: every link between (simulated) nodes is loopback. Nodes
+    # emulated with a network namespace each (bench/common.py's shaped link) are not.
+    one_network: bool
     node_names: tuple[str, ...]  # node of every rank as the launcher names it: SLURMD_NODENAME, else the host name
     topology: Topology
     simulated_nodes: bool
@@ -63,12 +66,22 @@ class RuntimeEnv:
         return max(1, self.cpus // self.host_local_size)
 
 
+def _network_namespace() -> str:
+    """This process's network namespace ("net:[INODE]"; "" where /proc does not tell)."""
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
 def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = None) -> RuntimeEnv:
     """Read ranks and the host layout from MPI (collective: every rank must call it)."""
     environ = dict(os.environ if environ is None else environ)
     rank, size = comm.Get_rank(), comm.Get_size()
     hostname = socket.gethostname()
-    hosts = tuple(patient_allgather(comm, hostname))  # the first meeting after the imports, which end seconds apart
+    # The first meeting after the imports, which end seconds apart.
+    seen = patient_allgather(comm, (hostname, _network_namespace()))
+    hosts = tuple(name for name, _ in seen)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     host_local_rank, host_local_size = local.Get_rank(), local.Get_size()
     leader = local.bcast(rank, root=0)  # world rank of the first rank on this host
@@ -114,6 +127,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         hostname=hostname,
         slurm_node=environ.get("SLURMD_NODENAME"),
         hosts=hosts,
+        one_network=len(set(seen)) == 1,
         node_names=node_names,
         topology=topology,
         simulated_nodes=bool(simulate),

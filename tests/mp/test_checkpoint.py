@@ -195,6 +195,9 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     # reused the one its checkpoint recorded instead of measuring another reduction order.
     plan = summary(reference)["allreduce_plan"]
     assert summary(reference)["allreduce"] == "auto" and plan["topology"] == [2, 2] and plan["sizes"]
+    # simulated nodes on one host in one network namespace: measured and recorded, flat chosen for every size
+    assert plan["one_network"] and {row["choice"] for row in plan["sizes"]} == {"flat"}, plan
+    assert all(set(row["seconds"]) == {"flat", "hierarchical", "leader", "two_level"} for row in plan["sizes"]), plan
     assert json.loads((reference / "allreduce_plan.json").read_text()) == plan
     assert summary(run_dir)["allreduce_plan"] == plan and not (run_dir / "allreduce_plan.json").exists()
     log0 = (run_dir / "logs" / "rank_00000.log").read_text()

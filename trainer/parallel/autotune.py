@@ -73,8 +73,11 @@ def mismatches(plan: dict, wanted: dict) -> list[str]:
     return [f"{k} {plan.get(k)} (this run: {v})" for k, v in wanted.items() if plan.get(k) != v]
 
 
-def measure(groups: HierGroups, sizes: list[int], device: torch.device) -> dict:
-    """The plan for these bucket sizes (bytes): see runconfig/allreduce_plan.py for its use and table."""
+def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_network: bool = False) -> dict:
+    """The plan for these bucket sizes (bytes): see runconfig/allreduce_plan.py for its use and table. With
+    ``one_network`` (every rank on one host in one network namespace: every "inter-node" link is loopback) the
+    figures are measured and recorded but flat is chosen for every size: there the other algorithms, faster when
+    timed alone, lost in training (bench/README.md, "One host, more rounds, and the CPU a step costs")."""
     names = list(ALGORITHMS)
     start = time.perf_counter()
     rows: list[dict] = []
@@ -96,9 +99,11 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device) -> dict:
             if measured_s > BUDGET_S:  # every rank reads the same (agreed) clock: the same decision
                 break
         seconds = {name: float(best[j]) for j, name in enumerate(names)}
-        rows.append({"bytes": size, "seconds": seconds, "choice": min(names, key=lambda n: seconds[n])})
+        choice = "flat" if one_network else min(names, key=lambda n: seconds[n])
+        rows.append({"bytes": size, "seconds": seconds, "choice": choice})
     return {
         **setup_of(groups),
+        "one_network": one_network,
         "algorithms": names,
         "sizes": rows,
         "measured_s": round(measured_s, 4),
