@@ -8,6 +8,8 @@
 - ``tiny``: the tiny example on one GPU (1 rank, NCCL, bf16 autocast): loss, eval loss, tokens/s;
 - ``resume``: a run stopped by SIGUSR2 at a step boundary and resumed ends with the same parameters (params_sha256)
   and the same per-step losses as an uninterrupted one, on the GPU (dropout on: the RNG streams must be restored);
+  and the uninterrupted run's records (loss, gradient norm: read behind an event a step late) equal those of a run
+  with ``comm.defer_agreement=false`` (read at once, from the device tensors);
 - ``gpt124m``: a GPT-2-small-shaped model (12 x 768, 1024 tokens, batch 16) for throughput: tokens/s, MFU and peak
   memory, eager and with ``parallel.compile=true`` (``gpt124m_compile``); ``plain``: the same against plain DDP
   (bench/plain_ddp.py under torchrun), alternated, as the ratio of tokens/s (``plain_large``: 4x the tokens a step,
@@ -187,18 +189,22 @@ def check_resume(r: Runner, layout: tuple[int, int]) -> dict:
     stopped_at = max((row.get("step", 0) for row in metrics(run_dir)), default=0)
     resume_args = [sys.executable, "-m", "hpc.submit", "--resume", str(run_dir), "--local"]
     res_rc, _ = r.finish("resume_resumed", r.start(resume_args), 300)
+    sync_rc, _, sync_dir, _ = r.run("resume_sync", "tiny", layout, [*RESUME_SETS, "comm.defer_agreement=false"])
     a, b = summary(ref_dir), summary(run_dir)
-    keys = ("step", "loss", "eval_loss", "tokens_seen")
-    same_rows = [{k: x.get(k) for k in keys} for x in metrics(ref_dir)] == [
-        {k: x.get(k) for k in keys} for x in metrics(run_dir)
-    ]
+    keys = ("step", "loss", "grad_norm", "eval_loss", "tokens_seen")
+
+    def rows(d: Path) -> list[dict]:
+        return [{k: x.get(k) for k in keys} for x in metrics(d)]
+
+    same_rows, same_sync = rows(ref_dir) == rows(run_dir), bool(rows(ref_dir)) and rows(ref_dir) == rows(sync_dir)
     same = a.get("params_sha256") is not None and a.get("params_sha256") == b.get("params_sha256")
     return {
-        "ok": ref_rc == 0 and cut_rc == EXIT_STOPPED and res_rc == 0 and same and same_rows,
-        "exits": [ref_rc, cut_rc, res_rc],
+        "ok": [ref_rc, cut_rc, res_rc, sync_rc] == [0, EXIT_STOPPED, 0, 0] and same and same_rows and same_sync,
+        "exits": [ref_rc, cut_rc, res_rc, sync_rc],
         "stopped_at_step": stopped_at,
         "params_identical": same,
         "losses_identical": same_rows,
+        "records_equal_undeferred": same_sync,
     }
 
 

@@ -5,7 +5,9 @@ endless stream; optimizer step k covers stream positions [p, p + global_batch), 
 block (a * world_size + r) of it (``rank_slice``). So the samples of a step do not depend on the world size, and the
 stream position is the only data state. Batches are fetched and collated by ``prefetch`` background threads, in
 order, ahead of the step that needs them; a dataset whose items take I/O time (file reads, decoding that releases
-the GIL) is then hidden behind the step.
+the GIL) is then hidden behind the step. For a GPU, the threads also copy each batch into pinned (page-locked) host
+memory, as torch's DataLoader does with ``pin_memory=True``: the copy to the device is then truly asynchronous, and a
+pageable copy cannot hold the host back behind the device's queue.
 """
 
 from __future__ import annotations
@@ -25,16 +27,28 @@ from trainer.data.dataset import GlobalOrder, rank_slice
 from trainer.errors import UserError, first_line
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Every tensor of a (nested) batch on ``device``; other values unchanged."""
+def _each_tensor(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor of a (nested) batch; other values unchanged."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: _each_tensor(v, fn) for k, v in batch.items()}
     if isinstance(batch, list | tuple):
-        moved = [to_device(v, device) for v in batch]
+        moved = [_each_tensor(v, fn) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of a (nested) batch on ``device``; other values unchanged."""
+    return _each_tensor(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def pinned(batch: Any, device: torch.device) -> Any:
+    """Every CPU tensor of a (nested) batch in pinned host memory for ``device`` (a CUDA device: a background thread
+    first makes it its current device, else its pinned memory would create a context on GPU 0)."""
+    torch.cuda.set_device(device)
+    return _each_tensor(batch, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t)
 
 
 def fetch(dataset: Any, ids: np.ndarray, collate: Callable[[list], Any], *, what: str, rank: int) -> Any:
@@ -83,6 +97,7 @@ class BatchLoader:
         self.accum = global_batch // (micro_batch * world_size)
         self.what = what
         self.prefetch = prefetch
+        self.pin = device.type == "cuda"
         self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="prefetch") if prefetch else None
         self._pending: deque[Future] = deque()
         self._next_key = (0, 0)  # (stream position of the step, micro-batch) of the next batch to fetch
@@ -136,7 +151,8 @@ class BatchLoader:
         self._pending.append(self._pool.submit(self._fetch_key, self._advance()))
 
     def _fetch_key(self, key: tuple[int, int]) -> Any:
-        return fetch(self.dataset, self.ids(*key), self.collate, what=self.what, rank=self.rank)
+        batch = fetch(self.dataset, self.ids(*key), self.collate, what=self.what, rank=self.rank)
+        return pinned(batch, self.device) if self.pin else batch
 
     def _drop_pending(self) -> None:
         for future in self._pending:

@@ -6,7 +6,15 @@ runs while step t+1 computes; boundary t+1 reads it. So a stop request or a time
 acted on at boundary t+1 (every rank at the same one), and step t's loss is known at boundary t+1 (its record waits
 for it). A boundary that will save (a step-count or time checkpoint, an agreed stop) or ends training agrees on its
 own step synchronously: a checkpoint never holds the state after a non-finite loss, and the record before a
-checkpoint is complete. A non-finite loss ends the run, naming the ranks, before anything after it is saved."""
+checkpoint is complete. A non-finite loss ends the run, naming the ranks, before anything after it is saved.
+
+A deferred step's gradient norm (this rank's; every rank's is the same under DDP) is read with its agreement, so
+its record waits for both. With NCCL both come back to the host behind an event: a side stream waits for the
+all-reduce, copies the three agreed numbers and the norm into pinned host memory, and boundary t+1 waits for that
+copy alone, not for step t+1's work queued on the training stream since (reading a device tensor would drain that
+queue at every boundary). So the host queues step t+2 while the device still computes step t+1: it runs up to a
+step ahead, as far as the step-time breakdown's events (read a step later) allow. Over gloo (CPU tensors, or CUDA
+ones staged through the host by gloo itself) waiting is the only way: the work completes on gloo's thread."""
 
 from __future__ import annotations
 
@@ -28,7 +36,15 @@ class Decision:
     checkpoint: bool
     eval: bool
     last: bool  # the final step of training
-    earlier_loss: float | None = None  # the previous step's loss, agreed at this boundary (deferred); else None
+    earlier: Earlier | None = None  # the previous step's figures, read at this boundary (deferred); else None
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """A deferred step's figures for its record, known one boundary later."""
+
+    loss: float  # mean over ranks
+    grad_norm: float  # this rank's gradient norm of that step
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,39 @@ class _Agreed:
     loss: float  # mean over ranks
     stop: bool
     due_by_time: bool
+    grad_norm: float | None = None  # deferred agreements only
+
+
+@dataclass
+class _InFlight:
+    """A deferred agreement: its step, the all-reduce's work and tensor, this rank's loss and gradient norm of that
+    step (device tensors, held until read), and on NCCL the event after which ``host`` holds them all."""
+
+    step: int
+    work: dist.Work
+    shared: torch.Tensor
+    local_loss: torch.Tensor
+    grad_norm: torch.Tensor
+    copied: torch.cuda.Event | None = None
+
+
+class _HostCopy:
+    """The side stream and the pinned buffer that bring a deferred agreement to the host behind an event (NCCL)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+        self.host = torch.empty(4, dtype=torch.float64, pin_memory=True)  # loss sum, stop, due by time; norm
+
+    def issue(self, work: dist.Work, shared: torch.Tensor, grad_norm: torch.Tensor) -> torch.cuda.Event:
+        """Queue the copies after ``work`` and the step's queued work on the side stream (the host does not wait
+        here). The buffer is free: the previous agreement was read (its event waited for) before this one was issued;
+        the device tensors stay referenced (``_InFlight``) until then, so no other work reuses their memory."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the step's norm is computed
+        with torch.cuda.stream(self.stream):
+            work.wait()  # NCCL: the current stream (this side stream) waits for the all-reduce; the host does not
+            self.host[:3].copy_(shared, non_blocking=True)
+            self.host[3:].copy_(grad_norm.detach().reshape(1).to(torch.float64), non_blocking=True)
+            return self.stream.record_event()
 
 
 class Boundary:
@@ -44,10 +93,13 @@ class Boundary:
     def __init__(self, p: Parts) -> None:
         self.p = p
         self.defer = p.cfg.comm.defer_agreement
-        # the agreement in flight: (step, work, shared tensor, this rank's loss of that step)
-        self._pending: tuple[int, dist.Work, torch.Tensor, torch.Tensor] | None = None
+        self._pending: _InFlight | None = None
+        nccl = p.d.device.type == "cuda" and p.d.backend == "nccl"
+        self._copy = _HostCopy(p.d.device) if self.defer and nccl else None
 
-    def decide(self, step: int, local_loss: torch.Tensor) -> Decision:
+    def decide(self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor) -> Decision:
+        """``local_loss``: this rank's loss of the step; ``grad_norm``: its gradient norm, read for the record
+        with a deferred agreement (a synchronous one's record reads it itself)."""
         p, t = self.p, self.p.cfg.train
         last = step == t.steps
         earlier = self._collect()
@@ -62,22 +114,23 @@ class Boundary:
             loss, stop = now.loss, bool(stop) or now.stop
             checkpoint = checkpoint or now.stop or now.due_by_time
         else:
-            self._agreement(step, local_loss, wait=False)
+            self._agreement(step, local_loss, wait=False, grad_norm=grad_norm)
         return Decision(
             loss=loss,
             stop=bool(stop) and not last,
             checkpoint=checkpoint,
             eval=p.recipe.eval_data is not None and bool(t.eval_every) and (step % t.eval_every == 0 or last),
             last=last,
-            earlier_loss=None if earlier is None else earlier.loss,
+            earlier=_earlier(earlier),
         )
 
-    def settle(self) -> float | None:
-        """Collective: wait for the agreement in flight, if any (the launch ends early); its step's loss."""
-        agreed = self._collect()
-        return None if agreed is None else agreed.loss
+    def settle(self) -> Earlier | None:
+        """Collective: wait for the agreement in flight, if any (the launch ends early); its step's figures."""
+        return _earlier(self._collect())
 
-    def _agreement(self, step: int, local_loss: torch.Tensor, *, wait: bool) -> _Agreed | None:
+    def _agreement(
+        self, step: int, local_loss: torch.Tensor, *, wait: bool, grad_norm: torch.Tensor | None = None
+    ) -> _Agreed | None:
         p = self.p
         with p.mon.clock.part("sync"):
             shared = torch.zeros(3, dtype=torch.float64, device=p.d.device)
@@ -86,26 +139,43 @@ class Boundary:
             shared[2] = float(p.env.rank == 0 and p.checkpoints.due_by_time())
             work = dist.all_reduce(shared, async_op=True)
             if not wait:
-                self._pending = (step, work, shared, local_loss)
+                assert grad_norm is not None
+                copied = self._copy.issue(work, shared, grad_norm) if self._copy is not None else None
+                self._pending = _InFlight(step, work, shared, local_loss, grad_norm, copied)
                 return None
             work.wait()
-            return self._read(step, shared, local_loss)
+            return self._read(step, shared.tolist(), local_loss)
 
     def _collect(self) -> _Agreed | None:
         """The deferred agreement of the previous step (waited for: it has had a whole step to finish)."""
         if self._pending is None:
             return None
-        step, work, shared, local_loss = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
         with self.p.mon.clock.part("sync"):
-            work.wait()
-        return self._read(step, shared, local_loss)
+            if pending.copied is not None:
+                pending.copied.synchronize()  # the copies alone: the training stream's queue keeps its work
+                *values, grad_norm = self._copy.host.tolist()
+            else:
+                pending.work.wait()
+                values, grad_norm = pending.shared.tolist(), float(pending.grad_norm)
+        return self._read(pending.step, values, pending.local_loss, grad_norm)
 
-    def _read(self, step: int, shared: torch.Tensor, local_loss: torch.Tensor) -> _Agreed:
-        loss_sum, stop, due_by_time = shared.tolist()
+    def _read(
+        self, step: int, values: list[float], local_loss: torch.Tensor, grad_norm: float | None = None
+    ) -> _Agreed:
+        loss_sum, stop, due_by_time = values
         if not math.isfinite(loss_sum):
             _non_finite(self.p, step, local_loss)
-        return _Agreed(loss=loss_sum / self.p.env.world_size, stop=bool(stop), due_by_time=bool(due_by_time))
+        return _Agreed(
+            loss=loss_sum / self.p.env.world_size, stop=bool(stop), due_by_time=bool(due_by_time), grad_norm=grad_norm
+        )
+
+
+def _earlier(agreed: _Agreed | None) -> Earlier | None:
+    if agreed is None:
+        return None
+    assert agreed.grad_norm is not None  # a deferred agreement's
+    return Earlier(loss=agreed.loss, grad_norm=agreed.grad_norm)
 
 
 def _non_finite(p: Parts, step: int, local_loss: torch.Tensor) -> None:

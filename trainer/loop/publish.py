@@ -43,7 +43,8 @@ class Publisher:
             "step": step,
             "loss": decision.loss,  # None until agreed: then ``complete`` fills it in and writes the record
             "lr": result.lr,
-            "grad_norm": float(result.grad_norm),
+            # deferred with the loss (reading it now would wait for the device's whole queue: trainer/loop/boundary.py)
+            "grad_norm": None if decision.loss is None else float(result.grad_norm),
             "tokens_per_s": units / step_time,  # the recipe's units ("unit") per second
             "unit": p.recipe.unit,
             "samples_per_s": t.global_batch_size / step_time,
@@ -71,12 +72,12 @@ class Publisher:
         else:
             self._write(step, record, step_time, bool(evals) or decision.last)
 
-    def complete(self, loss: float) -> None:
-        """The waiting record's loss has been agreed on (at the next boundary): write it."""
+    def complete(self, loss: float, grad_norm: float) -> None:
+        """The waiting record's loss has been agreed on (at the next boundary) and its gradient norm read: write it."""
         if self.waiting is not None:
             step, record, step_time, force = self.waiting
             self.waiting = None
-            record["loss"] = loss
+            record["loss"], record["grad_norm"] = loss, grad_norm
             self._write(step, record, step_time, force)
 
     def _write(self, step: int, record: dict, step_time: float, force_line: bool) -> None:

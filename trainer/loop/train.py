@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from trainer.loop.boundary import Boundary
+from trainer.loop.boundary import Boundary, Earlier
 from trainer.loop.evaluate import evaluate
 from trainer.loop.parts import Parts
 from trainer.loop.publish import Publisher
@@ -45,11 +45,11 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None) -> S
     publisher = Publisher(p)
     boundary = Boundary(p)
 
-    def agreed_later(loss: float | None) -> None:
+    def agreed_later(earlier: Earlier | None) -> None:
         """A step's loss agreed after its boundary (comm.defer_agreement): its record can be written now."""
-        if loss is not None:
-            state.last_loss = loss
-            publisher.complete(loss)
+        if earlier is not None:
+            state.last_loss = earlier.loss
+            publisher.complete(earlier.loss, earlier.grad_norm)
 
     run_start, elapsed_before = time.time(), state.elapsed_s
     p.loader.start(state.data_position)
@@ -61,9 +61,9 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None) -> S
         step_start = time.perf_counter()
         result = train_step(p, step)
         mon.watchdog.enter("metric all-reduce", step)
-        decision = boundary.decide(step, result.loss)
+        decision = boundary.decide(step, result.loss, result.grad_norm)
         agreed, step_s = time.time(), time.perf_counter() - step_start
-        agreed_later(decision.earlier_loss)  # the previous step's
+        agreed_later(decision.earlier)  # the previous step's
         state.step = step
         state.data_position += t.global_batch_size
         state.tokens_seen += p.units_per_step
