@@ -12,9 +12,11 @@ A deferred step's gradient norm (this rank's; every rank's is the same under DDP
 its record waits for both. With NCCL both come back to the host behind an event: a side stream waits for the
 all-reduce, copies the three agreed numbers and the norm into pinned host memory, and boundary t+1 waits for that
 copy alone, not for step t+1's work queued on the training stream since (reading a device tensor would drain that
-queue at every boundary). So the host queues step t+2 while the device still computes step t+1: it runs up to a
-step ahead, as far as the step-time breakdown's events (read a step later) allow. Over gloo (CPU tensors, or CUDA
-ones staged through the host by gloo itself) waiting is the only way: the work completes on gloo's thread."""
+queue at every boundary). So the boundary does not hold the host back: it may queue step t+2 while the device
+still computes step t+1, as far as the step-time breakdown's events (read a step later) allow. Measured on one H100
+(bench/README.md): records identical, no throughput change yet (something else still drains the queue). Over gloo
+(CPU tensors, or CUDA ones staged through the host by gloo itself) waiting is the only way: the work completes on
+gloo's thread."""
 
 from __future__ import annotations
 
