@@ -336,6 +336,7 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
             write_json_atomic(rundir.allreduce_plan, plan)
     p.state.allreduce_plan = plan
     dispatch.plan = functools.partial(choose, plan)
+    dispatch.direct = not groups.compress and all(row["choice"] == "flat" for row in plan["sizes"])
     if p.env.rank == 0:
         log.info(
             "all-reduce plan (comm.allreduce=auto, %s; measured in %.2f s, %s):\n%s",

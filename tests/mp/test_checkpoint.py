@@ -198,6 +198,9 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     # simulated nodes on one host in one network namespace: measured and recorded, flat chosen for every size
     assert plan["one_network"] and {row["choice"] for row in plan["sizes"]} == {"flat"}, plan
     assert all(set(row["seconds"]) == {"flat", "hierarchical", "leader", "two_level"} for row in plan["sizes"]), plan
+    # an all-flat plan: the hook issues DDP's own all-reduce, nothing runs on the reducer's thread (no comm_busy_s)
+    records = [json.loads(x) for d in (reference, run_dir) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert records and not any("comm_busy_s" in r for r in records)
     assert json.loads((reference / "allreduce_plan.json").read_text()) == plan
     assert summary(run_dir)["allreduce_plan"] == plan and not (run_dir / "allreduce_plan.json").exists()
     log0 = (run_dir / "logs" / "rank_00000.log").read_text()

@@ -59,8 +59,9 @@ class Publisher:
             "launch": p.env.launch_id,
             **evals,
         }
-        if self.dispatch is not None:  # the reduction's whole time; time_comm_s is the part backward waited for
-            record["comm_busy_s"] = self.dispatch.take_busy() / steps
+        busy = self.dispatch.take_busy() if self.dispatch is not None else None
+        if busy is not None:  # the reduction's whole time where the trainer's hook ran it; time_comm_s: the part
+            record["comm_busy_s"] = busy / steps  # backward waited for
         if p.mon.peak_flops and p.mon.flops_per_sample:
             samples_per_rank_s = t.global_batch_size / step_time / p.env.world_size
             record["mfu"] = samples_per_rank_s * p.mon.flops_per_sample / p.mon.peak_flops

@@ -201,14 +201,19 @@ class BucketDispatch:
         self.groups = groups
         self.algorithm = algorithm  # a fixed choice; None: by the plan
         self.plan: Callable[[int], str] | None = None
+        # The plan sends every bucket flat (and uncompressed): the hooks issue DDP's own asynchronous all-reduce
+        # from the training thread (``direct_all_reduce``) instead of a reduction on the reducer's thread or, on a
+        # GPU, one the compute stream waits for. Nothing else is on the reducer's thread then, so every rank still
+        # issues its collectives in one order.
+        self.direct = False
         self.seen: list[int] = []  # bucket sizes in bytes, before a plan was set
         self.busy_s = 0.0  # wall seconds spent reducing buckets (overlapped with backward or not), see take_busy
 
-    def take_busy(self) -> float:
+    def take_busy(self) -> float | None:
         """Seconds spent reducing since the last call (read by the training thread between steps, when the
-        reducer is idle)."""
+        reducer is idle); None where DDP's own all-reduce ran (``direct``: its time is not taken)."""
         busy, self.busy_s = self.busy_s, 0.0
-        return busy
+        return None if self.direct else busy
 
     def choose(self, nbytes: int) -> str:
         if self.algorithm is not None:
@@ -226,9 +231,18 @@ class BucketDispatch:
         return buf
 
 
+def direct_all_reduce(buf: torch.Tensor, groups: HierGroups) -> torch.futures.Future[torch.Tensor]:
+    """What DDP's own all-reduce does: one asynchronous all-reduce of the bucket over every rank, averaged when it
+    completes (after the sum, as the other algorithms do: the same bits as ``flat`` on the reducer's thread)."""
+    fut = dist.all_reduce(buf, group=groups.world, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(groups.world_size))
+
+
 def sync_hook(dispatch: BucketDispatch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients inside the hook (blocking backward)."""
     buf = bucket.buffer()
+    if dispatch.direct:
+        return direct_all_reduce(buf, dispatch.groups)
     blocked = dispatch.groups.blocked
     start = blocked.enter()
     dispatch(buf)
@@ -268,4 +282,6 @@ class BucketReducer:
 def overlapped_hook(reducer: BucketReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients on the reducer's thread; DDP waits for the returned
     future at the end of backward."""
+    if reducer.dispatch.direct:
+        return direct_all_reduce(bucket.buffer(), reducer.dispatch.groups)
     return reducer.submit(bucket.buffer())
