@@ -15,8 +15,9 @@
   (bench/plain_ddp.py under torchrun), alternated, as the ratio of tokens/s (``plain_large``: 4x the tokens a step,
   where the device, not the host's kernel launches, sets the pace);
 - ``profile``: steps 20-21 of the GPT-2-small shape under torch.profiler, the trainer's (without and with
-  ``monitor.device_sync``) and plain DDP's: each step's wall time against the device's busy time inside it, and the
-  device time per kernel (the traces and tables in runs.tar.gz);
+  ``monitor.device_sync``) and plain DDP's: each step's wall time against the device's busy time inside it, the
+  device time per kernel, and where the host waited for the device (the traces and tables in runs.tar.gz);
+  ``profile_large``: the same at plain_large's shape;
 - ``gloo_2x2``: 2 simulated nodes x 2 ranks sharing the GPU over gloo (CUDA tensors through the hierarchical
   all-reduce and through flat): every variant trains and the losses agree within bf16 noise.
 
@@ -258,20 +259,28 @@ def plain_cmd(r: Runner, out: Path, sets: list[str], extra: list[str] | None = N
 
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# CUDA calls that can hold the host until the device has reached them (a copy from or to pageable memory can too)
+HOST_WAITS = {"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+              "cudaMemcpy", "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize"}  # fmt: skip
+WAIT_MIN_US = 100.0  # a call this long held the host: it waited for the device (a launch takes a few microseconds)
 
 
 def trace_steps(path: Path) -> dict:
     """A Chrome trace's marked steps ("optimizer step N" on the host): each step's wall time, the device's busy
     time inside it (the union of kernels, copies and sets: where the device idles shows as the rest), its longest
     idle gap, and the device time per kernel name (summed over the steps; the largest few), to tell a device that
-    waits from one that does more work. On CPU (no device events) only the wall times."""
+    waits from one that does more work; and where the host waited for the device inside the steps (``host_waits``:
+    the longest CUDA calls of HOST_WAITS over WAIT_MIN_US, each with its time into the step and the operators around
+    it, outermost > innermost), to find what drains the device's queue. On CPU (no device events) only the wall
+    times."""
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     marks = sorted(
         (e for e in events if e.get("cat") == "user_annotation" and str(e.get("name")).startswith("optimizer step ")),
         key=lambda e: e["ts"],
     )
     device = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in DEVICE_CATEGORIES)
-    steps, by_name = [], {}
+    steps, by_name, waits = [], {}, []
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
     for m in marks:
         lo, hi = m["ts"], m["ts"] + m["dur"]
         busy = gap = 0.0
@@ -286,8 +295,20 @@ def trace_steps(path: Path) -> dict:
             busy += max(0.0, end - max(start, cursor))
             cursor = max(cursor, end)
         gap = max(gap, hi - cursor) if device else 0.0
+        waited = 0.0
+        for e in events:
+            if e["name"] in HOST_WAITS and e["dur"] >= WAIT_MIN_US and lo <= e["ts"] < hi:
+                waited += e["dur"]
+                around = sorted(
+                    (o for o in ops if o.get("tid") == e.get("tid") and o["ts"] <= e["ts"] <= o["ts"] + o["dur"]),
+                    key=lambda o: -o["dur"],
+                )
+                names = [o["name"] for o in around]
+                names = names if len(names) <= 3 else [names[0], "...", *names[-2:]]
+                waits.append({"step": m["name"].split()[-1], "call": e["name"], "ms": e["dur"] / 1e3,
+                              "at_ms": (e["ts"] - lo) / 1e3, "ops": " > ".join(names)})  # fmt: skip
         steps.append({"step": m["name"].split()[-1], "wall_ms": m["dur"] / 1e3, "device_busy_ms": busy / 1e3,
-                      "longest_idle_ms": gap / 1e3})  # fmt: skip
+                      "longest_idle_ms": gap / 1e3, "host_wait_ms": waited / 1e3})  # fmt: skip
     wall = sum(x["wall_ms"] for x in steps)
     busy = sum(x["device_busy_ms"] for x in steps)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
@@ -297,28 +318,33 @@ def trace_steps(path: Path) -> dict:
         "device_busy_ms_per_step": busy / max(1, len(steps)),
         "device_busy_share": busy / wall if wall and device else None,
         "top_device_ms_per_step": {name[:80]: ms / 1e3 / max(1, len(steps)) for name, ms in top},
+        "host_wait_ms_per_step": sum(x["host_wait_ms"] for x in steps) / max(1, len(steps)),
+        "host_waits": sorted(waits, key=lambda w: -w["ms"])[:10],
     }
 
 
-def check_profile(r: Runner) -> dict:
+def check_profile(r: Runner, prefix: str = "profile", more: list[str] | None = None) -> dict:
     """Steps 20-21 of the GPT-2-small shape under torch.profiler: the trainer (``monitor.profile_steps``, without
     and with ``monitor.device_sync``) and plain DDP (bench/plain_ddp.py ``--profile-steps``), each step's wall time
-    against the device's busy time inside it (trace_steps). The traces and tables come back in runs.tar.gz."""
+    against the device's busy time inside it and the host's waits for the device (trace_steps). ``more``: settings
+    on top of the shape (``profile_large``: plain_large's, where the device sets the pace). The traces and tables
+    come back in runs.tar.gz."""
     res: dict = {}
+    shape = [*GPT124M_SETS, *(more or [])]
     for name, extra in (("trainer", []), ("trainer_hostsync", ["monitor.device_sync=true"])):
-        sets = [*GPT124M_SETS, "monitor.profile_steps=20-21", *extra]
-        rc, _, run_dir, _ = r.run(f"profile_{name}", "tiny", (1, 1), sets)
+        sets = [*shape, "monitor.profile_steps=20-21", *extra]
+        rc, _, run_dir, _ = r.run(f"{prefix}_{name}", "tiny", (1, 1), sets)
         trace = run_dir / "profile" / "rank_00000.json"
         res[name] = {"exit": rc, **(trace_steps(trace) if trace.exists() else {})}
-    trace = r.work / "profile_plain" / "profile" / "plain.json"
+    trace = r.work / f"{prefix}_plain" / "profile" / "plain.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
     extra = ["--profile-steps", "20-21", "--profile-out", str(trace)]
-    cmd = plain_cmd(r, r.work / "profile_plain" / "plain.json", GPT124M_SETS, extra)
-    rc, _ = r.finish("profile_plain", r.start(cmd), 300)
+    cmd = plain_cmd(r, r.work / f"{prefix}_plain" / "plain.json", shape, extra)
+    rc, _ = r.finish(f"{prefix}_plain", r.start(cmd), 300)
     res["plain"] = {"exit": rc, **(trace_steps(trace) if trace.exists() else {})}
     res["ok"] = all(x["exit"] == 0 and x.get("steps") for x in res.values())
     for name in ("trainer", "trainer_hostsync", "plain"):
-        for k in ("wall_ms_per_step", "device_busy_ms_per_step", "device_busy_share"):
+        for k in ("wall_ms_per_step", "device_busy_ms_per_step", "device_busy_share", "host_wait_ms_per_step"):
             if res[name].get(k) is not None:
                 res[f"{name}_{k}"] = res[name][k]
     return res
@@ -366,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain": lambda: check_plain(r, args.rounds),
         "plain_large": lambda: check_plain(r, args.rounds, "plain_large", LARGE),
         "profile": lambda: check_profile(r),
+        "profile_large": lambda: check_profile(r, "profile_large", LARGE),
     }
     results: dict = {}
     for name, fn in checks.items():
