@@ -134,6 +134,17 @@ def assert_same_as(reference, run_dir):
     assert rows(run_dir) == rows(reference)
 
 
+def test_the_deferred_agreement_changes_no_number(tmp_path, small_dataset, reference_2x1):
+    """comm.defer_agreement=false (each boundary waits for its own step's agreement and reads the gradient norm at
+    once) ends with the same parameters and writes the same records as the default, where a step's loss and gradient
+    norm are read a boundary later and its record waits for both."""
+    run_dir = tmp_path / "run"
+    proc = run(run_dir, [*common(small_dataset), *TWO_NODES, "comm.defer_agreement=false"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_same_as(reference_2x1, run_dir)
+    assert len(rows(run_dir)) == 24 and all(r["loss"] is not None and r["grad_norm"] for r in rows(reference_2x1))
+
+
 def test_generations_retention_and_manifest(reference):
     ckpts = reference / "checkpoints"
     assert [s for s, _ in generations(ckpts)] == [16, 20, 24]  # keep_last=3 of every 4 steps
