@@ -111,12 +111,12 @@ class Boundary:
             checkpoint = checkpoint or earlier.stop or earlier.due_by_time
             stop = earlier.stop
         if not self.defer or checkpoint or last:
-            now = self._agreement(step, local_loss, wait=True)
+            now = self._agreement(step, local_loss, grad_norm, wait=True)
             assert now is not None
             loss, stop = now.loss, bool(stop) or now.stop
             checkpoint = checkpoint or now.stop or now.due_by_time
         else:
-            self._agreement(step, local_loss, wait=False, grad_norm=grad_norm)
+            self._agreement(step, local_loss, grad_norm, wait=False)
         return Decision(
             loss=loss,
             stop=bool(stop) and not last,
@@ -130,9 +130,9 @@ class Boundary:
         """Collective: wait for the agreement in flight, if any (the launch ends early); its step's figures."""
         return _earlier(self._collect())
 
-    def _agreement(
-        self, step: int, local_loss: torch.Tensor, *, wait: bool, grad_norm: torch.Tensor | None = None
-    ) -> _Agreed | None:
+    def _agreement(self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor, *, wait: bool) -> _Agreed | None:
+        """Issue step ``step``'s agreement; ``wait``: read it now (the record reads the norm itself), else keep it
+        in flight with the norm, for the next boundary."""
         p = self.p
         with p.mon.clock.part("sync"):
             shared = torch.zeros(3, dtype=torch.float64, device=p.d.device)
@@ -141,7 +141,6 @@ class Boundary:
             shared[2] = float(p.env.rank == 0 and p.checkpoints.due_by_time())
             work = dist.all_reduce(shared, async_op=True)
             if not wait:
-                assert grad_norm is not None
                 copied = self._copy.issue(work, shared, grad_norm) if self._copy is not None else None
                 self._pending = _InFlight(step, work, shared, local_loss, grad_norm, copied)
                 return None
