@@ -19,7 +19,9 @@
   device time per kernel, and where the host waited for the device (the traces and tables in runs.tar.gz);
   ``profile_large``: the same at plain_large's shape;
 - ``gloo_2x2``: 2 simulated nodes x 2 ranks sharing the GPU over gloo (CUDA tensors through the hierarchical
-  all-reduce and through flat): every variant trains and the losses agree within bf16 noise.
+  all-reduce and through flat): every variant trains and the losses agree within bf16 noise; the hierarchical
+  all-reduce on its side stream (``stream_hook``) ends with the same parameters and losses as inside the hook
+  (``comm.overlap=false``).
 
 With one GPU, NCCL cannot run more than one rank (it refuses two ranks on one device), so the NCCL all-reduce
 benchmark itself needs a node of several GPUs: ``python bench/allreduce.py --nodes 2 --ranks-per-node 4`` there.
@@ -351,16 +353,28 @@ def check_profile(r: Runner, prefix: str = "profile", more: list[str] | None = N
 
 
 def check_gloo_2x2(r: Runner) -> dict:
+    runs = {
+        "hierarchical": ["comm.allreduce=hierarchical"],  # the stream hook: collectives on a side stream
+        "hierarchical_sync": ["comm.allreduce=hierarchical", "comm.overlap=false"],  # inside the hook
+        "flat": ["comm.allreduce=flat"],
+    }
     res: dict = {}
-    for algo in ("hierarchical", "flat"):
-        sets = ["comm.backend=gloo", f"comm.allreduce={algo}", "train.steps=40", "train.eval_every=20"]
-        rc, _, run_dir, wall = r.run(f"gloo_2x2_{algo}", "tiny", (2, 2), sets)
-        res[algo] = {"exit": rc, "wall_s": wall, "final_loss": summary(run_dir).get("final_loss")}
-    losses = [res[a]["final_loss"] for a in ("hierarchical", "flat")]
-    res["ok"] = all(res[a]["exit"] == 0 for a in ("hierarchical", "flat")) and None not in losses
+    for name, more in runs.items():
+        sets = ["comm.backend=gloo", *more, "train.steps=40", "train.eval_every=20"]
+        rc, _, run_dir, wall = r.run(f"gloo_2x2_{name}", "tiny", (2, 2), sets)
+        s = summary(run_dir)
+        res[name] = {"exit": rc, "wall_s": wall, "final_loss": s.get("final_loss"), "sha": s.get("params_sha256")}
+        res[name]["losses"] = [row.get("loss") for row in metrics(run_dir)]
+    losses = [res[a]["final_loss"] for a in runs]
+    res["ok"] = all(res[a]["exit"] == 0 for a in runs) and None not in losses
+    # The side stream must give the bits of the same algorithm run inside the hook (2 x 2 ranks on one GPU: the
+    # kernels are the same, and gloo sums in a fixed order).
+    hier, sync = res["hierarchical"], res["hierarchical_sync"]
+    res["stream_equals_sync"] = hier["sha"] is not None and hier["sha"] == sync["sha"]
+    res["stream_losses_equal_sync"] = bool(hier["losses"]) and hier["losses"] == sync["losses"]
     if res["ok"]:
-        res["loss_difference"] = abs(losses[0] - losses[1])
-        res["ok"] = res["loss_difference"] < 0.05
+        res["loss_difference"] = abs(losses[0] - losses[2])
+        res["ok"] = res["loss_difference"] < 0.05 and res["stream_equals_sync"] and res["stream_losses_equal_sync"]
     return res
 
 

@@ -390,8 +390,8 @@ class CommConfig:
         None,
     )
     overlap: bool = doc(
-        "Run the hierarchical all-reduce on a thread of its own, bucket by bucket while backward goes on (CPU; "
-        "on GPUs it runs in the hook for now); false: synchronously inside DDP's hook, blocking backward. The "
+        "Run the trainer's all-reduce algorithms bucket by bucket while backward goes on: on a thread of its own "
+        "(CPU), on a CUDA stream of its own (GPU); false: synchronously inside DDP's hook, blocking backward. The "
         "results are bit-identical.",
         True,
     )

@@ -20,9 +20,13 @@ fastest per bucket size. Two hooks run a dispatch:
   else issues collectives on these groups during training, so every rank issues the same collectives in the same
   order on each group. (Chaining the phases through futures' callbacks instead lets ranks issue them in different
   orders, a hang measured on torch 2.13; gloo has no future for a reduce-scatter anyway: see shared notes.)
-- ``sync_hook``: the same, synchronously inside the hook, blocking backward while each bucket is reduced (on CUDA,
-  where a side stream would be needed to overlap, and as the reference the overlapped one is tested against: both
-  end bit-identical).
+- ``stream_hook`` (CUDA): the hook issues the bucket's collectives at once, from the autograd thread in bucket
+  order, on a CUDA stream of its own (``SideStream``) that first waits for the bucket's gradients; the compute
+  stream goes on with backward and waits only where DDP waits for the returned future, at the end of backward. No
+  thread: with NCCL, issuing blocks nothing on the host (a collective's wait makes the issuing stream wait), so the
+  hook returns at once and every rank issues the same collectives in the same order.
+- ``sync_hook``: the same, synchronously inside the hook, blocking backward while each bucket is reduced
+  (``comm.overlap: false``; the reference the overlapped ones are tested against: they end bit-identical).
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook checks the hook's annotations at run
@@ -208,12 +212,15 @@ class BucketDispatch:
         self.direct = False
         self.seen: list[int] = []  # bucket sizes in bytes, before a plan was set
         self.busy_s = 0.0  # wall seconds spent reducing buckets (overlapped with backward or not), see take_busy
+        # False where the reduction runs on a CUDA stream (``stream_hook``): the host's clock sees only the issue.
+        self.host_timed = True
 
     def take_busy(self) -> float | None:
         """Seconds spent reducing since the last call (read by the training thread between steps, when the
-        reducer is idle); None where DDP's own all-reduce ran (``direct``: its time is not taken)."""
+        reducer is idle); None where DDP's own all-reduce ran (``direct``: its time is not taken) or where the
+        host's clock cannot see the reduction (``host_timed`` false)."""
         busy, self.busy_s = self.busy_s, 0.0
-        return None if self.direct else busy
+        return busy if self.host_timed and not self.direct else None
 
     def choose(self, nbytes: int) -> str:
         if self.algorithm is not None:
@@ -285,3 +292,32 @@ def overlapped_hook(reducer: BucketReducer, bucket: dist.GradBucket) -> torch.fu
     if reducer.dispatch.direct:
         return direct_all_reduce(bucket.buffer(), reducer.dispatch.groups)
     return reducer.submit(bucket.buffer())
+
+
+class SideStream:
+    """The gradient reduction's own CUDA stream on this rank's device, for ``stream_hook``."""
+
+    def __init__(self, dispatch: BucketDispatch, device: torch.device) -> None:
+        self.dispatch = dispatch
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        dispatch.host_timed = False
+
+
+def stream_hook(side: SideStream, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook (CUDA): average the bucket on the side stream, after it has waited for the compute
+    stream (the bucket's gradients are written there). Every phase's collective and wait is issued here and now,
+    relative to the side stream: NCCL's streams wait for it, and it waits for them, so the compute stream never
+    does. The future is completed at once with the bucket; completing it records an event on the side stream, and
+    DDP's wait on it at the end of backward makes the compute stream wait for that event alone. Temporaries are
+    allocated on the side stream and freed after their last use there; the bucket outlives the step."""
+    buf = bucket.buffer()
+    dispatch = side.dispatch
+    if dispatch.direct:
+        return direct_all_reduce(buf, dispatch.groups)
+    side.stream.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side.stream):
+        dispatch(buf)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[side.device])
+        fut.set_result(buf)
+    return fut

@@ -22,7 +22,7 @@ from runconfig.layout import Layout, LayoutError
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
 from trainer.parallel.buckets import ddp_bucket_caps
-from trainer.parallel.comm import BucketDispatch, BucketReducer, overlapped_hook, sync_hook
+from trainer.parallel.comm import BucketDispatch, BucketReducer, SideStream, overlapped_hook, stream_hook, sync_hook
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
 from trainer.parallel.mesh import dp_mesh, train_mesh
@@ -187,8 +187,10 @@ def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) ->
     topo, algorithm = env.topology, cfg.comm.allreduce
     if algorithm != "flat" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
         dispatch = BucketDispatch(d.groups, None if algorithm == "auto" else algorithm)
-        if d.device.type == "cuda" or not cfg.comm.overlap:  # overlapping on a GPU needs a side stream: not yet
+        if not cfg.comm.overlap:
             ddp.register_comm_hook(dispatch, sync_hook)
+        elif d.device.type == "cuda":
+            ddp.register_comm_hook(SideStream(dispatch, d.device), stream_hook)
         else:
             ddp.register_comm_hook(BucketReducer(dispatch), overlapped_hook)
         return algorithm, dispatch
