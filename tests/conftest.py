@@ -17,6 +17,18 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Work units for ``pytest -n N --dist loadgroup`` (tests/run.sh runs two workers; the suite's processes leave
+    a core idle about half of the time, waiting on Slurm's passes and on sleeps): every Slurm test in one unit, so
+    one worker starts the session's clusters (their fixed ports) and runs them in file order, and every other test
+    module in a unit of its own, so a module's fixtures (its reference runs) are made once. Without xdist the
+    marks do nothing."""
+    for item in items:
+        path = Path(str(item.path)).relative_to(ROOT)
+        group = "slurm" if path.parts[:2] == ("tests", "slurm") else str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def mpirun_path() -> str:
     here = Path(PY).parent / "mpirun"
     return str(here) if here.exists() else "mpirun"

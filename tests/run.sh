@@ -13,4 +13,6 @@ fi
 .venv/bin/pip install --quiet --disable-pip-version-check -r envs/requirements-cpu.txt -e .
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist): the Slurm tests on one, every other module on either (tests/conftest.py's groups).
+# HPC_TEST_WORKERS=0 runs everything in this one process.
+exec .venv/bin/python -m pytest -n "${HPC_TEST_WORKERS:-2}" --dist loadgroup "$@"
