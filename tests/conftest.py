@@ -17,16 +17,29 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """Work units for ``pytest -n N --dist loadgroup`` (tests/run.sh runs two workers; the suite's processes leave
-    a core idle about half of the time, waiting on Slurm's passes and on sleeps): every Slurm test in one unit, so
-    one worker starts the session's clusters (their fixed ports) and runs them in file order, and every other test
-    module in a unit of its own, so a module's fixtures (its reference runs) are made once. Without xdist the
-    marks do nothing."""
-    for item in items:
-        path = Path(str(item.path)).relative_to(ROOT)
-        group = "slurm" if path.parts[:2] == ("tests", "slurm") else str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
+class WorkUnits:
+    """Work units for ``pytest -n N --dist loadfile`` (tests/run.sh runs two workers: the suite's processes leave a
+    core idle about half of the time, waiting on Slurm's passes and on sleeps): every Slurm test in one unit, so
+    that one worker starts the session's clusters (on their fixed ports) and runs those tests in file order, and
+    every other test module a unit of its own, so that a module's fixtures (its reference runs) are made once.
+    (``xdist_group`` marks would say the same, but pytest 9.2's node ids lose them: pytest-xdist issue 1386.)"""
+
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadFileScheduling
+
+        class Units(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                path = nodeid.split("::", 1)[0]
+                return "tests/slurm" if path.startswith("tests/slurm/") else path
+
+        return Units(config, log)
+
+
+def pytest_configure(config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):  # its hooks exist only then
+        config.pluginmanager.register(WorkUnits(), "hpc-work-units")
 
 
 def mpirun_path() -> str:

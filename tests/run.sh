@@ -13,6 +13,6 @@ fi
 .venv/bin/pip install --quiet --disable-pip-version-check -r envs/requirements-cpu.txt -e .
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# Two workers (pytest-xdist): the Slurm tests on one, every other module on either (tests/conftest.py's groups).
+# Two workers (pytest-xdist): the Slurm tests on one, every other test module on either (tests/conftest.py, WorkUnits).
 # HPC_TEST_WORKERS=0 runs everything in this one process.
-exec .venv/bin/python -m pytest -n "${HPC_TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -n "${HPC_TEST_WORKERS:-2}" --dist loadfile "$@"
