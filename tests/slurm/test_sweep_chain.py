@@ -50,21 +50,22 @@ def test_sweep_refuses_job_keys(tmp_path):
     assert proc.returncode == EXIT_USER_ERROR and "job shape is shared" in proc.stderr
 
 
-def test_chain_of_three_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path):
+def test_chain_of_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path):
     """Each job has a 1-minute limit and is signalled 40 s before it; the run needs more than one job. Every job
     continues from the newest checkpoint; once training is complete the rest end at once.
 
     slurmctld sends a job's --signal from its time-limit pass, which runs every 30 s: the first job's signal comes
     0-30 s after it starts, whatever the lead (measured: none in a job that finished 800 steps in 29 s). So the run
     must outlast 30 s: rank 0 sleeps 25 ms in every step (600 x ~56 ms, ~34 s; 800 steps without it took 25 s),
-    which the next two jobs finish (each gets ~25 s: the pass comes 30 s after the one that signalled the job
-    before)."""
+    which the next jobs finish (each gets ~25 s: the pass comes 30 s after the one that signalled the job before).
+    Four links, not three: with another launch busy on the same 2 cores (tests/run.sh's second worker) the steps
+    take up to twice as long, and the last link then still has work; unloaded it finds the run complete."""
     run_dir = tmp_path / "run"
     sets = [*sets_for(small_dataset), "train.steps=600", "checkpoint.every_steps=100", "train.eval_every=0",
             "job.time=1", "job.signal_lead_s=40", f"job.env.{INJECT_VAR}=slow:0:0.025"]  # fmt: skip
-    last = submit(run_dir, sets, "--chain", "3")
+    last = submit(run_dir, sets, "--chain", "4")
     ids = [json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()]
-    assert len(ids) == 3 and ids[-1] == last
+    assert len(ids) == 4 and ids[-1] == last
     assert job_info(ids[1])["Dependency"].startswith(f"afterany:{ids[0]}")
     for job in ids:
         wait_state(job, DONE, timeout=240)
