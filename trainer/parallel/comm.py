@@ -11,7 +11,7 @@ Algorithms (each sums a tensor over all ranks in place; ``ALGORITHMS``):
 - ``two_level``: all-reduce inside the node, then among the ranks with the same local index on every node.
 
 ``comm.allreduce: auto`` measures them at start-up (trainer/parallel/autotune.py) and ``BucketDispatch`` picks the
-fastest per bucket size. Two hooks run a dispatch:
+fastest per bucket size. Three hooks run a dispatch:
 
 - ``overlapped_hook`` (CPU): the hook hands the bucket to a ``BucketReducer``, a thread of its own that reduces
   DDP's buckets one after another in the order the hook received them, and returns a future that completes when
