@@ -365,7 +365,14 @@ def check_gloo_2x2(r: Runner) -> dict:
         s = summary(run_dir)
         res[name] = {"exit": rc, "wall_s": wall, "final_loss": s.get("final_loss"), "sha": s.get("params_sha256")}
         res[name]["losses"] = [row.get("loss") for row in metrics(run_dir)]
+        log0 = run_dir / "logs" / "rank_00000.log"
+        checked = [x for x in (log0.read_text() if log0.exists() else "").splitlines() if "comm.overlap:" in x]
+        res[name]["overlap_check"] = checked[0].split(" INFO ", 1)[-1] if checked else None
     res["ok"] = all(res[a]["exit"] == 0 and res[a]["final_loss"] is not None for a in runs)
+    # The trainer's start-up check ran the side stream against the synchronous reduction (trainer.build.check_overlap;
+    # a mismatch ends the run before step 1, so exit 0 means it passed).
+    checked = res["hierarchical"]["overlap_check"] or ""
+    res["stream_checked"] = "side stream gave the synchronous one's bits" in checked
     # The side stream must give the bits of the same algorithm run inside the hook (2 x 2 ranks on one GPU: the
     # kernels are the same, and gloo sums in a fixed order).
     hier, sync = res["hierarchical"], res["hierarchical_sync"]
@@ -374,6 +381,7 @@ def check_gloo_2x2(r: Runner) -> dict:
     if res["ok"]:
         res["loss_difference"] = abs(hier["final_loss"] - res["flat"]["final_loss"])
         res["ok"] = res["loss_difference"] < 0.05 and res["stream_equals_sync"] and res["stream_losses_equal_sync"]
+        res["ok"] = res["ok"] and (res["stream_checked"] or r.device != "cuda")
     return res
 
 

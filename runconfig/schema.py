@@ -392,7 +392,8 @@ class CommConfig:
     overlap: bool = doc(
         "Run the trainer's all-reduce algorithms bucket by bucket while backward goes on: on a thread of its own "
         "(CPU), on a CUDA stream of its own (GPU); false: synchronously inside DDP's hook, blocking backward. The "
-        "results are bit-identical.",
+        "results are bit-identical: checked before step 1 on every bucket size (the run ends, naming the ranks, "
+        "where they are not).",
         True,
     )
     compress: Literal["none", "bf16"] = doc(

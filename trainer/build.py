@@ -36,6 +36,7 @@ from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
+from trainer.parallel.comm import check_overlapped
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.materialise import buffers_to, owners, params_on_meta
 from trainer.parallel.materialise import materialise as fill
@@ -199,7 +200,8 @@ def settle(
     gradient-ready order) before the first real step in every run: without it the first step after a restart
     reduces in the initial bucket layout while the uninterrupted run used the rebuilt one, and resume would not
     be bit-exact. It doubles as the check that the loss is a finite scalar (under pipeline parallelism: on the
-    last stage, through the schedule). Gradients are discarded."""
+    last stage, through the schedule). Where DDP runs the trainer's hook, a second pass notes the rebuilt buckets'
+    sizes. Gradients are discarded."""
     pipe, tp = wrapped.pipe, wrapped.layout.tp
     error, loss = None, None
     try:
@@ -232,6 +234,16 @@ def settle(
     else:
         agree(comm, error)  # before backward: its all-reduce needs every rank
         loss.backward()
+        if wrapped.dispatch is not None:
+            # DDP rebuilds its buckets at the next forward (in gradient-ready order, at the configured caps; the
+            # first backward ran its initial layout, whose first bucket is 1 MB whatever comm.bucket_mb says). One
+            # more pass, so that the bucket sizes the hook notes are the ones training reduces: the sizes auto's
+            # plan is measured for and the overlapped reduction is checked on.
+            wrapped.dispatch.seen.clear()
+            with autocast(cfg, loader.device):
+                loss = recipe.loss(wrapped.module, batch)
+            loss.backward()
+            wrapped.dispatch.noting = False
     wrapped.model.zero_grad(set_to_none=True)
 
 
@@ -344,6 +356,36 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
             plan["measured_s"],
             plan["timing"],
             "\n".join(plan_table(plan)),
+        )
+
+
+def check_overlap(p: Parts) -> None:
+    """comm.overlap (collective): before training, the overlapped reduction (the reducer's thread on CPU, a CUDA
+    side stream on GPUs) must give the synchronous reduction's bits on every bucket size the hook will see; if it
+    does not on some rank, training would go on with wrong gradients, so the run ends with the ranks named and
+    the setting that avoids it. Not where DDP's own all-reduce runs (flat, or a plan that sends every bucket flat)."""
+    dispatch = p.wrapped.dispatch
+    if dispatch is None or dispatch.overlapped is None or dispatch.direct:
+        return
+    sizes = bucket_sizes(dispatch.seen)
+    start = time.perf_counter()
+    bad = check_overlapped(dispatch, sizes, p.d.device)
+    where = "a CUDA side stream" if p.d.device.type == "cuda" else "the reducer's thread"
+    checked = ", ".join(f"{dispatch.choose(size)} {size / 1024:.1f} KiB" for size in sizes)
+    if bad:
+        raise UserError(
+            f"comm.overlap: on rank(s) {', '.join(map(str, bad))} the gradient reduction overlapped with backward "
+            f"(on {where}) gave other values than the same reduction run synchronously ({checked}): training with "
+            "it would use wrong gradients. Set comm.overlap=false (each bucket is then reduced inside DDP's hook, "
+            "blocking backward) and report this with the torch and NCCL versions.",
+            collective=True,
+        )
+    if p.env.rank == 0:
+        log.info(
+            "comm.overlap: the reduction on %s gave the synchronous one's bits (%s; checked in %.3f s)",
+            where,
+            checked,
+            time.perf_counter() - start,
         )
 
 

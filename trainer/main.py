@@ -90,7 +90,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
     import torch
 
     from runconfig import code, shm
-    from trainer.build import build_parts, plan_allreduce, restore_or_start
+    from trainer.build import build_parts, check_overlap, plan_allreduce, restore_or_start
     from trainer.checkpoint.fingerprint import params_sha256
     from trainer.env import agree, from_mpi
     from trainer.loop.stop import StopFlag
@@ -164,6 +164,7 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
         marks["build"] = time.time()
         resumed = restore_or_start(p)
         plan_allreduce(p, rundir)  # comm.allreduce=auto: after the restore, which may hold the plan to reuse
+        check_overlap(p)  # the overlapped reduction against the synchronous one, on the plan's sizes
         marks["restore"] = time.time()
         if not run_preflight(p, comm, rundir):  # a node named, monitor.preflight: exclude (in failure.json)
             return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows

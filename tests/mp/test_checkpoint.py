@@ -32,7 +32,8 @@ def common(data, reference=None) -> list[str]:
     return [
         f"data.path={data}", "train.steps=24", "train.warmup_steps=2", "train.eval_every=8",
         "model.d_model=64", "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=4",
-        "checkpoint.keep_last=3", "model.dropout=0.1", *([f"comm.plan_from={reference}"] if reference else []),
+        "checkpoint.keep_last=3", "model.dropout=0.1", "comm.bucket_mb=0.1",
+        *([f"comm.plan_from={reference}"] if reference else []),
     ]  # fmt: skip
 
 
@@ -209,6 +210,9 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     # simulated nodes on one host in one network namespace: measured and recorded, flat chosen for every size
     assert plan["one_network"] and {row["choice"] for row in plan["sizes"]} == {"flat"}, plan
     assert all(set(row["seconds"]) == {"flat", "hierarchical", "leader", "two_level"} for row in plan["sizes"]), plan
+    # measured for the buckets training reduces (~0.1 MB: comm.bucket_mb), not the one 471 KiB bucket of DDP's first
+    # backward, whose initial layout has a 1 MB first bucket
+    assert len(plan["sizes"]) >= 2 and all(row["bytes"] < 200_000 for row in plan["sizes"]), plan
     # an all-flat plan: the hook issues DDP's own all-reduce, nothing runs on the reducer's thread (no comm_busy_s)
     records = [json.loads(x) for d in (reference, run_dir) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert records and not any("comm_busy_s" in r for r in records)

@@ -65,6 +65,9 @@ def test_tiny_example_trains_and_loss_falls(tmp_path, tiny_data):
         assert (run_dir / name).exists(), name
     assert sorted(p.name for p in (run_dir / "logs").glob("rank_*.log")) == [f"rank_0000{i}.log" for i in range(4)]
     assert "node 1 local rank 1" in (run_dir / "logs" / "rank_00003.log").read_text()
+    # comm.overlap (the default): the overlapped reduction was checked against the synchronous one before step 1
+    checked = "comm.overlap: the reduction on the reducer's thread gave the synchronous one's bits (hierarchical"
+    assert checked in (run_dir / "logs" / "rank_00000.log").read_text()
 
     rows = metrics(run_dir)
     train_rows = [r for r in rows if "loss" in r]

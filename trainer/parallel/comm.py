@@ -199,7 +199,7 @@ ALGORITHMS: dict[str, Callable[[torch.Tensor, HierGroups], torch.Tensor]] = {
 class BucketDispatch:
     """Averages a gradient bucket with one algorithm, or per bucket size with a plan (``comm.allreduce: auto``):
     ``choose(nbytes)`` gives the algorithm's name. Until a plan is set (the throw-away step before it is measured)
-    buckets go flat, and their sizes are noted: they are the sizes the plan is measured for."""
+    buckets go flat. The throw-away step's bucket sizes are noted: the sizes the plan is measured for."""
 
     def __init__(self, groups: HierGroups, algorithm: str | None = None) -> None:
         self.groups = groups
@@ -210,7 +210,13 @@ class BucketDispatch:
         # GPU, one the compute stream waits for. Nothing else is on the reducer's thread then, so every rank still
         # issues its collectives in one order.
         self.direct = False
-        self.seen: list[int] = []  # bucket sizes in bytes, before a plan was set
+        # Bucket sizes in bytes, noted until ``noting`` is turned off after the throw-away step: the sizes a plan
+        # is measured for and the overlapped path is checked on (``check_overlapped``).
+        self.seen: list[int] = []
+        self.noting = True
+        # The overlapped hook's path for one buffer, without DDP (``BucketReducer.submit``, ``SideStream.reduce``),
+        # for ``check_overlapped``; None where the synchronous hook runs.
+        self.overlapped: Callable[[torch.Tensor], torch.futures.Future[torch.Tensor]] | None = None
         self.busy_s = 0.0  # wall seconds spent reducing buckets (overlapped with backward or not), see take_busy
         # False where the reduction runs on a CUDA stream (``stream_hook``): the host's clock sees only the issue.
         self.host_timed = True
@@ -223,10 +229,11 @@ class BucketDispatch:
         return busy if self.host_timed and not self.direct else None
 
     def choose(self, nbytes: int) -> str:
+        if self.noting:
+            self.seen.append(nbytes)
         if self.algorithm is not None:
             return self.algorithm
         if self.plan is None:
-            self.seen.append(nbytes)
             return "flat"
         return self.plan(nbytes)
 
@@ -303,21 +310,58 @@ class SideStream:
         self.stream = torch.cuda.Stream(device=device)
         dispatch.host_timed = False
 
+    def reduce(self, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Average ``buf`` on the side stream, after it has waited for the compute stream (where ``buf`` was
+        written). Every phase's collective and wait is issued here and now, relative to the side stream: NCCL's
+        streams wait for it, and it waits for them, so the compute stream never does. The future is completed at
+        once; completing it records an event on the side stream, and a wait on it (DDP's, at the end of backward)
+        makes the waiting stream wait for that event alone. Temporaries are allocated on the side stream and freed
+        after their last use there; ``buf`` (DDP's bucket) outlives the step."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.dispatch(buf)
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[self.device])
+            fut.set_result(buf)
+        return fut
+
 
 def stream_hook(side: SideStream, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook (CUDA): average the bucket on the side stream, after it has waited for the compute
-    stream (the bucket's gradients are written there). Every phase's collective and wait is issued here and now,
-    relative to the side stream: NCCL's streams wait for it, and it waits for them, so the compute stream never
-    does. The future is completed at once with the bucket; completing it records an event on the side stream, and
-    DDP's wait on it at the end of backward makes the compute stream wait for that event alone. Temporaries are
-    allocated on the side stream and freed after their last use there; the bucket outlives the step."""
+    """DDP communication hook (CUDA): average the bucket on the side stream (``SideStream.reduce``)."""
     buf = bucket.buffer()
-    dispatch = side.dispatch
-    if dispatch.direct:
-        return direct_all_reduce(buf, dispatch.groups)
-    side.stream.wait_stream(torch.cuda.current_stream(side.device))
-    with torch.cuda.stream(side.stream):
-        dispatch(buf)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[side.device])
-        fut.set_result(buf)
-    return fut
+    if side.dispatch.direct:
+        return direct_all_reduce(buf, side.dispatch.groups)
+    return side.reduce(buf)
+
+
+CHECK_DELAY_CYCLES = 20_000_000  # GPU clock cycles the compute stream spins before the check's input: ~10-15 ms
+
+
+def check_overlapped(dispatch: BucketDispatch, sizes: list[int], device: torch.device) -> list[int]:
+    """Collective: the ranks on which the overlapped path (``dispatch.overlapped``: the reducer's thread, or the
+    CUDA side stream) did not give the synchronous path's bits, for a buffer of each size in ``sizes`` (each
+    reduced with the algorithm its size gets); [] when it did on every rank. The values are small integers, so
+    every algorithm's sum is exact, and both paths run the same collectives.
+
+    On CUDA it is the test of the two stream orderings the hook relies on. The input is written on the compute
+    stream behind a kernel that spins ~10 ms, so a side stream that did not wait for the compute stream would read
+    the buffer before it is written; the result is compared on the compute stream after a wait on the future, as
+    DDP waits, so a future that did not order that stream after the reduction would compare the unreduced input."""
+    bad = torch.zeros(dist.get_world_size(dispatch.groups.world), dtype=torch.int32, device=device)
+    me = dist.get_rank(dispatch.groups.world)
+    for size in sizes:
+        pattern = torch.arange(max(1, size // 4), dtype=torch.float32, device=device).remainder_(13).add_(me % 3)
+        want = dispatch(pattern.clone())
+        got = torch.zeros_like(pattern)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            spin = getattr(torch.cuda, "_sleep", None)  # torch's own test helper: a kernel that spins N cycles
+            if spin is not None:
+                spin(CHECK_DELAY_CYCLES)
+        got.copy_(pattern)
+        assert dispatch.overlapped is not None
+        dispatch.overlapped(got).wait()
+        if not torch.equal(got, want):
+            bad[me] = 1
+    dist.all_reduce(bad, group=dispatch.groups.world)
+    dispatch.take_busy()  # the check's reductions are no step's
+    return [rank for rank, flag in enumerate(bad.tolist()) if flag]

@@ -190,9 +190,13 @@ def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) ->
         if not cfg.comm.overlap:
             ddp.register_comm_hook(dispatch, sync_hook)
         elif d.device.type == "cuda":
-            ddp.register_comm_hook(SideStream(dispatch, d.device), stream_hook)
+            side = SideStream(dispatch, d.device)
+            dispatch.overlapped = side.reduce
+            ddp.register_comm_hook(side, stream_hook)
         else:
-            ddp.register_comm_hook(BucketReducer(dispatch), overlapped_hook)
+            reducer = BucketReducer(dispatch)
+            dispatch.overlapped = reducer.submit
+            ddp.register_comm_hook(reducer, overlapped_hook)
         return algorithm, dispatch
     if cfg.comm.compress == "bf16" and topo.num_nodes > 1:  # the whole flat all-reduce crosses nodes in bf16
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook

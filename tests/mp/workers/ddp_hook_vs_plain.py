@@ -1,6 +1,7 @@
 """Worker: DDP with each algorithm's hook (hierarchical, leader, two_level, and auto with a plan measured here) vs
 plain DDP, K AdamW steps from the same weights on the same batches, and the overlapped hook (the trainer's, on its
-own thread) vs the same algorithm run synchronously in the hook.
+own thread) vs the same algorithm run synchronously in the hook; and the trainer's start-up check of the overlapped
+path, on the real path and on one that skips the reduction.
 
 The all-reduce is wired by trainer.parallel.wrap.wire_allreduce, the trainer's own code path, for several bucket sizes.
 argv: OUT_DIR STEPS
@@ -21,7 +22,7 @@ from trainer.env import from_mpi
 from trainer.loop.optim import build_optimizer
 from trainer.models.gpt import GPT, loss_fn
 from trainer.parallel.autotune import measure
-from trainer.parallel.comm import BucketDispatch, sync_hook
+from trainer.parallel.comm import BucketDispatch, check_overlapped, sync_hook
 from trainer.parallel.distributed import init_distributed, shutdown
 from trainer.parallel.wrap import wire_allreduce
 
@@ -74,5 +75,21 @@ for allreduce, bucket_mb in runs:
         "max_abs_diff": diff, "hook": hook, "sync_hook": synced_hook, "same_as_sync": same
     }  # fmt: skip
 result["plan"] = [row["choice"] for row in PLAN["sizes"]]
+
+# The start-up check of the overlapped path (trainer.build.check_overlap): the reducer's thread gives the synchronous
+# bits; a path that returns the bucket unreduced is caught, on every rank.
+cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, allreduce="hierarchical"))
+_, dispatch = wire_allreduce(cfg, env, d, torch.nn.parallel.DistributedDataParallel(GPT(cfg.model)))
+result["check_real"] = check_overlapped(dispatch, [1024, 40_000, 400_000], torch.device("cpu"))
+
+
+def unreduced(buf: torch.Tensor) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+dispatch.overlapped = unreduced
+result["check_unreduced"] = check_overlapped(dispatch, [1024], torch.device("cpu"))
 (out_dir / f"rank_{env.rank}.json").write_text(json.dumps(result))
 shutdown(comm, clean=True)
