@@ -21,7 +21,8 @@
 - ``gloo_2x2``: 2 simulated nodes x 2 ranks sharing the GPU over gloo (CUDA tensors through the hierarchical
   all-reduce and through flat): every variant trains and the losses agree within bf16 noise; the hierarchical
   all-reduce on its side stream (``stream_hook``) ends with the same parameters and losses as inside the hook
-  (``comm.overlap=false``).
+  (``comm.overlap=false``), and the trainer's start-up check of the side stream (trainer.build.check_overlap: its
+  input written behind a spinning kernel) logged that it passed.
 
 With one GPU, NCCL cannot run more than one rank (it refuses two ranks on one device), so the NCCL all-reduce
 benchmark itself needs a node of several GPUs: ``python bench/allreduce.py --nodes 2 --ranks-per-node 4`` there.
