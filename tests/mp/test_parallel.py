@@ -182,11 +182,14 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
 
     tp_pp = tmp_path / "tp_pp"
     sets_tp_pp = [*sets, *PP, *TP, "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=4"]
-    done = run(tp_pp, sets_tp_pp, inject="slow:1:0.02")  # 4 loop micro-batches a step: a shorter sleep
+    # Rank 1 (rank 0's tensor-parallel peer) slowed: rank 0 waits in DTensor's collectives. Its pipeline wait (the
+    # bubble while stage 1 computes) grows with the load on the cores. Medians per step, with a sleep in each of the
+    # 4 loop micro-batches: 0.02 s alone, pp 0.15 against tp 0.35; 0.02 s beside another test's launch (a CI run),
+    # 0.53 against 0.53; 0.1 s beside the tensor-parallel test, 0.78 against 1.0 (pp ahead in 2 of 12 steps).
+    # 0.2 s (0.8 s a step) keeps tp ahead by more than that load adds to the bubble.
+    done = run(tp_pp, sets_tp_pp, inject=f"slow:1:{2 * SLOW}")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_waits_in(
-        tp_pp, "tp", slow=0.02
-    )  # rank 1 (its tensor-parallel peer) slowed: rank 0 waits in DTensor's collectives
+    assert_waits_in(tp_pp, "tp", slow=2 * SLOW)
     assert summary(tp_pp)["parallel"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
     assert summary(tp_pp)["allreduce"] == "tp"
     assert_close_to(tp_pp, single)
