@@ -12,8 +12,8 @@ Runs, alternated round by round so machine noise hits every variant alike:
 - ``trainer-hier-bf16``: trainer-hier with ``comm.compress=bf16`` (the inter-node phase in bfloat16)
 - ``trainer-auto`` / ``trainer-leader``: comm.allreduce=auto (measured at start-up, per bucket size) / leader
 - ``trainer-auto-flat``: trainer-auto given a plan that picks flat for every bucket (``comm.plan_from``, a file the
-  benchmark writes), apart from which algorithms auto's measurement chose: since an all-flat plan makes the hook
-  issue DDP's own all-reduce (trainer/parallel/comm.py ``direct_all_reduce``), it should match trainer-flat
+  benchmark writes), apart from which algorithms auto's measurement chose: since an all-flat plan registers no hook
+  (DDP's own all-reduce runs, trainer/build.py ``plan_allreduce``), it should match trainer-flat
 - ``trainer-auto-small``: trainer-auto with comm.bucket_mb=0.25 (the tiny model's gradients fit one 25 MB bucket,
   which is ready only when backward ends: nothing can overlap; small buckets let the reduction start earlier)
 - ``trainer-agree-sync``: trainer-flat with ``comm.defer_agreement=false`` (every step waits for the ranks'

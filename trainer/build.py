@@ -36,11 +36,12 @@ from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
+from trainer.parallel.buckets import ddp_bucket_bytes
 from trainer.parallel.comm import check_overlapped
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.materialise import buffers_to, owners, params_on_meta
 from trainer.parallel.materialise import materialise as fill
-from trainer.parallel.wrap import Wrapped, wrap
+from trainer.parallel.wrap import Wrapped, hook_up, wrap
 from trainer.recipes.api import Recipe, RecipeContext
 from trainer.recipes.load import build_recipe, check_lengths
 
@@ -200,8 +201,8 @@ def settle(
     gradient-ready order) before the first real step in every run: without it the first step after a restart
     reduces in the initial bucket layout while the uninterrupted run used the rebuilt one, and resume would not
     be bit-exact. It doubles as the check that the loss is a finite scalar (under pipeline parallelism: on the
-    last stage, through the schedule). Where DDP runs the trainer's hook, a second pass notes the rebuilt buckets'
-    sizes. Gradients are discarded."""
+    last stage, through the schedule). Where DDP runs (or, for auto, may run) the trainer's hook, a second pass
+    rebuilds the buckets, whose sizes are then noted. Gradients are discarded."""
     pipe, tp = wrapped.pipe, wrapped.layout.tp
     error, loss = None, None
     try:
@@ -237,14 +238,14 @@ def settle(
         if wrapped.dispatch is not None:
             # DDP rebuilds its buckets at the next forward (in gradient-ready order, at the configured caps; the
             # first backward ran its initial layout, whose first bucket is 1 MB whatever comm.bucket_mb says). One
-            # more pass, so that the bucket sizes the hook notes are the ones training reduces: the sizes auto's
-            # plan is measured for and the overlapped reduction is checked on.
-            wrapped.dispatch.seen.clear()
+            # more pass, so that the sizes noted below are the ones training reduces: the sizes auto's plan is
+            # measured for and the overlapped reduction is checked on.
             with autocast(cfg, loader.device):
                 loss = recipe.loss(wrapped.module, batch)
             loss.backward()
-            wrapped.dispatch.noting = False
     wrapped.model.zero_grad(set_to_none=True)
+    if wrapped.dispatch is not None:
+        wrapped.dispatch.sizes = bucket_sizes(ddp_bucket_bytes(wrapped.module))
 
 
 def check_first_loss(spec: str, rank: int, loss: Any) -> None:
@@ -342,19 +343,28 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
     if plan is None and source:
         plan, how = _plan_from(source, wanted), f"from {source}"
     if plan is None:
-        plan = measure(groups, bucket_sizes(dispatch.seen), p.d.device, one_network=p.env.one_network)
+        plan = measure(groups, dispatch.sizes, p.d.device, one_network=p.env.one_network)
         how = measured + ("; one host, one network: flat chosen" if plan["one_network"] else "")
         if p.env.rank == 0:
             write_json_atomic(rundir.allreduce_plan, plan)
     p.state.allreduce_plan = plan
     dispatch.plan = functools.partial(choose, plan)
-    dispatch.direct = not groups.compress and all(row["choice"] == "flat" for row in plan["sizes"])
+    if groups.compress or any(row["choice"] != "flat" for row in plan["sizes"]):
+        hook_up(p.cfg, p.d, p.wrapped.module, dispatch)
+        runs = "the trainer's hook runs it"
+    else:
+        # Every bucket flat: DDP's own all-reduce runs, with no hook (the same bits as comm.allreduce=flat). A
+        # Python hook issuing the same all-reduce cost 3 % of the step on 2 x 2 ranks sharing 2 cores (median of 8
+        # alternated pairs): each bucket's call and completion take the GIL, which DDP's C++ path never does.
+        p.wrapped.dispatch = None
+        runs = "every bucket flat: DDP's own all-reduce runs, no hook"
     if p.env.rank == 0:
         log.info(
-            "all-reduce plan (comm.allreduce=auto, %s; measured in %.2f s, %s):\n%s",
+            "all-reduce plan (comm.allreduce=auto, %s; measured in %.2f s, %s; %s):\n%s",
             how,
             plan["measured_s"],
             plan["timing"],
+            runs,
             "\n".join(plan_table(plan)),
         )
 
@@ -365,9 +375,9 @@ def check_overlap(p: Parts) -> None:
     does not on some rank, training would go on with wrong gradients, so the run ends with the ranks named and
     the setting that avoids it. Not where DDP's own all-reduce runs (flat, or a plan that sends every bucket flat)."""
     dispatch = p.wrapped.dispatch
-    if dispatch is None or dispatch.overlapped is None or dispatch.direct:
+    if dispatch is None or dispatch.overlapped is None:
         return
-    sizes = bucket_sizes(dispatch.seen)
+    sizes = dispatch.sizes
     start = time.perf_counter()
     bad = check_overlapped(dispatch, sizes, p.d.device)
     where = "a CUDA side stream" if p.d.device.type == "cuda" else "the reducer's thread"

@@ -213,9 +213,11 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     # measured for the buckets training reduces (~0.1 MB: comm.bucket_mb), not the one 471 KiB bucket of DDP's first
     # backward, whose initial layout has a 1 MB first bucket
     assert len(plan["sizes"]) >= 2 and all(row["bytes"] < 200_000 for row in plan["sizes"]), plan
-    # an all-flat plan: the hook issues DDP's own all-reduce, nothing runs on the reducer's thread (no comm_busy_s)
+    # an all-flat plan: DDP's own all-reduce runs, no hook (nothing on the reducer's thread: no comm_busy_s)
     records = [json.loads(x) for d in (reference, run_dir) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert records and not any("comm_busy_s" in r for r in records)
+    log0 = (reference / "logs" / "rank_00000.log").read_text()
+    assert "every bucket flat: DDP's own all-reduce runs, no hook" in log0, log0
     assert json.loads((reference / "allreduce_plan.json").read_text()) == plan
     assert summary(run_dir)["allreduce_plan"] == plan and not (run_dir / "allreduce_plan.json").exists()
     log0 = (run_dir / "logs" / "rank_00000.log").read_text()

@@ -1,6 +1,7 @@
 """End to end through `python -m hpc.submit`: real mpirun, real HDF5 data, real gloo process groups."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -110,8 +111,24 @@ def params_sha256_v1_of(checkpoint: Path) -> str:
 
 def test_one_rank_and_four_ranks_agree(tmp_path, small_dataset):
     """Same global batch: 1 rank x 4 accumulation steps vs 2 nodes x 2 ranks. Losses agree within float
-    tolerance (the reductions sum in different orders). That a repeated run is bit-identical, auto's measured plan
-    reused through comm.plan_from, tests/mp/test_checkpoint.py's stop-and-resume against its reference shows."""
+    tolerance (the reductions sum in different orders). The four ranks run comm.allreduce=auto with a plan
+    (comm.plan_from) that picks leader for small buckets and two_level for large ones: on one host a measured plan
+    picks flat, and DDP's own all-reduce runs; this one makes the trainer register its hook after the throw-away
+    passes, once the plan is known. That a repeated run is bit-identical, auto's measured plan reused through
+    comm.plan_from, tests/mp/test_checkpoint.py's stop-and-resume against its reference shows."""
+    plan = {
+        "topology": [2, 2],
+        "compress": False,
+        "chunk_bytes": 0,
+        "algorithms": ["leader", "two_level"],
+        "sizes": [  # the nearest row (log scale) decides: of the 97, 114 and 130 KiB buckets (comm.bucket_mb=0.1)
+            {"bytes": 90_000, "seconds": {}, "choice": "leader"},  # under ~112 KB: leader
+            {"bytes": 140_000, "seconds": {}, "choice": "two_level"},
+        ],
+        "measured_s": 0.0,
+        "timing": "not measured: written by the test",
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     common = [
         f"data.path={small_dataset}",
         "train.steps=12",
@@ -123,8 +140,14 @@ def test_one_rank_and_four_ranks_agree(tmp_path, small_dataset):
     ]
     one = submit(tmp_path / "one", "job.nodes=1", "job.ranks_per_node=1", *common)
     assert one.returncode == 0, one.stdout + one.stderr
-    four = submit(tmp_path / "four", *common)
+    four = submit(tmp_path / "four", *common, "comm.allreduce=auto", f"comm.plan_from={tmp_path / 'plan.json'}",
+                  "comm.bucket_mb=0.1")  # fmt: skip
     assert four.returncode == 0, four.stdout + four.stderr
+    log0 = (tmp_path / "four" / "logs" / "rank_00000.log").read_text()
+    assert "the trainer's hook runs it" in log0, log0
+    checked = re.search(r"the reduction on the reducer's thread gave the synchronous one's bits \((.*?);", log0)
+    assert checked and {"leader", "two_level"} <= set(re.findall(r"leader|two_level", checked[1])), log0
+    assert all(r["comm_busy_s"] > 0 for r in metrics(tmp_path / "four")[1:]), "the hook's reduction time"
 
     l1 = [r["loss"] for r in metrics(tmp_path / "one")]
     l4 = [r["loss"] for r in metrics(tmp_path / "four")]

@@ -39,3 +39,10 @@ def ddp_bucket_caps(comm: CommConfig, *, per_bucket: bool | None = None) -> dict
         rest,
     )
     return {"bucket_cap_mb": rest}
+
+
+def ddp_bucket_bytes(ddp: DDP) -> list[int]:
+    """The bytes of each of DDP's gradient buckets in its current layout (after the first backward DDP rebuilds
+    them in gradient-ready order, at the next forward). Allocates a zeroed copy of the buckets for the moment: call
+    it once, with the gradients freed (before the optimizer's state exists, the step's peak is well above it)."""
+    return [b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets()]

@@ -198,22 +198,15 @@ ALGORITHMS: dict[str, Callable[[torch.Tensor, HierGroups], torch.Tensor]] = {
 
 class BucketDispatch:
     """Averages a gradient bucket with one algorithm, or per bucket size with a plan (``comm.allreduce: auto``):
-    ``choose(nbytes)`` gives the algorithm's name. Until a plan is set (the throw-away step before it is measured)
-    buckets go flat. The throw-away step's bucket sizes are noted: the sizes the plan is measured for."""
+    ``choose(nbytes)`` gives the algorithm's name. Until a plan is set buckets go flat."""
 
     def __init__(self, groups: HierGroups, algorithm: str | None = None) -> None:
         self.groups = groups
         self.algorithm = algorithm  # a fixed choice; None: by the plan
         self.plan: Callable[[int], str] | None = None
-        # The plan sends every bucket flat (and uncompressed): the hooks issue DDP's own asynchronous all-reduce
-        # from the training thread (``direct_all_reduce``) instead of a reduction on the reducer's thread or, on a
-        # GPU, one the compute stream waits for. Nothing else is on the reducer's thread then, so every rank still
-        # issues its collectives in one order.
-        self.direct = False
-        # Bucket sizes in bytes, noted until ``noting`` is turned off after the throw-away step: the sizes a plan
-        # is measured for and the overlapped path is checked on (``check_overlapped``).
-        self.seen: list[int] = []
-        self.noting = True
+        # The distinct sizes (bytes) of DDP's buckets once it has rebuilt them (``buckets.ddp_bucket_bytes`` after
+        # the throw-away passes): the sizes a plan is measured for and the overlapped path is checked on.
+        self.sizes: list[int] = []
         # The overlapped hook's path for one buffer, without DDP (``BucketReducer.submit``, ``SideStream.reduce``),
         # for ``check_overlapped``; None where the synchronous hook runs.
         self.overlapped: Callable[[torch.Tensor], torch.futures.Future[torch.Tensor]] | None = None
@@ -223,14 +216,11 @@ class BucketDispatch:
 
     def take_busy(self) -> float | None:
         """Seconds spent reducing since the last call (read by the training thread between steps, when the
-        reducer is idle); None where DDP's own all-reduce ran (``direct``: its time is not taken) or where the
-        host's clock cannot see the reduction (``host_timed`` false)."""
+        reducer is idle); None where the host's clock cannot see the reduction (``host_timed`` false)."""
         busy, self.busy_s = self.busy_s, 0.0
-        return busy if self.host_timed and not self.direct else None
+        return busy if self.host_timed else None
 
     def choose(self, nbytes: int) -> str:
-        if self.noting:
-            self.seen.append(nbytes)
         if self.algorithm is not None:
             return self.algorithm
         if self.plan is None:
@@ -245,18 +235,9 @@ class BucketDispatch:
         return buf
 
 
-def direct_all_reduce(buf: torch.Tensor, groups: HierGroups) -> torch.futures.Future[torch.Tensor]:
-    """What DDP's own all-reduce does: one asynchronous all-reduce of the bucket over every rank, averaged when it
-    completes (after the sum, as the other algorithms do: the same bits as ``flat`` on the reducer's thread)."""
-    fut = dist.all_reduce(buf, group=groups.world, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0].div_(groups.world_size))
-
-
 def sync_hook(dispatch: BucketDispatch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients inside the hook (blocking backward)."""
     buf = bucket.buffer()
-    if dispatch.direct:
-        return direct_all_reduce(buf, dispatch.groups)
     blocked = dispatch.groups.blocked
     start = blocked.enter()
     dispatch(buf)
@@ -296,8 +277,6 @@ class BucketReducer:
 def overlapped_hook(reducer: BucketReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients on the reducer's thread; DDP waits for the returned
     future at the end of backward."""
-    if reducer.dispatch.direct:
-        return direct_all_reduce(bucket.buffer(), reducer.dispatch.groups)
     return reducer.submit(bucket.buffer())
 
 
@@ -327,10 +306,7 @@ class SideStream:
 
 def stream_hook(side: SideStream, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook (CUDA): average the bucket on the side stream (``SideStream.reduce``)."""
-    buf = bucket.buffer()
-    if side.dispatch.direct:
-        return direct_all_reduce(buf, side.dispatch.groups)
-    return side.reduce(buf)
+    return side.reduce(bucket.buffer())
 
 
 CHECK_DELAY_CYCLES = 20_000_000  # GPU clock cycles the compute stream spins before the check's input: ~10-15 ms

@@ -181,22 +181,15 @@ def _no_all_reduce(model: nn.Module) -> Iterator[None]:
 
 
 def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) -> tuple[str, BucketDispatch | None]:
-    """Register the hook that runs the configured algorithm (or, for auto, the measured plan: set later) where
-    there are two levels, torch's bf16 compression hook for a flat all-reduce across nodes with comm.compress;
-    return the all-reduce that runs and the hook's dispatch (None where DDP's own all-reduce runs)."""
+    """Register the hook that runs the configured algorithm where there are two levels (for auto: later, once the
+    plan is known, by ``hook_up``; none where it sends every bucket flat), torch's bf16 compression hook for a flat
+    all-reduce across nodes with comm.compress; return the all-reduce that runs and the hook's dispatch (None where
+    DDP's own all-reduce runs)."""
     topo, algorithm = env.topology, cfg.comm.allreduce
     if algorithm != "flat" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
         dispatch = BucketDispatch(d.groups, None if algorithm == "auto" else algorithm)
-        if not cfg.comm.overlap:
-            ddp.register_comm_hook(dispatch, sync_hook)
-        elif d.device.type == "cuda":
-            side = SideStream(dispatch, d.device)
-            dispatch.overlapped = side.reduce
-            ddp.register_comm_hook(side, stream_hook)
-        else:
-            reducer = BucketReducer(dispatch)
-            dispatch.overlapped = reducer.submit
-            ddp.register_comm_hook(reducer, overlapped_hook)
+        if algorithm != "auto":
+            hook_up(cfg, d, ddp, dispatch)
         return algorithm, dispatch
     if cfg.comm.compress == "bf16" and topo.num_nodes > 1:  # the whole flat all-reduce crosses nodes in bf16
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -207,3 +200,19 @@ def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) ->
         # same work in one collective instead of several.
         log.info("comm.allreduce=%s needs >1 node and >1 rank per node; using DDP's flat all-reduce", algorithm)
     return "flat", None
+
+
+def hook_up(cfg: RunConfig, d: Distributed, ddp: DDP, dispatch: BucketDispatch) -> None:
+    """Register DDP's communication hook that averages each bucket with ``dispatch`` (DDP takes one hook, once):
+    inside the hook with comm.overlap off, else overlapped with backward (a CUDA side stream, or on CPU the
+    reducer's thread)."""
+    if not cfg.comm.overlap:
+        ddp.register_comm_hook(dispatch, sync_hook)
+    elif d.device.type == "cuda":
+        side = SideStream(dispatch, d.device)
+        dispatch.overlapped = side.reduce
+        ddp.register_comm_hook(side, stream_hook)
+    else:
+        reducer = BucketReducer(dispatch)
+        dispatch.overlapped = reducer.submit
+        ddp.register_comm_hook(reducer, overlapped_hook)

@@ -24,7 +24,7 @@ from trainer.models.gpt import GPT, loss_fn
 from trainer.parallel.autotune import measure
 from trainer.parallel.comm import BucketDispatch, check_overlapped, sync_hook
 from trainer.parallel.distributed import init_distributed, shutdown
-from trainer.parallel.wrap import wire_allreduce
+from trainer.parallel.wrap import hook_up, wire_allreduce
 
 out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
 comm = MPI.COMM_WORLD
@@ -48,6 +48,8 @@ def train(allreduce: str, bucket_mb: float, sync: bool = False) -> tuple[dict, s
         assert wired == allreduce
     if dispatch is not None and allreduce == "auto":
         dispatch.plan = functools.partial(choose, PLAN)
+        if not sync:  # as trainer.build.plan_allreduce: auto's hook is registered once its plan is known
+            hook_up(cfg, d, ddp, dispatch)
     optimizer = build_optimizer(model, cfg.train)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(100 + env.rank)  # different data on every rank, same for both runs
