@@ -80,7 +80,7 @@ def setup_logging(rundir: RunDir, rank: int) -> None:
         root.addHandler(h)
 
 
-def run(rundir: RunDir, comm: MPI.Comm) -> int:
+def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) -> int:
     """Train to the configured step count; return the exit status (0 done, EXIT_STOPPED stopped by a signal).
 
     Bootstrap: config and code snapshot -> MPI environment -> process groups -> the parts (recipe, data, model,
@@ -200,8 +200,10 @@ def run(rundir: RunDir, comm: MPI.Comm) -> int:
             len(p.recipe.train_data),
             len(p.recipe.eval_data) if p.recipe.eval_data is not None else "none",
         )
+        relaxed = progress.relaxed() if progress is not None else contextlib.nullcontext()
         try:
-            stopped = train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(cfg, env, d.device, rundir))
+            with relaxed:  # no MPI message while the loop trains: its progress thread wakes less often
+                stopped = train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(cfg, env, d.device, rundir))
         except NodeEvicted as evicted:  # every rank, after a committed checkpoint: leave the slow node out
             p.mon.watchdog.close()
             p.checkpoints.close()
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     clean = False
     progress = ProgressThread.start_if_needed(comm)  # messages keep moving while this rank waits outside MPI
     try:
-        status = run(rundir, comm)
+        status = run(rundir, comm, progress)
         clean = True
         return status
     except UserError as exc:

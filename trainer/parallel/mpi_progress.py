@@ -10,26 +10,35 @@ loop; without it, 0 of 90.
 
 So data progress is driven here: every ``interval_s`` a daemon thread probes a private duplicate of the world
 communicator, which runs MPICH's progress engine (mpi4py starts MPI with ``MPI_THREAD_MULTIPLE``). A broadcast then
-arrives within ~10 ms, and the thread costs ~0.3 % of a core. It is started after ``MPI_Init`` and stopped before
-``MPI_Finalize``.
+arrives within ~10 ms. It is started after ``MPI_Init`` and stopped before ``MPI_Finalize``.
+
+While the loop trains, no MPI message is sent (torch.distributed carries everything), so the thread wakes every
+``RELAXED_INTERVAL_S`` instead (``relaxed``). At 5 ms each rank's thread took ~11 ms of CPU a second (a wake, the
+GIL, MPICH polling its sockets): with 2 x 2 ranks on 2 cores, 7.9 ms of the 327 ms of CPU a training step cost
+(2.4 %); relaxed, 0.5 ms (per-thread CPU from /proc, bench/README). A message sent just before the loop still
+leaves within that interval.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from mpi4py import MPI
 
 DATA_AUTO_PROGRESS_VAR = "MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS"
+INTERVAL_S = 0.005  # start-up, restore, stop and teardown: the ranks meet in MPI often, one after another
+RELAXED_INTERVAL_S = 0.1  # while the loop trains
 
 
 class ProgressThread:
-    def __init__(self, comm: MPI.Comm, interval_s: float = 0.005) -> None:
+    def __init__(self, comm: MPI.Comm, interval_s: float = INTERVAL_S) -> None:
         self._comm = comm.Dup()  # collective: every rank makes one
         self._interval = interval_s
-        self._stop = threading.Event()
+        self._stopping = False
+        self._wake = threading.Event()  # set to end the thread or to apply a new interval at once
         self._thread = threading.Thread(target=self._run, name="mpi-progress", daemon=True)
 
     @classmethod
@@ -42,11 +51,31 @@ class ProgressThread:
         progress._thread.start()
         return progress
 
+    @property
+    def interval_s(self) -> float:
+        return self._interval
+
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stopping:
+                return
             self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+    @contextlib.contextmanager
+    def relaxed(self, interval_s: float = RELAXED_INTERVAL_S) -> Iterator[None]:
+        """Wake every ``interval_s`` inside the block (the training loop, which sends nothing over MPI), and probe
+        at once and go back to the previous interval when it ends."""
+        before, self._interval = self._interval, interval_s
+        try:
+            yield
+        finally:
+            self._interval = before
+            self._wake.set()
 
     def stop(self) -> None:
         """End the thread (before MPI_Finalize; not collective)."""
-        self._stop.set()
+        self._stopping = True
+        self._wake.set()
         self._thread.join()
