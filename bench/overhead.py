@@ -16,8 +16,11 @@ Runs, alternated round by round so machine noise hits every variant alike:
   (DDP's own all-reduce runs, trainer/build.py ``plan_allreduce``), it should match trainer-flat
 - ``trainer-auto-small``: trainer-auto with comm.bucket_mb=0.25 (the tiny model's gradients fit one 25 MB bucket,
   which is ready only when backward ends: nothing can overlap; small buckets let the reduction start earlier)
-- ``trainer-agree-sync``: trainer-flat with ``comm.defer_agreement=false`` (every step waits for the ranks'
-  agreement on loss, stop and checkpoint trigger, instead of reading it at the next step boundary)
+- ``trainer-agree-separate``: trainer-flat with ``comm.carry_agreement=false``: the ranks' agreement on loss, stop
+  and checkpoint trigger in an all-reduce of its own, read at the next step boundary (``comm.defer_agreement``),
+  instead of carried in the gradient reduction
+- ``trainer-agree-sync``: trainer-agree-separate with ``comm.defer_agreement=false`` (every step waits for that
+  all-reduce)
 - ``trainer-quiet``: trainer-flat with TensorBoard, straggler checks and the hang watchdog off (their cost)
 - ``trainer-recipe``: trainer-flat entering through the user-recipe door: the same GPT and data from a user-style
   recipe module (bench/recipes/user_gpt.py, copied next to a config written into the work folder with
@@ -79,8 +82,8 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
-    "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-auto", "trainer-auto-flat", "trainer-leader",
-    "trainer-auto-small", "nanogpt",
+    "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-agree-separate", "trainer-auto",
+    "trainer-auto-flat", "trainer-leader", "trainer-auto-small", "nanogpt",
 )  # fmt: skip
 HIER = (
     "trainer-hier",
@@ -211,6 +214,8 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sync = ["--set", "comm.overlap=false"] if variant == "trainer-hier-sync" else []
     sync += ["--set", "comm.compress=bf16"] if variant == "trainer-hier-bf16" else []
     sync += ["--set", "comm.chunk_kb=1024"] if variant == "trainer-hier-pipe" else []
+    separate = variant in ("trainer-agree-separate", "trainer-agree-sync")
+    sync += ["--set", "comm.carry_agreement=false"] if separate else []
     sync += ["--set", "comm.defer_agreement=false"] if variant == "trainer-agree-sync" else []
     sync += ["--set", "comm.bucket_mb=0.25"] if variant == "trainer-auto-small" else []
     sync += ["--set", f"comm.plan_from={args.flat_plan}"] if variant == "trainer-auto-flat" else []

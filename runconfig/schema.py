@@ -424,6 +424,15 @@ class CommConfig:
         "false: every step waits for it (one small all-reduce's latency per step).",
         True,
     )
+    carry_agreement: bool = doc(
+        "DDP layouts over gloo (CPU): the per-step agreement rides in the step's gradient reduction, as the gradient "
+        "of a 3-element parameter that only DDP sees (not the model's: no optimizer, clipping, norm or checkpoint "
+        "sees it), so it needs no collective of its own and each step is acted on at its own boundary. Elsewhere "
+        "(FSDP2, tensor or pipeline parallelism, NCCL, comm.compress=bf16) the separate all-reduce of "
+        "defer_agreement runs. The parameters are the same either way; the recorded loss, a float32 mean instead of "
+        "a float64 one, may differ in its last bits.",
+        True,
+    )
     backend: Literal["auto", "gloo", "nccl"] = doc("auto = NCCL on CUDA, gloo on CPU.", "auto")
     timeout_s: float = doc("Timeout of process-group set-up and of every collective, seconds.", 300.0)
     master_addr: str | None = doc(

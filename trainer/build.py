@@ -37,6 +37,7 @@ from trainer.observe.monitors import build_monitors
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
 from trainer.parallel.buckets import ddp_bucket_bytes
+from trainer.parallel.carrier import SLOTS
 from trainer.parallel.comm import check_overlapped
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.materialise import buffers_to, owners, params_on_meta
@@ -234,7 +235,7 @@ def settle(
         agree(comm, None)
     else:
         agree(comm, error)  # before backward: its all-reduce needs every rank
-        loss.backward()
+        throwaway_backward(wrapped, loss)
         if wrapped.dispatch is not None:
             # DDP rebuilds its buckets at the next forward (in gradient-ready order, at the configured caps; the
             # first backward ran its initial layout, whose first bucket is 1 MB whatever comm.bucket_mb says). One
@@ -242,10 +243,21 @@ def settle(
             # measured for and the overlapped reduction is checked on.
             with autocast(cfg, loader.device):
                 loss = recipe.loss(wrapped.module, batch)
-            loss.backward()
+            throwaway_backward(wrapped, loss)
     wrapped.model.zero_grad(set_to_none=True)
+    if wrapped.carrier is not None:
+        wrapped.carrier.zero_grad(set_to_none=True)
     if wrapped.dispatch is not None:
         wrapped.dispatch.sizes = bucket_sizes(ddp_bucket_bytes(wrapped.module))
+
+
+def throwaway_backward(wrapped: Wrapped, loss: torch.Tensor) -> None:
+    """Backward of a throw-away pass as training runs it: with the carried agreement's term where there is one
+    (DDP expects a gradient for every parameter it holds, and rebuilds its buckets in the order they came)."""
+    if wrapped.carrier is None:
+        loss.backward()
+    else:
+        torch.autograd.backward([loss, wrapped.carrier.term(torch.zeros(SLOTS, device=loss.device))])
 
 
 def check_first_loss(spec: str, rank: int, loss: Any) -> None:

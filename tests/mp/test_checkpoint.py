@@ -135,15 +135,24 @@ def assert_same_as(reference, run_dir):
     assert rows(run_dir) == rows(reference)
 
 
-def test_the_deferred_agreement_changes_no_number(tmp_path, small_dataset, reference_2x1):
-    """comm.defer_agreement=false (each boundary waits for its own step's agreement and reads the gradient norm at
-    once) ends with the same parameters and writes the same records as the default, where a step's loss and gradient
-    norm are read a boundary later and its record waits for both."""
-    run_dir = tmp_path / "run"
-    proc = run(run_dir, [*common(small_dataset), *TWO_NODES, "comm.defer_agreement=false"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert_same_as(reference_2x1, run_dir)
-    assert len(rows(run_dir)) == 24 and all(r["loss"] is not None and r["grad_norm"] for r in rows(reference_2x1))
+def test_the_agreement_path_changes_no_parameter(tmp_path, small_dataset, reference_2x1):
+    """The default carries the step's agreement in DDP's gradient reduction (comm.carry_agreement) and reads it at
+    the step's own boundary. Without it the separate all-reduce runs: deferred (a step's loss and gradient norm read
+    a boundary later, its record waiting for both) or synchronous (comm.defer_agreement=false). All three end with the
+    same parameters. The two separate paths write the same records; the carried one the same but for the loss, a
+    float32 mean where theirs is a float64 one (within float32 rounding)."""
+    runs = {}
+    for name, sets in (("deferred", []), ("sync", ["comm.defer_agreement=false"])):
+        runs[name] = tmp_path / name
+        proc = run(runs[name], [*common(small_dataset), *TWO_NODES, "comm.carry_agreement=false", *sets])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert summary(runs[name])["params_sha256"] == summary(reference_2x1)["params_sha256"], name
+    assert rows(runs["sync"]) == rows(runs["deferred"])
+    carried, separate = rows(reference_2x1), rows(runs["deferred"])
+    assert len(carried) == 24 and all(r["loss"] is not None and r["grad_norm"] for r in carried)
+    for a, b in zip(carried, separate, strict=True):
+        assert {k: v for k, v in a.items() if k != "loss"} == {k: v for k, v in b.items() if k != "loss"}
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
 
 
 def test_generations_retention_and_manifest(reference):

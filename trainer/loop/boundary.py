@@ -1,12 +1,18 @@
-"""The decision at a step boundary, the same on every rank. One small all-reduce shares a step's loss, any rank's
-stop request and rank 0's time-based checkpoint trigger; eval and step-count checkpoints follow the step number.
+"""The decision at a step boundary, the same on every rank. The ranks agree on a step's loss, any rank's stop request
+and rank 0's time-based checkpoint trigger; eval and step-count checkpoints follow the step number.
 
-The agreement is deferred (``comm.defer_agreement``, the default): step t's all-reduce is issued at t's boundary and
-runs while step t+1 computes; boundary t+1 reads it. So a stop request or a time trigger raised during step t is
-acted on at boundary t+1 (every rank at the same one), and step t's loss is known at boundary t+1 (its record waits
-for it). A boundary that will save (a step-count or time checkpoint, an agreed stop) or ends training agrees on its
-own step synchronously: a checkpoint never holds the state after a non-finite loss, and the record before a
-checkpoint is complete. A non-finite loss ends the run, naming the ranks, before anything after it is saved.
+Under DDP over gloo the agreement rides in the step's own gradient reduction (``comm.carry_agreement``, the default;
+trainer/parallel/carrier.py): the step's backward carries each rank's three numbers, and its boundary reads their
+mean. No collective of its own, nothing deferred: a stop request or time trigger raised before the step's last
+backward is acted on at that step's boundary, one raised later at the next one, every rank at the same one.
+
+Elsewhere one small all-reduce of its own shares them. It is deferred (``comm.defer_agreement``, the default):
+step t's all-reduce is issued at t's boundary and runs while step t+1 computes; boundary t+1 reads it. So a stop
+request or a time trigger raised during step t is acted on at boundary t+1 (every rank at the same one), and step
+t's loss is known at boundary t+1 (its record waits for it). A boundary that will save (a step-count or time
+checkpoint, an agreed stop) or ends training agrees on its own step synchronously: a checkpoint never holds the
+state after a non-finite loss, and the record before a checkpoint is complete. A non-finite loss ends the run,
+naming the ranks, before anything after it is saved (carried or not).
 
 A deferred step's gradient norm (this rank's; every rank's is the same under DDP) is read with its agreement, so
 its record waits for both. With NCCL both come back to the host behind an event: a side stream waits for the
@@ -94,7 +100,8 @@ class Boundary:
 
     def __init__(self, p: Parts) -> None:
         self.p = p
-        self.defer = p.cfg.comm.defer_agreement
+        self.carrier = p.wrapped.carrier
+        self.defer = p.cfg.comm.defer_agreement and self.carrier is None
         self._pending: _InFlight | None = None
         nccl = p.d.device.type == "cuda" and p.d.backend == "nccl"
         self._copy = _HostCopy(p.d.device) if self.defer and nccl else None
@@ -110,7 +117,12 @@ class Boundary:
         if earlier is not None:
             checkpoint = checkpoint or earlier.stop or earlier.due_by_time
             stop = earlier.stop
-        if not self.defer or checkpoint or last:
+        if self.carrier is not None:  # agreed in the step's own gradient reduction
+            loss_mean, stop_mean, due_mean = self.carrier.read()
+            now = self._read(step, loss_mean, stop_mean, due_mean, local_loss)
+            loss, stop = now.loss, now.stop
+            checkpoint = checkpoint or now.stop or now.due_by_time
+        elif not self.defer or checkpoint or last:
             now = self._agreement(step, local_loss, grad_norm, wait=True)
             assert now is not None
             loss, stop = now.loss, bool(stop) or now.stop
@@ -135,17 +147,15 @@ class Boundary:
         in flight with the norm, for the next boundary."""
         p = self.p
         with p.mon.clock.part("sync"):
-            shared = torch.zeros(3, dtype=torch.float64, device=p.d.device)
-            shared[0] = local_loss
-            shared[1] = float(p.stop.requested)
-            shared[2] = float(p.env.rank == 0 and p.checkpoints.due_by_time())
+            shared = agreement_values(p, local_loss, torch.float64)
             work = dist.all_reduce(shared, async_op=True)
             if not wait:
                 copied = self._copy.issue(work, shared, grad_norm) if self._copy is not None else None
                 self._pending = _InFlight(step, work, shared, local_loss, grad_norm, copied)
                 return None
             work.wait()
-            return self._read(step, shared.tolist(), local_loss)
+            loss_sum, stop, due_by_time = shared.tolist()
+            return self._read(step, loss_sum / p.env.world_size, stop, due_by_time, local_loss)
 
     def _collect(self) -> _Agreed | None:
         """The deferred agreement of the previous step (waited for: it has had a whole step to finish)."""
@@ -159,17 +169,34 @@ class Boundary:
             else:
                 pending.work.wait()
                 values, grad_norm = pending.shared.tolist(), float(pending.grad_norm)
-        return self._read(pending.step, values, pending.local_loss, grad_norm)
+        loss_sum, stop, due_by_time = values
+        return self._read(
+            pending.step, loss_sum / self.p.env.world_size, stop, due_by_time, pending.local_loss, grad_norm
+        )
 
     def _read(
-        self, step: int, values: list[float], local_loss: torch.Tensor, grad_norm: float | None = None
+        self,
+        step: int,
+        loss: float,
+        stop: float,
+        due_by_time: float,
+        local_loss: torch.Tensor,
+        grad_norm: float | None = None,
     ) -> _Agreed:
-        loss_sum, stop, due_by_time = values
-        if not math.isfinite(loss_sum):
+        """``loss``: the mean over ranks; ``stop``, ``due_by_time``: the ranks' flags summed or averaged (> 0: some
+        rank's is set)."""
+        if not math.isfinite(loss):
             _non_finite(self.p, step, local_loss)
-        return _Agreed(
-            loss=loss_sum / self.p.env.world_size, stop=bool(stop), due_by_time=bool(due_by_time), grad_norm=grad_norm
-        )
+        return _Agreed(loss=loss, stop=stop > 0, due_by_time=due_by_time > 0, grad_norm=grad_norm)
+
+
+def agreement_values(p: Parts, local_loss: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This rank's share of a step's agreement: its loss of the step, its stop request, rank 0's time trigger."""
+    values = torch.zeros(3, dtype=dtype, device=local_loss.device)
+    values[0] = local_loss
+    values[1] = float(p.stop.requested)
+    values[2] = float(p.env.rank == 0 and p.checkpoints.due_by_time())
+    return values
 
 
 def _earlier(agreed: _Agreed | None) -> Earlier | None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from trainer.errors import UserError
+from trainer.loop.boundary import agreement_values
 from trainer.loop.optim import clip_grad_norm
 from trainer.loop.parts import Parts, autocast
 
@@ -31,9 +32,14 @@ def check_loss(loss: Any, *, recipe: str, rank: int, step: int) -> None:
         )
 
 
-def forward_backward_step(p: Parts, batch: Any, *, step: int, synchronizing: bool) -> torch.Tensor:
+def forward_backward_step(
+    p: Parts, batch: Any, *, step: int, synchronizing: bool, loss_so_far: torch.Tensor | None = None
+) -> torch.Tensor:
     """Forward and backward of one micro-batch; gradients are reduced over ranks when ``synchronizing`` (the last
-    micro-batch of the step), accumulated locally otherwise. Returns the micro-batch's share of the step loss."""
+    micro-batch of the step), accumulated locally otherwise. Returns the micro-batch's share of the step loss.
+    With the agreement carried in the gradient reduction (``p.wrapped.carrier``) the synchronizing backward also
+    carries this rank's agreement values: ``loss_so_far`` (the earlier micro-batches' shares) plus this one's is the
+    step's loss."""
     mon = p.mon
     with mon.clock.backward(synchronizing=synchronizing and p.env.world_size > 1):
         mon.injector.in_compute(step)
@@ -45,7 +51,12 @@ def forward_backward_step(p: Parts, batch: Any, *, step: int, synchronizing: boo
                 loss = p.recipe.loss(p.wrapped.module, batch)
             check_loss(loss, recipe=p.cfg.recipe, rank=p.env.rank, step=step)
             loss = loss / p.accum
-            loss.backward()
+            carrier = p.wrapped.carrier if synchronizing else None
+            if carrier is None:
+                loss.backward()
+            else:
+                step_loss = loss.detach() if loss_so_far is None else loss_so_far + loss.detach()
+                torch.autograd.backward([loss, carrier.term(agreement_values(p, step_loss))])
     return loss.detach()
 
 
@@ -61,7 +72,7 @@ def train_step(p: Parts, step: int) -> StepResult:
         with clock.part("data"):
             batch = p.loader.next()
         watch.enter("forward/backward", step)
-        loss += forward_backward_step(p, batch, step=step, synchronizing=micro == p.accum - 1)
+        loss += forward_backward_step(p, batch, step=step, synchronizing=micro == p.accum - 1, loss_so_far=loss)
     watch.enter("optimizer", step)
     with clock.part("optim"):
         pipe = p.wrapped.pipe

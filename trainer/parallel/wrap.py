@@ -22,6 +22,7 @@ from runconfig.layout import Layout, LayoutError
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
 from trainer.parallel.buckets import ddp_bucket_caps
+from trainer.parallel.carrier import Carrier
 from trainer.parallel.comm import BucketDispatch, BucketReducer, SideStream, overlapped_hook, stream_hook, sync_hook
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
@@ -46,6 +47,7 @@ class Wrapped:
     n_params: int  # of the whole model
     pipe: Pipe | None = None  # pipeline parallelism: this rank's stage and schedule
     dispatch: BucketDispatch | None = None  # DDP's hook's choice of algorithm (comm.allreduce=auto: its plan)
+    carrier: Carrier | None = None  # the step's agreement rides in DDP's gradient reduction (comm.carry_agreement)
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -107,13 +109,14 @@ def wrap(
     if mesh is None:
         if materialise is not None:
             materialise(model)
+        carrier = Carrier(model, d.device) if carries_agreement(cfg, d) else None
         ddp = DDP(
-            model,
+            carrier or model,
             device_ids=[d.device.index] if d.device.type == "cuda" else None,
             **ddp_bucket_caps(cfg.comm),
         )
         allreduce, dispatch = wire_allreduce(cfg, env, d, ddp)
-        return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch)
+        return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch, carrier=carrier)
     if d.device.type == "cpu":  # collectives block the training thread: their waits are its exposed communication
         rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
         d.ledger.enable("+".join(rest) or None)
@@ -156,6 +159,14 @@ def wrap(
             ledger=d.ledger,
         )
     return Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
+
+
+def carries_agreement(cfg: RunConfig, d: Distributed) -> bool:
+    """Whether a DDP layout carries the step's agreement in its gradient reduction (trainer/parallel/carrier.py):
+    comm.carry_agreement over gloo, uncompressed. NCCL keeps the separate all-reduce, read a step later behind an
+    event (reading the carried gradient at every boundary would wait for the device's whole queue); bf16 compression
+    would round the carried loss to bf16."""
+    return cfg.comm.carry_agreement and d.backend == "gloo" and cfg.comm.compress == "none"
 
 
 def compile_blocks(model: nn.Module, blocks: list[nn.Module], on: bool) -> None:
