@@ -82,3 +82,32 @@ def test_host_clock_phases_count_in_the_step_that_ran_them():
     clock.end_step()
     assert clock.take()[0]["data"] >= 0.02
     clock.close()
+
+
+def test_the_end_of_backward_is_taken_before_a_reducers_final_wait():
+    """The clock hooks one parameter, whose hook queues a final callback of the autograd engine: it runs once every
+    gradient exists and before a callback queued later at the last gradient, as DDP's reducer queues the wait for
+    its all-reduce (from a post-hook on each parameter's gradient accumulator). That wait is exposed communication;
+    if the clock's time were taken after it, it would count as compute."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    params = list(model.parameters())
+    queued = []
+
+    def reducer_hook(*_):  # DDP's autograd hook: at the last gradient, queue the wait for the reduction
+        queued.append(1)
+        if len(queued) == len(params):
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: time.sleep(0.05))
+
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]  # held, as DDP holds them
+    for acc in accumulators:  # hooked before the clock's, on the accumulators, as DDP (built first) hooks them
+        acc.register_hook(reducer_hook)
+    clock = StepClock(torch.device("cpu"), params, BlockedIntervals(), tail_dim="dp_replicate")
+    for _ in range(2):
+        queued.clear()
+        with clock.backward(synchronizing=True):
+            model(torch.ones(4, 8)).sum().backward()
+        clock.end_step()
+    parts, dims, steps = clock.take()
+    assert steps == 2 and 2 * 0.05 <= parts["comm"] < 2 * 0.05 + 0.04, parts
+    assert parts["compute"] < 0.04, parts
+    clock.close()
