@@ -85,10 +85,9 @@ def test_host_clock_phases_count_in_the_step_that_ran_them():
 
 
 def test_the_end_of_backward_is_taken_before_a_reducers_final_wait():
-    """The clock hooks one parameter, whose hook queues a final callback of the autograd engine: it runs once every
-    gradient exists and before a callback queued later at the last gradient, as DDP's reducer queues the wait for
-    its all-reduce (from a post-hook on each parameter's gradient accumulator). That wait is exposed communication;
-    if the clock's time were taken after it, it would count as compute."""
+    """DDP's reducer queues the wait for its all-reduce as a final callback of the autograd engine, from a post-hook
+    on each parameter's gradient accumulator, at the last gradient. That wait is exposed communication: the clock's
+    end of compute (the last gradient) must be taken before it, else it would count as compute."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
     params = list(model.parameters())
     queued = []

@@ -70,7 +70,8 @@ class StepClock:
         self._unread: list[list[tuple]] = []  # finished steps whose events are not read yet
         self._last_busy = 0.0  # busy seconds of the newest step read (device clock)
         self.on_grads_ready = on_grads_ready  # every gradient of a synchronizing backward exists: comm remains
-        self._queued = False  # this backward's end-of-backward callback is queued
+        self._n_params = len(params)
+        self._grads_seen = 0
         self._synchronizing = False
         self.device = device
         self.blocked = blocked
@@ -79,28 +80,16 @@ class StepClock:
         self._step = dict.fromkeys(PARTS, 0.0)  # seconds of the step in progress
         self._last_grad: float | None = None
         self._last_grad_event: torch.cuda.Event | None = None
-        # One parameter's hook, not one per parameter: each Python hook takes the GIL inside backward, and with one
-        # per parameter the tiny GPT's steps ran 3.6 % slower (2 x 2 ranks on 2 cores, bench/README.md). The hook only
-        # queues a callback that the autograd engine runs once every gradient of the backward exists (its final
-        # callbacks run after the last node, in the order queued: before DDP's, which is queued at the last gradient
-        # and waits for the all-reduce). Which parameter does not matter, as long as it gets a gradient.
-        self._hooks = [params[0].register_post_accumulate_grad_hook(self._grad_seen)] if params else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self.ledger = ledger if ledger is not None and ledger.enabled else None
         self.tail_dim = tail_dim  # the dimension the tail after the last gradient reduces over (DDP's)
         self.comm_dims: dict[str, float] = {}  # exposed communication per parallel dimension since the last take()
         self._step_dims: dict[str, float] = {}
 
-    def _grad_seen(self, param: torch.Tensor) -> None:
-        """The hooked parameter's gradient exists: have ``_grads_ready`` run at the end of this backward."""
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._grads_ready)
-
-    def _grads_ready(self) -> None:
-        """Every gradient of the backward exists (the engine's final callback): a synchronizing one takes the
-        time."""
-        self._queued = False
-        if not self._synchronizing:
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        """Per-parameter hook: counts; the last gradient of a synchronizing backward takes the time."""
+        self._grads_seen += 1
+        if not self._synchronizing or self._grads_seen != self._n_params:
             return
         if self.cuda or self.device_clock:
             self._last_grad_event = self._event()
@@ -143,7 +132,7 @@ class StepClock:
         self._sync()
         self.blocked.take()  # intervals of an earlier backward (a no_sync micro-batch has none)
         self._last_grad, self._last_grad_event = None, None
-        self._queued, self._synchronizing = False, synchronizing
+        self._grads_seen, self._synchronizing = 0, synchronizing
         ledger = self.ledger
         if ledger is None and self.device_clock:
             start_event = self._event()
