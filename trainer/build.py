@@ -37,7 +37,6 @@ from trainer.observe.monitors import build_monitors
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
 from trainer.parallel.buckets import ddp_bucket_bytes
-from trainer.parallel.carrier import SLOTS
 from trainer.parallel.comm import check_overlapped
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.materialise import buffers_to, owners, params_on_meta
@@ -244,9 +243,7 @@ def settle(
             with autocast(cfg, loader.device):
                 loss = recipe.loss(wrapped.module, batch)
             throwaway_backward(wrapped, loss)
-    wrapped.model.zero_grad(set_to_none=True)
-    if wrapped.carrier is not None:
-        wrapped.carrier.zero_grad(set_to_none=True)
+    (wrapped.carrier or wrapped.model).zero_grad(set_to_none=True)  # the carrier holds the model
     if wrapped.dispatch is not None:
         wrapped.dispatch.sizes = bucket_sizes(ddp_bucket_bytes(wrapped.module))
 
@@ -257,7 +254,7 @@ def throwaway_backward(wrapped: Wrapped, loss: torch.Tensor) -> None:
     if wrapped.carrier is None:
         loss.backward()
     else:
-        torch.autograd.backward([loss, wrapped.carrier.term(torch.zeros(SLOTS, device=loss.device))])
+        wrapped.carrier.backward(loss)
 
 
 def check_first_loss(spec: str, rank: int, loss: Any) -> None:

@@ -33,7 +33,7 @@ def check_loss(loss: Any, *, recipe: str, rank: int, step: int) -> None:
 
 
 def forward_backward_step(
-    p: Parts, batch: Any, *, step: int, synchronizing: bool, loss_so_far: torch.Tensor | None = None
+    p: Parts, batch: Any, *, step: int, synchronizing: bool, loss_so_far: torch.Tensor
 ) -> torch.Tensor:
     """Forward and backward of one micro-batch; gradients are reduced over ranks when ``synchronizing`` (the last
     micro-batch of the step), accumulated locally otherwise. Returns the micro-batch's share of the step loss.
@@ -55,8 +55,7 @@ def forward_backward_step(
             if carrier is None:
                 loss.backward()
             else:
-                step_loss = loss.detach() if loss_so_far is None else loss_so_far + loss.detach()
-                torch.autograd.backward([loss, carrier.term(agreement_values(p, step_loss))])
+                carrier.backward(loss, agreement_values(p, loss_so_far + loss.detach()))
     return loss.detach()
 
 

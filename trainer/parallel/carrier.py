@@ -6,7 +6,7 @@ of its own costs a gloo collective a step (1.3 ms of rank 0's training thread to
 every rank; side by side on one host the gain is within the noise: bench/README.md). Under DDP the step already runs
 one reduction that every rank joins: the gradients'. ``Carrier`` wraps the model that DDP wraps with one extra
 parameter of ``SLOTS`` float32 elements, zero and never updated, whose gradient is this rank's three numbers
-(``term``, the gradient of sum(a * v) for a being v, added to the last micro-batch's backward). DDP reduces it with
+(``backward``: the gradient of sum(a * v) for a being v, added to the last micro-batch's backward). DDP reduces it with
 the gradients, in whatever bucket and with whatever hook runs, and after backward its gradient holds the mean over
 ranks: the step's own agreement, known at the step's own boundary with no collective of its own and no deferral.
 
@@ -37,10 +37,12 @@ class Carrier(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
-    def term(self, values: torch.Tensor) -> torch.Tensor:
-        """A scalar to backpropagate with the last micro-batch's loss: its gradient for ``agreement`` is ``values``
-        (detached, float32), for nothing else."""
-        return (self.agreement * values.detach().to(torch.float32)).sum()
+    def backward(self, loss: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """``loss.backward()`` carrying ``values`` (zeros: a throw-away pass's): one backward of ``loss`` and of
+        sum(agreement * values), whose gradient for ``agreement`` is ``values`` (detached, float32), for nothing
+        else."""
+        carried = torch.zeros(SLOTS, device=loss.device) if values is None else values.detach().to(torch.float32)
+        torch.autograd.backward([loss, (self.agreement * carried).sum()])
 
     def read(self) -> list[float]:
         """After the step's backward: the mean over ranks of every rank's ``values``, and the gradient cleared
