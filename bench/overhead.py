@@ -83,7 +83,7 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
     "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-agree-separate", "trainer-auto",
-    "trainer-auto-flat", "trainer-leader", "trainer-auto-small", "nanogpt",
+    "trainer-auto-flat", "trainer-leader", "trainer-auto-small", "trainer-optim-loop", "nanogpt",
 )  # fmt: skip
 HIER = (
     "trainer-hier",
@@ -99,6 +99,8 @@ VARIANTS = ALL_VARIANTS  # narrowed in main() to those that differ for the layou
 # trainer-quiet: flat all-reduce with TensorBoard, straggler checks and the hang watchdog off (the step clock stays):
 # the cost of the monitors, side by side.
 QUIET = ["monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.hang_timeout_s=0"]
+# trainer-optim-loop: flat, with AdamW's per-parameter loop (train.optimizer_impl=for-loop: nanoGPT's path on CPU)
+# instead of the fused kernels of the default.
 # trainer-recipe: the user-style recipe module (copied next to the config the benchmark writes) and its function.
 USER_RECIPE = ROOT / "bench" / "recipes" / "user_gpt.py"
 USER_RECIPE_SPEC = "user_gpt:recipe"
@@ -218,6 +220,7 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sync += ["--set", "comm.carry_agreement=false"] if separate else []
     sync += ["--set", "comm.defer_agreement=false"] if variant == "trainer-agree-sync" else []
     sync += ["--set", "comm.bucket_mb=0.25"] if variant == "trainer-auto-small" else []
+    sync += ["--set", "train.optimizer_impl=for-loop"] if variant == "trainer-optim-loop" else []
     sync += ["--set", f"comm.plan_from={args.flat_plan}"] if variant == "trainer-auto-flat" else []
     link = ["--set", f"comm.master_addr={LINK_IPS[0]}"] if args.namespaces else []
     return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync, *link]

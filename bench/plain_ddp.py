@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runconfig import load_config  # noqa: E402
+from trainer.loop.optim import adamw_impl  # noqa: E402
 from trainer.models.gpt import GPT  # noqa: E402
 from trainer.parallel.buckets import ddp_bucket_caps  # noqa: E402
 
@@ -81,7 +82,7 @@ def main() -> int:
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.lr,
         betas=(t.beta1, t.beta2),
-        foreach=True,
+        **adamw_impl(t.optimizer_impl),  # the trainer's kernels: the comparison is of everything around them
     )
 
     manifest = json.loads((args.data / "manifest.json").read_text())

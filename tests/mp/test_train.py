@@ -25,7 +25,7 @@ pytestmark = pytest.mark.mp
 # so the pin is per CPU (cpu_key()); on a CPU without one, the test says what to pin.
 TINY_60_SHA256 = {
     "AMD EPYC/AVX512": "0ce1c2b18305d3097a8afa7d16edcc2a9c5c743a33cdbf04c71db7935f9108a9",
-    # taken at a10dada, before the carried agreement and the optimizer's per-parameter loop; the same after both
+    # taken at a10dada (foreach AdamW), before the carried agreement and the per-parameter loop; the same after both
     "Intel(R) Xeon(R) Processor/AVX512": "eccbbda9f192d2a456fa77eb81c608d739b94cabd4aa66c049b5012b05e16be4",
 }
 
@@ -52,10 +52,10 @@ def metrics(run_dir) -> list[dict]:
 @pytest.mark.slow
 def test_tiny_example_trains_and_loss_falls(tmp_path, tiny_data):
     run_dir = tmp_path / "tiny"
-    # comm.allreduce pinned: the pins below were taken with the hierarchical algorithm (auto may choose another)
-    proc = submit(
-        run_dir, "train.steps=60", "train.warmup_steps=6", "train.eval_every=30", "comm.allreduce=hierarchical"
-    )
+    # comm.allreduce pinned: the pins below were taken with the hierarchical algorithm (auto may choose another);
+    # train.optimizer_impl too: with AdamW's per-parameter loop, whose bits foreach's equal (tests/unit/test_optim.py)
+    sets = ("train.steps=60", "train.warmup_steps=6", "train.eval_every=30", "comm.allreduce=hierarchical")
+    proc = submit(run_dir, *sets, "train.optimizer_impl=for-loop")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The run found the session's copy of its dataset (tiny_data) instead of preparing its own inside this run.
     prepared = [line for line in (run_dir / "logs" / "rank_00000.log").read_text().splitlines() if "preparing" in line]

@@ -18,10 +18,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach left to torch: the multi-tensor kernels on CUDA, the per-parameter loop on CPU (nanoGPT's path there).
-    # Both give the same bits; on CPU the loop was no slower in training (1 % faster in 6 of 8 pairs, within the
-    # noise: bench/README.md).
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **adamw_impl(cfg.optimizer_impl))
+
+
+def adamw_impl(name: str) -> dict[str, bool]:
+    """torch.optim.AdamW's keyword arguments for ``train.optimizer_impl`` (the same in bench/plain_ddp.py)."""
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[name]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
