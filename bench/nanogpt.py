@@ -34,6 +34,12 @@ EDITS = (
         "model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)",
     ),
 )
+#: (what model.py says, what it says after the edit): only for the ``nanogpt-fused`` variant, AdamW's fused kernels
+#: on CPU as well (nanoGPT asks for them on CUDA only).
+FUSED_EDIT = (
+    "use_fused = fused_available and device_type == 'cuda'",
+    "use_fused = fused_available and device_type in ('cuda', 'cpu')",
+)
 ITER_RE = re.compile(r"^iter (\d+): loss [-0-9.naif]+, time ([0-9.]+)ms", re.MULTILINE)
 PARAMS_RE = re.compile(r"num (?:non-)?decayed parameter tensors: \d+, with ([\d,]+) parameters")
 
@@ -42,9 +48,10 @@ class NanoGPTError(RuntimeError):
     pass
 
 
-def prepare(src: Path, folder: Path, data: Path, cfg, world: int) -> Path:
+def prepare(src: Path, folder: Path, data: Path, cfg, world: int, *, fused_cpu: bool = False) -> Path:
     """The work folder nanoGPT runs in (its cwd): the checkout's files with the CPU edits, the dataset and the
-    config. ``cfg`` is the trainer's RunConfig for the same run; ``world`` the number of ranks."""
+    config. ``cfg`` is the trainer's RunConfig for the same run; ``world`` the number of ranks; ``fused_cpu``: with
+    FUSED_EDIT too."""
     src = src.expanduser().resolve()
     missing = [name for name in FILES if not (src / name).is_file()]
     if missing:
@@ -67,6 +74,14 @@ def prepare(src: Path, folder: Path, data: Path, cfg, world: int) -> Path:
             )
         train = train.replace(before, after, 1)
     (folder / "train.py").write_text(train)
+    if fused_cpu:
+        model = (folder / "model.py").read_text()
+        if FUSED_EDIT[0] not in model:
+            raise NanoGPTError(
+                f"--nanogpt {src}: model.py does not contain {FUSED_EDIT[0]!r}, the line the nanogpt-fused variant "
+                "edits so that AdamW runs fused on CPU; run without that variant"
+            )
+        (folder / "model.py").write_text(model.replace(*FUSED_EDIT, 1))
     write_dataset(data, folder / "data" / DATASET)
     write_config(folder / "bench_config.py", cfg, world)
     return folder
@@ -148,3 +163,8 @@ def n_params(log: Path) -> int | None:
     """The parameters nanoGPT's optimizer holds (decayed + not decayed; the tied embedding once)."""
     found = PARAMS_RE.findall(log.read_text(errors="replace"))
     return sum(int(n.replace(",", "")) for n in found[:2]) if len(found) >= 2 else None
+
+
+def fused_adamw(log: Path) -> bool:
+    """Whether nanoGPT's AdamW ran fused (its ``using fused AdamW: ...`` line)."""
+    return "using fused AdamW: True" in log.read_text(errors="replace")

@@ -28,6 +28,8 @@ Runs, alternated round by round so machine noise hits every variant alike:
 - ``nanogpt`` (with ``--nanogpt DIR``, a checkout of karpathy/nanoGPT): its ``train.py`` under torchrun on the same
   prepared data, model shape, batch, optimizer and schedule, with two edits so that it runs on CPU
   (bench/nanogpt.py); its parameter count is checked against the trainer's
+- ``nanogpt-fused``: nanogpt with one more edit, AdamW's fused kernels on CPU too (it asks for them on CUDA only), as
+  the trainer's default ``train.optimizer_impl`` runs: the same kernels on both sides
 
 all on N simulated nodes x R ranks (``--nodes``, ``--ranks``; default 1 x 2) on this host, 1 thread per rank, eval
 off. ``--link-mbit RATE`` (root, 2 nodes) runs each node's ranks in a network namespace of its own, the two joined
@@ -83,8 +85,9 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
     "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-agree-separate", "trainer-auto",
-    "trainer-auto-flat", "trainer-leader", "trainer-auto-small", "trainer-optim-loop", "nanogpt",
+    "trainer-auto-flat", "trainer-leader", "trainer-auto-small", "trainer-optim-loop", "nanogpt", "nanogpt-fused",
 )  # fmt: skip
+NANO = ("nanogpt", "nanogpt-fused")
 HIER = (
     "trainer-hier",
     "trainer-hier-sync",
@@ -146,8 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.variants = chosen | {"plain"}
     if args.nanogpt and args.variants:
         args.variants |= {"nanogpt"}
-    if (args.variants and "nanogpt" in args.variants) and not args.nanogpt:
-        p.error("the nanogpt variant needs --nanogpt DIR (a checkout of https://github.com/karpathy/nanoGPT)")
+    if (args.variants and set(NANO) & args.variants) and not args.nanogpt:
+        p.error("the nanogpt variants need --nanogpt DIR (a checkout of https://github.com/karpathy/nanoGPT)")
     return args
 
 
@@ -202,8 +205,8 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
         script = [sys.executable, str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config]
         progress = ["--progress", str(out.with_name(PLAIN_PROGRESS))]
         return torchrun_style(args, [*script, "--data", str(args.data), *sets, "--out", str(out), *progress])
-    if variant == "nanogpt":
-        return torchrun_style(args, nanogpt.command(args.nanogpt_folder, sys.executable))
+    if variant in NANO:
+        return torchrun_style(args, nanogpt.command(args.nanogpt_folders[variant], sys.executable))
     auto = ("trainer-auto", "trainer-auto-flat", "trainer-auto-small")
     allreduce = {**dict.fromkeys(auto, "auto"), "trainer-leader": "leader"}.get(variant, "hierarchical")
     allreduce = allreduce if variant in HIER else "flat"
@@ -230,7 +233,7 @@ def step_times(variant: str, out: Path, key: str = "step_time_s") -> list[float]
     """Per-step ``key`` (``step_time_s``; ``time_comm_s``: the trainer's exposed communication, None for plain)."""
     if variant == "plain":
         return [float(x) for x in json.loads(out.read_text())["step_time_s"]] if key == "step_time_s" else []
-    if variant == "nanogpt":  # ``out`` is its launch log: rank 0's per-iteration lines
+    if variant in NANO:  # ``out`` is its launch log: rank 0's per-iteration lines
         return nanogpt.step_times(out) if key == "step_time_s" else []
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r[key]) for r in records if key in r]
@@ -254,12 +257,12 @@ def write_flat_plan(args: argparse.Namespace, cfg: RunConfig, path: Path) -> Pat
 
 def steps_done(variant: str, out: Path) -> int:
     """The steps the run has finished so far, from the file its rank 0 appends to after every step."""
-    path = {"plain": out.with_name(PLAIN_PROGRESS), "nanogpt": out}.get(variant, out / "metrics.jsonl")
+    path = out if variant in NANO else {"plain": out.with_name(PLAIN_PROGRESS)}.get(variant, out / "metrics.jsonl")
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return 0
-    if variant == "nanogpt":
+    if variant in NANO:
         return len(nanogpt.ITER_RE.findall(text))
     if variant == "plain":
         return text.count("\n")
@@ -320,13 +323,13 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
         for variant in order:
             folder = work / f"{variant}-r{rnd}"
             folder.mkdir(parents=True, exist_ok=True)
-            out = folder / {"plain": "times.json", "nanogpt": "launch.log"}.get(variant, "run")  # or a run directory
-            cwd = args.nanogpt_folder if variant == "nanogpt" else ROOT  # nanoGPT reads its files from its cwd
+            out = folder / ("launch.log" if variant in NANO else "times.json" if variant == "plain" else "run")
+            cwd = args.nanogpt_folders[variant] if variant in NANO else ROOT  # nanoGPT reads its files from its cwd
             wait_for_quiet()
             warm_page_cache(args.data)
             t0, busy0, own0 = time.perf_counter(), busy_cpu_s(), children_cpu_s()
             cmd = command(variant, args, overrides, out)
-            run_env = {**env, "PYTHONUNBUFFERED": "1"} if variant == "nanogpt" else env  # its iter lines, live
+            run_env = {**env, "PYTHONUNBUFFERED": "1"} if variant in NANO else env  # its iter lines, live
             log = folder / "launch.log"
             returncode, cpu_step = run_measured(variant, cmd, out, log, args.skip, env=run_env, cwd=cwd)
             wall = time.perf_counter() - t0
@@ -337,8 +340,10 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
             comm = step_times(variant, out, "time_comm_s")[args.skip :]
             busy = step_times(variant, out, "comm_busy_s")[args.skip :]  # where the trainer's own hook ran
             median = statistics.median(times)
-            if variant == "nanogpt":
+            if variant in NANO:
                 params = nanogpt.n_params(out)
+                if nanogpt.fused_adamw(out) != (variant == "nanogpt-fused"):
+                    raise RuntimeError(f"{variant} round {rnd}: AdamW fused is not as asked; see {out}")
             elif variant != "plain":
                 params = json.loads((out / "summary.json").read_text()).get("n_params")
             else:
@@ -431,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     VARIANTS = tuple(v for v in ALL_VARIANTS if not args.variants or v in args.variants)
     if not args.nanogpt:
-        VARIANTS = tuple(v for v in VARIANTS if v != "nanogpt")
+        VARIANTS = tuple(v for v in VARIANTS if v not in NANO)
     if (args.nodes < 2 or args.ranks < 2) and set(HIER) & set(VARIANTS):
         VARIANTS = tuple(v for v in VARIANTS if v not in HIER)
         print(f"{args.nodes} node(s) x {args.ranks} ranks: no trainer-hier (the trainer falls back to flat all-reduce)")
@@ -455,10 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         args.recipe_config = write_user_recipe(args, overrides, work / "user-project")
     if "trainer-auto-flat" in VARIANTS:
         args.flat_plan = write_flat_plan(args, cfg, work / "flat_plan.json")
-    if "nanogpt" in VARIANTS:
+    args.nanogpt_folders = {}
+    for variant in set(NANO) & set(VARIANTS):
         try:
-            world = args.nodes * args.ranks
-            args.nanogpt_folder = nanogpt.prepare(args.nanogpt, work / "nanogpt", args.data, cfg, world)
+            world, fused = args.nodes * args.ranks, variant == "nanogpt-fused"
+            args.nanogpt_folders[variant] = nanogpt.prepare(
+                args.nanogpt, work / variant, args.data, cfg, world, fused_cpu=fused
+            )
         except nanogpt.NanoGPTError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
