@@ -336,7 +336,8 @@ class TrainConfig:
         "CPU). All three are deterministic and resume bit-exact; their last bits differ. fused on CPU rounds an "
         "element by where it falls in the tensor (vector body or scalar tail), so a layout that shards parameters "
         "differently (FSDP2, TP) ends within float tolerance of DDP, as every cross-layout run does; foreach and "
-        "for-loop round each element alike wherever it lies.",
+        "for-loop round each element alike wherever it lies. A resume runs the kernels its config names, whatever the "
+        "checkpoint was saved with (torch's load would take the saved ones; logged where they differ).",
         "fused",
     )
     seed: int = doc("Seed of model initialisation and dropout.", 0)

@@ -60,6 +60,7 @@ from runconfig.checkpoints import (
 from runconfig.ioretry import BUDGET_S, GaveUp, RetryPolicy, describe, io_errno, is_transient, retry
 from runconfig.load import config_hash
 from trainer.checkpoint.fingerprint import owners, params_sha256, params_sha256_v1, tensors_sha256
+from trainer.checkpoint.kernels import kernels, restore_kernels
 from trainer.checkpoint.provenance import git_commit, versions
 from trainer.checkpoint.state import TrainState, rank_seed
 from trainer.env import RuntimeEnv, patient_allgather, patient_bcast
@@ -624,6 +625,7 @@ class Checkpointer:
     def _load(self, path: Path, changed: dict[str, tuple | str], fmt: int, began: float) -> None:
         """One attempt at loading the model and optimizer state through DCP. Collective."""
         error = None
+        kept = kernels(self.optimizer)  # the run's own kernel choice, which the load overwrites (kernels.py)
         try:
             if changed:
                 self._warm_start(path, changed, fmt)
@@ -637,6 +639,15 @@ class Checkpointer:
                 )
         except (Exception, CheckpointException) as exc:
             error = (exc, f"reading {path / 'dcp'}: {_root_cause(exc)}")
+        differed = restore_kernels(self.optimizer, kept)
+        if differed and self.env.rank == 0 and error is None:
+            log.info(
+                "optimizer kernels: %s saved them otherwise (%s); this run's are kept (train.optimizer_impl): the "
+                "moments and hyperparameters load as saved, the last bits of later steps may differ from a run that "
+                "kept the saved kernels",
+                path.name,
+                ", ".join(differed),
+            )
         self._agree(error, began)
 
     def _check_compatible(self, manifest: dict, path: Path) -> dict[str, tuple | str]:
