@@ -428,6 +428,18 @@ def test_model_change_is_refused(tmp_path, reference_2x1):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
 
+def test_a_resume_runs_the_optimizer_kernels_its_config_names(tmp_path, reference_2x1):
+    """The reference saved fused AdamW (the default); resumed with the per-parameter loop, the loop runs: torch's
+    load alone would have put the checkpoint's fused=True back (trainer/checkpoint/kernels.py)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_2x1, run_dir)
+    done = run(run_dir, ["train.optimizer_impl=for-loop", "train.steps=26"], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert "optimizer kernels: step_00000024 saved them otherwise (foreach: None -> False, fused: True -> None)" in log
+    assert [r["step"] for r in rows(run_dir)][-2:] == [25, 26]
+
+
 def test_forced_model_change_is_a_warm_start(tmp_path, reference_2x1):
     """allow_shape_change with a third layer: the two saved layers, embeddings and norms load; the new one is fresh."""
     run_dir = tmp_path / "run"
