@@ -642,9 +642,9 @@ class Checkpointer:
         differed = restore_kernels(self.optimizer, kept)
         if differed and self.env.rank == 0 and error is None:
             log.info(
-                "optimizer kernels: %s saved them otherwise (%s); this run's are kept (train.optimizer_impl): the "
-                "moments and hyperparameters load as saved, the last bits of later steps may differ from a run that "
-                "kept the saved kernels",
+                "optimizer kernels: %s saved them otherwise (%s); this run's are kept (train.optimizer_impl, or the "
+                "recipe's own optimizer): the moments and hyperparameters load as saved, the last bits of later steps "
+                "may differ from a run that kept the saved kernels",
                 path.name,
                 ", ".join(differed),
             )
