@@ -102,7 +102,7 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
     from trainer.observe.preflight import run_preflight
     from trainer.observe.stragglers import NodeEvicted
     from trainer.observe.timing import peak_memory_mb
-    from trainer.parallel.distributed import init_distributed, pick_device
+    from trainer.parallel.distributed import gloo_threads, init_distributed, pick_device
 
     # DDP's constructor imports torch._dynamo (1.5-3 s on a loaded 2-core host): import it in the background while
     # this thread reads the config and the MPI layout and meets the other ranks, which import nothing; joined before
@@ -169,6 +169,15 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
         if not run_preflight(p, comm, rundir):  # a node named, monitor.preflight: exclude (in failure.json)
             return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows
         marks["preflight"] = time.time()
+        if p.wrapped.dispatch is None:  # no hook reduces with the hierarchy's groups: start-up was their last use
+            released = d.groups.release()
+            if env.rank == 0 and released:
+                log.info(
+                    "released %d process group(s) used only at start-up (no hook reduces with them); gloo threads "
+                    "left in this process: %d",
+                    released,
+                    gloo_threads(),
+                )
         state = p.state
         memory["startup"] = peak_memory_mb(d.device)  # the throw-away step and the restore included
         memory = _largest(comm, memory, float)

@@ -71,6 +71,7 @@ def test_tiny_example_trains_and_loss_falls(tmp_path, tiny_data):
     # comm.overlap (the default): the overlapped reduction was checked against the synchronous one before step 1
     checked = "comm.overlap: the reduction on the reducer's thread gave the synchronous one's bits (hierarchical"
     assert checked in (run_dir / "logs" / "rank_00000.log").read_text()
+    assert "released" not in (run_dir / "logs" / "rank_00000.log").read_text()  # the hook reduces with the groups
 
     rows = metrics(run_dir)
     train_rows = [r for r in rows if "loss" in r]

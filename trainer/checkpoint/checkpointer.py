@@ -236,8 +236,12 @@ class Checkpointer:
             "checkpoint.io_retries",
             budget_s=min(BUDGET_S, cfg.comm.timeout_s / 2),
         )
-        # Its own group, so a background save never interleaves with the training collectives.
-        self.group = dist.new_group(backend="gloo")
+        # A background save has a gloo group of its own, so that it never interleaves with the training collectives
+        # (and so does a save under NCCL: its files' digests and DCP's plan travel as CPU objects). A save in the
+        # training thread over gloo runs between the steps' collectives, on the default group: each gloo group keeps
+        # a thread that wakes every 10 ms (HierGroups.release).
+        own = self.ccfg.async_save or dist.get_backend() != "gloo"
+        self.group: dist.ProcessGroup | None = dist.new_group(backend="gloo") if own else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
         self.pending: Future | None = None
         self.param_names = [name for name, _ in model.named_parameters() if name not in aliases]

@@ -69,7 +69,20 @@ class BlockedIntervals:
         return out
 
 
-@dataclass(frozen=True)
+class Released:
+    """What a released group's field holds: any use fails, naming why (None would mean the default group)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:  # torch's "Process group ... is not initialized" names it so
+        return f"<the {self._name} process group, released after start-up: no hook reduces with it in this run>"
+
+    def __getattr__(self, attr: str):
+        raise RuntimeError(f"{self!r} used ({attr})")
+
+
+@dataclass
 class HierGroups:
     intra: dist.ProcessGroup  # the ranks on this node
     inter: dist.ProcessGroup  # the ranks with this local index on every node
@@ -83,6 +96,24 @@ class HierGroups:
     @property
     def world_size(self) -> int:
         return self.ranks_per_node * self.num_nodes
+
+    def release(self) -> int:
+        """Destroy the groups of its own (never the default group) once nothing will use them: start-up's link
+        test and all-reduce measurements are done and DDP's own all-reduce runs, with no hook. Each gloo group
+        keeps a thread that wakes every 10 ms whether or not the group is used (gloo's tcp loop polls with a 10-ms
+        timeout), and on ranks sharing cores each wake-up takes a core from a training thread: bench/README.md.
+        Collective (every rank releases at the same point). Returns how many groups were destroyed."""
+        default = dist.group.WORLD
+        released = 0
+        for name in ("intra", "inter", "world"):
+            group = getattr(self, name)
+            if isinstance(group, Released):
+                continue
+            if group is not None and group is not default and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+                released += 1
+            setattr(self, name, Released(name))
+        return released
 
 
 class _InterReduce:

@@ -1,31 +1,31 @@
-"""Process-group set-up from the MPI environment: rendezvous, the 2-D (node, local) DeviceMesh and its groups.
+"""Process-group set-up from the MPI environment: rendezvous, the default group, and the (node, local) groups of
+the hierarchical all-reduce.
 
 This is the one place process groups are created; every rank creates them in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from runconfig.schema import CommConfig
 from trainer.env import RuntimeEnv, patient_barrier
 from trainer.errors import UserError
 from trainer.parallel.comm import HierGroups
 from trainer.parallel.commtime import CommLedger
-from trainer.parallel.topology import MESH_DIMS
 
 
 @dataclass(frozen=True)
 class Distributed:
     backend: str
     device: torch.device
-    mesh: DeviceMesh
     groups: HierGroups
     store_addr: str  # the rendezvous TCPStore (on rank 0's host): the hang watchdog's heartbeats go there too
     store_port: int
@@ -114,17 +114,42 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
     if env.rank != 0:
         store = dist.TCPStore(addr, port, env.world_size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    mesh = init_device_mesh(device.type, env.topology.mesh_shape, mesh_dim_names=MESH_DIMS)
+    topo = env.topology
     groups = HierGroups(
-        intra=mesh.get_group("local"),
-        inter=mesh.get_group("node"),
-        ranks_per_node=env.topology.ranks_per_node,
-        num_nodes=env.topology.num_nodes,
+        intra=own_group(topo.intra_groups(), env.rank, timeout),
+        inter=own_group(topo.inter_groups(), env.rank, timeout),
+        ranks_per_node=topo.ranks_per_node,
+        num_nodes=topo.num_nodes,
         compress=cfg.compress == "bf16",
         chunk_bytes=int(cfg.chunk_kb * 1024),
         world=dist.new_group(),  # the flat algorithm's inside hooks (apart from the default group's traffic)
     )
-    return Distributed(backend=backend, device=device, mesh=mesh, groups=groups, store_addr=addr, store_port=int(port))
+    return Distributed(backend=backend, device=device, groups=groups, store_addr=addr, store_port=int(port))
+
+
+def gloo_threads() -> int:
+    """This process' gloo transport threads: one per gloo group (each polls every 10 ms, used or not)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return names.count("gloo_tcp_loop")
+
+
+def own_group(sets: list[list[int]], rank: int, timeout: timedelta) -> dist.ProcessGroup:
+    """This rank's group among ``sets`` (disjoint, covering every rank): every rank creates every group, in order
+    (``new_group`` is collective over all ranks), and keeps its own; one set of all ranks is the default group.
+    Plain groups rather than a DeviceMesh's: nothing here needs the mesh, and its groups outlive a release
+    (``HierGroups.release``: the mesh keeps them)."""
+    if len(sets) == 1:
+        return dist.group.WORLD
+    mine = None
+    for ranks in sets:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    assert mine is not None
+    return mine
 
 
 def shutdown(comm: MPI.Comm, *, clean: bool) -> None:

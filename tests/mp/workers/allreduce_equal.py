@@ -7,6 +7,7 @@ sums bfloat16 holds exactly, and within bfloat16 rounding (but not exactly, wher
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from runconfig.schema import CommConfig
 from trainer.env import from_mpi
 from trainer.parallel.autotune import measure
 from trainer.parallel.comm import ALGORITHMS, hierarchical_all_reduce
-from trainer.parallel.distributed import init_distributed, shutdown
+from trainer.parallel.distributed import gloo_threads, init_distributed, shutdown
 
 comm = MPI.COMM_WORLD
 env = from_mpi(comm)
@@ -64,6 +65,27 @@ dist.all_reduce(flat)
 low = hierarchical_all_reduce(z.clone(), compressed)
 results["bf16_close"] = float((low - flat).abs().max()) <= 0.02 * (float(flat.abs().max()) + 1)
 results["bf16_rounds_across_nodes"] = env.topology.num_nodes == 1 or not torch.equal(low, flat)
+# Releasing the hierarchy's groups after start-up (HierGroups.release, when DDP's own all-reduce runs) ends their
+# gloo threads (each wakes every 10 ms, used or not); the default group still works, and a released one fails
+# naming itself instead of falling back to the default group.
+del chunked, compressed, both  # copies that hold the groups
+own = [g for g in (d.groups.intra, d.groups.inter, d.groups.world) if g is not dist.group.WORLD]
+before = gloo_threads()
+released = d.groups.release()
+del own
+deadline = time.monotonic() + 5
+while gloo_threads() > before - released and time.monotonic() < deadline:
+    time.sleep(0.01)
+results["released_own_groups"] = released == 1 + (env.topology.num_nodes > 1) + (env.topology.ranks_per_node > 1)
+results["released_threads_ended"] = gloo_threads() == before - released
+try:
+    dist.all_reduce(torch.ones(1), group=d.groups.intra)
+    results["released_group_refused"] = False
+except (RuntimeError, ValueError) as exc:  # torch: "Process group <...> is not initialized ..."
+    results["released_group_refused"] = "the intra process group, released after start-up" in str(exc)
+ones = torch.ones(3)
+dist.all_reduce(ones)
+results["default_group_after_release"] = bool(torch.equal(ones, torch.full((3,), float(env.world_size))))
 topo = [env.topology.num_nodes, env.topology.ranks_per_node]
 out = Path(sys.argv[1]) / f"rank_{env.rank}.json"
 out.write_text(json.dumps({"rank": env.rank, "topology": topo, "equal": results}))
