@@ -129,8 +129,10 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
 
 def gloo_threads() -> int:
     """This process' gloo transport threads: one per gloo group (each polls every 10 ms, used or not)."""
-    names = []
-    for task in Path("/proc/self/task").iterdir():
+    tasks, names = Path("/proc/self/task"), []
+    if not tasks.is_dir():  # not Linux: not counted
+        return 0
+    for task in tasks.iterdir():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             names.append((task / "comm").read_text().strip())
     return names.count("gloo_tcp_loop")

@@ -1,6 +1,6 @@
 """The training DeviceMesh of a parallel layout (runconfig/layout.py): one dimension per degree above 1, in the
 layout's order (pp, dp_replicate, dp_shard, tp), over the global ranks in order, so that inner dimensions stay
-inside a node. Built once per launch, after the (node, local) mesh of trainer.parallel.distributed; every rank
+inside a node. Built once per launch, after the (node, local) groups of trainer.parallel.distributed; every rank
 builds it in the same order."""
 
 from __future__ import annotations

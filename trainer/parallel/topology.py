@@ -84,7 +84,7 @@ class Topology:
         return [list(range(i, self.world_size, self.ranks_per_node)) for i in range(self.ranks_per_node)]
 
     def mesh(self) -> list[list[int]]:
-        """Rank layout as a (nodes, ranks_per_node) nested list, the DeviceMesh's tensor."""
+        """Rank layout as a (nodes, ranks_per_node) nested list, the layout of the node and local-index groups."""
         return self.intra_groups()
 
     def describe(self) -> dict:
