@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from runconfig.contract import DATA_CACHE_VAR
+from runconfig.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -140,7 +141,7 @@ def wait_for_step(run_dir, step, proc, timeout=120) -> None:
     deadline = time.monotonic() + timeout
     path = Path(run_dir) / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
+        if any(r.get("step", 0) >= step for r in read_jsonl(path)):  # a line being written is skipped
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)

@@ -170,13 +170,15 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
             return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows
         marks["preflight"] = time.time()
         if p.wrapped.dispatch is None:  # no hook reduces with the hierarchy's groups: start-up was their last use
+            began = time.perf_counter()
             released = d.groups.release()
             if env.rank == 0 and released:
                 log.info(
                     "released %d process group(s) used only at start-up (no hook reduces with them); gloo threads "
-                    "left in this process: %d",
+                    "left in this process: %d (%.3f s)",
                     released,
                     gloo_threads(),
+                    time.perf_counter() - began,
                 )
         state = p.state
         memory["startup"] = peak_memory_mb(d.device)  # the throw-away step and the restore included

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from runconfig.rundir import read_jsonl
 from tests.conftest import ROOT, run_cli, summary
 
 # Apart from a developer's own cluster (16817/17001); HPC_TEST_SLURM_CTLD_PORT / HPC_TEST_SLURM_NODE_PORT move them,
@@ -113,7 +114,7 @@ def wait_step(run_dir, step, timeout=120, output: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     path = Path(run_dir) / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
+        if any(r.get("step", 0) >= step for r in read_jsonl(path)):  # a line being written is skipped
             return
         time.sleep(0.2)
     shown = [output] if output else sorted((Path(run_dir) / "slurm").glob("*/*.out"))
