@@ -636,9 +636,10 @@ class MonitorConfig:
         "Gang preflight before step 0 of every launch (well under a second): each rank's device and free memory, a "
         "compute probe, the all-reduce on its intra- and inter-node groups (bandwidth, latency), a ping-pong with "
         "its neighbour nodes (3+ nodes) and the first data item it reads, in one history event. A node below the "
-        "median of the other nodes by more than monitor.preflight_margin, or whose ranks cannot read their data, is "
-        "named: warn = logged and recorded; exclude = the launch fails with failure.json naming the node (the "
-        "launcher leaves it out); off = no preflight (YAML reads a bare off as false: the same).",
+        "median of the other nodes by more than monitor.preflight_margin, or whose ranks cannot read their data, in "
+        "two measurements (the second runs only when the first names a node), is named: warn = logged and "
+        "recorded; exclude = the launch fails with failure.json naming the node (the launcher leaves it out); off = "
+        "no preflight (YAML reads a bare off as false: the same).",
         "warn",
     )
     preflight_margin: float = doc(

@@ -1,5 +1,6 @@
 """The gang preflight with real processes (2 simulated nodes x 2 ranks): its history event on a healthy launch, a
-slow link named (monitor.preflight: warn, training goes on) and the launch ended for it (exclude).
+slow link named (monitor.preflight: warn, training goes on) and the launch ended for it (exclude), each after the
+second measurement that a first verdict naming a node makes every rank take.
 
 A slow link is injected with HPC_INJECT=slowlink:RANK:SECONDS (trainer/observe/inject.py): that rank waits before
 each of its preflight collectives. Rank 2 is on node 1: node 1's intra-node all-reduce is the slow one.
@@ -60,6 +61,7 @@ def test_a_slow_link_is_named_and_training_goes_on_with_warn(tmp_path, small_dat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     event = preflight_event(run_dir)
     assert [n["node"] for n in event["named"]] == [1] and event["action"] == "warn"
+    assert event["measured"] == 2  # named only after a second measurement said so too
     assert "intra-node all-reduce bandwidth" in event["named"][0]["why"]
     assert event["nodes"][1]["intra_gbps"] < 0.5 * event["nodes"][0]["intra_gbps"]
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 2
@@ -74,6 +76,6 @@ def test_exclude_ends_the_launch_with_the_node_as_suspect(tmp_path, small_datase
     assert failure["kind"] == FAILURE_PREFLIGHT and failure["rank"] == 0
     assert "node 1 (" in failure["message"] and "intra-node all-reduce bandwidth" in failure["message"]
     assert [(s["rank"], s["node_index"]) for s in failure["suspects"]] == [(2, 1), (3, 1)]
-    assert preflight_event(run_dir)["action"] == "exclude"
+    assert preflight_event(run_dir)["action"] == "exclude" and preflight_event(run_dir)["measured"] == 2
     assert not any(e["event"] == EVENT_START for e in history(run_dir))  # ended before step 0
     assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()

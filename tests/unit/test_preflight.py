@@ -3,7 +3,7 @@
 import pytest
 
 from runconfig import ConfigError, load_config
-from trainer.observe.preflight import host_turns, judge, ring_rounds
+from trainer.observe.preflight import better_of, host_turns, judge, ring_rounds
 from trainer.parallel.topology import Topology
 
 
@@ -150,3 +150,21 @@ def test_preflight_config():
         load_config("tiny", ["monitor.preflight=exclude", "job.nodes=1", "train.global_batch_size=16"])
     assert "exclude needs job.nodes >= 2" in str(info.value)
     assert load_config("tiny", ["job.nodes=1", "train.global_batch_size=16"]).monitor.preflight == "warn"
+
+
+def test_a_second_measurement_keeps_each_ranks_better_figures():
+    slow = {"intra_gbps": 0.3, "intra_latency_us": 900.0}
+    first, second = rank_figures(4, 2, r2=slow, r3=slow), rank_figures(4, 2)
+    second[0].update(compute_gflops=40.0, data_read_s=0.5, links={1: 2.0})
+    first[0]["links"] = {1: 3.0, 3: 1.0}
+    second[1].update(data_error="OSError: gone")
+    merged = [better_of(a, b) for a, b in zip(first, second, strict=True)]
+    assert merged[2]["intra_gbps"] == 1.0 and merged[2]["intra_latency_us"] == 200.0  # the second was the better
+    assert merged[0]["compute_gflops"] == 100.0 and merged[0]["data_read_s"] == 0.001  # the first was the better
+    assert merged[0]["links"] == {1: 3.0, 3: 1.0} and merged[0]["seconds"] == pytest.approx(0.4)
+    assert merged[1]["data_error"] == "OSError: gone"  # the second read's outcome counts
+    assert better_of(second[1], first[1])["data_error"] is None  # read the second time: readable
+    assert list(judge(first, ranks_per_node=2, margin=0.5).named) == [1]
+    assert list(judge(merged, ranks_per_node=2, margin=0.5).named) == [0]  # only rank 1's failed read is left
+    one_node = better_of(rank_figures(2, 2)[0], {**rank_figures(2, 2)[0], "intra_gbps": None})
+    assert one_node["intra_gbps"] == 1.0 and "inter_gbps" not in one_node  # a figure one measurement lacks stays
