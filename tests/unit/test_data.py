@@ -1,6 +1,7 @@
 """Data preparation, lazy shard reading, and a global sample order that does not depend on the world size."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from runconfig.contract import EXIT_USER_ERROR
+from runconfig.ioretry import RetryPolicy
 from tests.conftest import run_cli
 from trainer.checkpoint.state import TrainState
 from trainer.data.dataset import GlobalOrder, TokenShards, rank_slice, read_manifest
@@ -110,6 +112,39 @@ def test_windows_are_lazy_and_correct(small_dataset):
     with h5py.File(small_dataset / manifest["splits"]["train"][0]["file"]) as f:
         assert np.array_equal(lazy.sample(3), f["tokens"][192:256])
     lazy.close()
+
+
+def test_prepared_shards_are_read_with_pread_and_other_layouts_with_h5py(small_dataset, tmp_path):
+    """Prepared shards are contiguous: a window is one pread on HDF5's own descriptor, equal to h5py's slice for
+    every window. A chunked, compressed shard (written by another tool) is read by h5py, window for window alike."""
+    manifest = copy_dataset(small_dataset, tmp_path / "data")
+    first = manifest["splits"]["train"][0]
+    with h5py.File(tmp_path / "data" / first["file"]) as f:
+        tokens = f["tokens"][:]
+    fast = TokenShards(tmp_path / "data", manifest, "train", seq_len=63)
+    count = int(fast.starts[1])
+    want = [tokens[64 * i : 64 * i + 64].astype(np.int64) for i in range(count)]
+    assert all(np.array_equal(fast[i], w) for i, w in zip(range(count), want, strict=True))
+    assert fast._raw[0] is not None and fast._raw[0].fd == fast._files[0].file.id.get_vfd_handle()
+    fast.close()
+    with h5py.File(tmp_path / "data" / first["file"], "w") as f:
+        f.create_dataset("tokens", data=tokens, chunks=(1000,), compression="gzip")
+    slow = TokenShards(tmp_path / "data", manifest, "train", seq_len=63)
+    assert all(np.array_equal(slow[i], w) for i, w in zip(range(count), want, strict=True))
+    assert 0 in slow._files and slow._raw[0] is None
+    slow.close()
+
+
+def test_a_shard_cut_short_under_an_open_handle_is_named_not_read_as_garbage(small_dataset, tmp_path):
+    manifest = copy_dataset(small_dataset, tmp_path / "data")
+    victim = tmp_path / "data" / manifest["splits"]["train"][0]["file"]
+    shards = TokenShards(tmp_path / "data", manifest, "train", seq_len=63, retry=RetryPolicy(1, 0.01, "x"))
+    shards[0]  # open, its layout known
+    last = int(shards.starts[1]) - 1
+    os.truncate(victim, victim.stat().st_size - 4096)
+    with pytest.raises(UserError, match=f"data shard {victim} is not a readable HDF5 token file"):
+        shards[last]  # the short read is retried on a fresh open, which HDF5 refuses: truncated
+    shards.close()
 
 
 def test_global_order_is_a_seeded_permutation_per_epoch():

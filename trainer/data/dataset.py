@@ -10,8 +10,10 @@ that stream (samples consumed over all ranks), so a run can resume at any world 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +79,7 @@ class TokenShards:
         self.folder = Path(folder)
         self.window = seq_len + 1
         self.shards = manifest["splits"][split]
+        self.paths = [self.folder / s["file"] for s in self.shards]
         self.split = split
         self.vocab_size = int(manifest["vocab_size"])
         self.dtype = np.dtype(manifest.get("dtype", "uint16"))
@@ -86,6 +89,7 @@ class TokenShards:
         per_shard = np.array([s["tokens"] // self.window for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(per_shard)])
         self._files: dict[int, h5py.Dataset] = {}
+        self._raw: dict[int, _Raw | None] = {}  # per open shard: where its tokens lie in the file, or None
         self._lock = threading.Lock()  # prefetch threads open shards lazily
         if len(self) == 0:
             raise UserError(
@@ -110,7 +114,7 @@ class TokenShards:
     def sample(self, index: int) -> np.ndarray:
         shard = int(np.searchsorted(self.starts, index, side="right") - 1)
         offset = (index - int(self.starts[shard])) * self.window
-        path = self.folder / self.shards[shard]["file"]
+        path = self.paths[shard]
         try:
             window = retry(lambda: self._read(shard, offset), self.retry, what="data read of", path=path, log=log)
         except OSError as exc:
@@ -120,7 +124,7 @@ class TokenShards:
         if self.check_range and len(window) and int(window.max()) >= self.vocab_size:
             at = int(np.argmax(window >= self.vocab_size))
             raise UserError(
-                f"rank {self.rank}: data shard {self.folder / self.shards[shard]['file']} holds token {window[at]} "
+                f"rank {self.rank}: data shard {path} holds token {window[at]} "
                 f"at token offset {offset + at}, outside the dataset's vocabulary of {self.vocab_size} "
                 f"(manifest.json): the shard is corrupt; {reprepare_hint(self.folder)}. data.verify=checksum finds "
                 "such damage at start-up."
@@ -137,6 +141,7 @@ class TokenShards:
         for ds in self._files.values():
             ds.file.close()
         self._files.clear()
+        self._raw.clear()
 
     def _read(self, shard: int, offset: int) -> np.ndarray:
         """One attempt, under the lock (h5py runs one call at a time anyway). After a transient error the shard's
@@ -147,11 +152,15 @@ class TokenShards:
             ds = self._open(shard)
             try:
                 if self.before_read is not None:
-                    self.before_read(self.folder / self.shards[shard]["file"])
+                    self.before_read(self.paths[shard])
+                raw = self._raw[shard]
+                if raw is not None and offset + self.window <= raw.length:
+                    return raw.read(offset, self.window)
                 return ds[offset : offset + self.window]
             except OSError as exc:
                 if is_transient(exc):
                     del self._files[shard]
+                    del self._raw[shard]
                     with contextlib.suppress(Exception):  # its file descriptor may be the broken part
                         ds.file.close()
                 raise
@@ -163,7 +172,7 @@ class TokenShards:
     def _open(self, shard: int) -> h5py.Dataset:
         ds = self._files.get(shard)
         if ds is None:
-            path = self.folder / self.shards[shard]["file"]
+            path = self.paths[shard]
             try:
                 f = h5py.File(path, "r")
                 ds = f["tokens"]
@@ -175,7 +184,43 @@ class TokenShards:
                     f"{reprepare_hint(self.folder)}."
                 ) from None
             self._files[shard] = ds
+            self._raw[shard] = _Raw.of(ds)
         return ds
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """Where a contiguous, unfiltered token dataset lies in its file, to read a window with one ``pread`` on the
+    descriptor HDF5 itself holds (3 us against 26 us for h5py's slicing, measured; the prefetch threads read 8-32
+    windows a micro-batch). The same descriptor: a broken handle fails the same way for both paths, and closing the
+    h5py file closes it. None for any other layout (chunked, compressed, another file driver): h5py reads those."""
+
+    fd: int
+    start: int  # byte offset of token 0
+    length: int  # tokens in the dataset
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, ds: h5py.Dataset) -> _Raw | None:
+        start = ds.id.get_offset()
+        plist = ds.id.get_create_plist()
+        if (
+            start is None
+            or ds.chunks is not None
+            or plist.get_nfilters()
+            or plist.get_external_count()
+            or ds.file.driver != "sec2"
+            or ds.ndim != 1
+        ):
+            return None
+        return cls(ds.file.id.get_vfd_handle(), start, int(ds.shape[0]), ds.dtype)
+
+    def read(self, offset: int, count: int) -> np.ndarray:
+        nbytes = count * self.dtype.itemsize
+        data = os.pread(self.fd, nbytes, self.start + offset * self.dtype.itemsize)
+        if len(data) != nbytes:  # the file shrank under the open handle: reopened on retry, then named
+            raise OSError(errno.EIO, f"short read: {len(data)} of {nbytes} bytes at token {offset}")
+        return np.frombuffer(data, dtype=self.dtype)
 
 
 @dataclass
