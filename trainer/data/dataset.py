@@ -138,10 +138,13 @@ class TokenShards:
         return self.sample(index)
 
     def close(self) -> None:
-        for ds in self._files.values():
-            ds.file.close()
-        self._files.clear()
-        self._raw.clear()
+        """Close every open shard; a later read opens its shard again. Under the lock: a descriptor closed while a
+        prefetch thread reads through it could be reused by another file and read from."""
+        with self._lock:
+            for ds in self._files.values():
+                ds.file.close()
+            self._files.clear()
+            self._raw.clear()
 
     def _read(self, shard: int, offset: int) -> np.ndarray:
         """One attempt, under the lock (h5py runs one call at a time anyway). After a transient error the shard's
