@@ -27,8 +27,12 @@ class JobState:
 
     @property
     def held(self) -> bool:
-        # scontrol hold: Reason=JobHeldUser/JobHeldAdmin; requeuehold: Reason=job_requeued_in_held_state
-        return self.state in ("PENDING", "REQUEUE_HOLD") and "held" in self.reason.lower()
+        """Held, so ``scontrol release`` lets it run. scontrol hold: Reason=JobHeldUser/JobHeldAdmin; requeuehold:
+        Reason=job_requeued_in_held_state, which a job that requeue-held itself (the driver's pause) shows while
+        still COMPLETING, before PENDING (measured on the local cluster: 0.1 s idle, seconds while its processes
+        end). A release then is taken (rc 0): the job goes PENDING (BeginTime) and runs; one missed there stayed
+        held for good."""
+        return self.state not in ("RUNNING", *FINISHED, "UNKNOWN") and "held" in self.reason.lower()
 
 
 def job_ids(rundir: RunDir) -> list[str]:

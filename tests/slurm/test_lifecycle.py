@@ -1,6 +1,7 @@
 """`python -m hpc status/pause/release/logs/cancel/resume` on a real Slurm job, without accounting (slurmdbd)."""
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -89,3 +90,32 @@ def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path)
     assert all(e["signal"] == 15 for e in stops), stops  # stopped by scancel's SIGTERM (when in time)
     info = status(run_dir)
     assert info["state"] == "completed" and info["step"] == 200 and info["restarts"] >= 2
+
+
+def test_release_takes_a_job_still_completing_its_requeue_hold(slurm, tmp_path):
+    """A paused run's job requeue-holds itself (hpc/driver.py); Slurm shows Reason=job_requeued_in_held_state while
+    the job is still COMPLETING, before PENDING. `release` in that window must release it: once it answered "no held
+    job" there, and the run stayed held for good (a loaded CI host made the window seconds long). Here the batch
+    script ignores SIGTERM, so the job stays COMPLETING until KillWait's SIGKILL."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first_run = '[ "${SLURM_RESTART_COUNT:-0}" = 0 ]'
+    script = f'if {first_run}; then trap "" TERM; scontrol requeuehold $SLURM_JOB_ID; fi; sleep 120'
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--requeue", "-N1", "-o", str(tmp_path / "job-%j.out"), "--wrap", script],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    job_id = out.stdout.strip().split(";")[0]
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"job_id": job_id}) + "\n")
+    (run_dir / "config.yaml").write_text("# a hand-made job's run directory: release reads only jobs.jsonl\n")
+
+    def completing_held() -> bool:
+        info = job_info(job_id)
+        return info.get("JobState") == "COMPLETING" and "held" in info.get("Reason", "")
+
+    wait_for(completing_held, "the job completing its requeue hold")
+    released = hpc("release", str(run_dir))
+    assert released.returncode == 0 and f"released job {job_id}" in released.stdout, released.stdout
+    info = wait_state(job_id, {"RUNNING"}, timeout=90)
+    assert int(info["Restarts"]) == 1
+    subprocess.run(["scancel", job_id], check=True)
