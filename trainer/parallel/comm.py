@@ -109,7 +109,7 @@ class HierGroups:
             group = getattr(self, name)
             if isinstance(group, Released):
                 continue
-            if group is not None and group is not default:  # every rank is a member of its own groups
+            if group is not default:  # every rank is a member of its own groups
                 dist.destroy_process_group(group)
                 released += 1
             setattr(self, name, Released(name))

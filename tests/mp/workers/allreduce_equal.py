@@ -69,10 +69,8 @@ results["bf16_rounds_across_nodes"] = env.topology.num_nodes == 1 or not torch.e
 # gloo threads (each wakes every 10 ms, used or not); the default group still works, and a released one fails
 # naming itself instead of falling back to the default group.
 del chunked, compressed, both  # copies that hold the groups
-own = [g for g in (d.groups.intra, d.groups.inter, d.groups.world) if g is not dist.group.WORLD]
 before = gloo_threads()
 released = d.groups.release()
-del own
 deadline = time.monotonic() + 5
 while gloo_threads() > before - released and time.monotonic() < deadline:
     time.sleep(0.01)
