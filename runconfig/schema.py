@@ -320,7 +320,7 @@ class TrainConfig:
     steps: int = doc("Optimizer steps to train for.", 200)
     global_batch_size: int = doc("Sequences per optimizer step over all ranks.", 32)
     micro_batch_size: int = doc(
-        "Sequences per rank per forward pass; gradient accumulation = global / (micro * world size).", 4
+        "Sequences per rank per forward pass; gradient accumulation = global / (micro x data-parallel ranks).", 4
     )
     lr: float = doc("Peak learning rate (AdamW).", 3e-3)
     min_lr: float = doc("Learning rate at the end of the cosine decay.", 3e-4)
@@ -865,6 +865,7 @@ class RunConfig:
                 ]
         return []
 
-    def grad_accum(self, world_size: int) -> int:
-        """Micro-steps per optimizer step at the given world size."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
+    def grad_accum(self, world_size: int | None = None) -> int:
+        """Micro-batches per optimizer step on ``world_size`` ranks (default: the job's): the global batch over
+        micro-batch x the layout's data-parallel ranks (tensor and pipeline ranks share their micro-batches)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.layout(world_size).dp)

@@ -147,6 +147,10 @@ def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tm
     s, whole = summary(reference), summary(single)["state_bytes_per_rank"]
     assert s["allreduce"] == "replicate" and s["parallel"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 2}
     assert s["n_params"] == summary(single)["n_params"]
+    # The start event's accumulation is over the 2 data-parallel ranks, not the 4 ranks of the world.
+    cfg = load_config(str(reference / "config.yaml"))
+    accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * 2)
+    assert [e["grad_accum"] for e in history(reference) if e["event"] == "start"] == [accum]
     for key in ("params", "grads", "optimizer"):  # each matrix split in two; norms and biases of rows whole
         assert 0.49 < s["state_bytes_per_rank"][key] / whole[key] < 0.53, (key, s["state_bytes_per_rank"], whole)
 

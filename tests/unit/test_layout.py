@@ -106,7 +106,7 @@ def test_a_smaller_world_after_a_node_is_left_out_must_fit_the_layout():
 
 def test_the_global_batch_splits_over_the_data_parallel_ranks():
     cfg = from_dict(raw(dp_shard=2))
-    assert cfg.layout().dp == 4 and cfg.grad_accum(cfg.layout().dp) == 1
+    assert cfg.layout().dp == 4 and cfg.grad_accum() == cfg.grad_accum(4) == 1
     with pytest.raises(ConfigError) as err:
         from_dict({**raw(dp_shard=2), "train": {"global_batch_size": 6, "micro_batch_size": 2}}, source="c.yaml")
     assert "key 'train.global_batch_size': 6 is not a multiple of train.micro_batch_size (2) x world size" in str(
@@ -120,7 +120,9 @@ def test_tensor_parallel_layouts():
     cfg = from_dict(raw(tp=2))
     layout = cfg.layout()
     assert layout == Layout(dp_replicate=2, tp=2) and layout.sharded and layout.dp == 2 and layout.kind == "ddp+tp"
-    assert cfg.grad_accum(layout.dp) == 2  # the global batch splits over the 2 data-parallel ranks only
+    # The global batch splits over the 2 data-parallel ranks only: tensor-parallel peers share a micro-batch.
+    assert cfg.grad_accum() == cfg.grad_accum(4) == 2
+    assert from_dict(raw(tp=2, pp=2, dp_replicate=1)).grad_accum() == 4  # 4 ranks, 1 data-parallel rank
     assert from_dict(raw(tp=2, dp_shard=2, dp_replicate=1)).layout().kind == "fsdp+tp"
     odd = {**raw(tp=2), "model": {"d_model": 96, "n_heads": 3}}
     with pytest.raises(ConfigError) as err:
