@@ -38,6 +38,7 @@ from runconfig.badnodes import bad_nodes
 from runconfig.contract import EXIT_DONE, EXIT_STOPPED
 from runconfig.decide import Situation, decide, record_decision
 from runconfig.outcome import how_it_ended, new_launch_id
+from runconfig.slurmvars import slurm_job_id, slurm_restart_count
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
 
@@ -54,11 +55,10 @@ class SlurmJob:
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> SlurmJob:
         environ = dict(os.environ if environ is None else environ)
-        restart = environ.get("SLURM_RESTART_COUNT", "")  # unset on the first run, not 0
         nodes = environ.get("SLURM_JOB_NUM_NODES", "")
         return cls(
-            job_id=environ.get("SLURM_JOB_ID", ""),
-            restart_count=int(restart) if restart.isdigit() else 0,
+            job_id=slurm_job_id(environ) or "",
+            restart_count=slurm_restart_count(environ) or 0,
             num_nodes=int(nodes) if nodes.isdigit() else 1,
             nodelist=environ.get("SLURM_JOB_NODELIST", ""),
         )

@@ -1,0 +1,22 @@
+"""The SLURM_* values both sides read (the driver in the batch step, the trainer's ranks), parsed in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+JOB_ID_VAR = "SLURM_JOB_ID"
+RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"
+
+
+def slurm_job_id(environ: Mapping[str, str]) -> str | None:
+    """This Slurm job's id; None outside a Slurm job."""
+    return environ.get(JOB_ID_VAR) or None
+
+
+def slurm_restart_count(environ: Mapping[str, str]) -> int | None:
+    """How many times Slurm has requeued this job: 0 on its first run (Slurm sets SLURM_RESTART_COUNT only once the
+    job is requeued), None outside a Slurm job."""
+    if slurm_job_id(environ) is None:
+        return None
+    text = environ.get(RESTART_COUNT_VAR, "")
+    return int(text) if text.isdigit() else 0

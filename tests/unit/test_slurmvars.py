@@ -1,0 +1,26 @@
+"""The SLURM_* values the driver and the trainer's ranks both read are parsed once, so they agree."""
+
+import pytest
+from mpi4py import MPI
+
+from hpc.driver import SlurmJob
+from runconfig.slurmvars import slurm_restart_count
+from trainer.env import from_mpi
+
+
+@pytest.mark.parametrize(
+    ("environ", "count"),
+    [
+        ({}, None),  # not a Slurm job
+        ({"SLURM_JOB_ID": "7"}, 0),  # a first run: Slurm sets the count only once the job is requeued
+        ({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2"}, 2),
+        ({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "x"}, 0),
+    ],
+)
+def test_the_driver_and_the_ranks_read_the_same_restart_count(environ, count):
+    assert slurm_restart_count(environ) == count
+    env = from_mpi(MPI.COMM_WORLD, environ=environ)
+    assert env.slurm_restart_count == count
+    assert env.slurm_job_id == environ.get("SLURM_JOB_ID")
+    if "SLURM_JOB_ID" in environ:  # the driver runs in a Slurm job only
+        assert SlurmJob.from_environ(environ).restart_count == env.slurm_restart_count
