@@ -338,11 +338,10 @@ def _meet(comm: MPI.Comm, timeout_s: float = 30.0) -> None:
     first (rank 0 checks a checkpoint's sizes alone; MPI's broadcast does not wait for the receivers) would
     otherwise leave while slower ranks are still building their process groups with it, and they would fail there
     ("Connection closed by peer") and end the job with a crash's status instead of the user error's."""
-    if comm.Get_size() == 1:
-        return
-    request, deadline = comm.Ibarrier(), time.monotonic() + timeout_s
-    while not request.Test() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    if comm.Get_size() > 1:
+        from trainer.env import patient_barrier
+
+        patient_barrier(comm, poll_s=0.005, timeout_s=timeout_s)
 
 
 def _abort_job(comm: MPI.Comm, status: int) -> None:
