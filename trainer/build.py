@@ -10,7 +10,6 @@ import contextlib
 import functools
 import json
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,8 @@ from runconfig import RunConfig, RunDir
 from runconfig.allreduce_plan import choose, plan_table
 from runconfig.contract import write_json_atomic
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.state import TrainState, rank_seed
+from trainer.checkpoint.rng import seed_rank
+from trainer.checkpoint.state import TrainState
 from trainer.data.loader import BatchLoader, fetch, to_device
 from trainer.data.resolve import open_splits
 from trainer.env import RuntimeEnv, agree, patient_barrier
@@ -148,10 +148,7 @@ def build_parts(
     if peak_tflops(d.device, cfg.monitor.peak_tflops) and (wrapped.pipe is None or recipe.flops_per_sample):
         flops = count_flops_per_sample(cfg, recipe, d)
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
-    seed = rank_seed(t.seed, env.rank)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    seed_rank(t.seed, env.rank)
     optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
     mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh)
     stack.callback(mon.close)

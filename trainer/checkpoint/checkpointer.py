@@ -18,7 +18,6 @@ import itertools
 import json
 import logging
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +26,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -62,7 +60,8 @@ from runconfig.load import config_hash
 from trainer.checkpoint.fingerprint import owners, params_sha256, params_sha256_v1, tensors_sha256
 from trainer.checkpoint.kernels import kernels, restore_kernels
 from trainer.checkpoint.provenance import git_commit, versions
-from trainer.checkpoint.state import TrainState, rank_seed
+from trainer.checkpoint.rng import rng_state, seed_rank, set_rng_state
+from trainer.checkpoint.state import TrainState
 from trainer.env import RuntimeEnv, patient_allgather, patient_bcast
 from trainer.errors import UserError
 from trainer.observe.inject import Injector
@@ -116,27 +115,6 @@ class _HookedFileSystem(FileSystem):
             self.before_write(Path(path))
         with super().create_stream(path, mode) as stream:
             yield stream
-
-
-def rng_state() -> dict:
-    key, pos, has_gauss, cached = np.random.get_state(legacy=True)[1:]
-    state = {
-        "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "cached": cached},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _stage(obj, buf):
@@ -244,7 +222,7 @@ class Checkpointer:
         self.group: dist.ProcessGroup | None = dist.new_group(backend="gloo") if own else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
         self.pending: Future | None = None
-        self.param_names = [name for name, _ in model.named_parameters() if name not in aliases]
+        self.param_names = [name for name, _ in model.named_parameters() if name not in (aliases or {})]
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self._staging: dict | None = None  # CPU buffers reused by async saves
         self._written: dict = {}  # the digests of the files every rank wrote in the latest write attempt
@@ -547,10 +525,7 @@ class Checkpointer:
             rank_file = path / f"rank_{self.env.rank:05d}.pt"
             set_rng_state(torch.load(io.BytesIO(self._read(rank_file)), weights_only=True)["rng"])
         else:  # per-rank streams cannot be mapped to another world size: derive fresh ones deterministically
-            seed = rank_seed(self.cfg.train.seed, self.env.rank, state.step)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+            seed_rank(self.cfg.train.seed, self.env.rank, state.step)
         if self.env.rank == 0:
             log.info("resumed from %s (step %d, saved by %d ranks)", path.name, state.step, manifest["world_size"])
         self.last_commit_time = time.monotonic()
