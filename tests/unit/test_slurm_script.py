@@ -112,3 +112,20 @@ def test_time_limits(text, minutes):
 @pytest.mark.parametrize("text", ["", "1h", "10:60", "1:61:00", "-5", "1-2-3"])
 def test_bad_time_limits(text):
     assert slurm_minutes(text) is None
+
+
+def test_submitit_is_pinned_to_the_range_that_is_tested():
+    """hpc/slurm.py renders the script with a private function of submitit: the package's requirement admits the
+    version the tests run (and the golden file holds) and no later minor release, whose private API may differ."""
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[2]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "submitit"]
+    installed = version("submitit")
+    assert installed in spec and "1.6.0" not in spec, (str(spec), installed)
+    cuda = [line for line in (root / "envs" / "requirements-cuda.txt").read_text().splitlines() if "submitit" in line]
+    assert [str(Requirement(line).specifier) for line in cuda] == [str(spec)]
