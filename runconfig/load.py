@@ -65,6 +65,11 @@ def load_raw(spec: str, overrides: list[str] = ()) -> tuple[dict, Path]:
             f"config file {path}: key {exc.key!r} appears twice in one mapping, at lines {exc.first_line} and "
             f"{exc.second_line}; keep one of them (YAML readers differ on which one wins, so neither is taken)."
         ) from None
+    except yamlread.AliasBombError as exc:
+        raise ConfigError(
+            f"config file {path}: {exc}, which no config needs (a 'billion laughs' file would exhaust the memory of "
+            "whoever loads it); write the values out, or use fewer nested aliases."
+        ) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""

@@ -1,9 +1,12 @@
-"""Reading YAML the way a config's author means it: a key twice in one mapping is an error, and ``25:00`` is text.
+"""Reading YAML the way a config's author means it: a key twice in one mapping is an error, ``25:00`` is text, and
+aliases may not expand a short file into a huge document.
 
 PyYAML's ``safe_load`` silently keeps the last of two equal keys (``steps: 3`` then ``steps: 300``), and it reads
 YAML 1.1's base-60 numbers: ``time: 25:00`` becomes the integer 1500, a 25-hour limit where Slurm would read 25
 minutes. This loader refuses the first and leaves the second as the string the author wrote (the schema then reads
-Slurm time limits as Slurm does).
+Slurm time limits as Slurm does). Aliases are shared references once loaded, but everything downstream (validation,
+``dataclasses.asdict``, the resolved config written out) copies them: a "billion laughs" file of nine lines would
+expand to 10^8 values, so a document whose aliases expand beyond ``MAX_EXPANDED_NODES`` is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +23,19 @@ class DuplicateKeyError(yaml.YAMLError):
     def __init__(self, key: Any, first_line: int, second_line: int) -> None:
         super().__init__(f"key {key!r} appears twice in one mapping, at lines {first_line} and {second_line}")
         self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+#: Values (scalars, lists, mappings) a document may hold once its aliases are expanded: far above any config's.
+MAX_EXPANDED_NODES = 100_000
+
+
+class AliasBombError(yaml.YAMLError):
+    """A document whose aliases expand beyond MAX_EXPANDED_NODES values (or into themselves)."""
+
+    def __init__(self, recursive: bool) -> None:
+        what = "refer to themselves" if recursive else f"expand to more than {MAX_EXPANDED_NODES:,} values"
+        super().__init__(f"its aliases (*name) {what}")
+        self.recursive = recursive
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -71,6 +87,40 @@ StrictLoader.add_implicit_resolver(
 )
 
 
+def expanded_size(root: yaml.Node | None) -> int:
+    """Values in the document under ``root`` with every alias expanded, counted without expanding anything (each
+    node's count once); raises AliasBombError past MAX_EXPANDED_NODES or on an alias inside its own anchor."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise AliasBombError(recursive=True)
+        open_nodes.add(key)
+        if isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        else:
+            total = 1
+        open_nodes.discard(key)
+        if total > MAX_EXPANDED_NODES:
+            raise AliasBombError(recursive=False)
+        sizes[key] = total
+        return total
+
+    return 0 if root is None else size(root)
+
+
 def load(text: str) -> Any:
-    """Parse one YAML document with ``StrictLoader``."""
-    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    """Parse one YAML document with ``StrictLoader``; raises DuplicateKeyError, AliasBombError or YAMLError."""
+    loader = StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        expanded_size(node)
+        return None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()

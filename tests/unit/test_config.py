@@ -3,6 +3,7 @@
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,35 @@ def test_yaml_numbers_are_what_the_author_wrote(tmp_path):
     assert load_config("tiny", ["job.time=25:00"]).job.time_minutes == 25
     cfg = load_config(write(tmp_path, "train:\n  lr: 1.5e-3\n  steps: 0x10\n"))
     assert cfg.train.lr == 1.5e-3 and cfg.train.steps == 16
+
+
+BILLION_LAUGHS = """\
+recipe: lab.recipes:mlp
+recipe_args:
+  a: &a [x, x, x, x, x, x, x, x, x, x]
+  b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+  c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+  d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+  e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+  f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
+  g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]
+  h: [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g]
+"""
+
+
+def test_aliases_that_expand_a_short_file_into_a_huge_one_are_refused(tmp_path):
+    """Ten lines that expand to 10^8 values: refused at once with one message, before anything copies them
+    (dataclasses.asdict of the resolved config hung while memory grew). Aliases of a normal size still load."""
+    path = write(tmp_path, BILLION_LAUGHS)
+    began = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert time.perf_counter() - began < 2.0
+    assert str(err.value).startswith(f"config file {path}: its aliases (*name) expand to more than 100,000 values")
+    with pytest.raises(ConfigError, match="refer to themselves"):
+        load_config(write(tmp_path, "recipe_args: &r {me: *r}\n"))
+    cfg = load_config(write(tmp_path, "train: {steps: &n 7, log_every: *n}\n"))
+    assert cfg.train.steps == cfg.train.log_every == 7
 
 
 def test_ints_accepted_for_floats(tmp_path):
