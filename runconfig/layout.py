@@ -92,6 +92,13 @@ def resolve(degrees: dict[str, int], world_size: int, ranks_per_node: int) -> La
             raise LayoutError(name, f"must be >= 1, or -1 for what the other degrees leave; got {degrees[name]}")
     if len(wild) > 1:
         raise LayoutError(wild[1], f"only one degree may be -1 (what the others leave); {' and '.join(wild)} are")
+    tp = degrees["tp"]
+    if tp > 1 and ranks_per_node % tp:  # before the product: tp=3 on 2-rank nodes is tp's fault, not the remainder's
+        raise LayoutError(
+            "tp",
+            f"{tp} does not divide the {ranks_per_node} ranks of a node: a tensor-parallel group must lie "
+            "inside one node (its collectives run in every layer)",
+        )
     fixed = 1
     for name in DIMS:
         if name not in wild:
@@ -99,7 +106,7 @@ def resolve(degrees: dict[str, int], world_size: int, ranks_per_node: int) -> La
     if wild:
         if world_size % fixed:
             raise LayoutError(
-                wild[0],
+                _set_at_fault(degrees, world_size),
                 f"-1 takes what is left of the {world_size} ranks, but the other degrees multiply to {fixed}, "
                 f"which does not divide {world_size}",
             )
@@ -107,14 +114,24 @@ def resolve(degrees: dict[str, int], world_size: int, ranks_per_node: int) -> La
     layout = Layout(**{name: degrees[name] for name in DIMS})
     if layout.world_size != world_size:
         raise LayoutError(
-            "dp_replicate",
+            _set_at_fault(degrees, world_size),
             f"{layout.describe()} = {layout.world_size} ranks, but the job has {world_size}; the product of the "
             "degrees must be the world size (set one degree to -1 to take what is left)",
         )
-    if layout.tp > 1 and ranks_per_node % layout.tp:
+    if layout.tp > 1 and ranks_per_node % layout.tp:  # tp was -1: what was left does not fit a node
         raise LayoutError(
             "tp",
             f"{layout.tp} does not divide the {ranks_per_node} ranks of a node: a tensor-parallel group must lie "
             "inside one node (its collectives run in every layer)",
         )
     return layout
+
+
+def _set_at_fault(degrees: dict[str, int], world_size: int) -> str:
+    """The degree to name when the degrees do not multiply to the world size: one the user set (not -1, not 1)
+    that does not divide the world, else the innermost one set; dp_replicate when none is."""
+    given = [name for name in DIMS if degrees[name] not in (-1, 1)]
+    misfits = [name for name in given if world_size % degrees[name]]
+    if misfits:
+        return misfits[0]
+    return given[-1] if given else "dp_replicate"

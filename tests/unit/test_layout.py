@@ -58,9 +58,13 @@ def test_placement_keeps_inner_dimensions_inside_a_node():
 @pytest.mark.parametrize(
     ("given", "world", "per_node", "key", "words"),
     [
-        (degrees(dp_replicate=1, dp_shard=3), 4, 2, "dp_replicate", "3 ranks, but the job has 4"),
+        (degrees(dp_replicate=1, dp_shard=3), 4, 2, "dp_shard", "3 ranks, but the job has 4"),
+        (degrees(dp_replicate=2, dp_shard=4), 4, 4, "dp_shard", "8 ranks, but the job has 4"),
+        (degrees(dp_replicate=1, dp_shard=2, tp=2), 8, 4, "tp", "4 ranks, but the job has 8"),
         (degrees(dp_replicate=-1, dp_shard=-1), 4, 2, "dp_shard", "only one degree may be -1"),
-        (degrees(dp_shard=3), 4, 2, "dp_replicate", "multiply to 3, which does not divide 4"),
+        (degrees(dp_shard=3), 4, 2, "dp_shard", "multiply to 3, which does not divide 4"),
+        (degrees(tp=3), 6, 2, "tp", "3 does not divide the 2 ranks of a node"),  # the degree set, not the remainder
+        (degrees(tp=3), 4, 2, "tp", "3 does not divide the 2 ranks of a node"),
         (degrees(dp_shard=0), 4, 2, "dp_shard", "must be >= 1"),
         (degrees(tp=4, dp_replicate=1), 4, 2, "tp", "does not divide the 2 ranks of a node"),
     ],
@@ -79,11 +83,12 @@ def raw(**parallel) -> dict:
 @pytest.mark.parametrize(
     ("parallel", "words"),
     [
-        ({"dp_shard": 3}, "key 'parallel.dp_replicate': -1 takes what is left of the 4 ranks"),
-        ({"dp_replicate": 1, "dp_shard": 8}, "key 'parallel.dp_replicate': pp 1 x dp_replicate 1 x dp_shard 8"),
+        ({"dp_shard": 3}, "key 'parallel.dp_shard': -1 takes what is left of the 4 ranks"),
+        ({"dp_replicate": 1, "dp_shard": 8}, "key 'parallel.dp_shard': pp 1 x dp_replicate 1 x dp_shard 8"),
         ({"dp_replicate": -1, "dp_shard": -1}, "key 'parallel.dp_shard': only one degree may be -1"),
-        ({"pp": 3}, "key 'parallel.dp_replicate': -1 takes what is left of the 4 ranks"),
+        ({"pp": 3}, "key 'parallel.pp': -1 takes what is left of the 4 ranks"),
         ({"tp": 4}, "key 'parallel.tp': 4 does not divide the 2 ranks of a node"),
+        ({"tp": 3}, "key 'parallel.tp': 3 does not divide the 2 ranks of a node"),
         ({"dp_shard": -2}, "key 'parallel.dp_shard': must be >= 1, or -1"),
         ({"activation_checkpointing": "some"}, "parallel.activation_checkpointing"),
     ],
