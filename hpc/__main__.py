@@ -1,5 +1,5 @@
 import sys
 
-from hpc.verbs import main
+from hpc.cli import main
 
 sys.exit(main())

@@ -22,6 +22,7 @@ from pathlib import Path
 from hpc.driver import submit_link
 from hpc.local import LaunchResult, node_wraps, run_local, simulated_nodes, trainer_command
 from hpc.mpi import LauncherError, find_launcher
+from hpc.options import add_set_option
 from hpc.slurm import sbatch_script
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
 from runconfig import code as codesnap
@@ -49,14 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--local", action="store_true", help="run on this machine even if Slurm is present")
     p.add_argument("--run-dir", type=Path, help="run directory (default: runs/NAME-YYYYmmdd-HHMMSS)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key by dotted path, e.g. --set train.steps=40 (repeatable)",
-    )
+    add_set_option(p)
     p.add_argument(
         "--refresh-code",
         action="store_true",

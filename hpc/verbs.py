@@ -1,18 +1,5 @@
-"""Lifecycle verbs on a run directory, for the login node (torch-free):
-
-    python -m hpc status  RUN_DIR            Slurm state, restarts, last committed step and loss, progress
-    python -m hpc cancel  RUN_DIR            cancel the run's unfinished jobs
-    python -m hpc pause   RUN_DIR            stop at a step boundary with a checkpoint, then hold the job
-    python -m hpc release RUN_DIR            let a paused run continue
-    python -m hpc resume  RUN_DIR [--set K=V] [--refresh-code]
-                                             resubmit a finished, failed or cancelled run from its checkpoint
-    python -m hpc logs    RUN_DIR [--rank N | --all] [--follow]
-    python -m hpc sweep   CONFIG GRID.yaml [--run-dir DIR] [--set K=V]   a grid as one job array (hpc/sweep.py)
-    python -m hpc report  RUN_DIR [--out DIR]  PNG plots and report.md with goodput and restarts (hpc/report.py)
-    python -m hpc sbatch-args CONFIG|RUN_DIR [--set K=V]   the job section as sbatch options for sbatch/*.sbatch
-    python -m hpc selftest CONFIG [--set K=V] [--timeout S] [--json]
-                                             a short job of the config's shape: does its stop signal reach every
-                                             rank, and does job.signal_lead_s cover a stop? (hpc/selftest.py)
+"""The lifecycle verbs on a run directory, for the login node (torch-free): status, cancel, pause, release,
+resume, logs, sweep and sbatch-args (``hpc/cli.py`` dispatches ``python -m hpc VERB``).
 
 All of them work without Slurm accounting (slurmdbd); job states come from scontrol while the controller
 remembers the jobs (MinJobAge after they end), then from sacct when accounting is there; else they are UNKNOWN,
@@ -22,17 +9,17 @@ with the reason.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from hpc.jobs import job_ids, query, run
-from runconfig import ConfigError, RunDir, load_config
+from hpc.options import set_arguments
+from runconfig import RunDir, load_config
 from runconfig.badnodes import bad_node_events
 from runconfig.checkpoints import latest_committed
-from runconfig.contract import EVENT_CODE, EVENT_RESUME, EXIT_USER_ERROR
+from runconfig.contract import EVENT_CODE, EVENT_RESUME
 from runconfig.rundir import read_jsonl
 from runconfig.stopsignal import newest_budget
 
@@ -245,82 +232,12 @@ def sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["selftest"]:  # its own options (hpc/selftest.py)
-        from hpc.selftest import main as selftest_main
+def resume(rundir: RunDir, overrides: list[str], *, refresh_code: bool) -> int:
+    """Resubmit a finished, failed or cancelled run from its newest checkpoint (``python -m hpc.submit --resume``)."""
+    if unfinished(rundir):
+        raise VerbError(f"run {rundir.root} still has an unfinished job; `release` or `cancel` it first.")
+    rundir.pause_marker.unlink(missing_ok=True)
+    from hpc.submit import main as submit_main
 
-        return selftest_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m hpc", description="lifecycle of a run directory")
-    sub = p.add_subparsers(dest="verb", required=True)
-    for verb in ("status", "cancel", "pause", "release", "resume", "logs"):
-        sp = sub.add_parser(verb)
-        sp.add_argument("run_dir")
-        if verb == "status":
-            sp.add_argument("--json", action="store_true", help="print the status as JSON")
-        if verb == "resume":
-            sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-            sp.add_argument(
-                "--refresh-code",
-                action="store_true",
-                help="copy the recipe's code again (RUN_DIR/code/) instead of running the code of the first submit",
-            )
-        if verb == "logs":
-            sp.add_argument("--rank", type=int, default=0)
-            sp.add_argument("--all", action="store_true", help="every rank's log")
-            sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")
-    sp = sub.add_parser("sweep")
-    sp.add_argument("config", help="base config file or example name")
-    sp.add_argument("grid", type=Path, help="YAML file with grid: {KEY: [VALUES]}")
-    sp.add_argument("--run-dir", type=Path, help="sweep directory (default runs/sweep-NAME-YYYYmmdd-HHMMSS)")
-    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    sp.add_argument("--local", action="store_true", help="run the elements one after the other on this machine")
-    sp = sub.add_parser("report", description="PNG plots and report.md with goodput, restarts and stragglers")
-    sp.add_argument("run_dir")
-    sp.add_argument("--out", help="output folder (default RUN_DIR/report/)")
-    sub.add_parser("selftest", help="does the stop signal reach every rank? (python -m hpc selftest --help)")
-    sp = sub.add_parser(
-        "sbatch-args",
-        description="The config's job section as sbatch options, for sbatch/*.sbatch: "
-        "sbatch $(python -m hpc sbatch-args CONFIG) sbatch/train.sbatch",
-    )
-    sp.add_argument("config", help="config file, example name or run directory (its bad nodes are excluded)")
-    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = p.parse_args(argv)
-    try:
-        if args.verb == "sweep":
-            return sweep(args)
-        if args.verb == "sbatch-args":
-            print(" ".join(sbatch_args(args.config, args.overrides)))
-            return 0
-        if args.verb == "report":
-            from hpc.report import main as report_main
-
-            return report_main(args.run_dir, args.out)
-        rundir = open_run(args.run_dir)
-        if args.verb == "status":
-            info = status(rundir)
-            print(json.dumps(info, indent=2)) if args.json else print_status(info)
-        elif args.verb == "cancel":
-            cancel(rundir)
-        elif args.verb == "pause":
-            pause(rundir)
-        elif args.verb == "release":
-            release(rundir)
-        elif args.verb == "resume":
-            if unfinished(rundir):
-                raise VerbError(f"run {rundir.root} still has an unfinished job; `release` or `cancel` it first.")
-            rundir.pause_marker.unlink(missing_ok=True)
-            from hpc.submit import main as submit_main
-
-            overrides = [x for item in args.overrides for x in ("--set", item)]
-            refresh = ["--refresh-code"] if args.refresh_code else []
-            return submit_main(["--resume", str(rundir.root), *overrides, *refresh])
-        elif args.verb == "logs":
-            logs(rundir, rank=args.rank, all_ranks=args.all, follow=args.follow)
-    except (VerbError, ConfigError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    refresh = ["--refresh-code"] if refresh_code else []
+    return submit_main(["--resume", str(rundir.root), *set_arguments(overrides), *refresh])
