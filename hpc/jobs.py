@@ -29,9 +29,9 @@ class JobState:
     def held(self) -> bool:
         """Held, so ``scontrol release`` lets it run. scontrol hold: Reason=JobHeldUser/JobHeldAdmin; requeuehold:
         Reason=job_requeued_in_held_state, which a job that requeue-held itself (the driver's pause) shows while
-        still COMPLETING, before PENDING (measured on the local cluster: 0.1 s idle, seconds while its processes
-        end). A release then is taken (rc 0): the job goes PENDING (BeginTime) and runs; one missed there stayed
-        held for good."""
+        still COMPLETING, before PENDING. A release in that window is taken (rc 0) and the job goes PENDING
+        (BeginTime) and runs, so any unfinished, not-running job whose reason says held counts
+        (docs/measurements/notes-login-side.md)."""
         return self.state not in ("RUNNING", *FINISHED, "UNKNOWN") and "held" in self.reason.lower()
 
 

@@ -5,9 +5,9 @@ A watcher that wakes on a process's end (a pidfd) can only order what it saw in 
 death makes the launcher kill the others within milliseconds and the host is busy, it wakes once to find all of
 them ended. The connector's events carry the moment each process exited (CLOCK_MONOTONIC, as ``time.monotonic``)
 and queue in the socket until read, so a late reader still gets the order. The kernel sends them to listeners in
-the initial pid namespace (any user since Linux 6.6, measured here as `nobody` on 6.18; before that only with
-CAP_NET_ADMIN); in a container's pid namespace ``ProcExits.open`` returns None, and where no event comes for a rank
-its caller falls back to the order it saw.
+the initial pid namespace (any user since Linux 6.6, before that only with CAP_NET_ADMIN); in a container's pid
+namespace ``ProcExits.open`` returns None, and where no event comes for a rank its caller falls back to the order it
+saw.
 """
 
 from __future__ import annotations

@@ -6,19 +6,16 @@ The launcher watches the ranks itself: it finds mpirun's descendants that carry 
 moment that process ends, child or not) and notes the order in which they end. The first one is the launcher's
 evidence for runconfig/decide.py when the trainer left no diagnosis of its own.
 
-That order is only evidence while the others outlive the first by more than the watch's wake-up time. Hydra, by
-default, kills every rank within milliseconds of one that ended badly: on a loaded host the watch then woke to
-find all of them ended at once and could name nobody. The local launcher therefore runs hydra with
+That order is only evidence while the others outlive the first by more than the watch's wake-up time, and hydra by
+default kills every rank within milliseconds of one that ended badly. The local launcher therefore runs hydra with
 ``-disable-auto-cleanup`` (hpc/mpi.py) and ends the launch itself: the survivors see their collective fail, name
 the silent rank by a roll call (trainer/observe/watchdog.py), write failure.json and abort the MPI job
 (trainer/main.py; in that order, since hydra also ends every rank as soon as one writes to stdout or stderr after a
-rank died); whichever ranks are still running ``grace_s`` after the first one ended (blocked in MPI, say), or once
-the launch's failure is on record, are killed here. That narrows the race without closing it: hydra still ends
-every rank when one's PMI connection closes before MPI_Finalize, and for a killed rank that path races the notice
-one (measured: all ranks killed within ~10 ms in 3 of 12 SIGKILLs of a sleeping MPI rank). Where the kernel lets
-the launcher read its process-exit events (hpc/procexit.py: outside a container's pid namespace, on Linux >= 6.6
-or as root), the order comes from their timestamps instead, which a late wake-up does not lose; elsewhere from
-the wake-ups. (Open MPI's mpirun keeps its own clean-up; best effort there.)
+rank died); ranks still running ``grace_s`` after the first one ended (blocked in MPI, say), or once the failure is
+on record, are killed here. That narrows the race without closing it: hydra still ends every rank when a killed
+rank's PMI connection closes before MPI_Finalize (docs/measurements/notes-login-side.md). Where the kernel's
+process-exit events are readable (hpc/procexit.py), the order comes from their timestamps, which a late wake-up
+does not lose; elsewhere from the wake-ups. (Open MPI's mpirun keeps its own clean-up; best effort there.)
 """
 
 from __future__ import annotations

@@ -2,25 +2,23 @@
 does the configured stop signal reach every rank, and does ``job.signal_lead_s`` cover a stop? (torch-free)
 
 It submits, through the same path as ``python -m hpc.submit`` (real sbatch, ``--signal`` as configured), a short
-job of the config's shape: its nodes, ranks per node, partition, GPUs, setup lines, environment, srun_args,
-launch_prefix, signal, model, data and checkpoint settings, into a throw-away run directory (default
-runs/selftest-NAME-YYYYmmdd-HHMMSS). What it changes (SELFTEST_SETTINGS): so many steps that only the signal ends
-the run, no periodic checkpoint or eval, no requeue or in-job restart, and a time limit past the test's end.
+job of the config's shape (nodes, ranks, partition, GPUs, setup, environment, srun_args, launch_prefix, model, data
+and checkpoint settings) into a throw-away run directory (default runs/selftest-NAME-YYYYmmdd-HHMMSS), changing only
+SELFTEST_SETTINGS: so many steps that only the signal ends the run, no periodic checkpoint or eval, no requeue or
+in-job restart, and a time limit past the test's end.
 
-Once every rank trains (step 2 in metrics.jsonl), it sends the configured signal the way Slurm does
-``job.signal_lead_s`` before the time limit: ``scancel --signal=SIG JOBID`` (every process of the job's steps, not
-the batch shell). It then waits up to ``job.signal_lead_s`` for the ranks' stop, as a time limit would (and then
-ends the job with ``scancel``, as the time limit would), and reads what the ranks recorded
-(runconfig/stopsignal.py): which ranks received the signal themselves, the process chain between slurmstepd and
-each rank that did not (naming the wrapper that swallowed it), the stop's and the save's seconds, and whether the
-lead covers them with the margin ``SAFETY_FACTOR``. It also checks the submitted script's ``#SBATCH --signal`` line
-and flags SIGUSR1 with CUDA/NCCL.
+Once every rank trains (step 2 in metrics.jsonl), it sends the signal the way Slurm does ``job.signal_lead_s``
+before the time limit: ``scancel --signal=SIG JOBID`` (every process of the job's steps, not the batch shell). It
+waits up to ``job.signal_lead_s`` for the ranks' stop, then ends the job with ``scancel`` as the time limit would,
+and reads what the ranks recorded (runconfig/stopsignal.py): which ranks received the signal themselves, the
+process chain of each that did not (naming the wrapper that swallowed it), the stop's and the save's seconds, and
+whether the lead covers them with the margin ``SAFETY_FACTOR``. It also checks the script's ``#SBATCH --signal``
+line and flags SIGUSR1 with CUDA/NCCL.
 
-Output: one PASS, WARN or FAIL line per check (``--json``: one JSON object). Exit status: 0 every rank received the
-signal and the lead covers a stop with margin; 1 a rank did not receive it, the script sends it to the batch shell
-only or not at all, or the job did not get as far as the signal (it did not start, or failed); 2 bad input (the
-config, or no Slurm here); 4 (EXIT_LEAD_SHORT) every rank received it, but the lead is too short. The run
-directory's checkpoints are removed afterwards unless ``--keep``; its logs and history stay for a look.
+Output: one PASS, WARN or FAIL line per check (``--json``: one JSON object). Exit status: 0 all good; 1 a rank did
+not receive the signal, the script sends it to the batch shell only or not at all, or the job never got as far as
+the signal; 2 bad input (the config, or no Slurm here); 4 (EXIT_LEAD_SHORT) the lead is too short. The run
+directory's checkpoints are removed afterwards unless ``--keep``; its logs and history stay.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpc.jobs import query
+from hpc.options import add_set_option, set_arguments
 from runconfig import ConfigError, RunConfig, RunDir, load_config
 from runconfig.contract import (
     EVENT_STOPPED,
@@ -313,7 +312,7 @@ def run_job(cfg: RunConfig, config: str, overrides: list[str], run_dir: Path, ti
     name = f"selftest-{cfg.job.name}"[:64]
     sets = [*overrides, *SELFTEST_SETTINGS, f"job.time={minutes}", f"job.name={name}"]
     with contextlib.redirect_stdout(sys.stderr):  # submit's chatter; stdout is the report's
-        status = submit_main([config, "--run-dir", str(run_dir), *[x for s in sets for x in ("--set", s)]])
+        status = submit_main([config, "--run-dir", str(run_dir), *set_arguments(sets)])
     if status != 0:
         raise SelftestError(status, "submitting the self-test's job failed (see above)")
     rundir = RunDir(run_dir)
@@ -379,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "signal (or the job did not get that far); 2 bad input; 4 every rank received it but the lead is too short.",
     )
     p.add_argument("config", help="config file or built-in example name")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_option(p)
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait for the job to start training (default 600)"
     )

@@ -33,10 +33,10 @@ TRANSIENT_ERRNOS = frozenset(
     if hasattr(errno, name)
 )
 MAX_DELAY_S = 30.0  # one back-off never waits longer
-BUDGET_S = 120.0  # no retry starts after this long: below comm.timeout_s and monitor.hang_timeout_s (300, 600 s)
+BUDGET_S = 120.0  # no retry starts after this long: below the defaults of comm.timeout_s and monitor.hang_timeout_s
 # HDF5's POSIX driver reports the system error in its message: "... (file read failed: time = ..., filename = '...',
-# file descriptor = 3, errno = 5, error message = 'Input/output error', ...)". The h5py here (3.16, HDF5 2.0) also
-# sets OSError.errno from it; where errno is None (other h5py versions), the message is read.
+# file descriptor = 3, errno = 5, error message = 'Input/output error', ...)". Where h5py leaves OSError.errno None
+# (some versions), the errno is read from that message.
 _HDF5_ERRNO = re.compile(r"file (?:read|write) failed:.*?\berrno = (\d+)", re.DOTALL)
 _jitter = random.Random()  # its own generator: retries must not draw from the training's `random` stream
 
