@@ -190,8 +190,8 @@ hpc_resubmit() {
 hpc_main() {
   local mode=$1 out status restarts line plugin
   # Set by eval'ing hpc_prepare's output:
-  local hpc_exit_stopped= hpc_complete=0 hpc_steps=0 hpc_world_cfg=0 hpc_mpi_cfg=auto hpc_rpn=1
-  local hpc_alloc= hpc_use= hpc_exclude= hpc_too_few=0
+  local hpc_exit_stopped="" hpc_complete=0 hpc_steps=0 hpc_world_cfg=0 hpc_mpi_cfg=auto hpc_rpn=1
+  local hpc_alloc="" hpc_use="" hpc_exclude="" hpc_too_few=0
   local -a hpc_srun_args=() hpc_launch_prefix=() hpc_env=() hpc_setup=()
   # Files and folders the job writes are private, like the run directory (it may hold pickles and configs).
   umask 077
@@ -271,7 +271,7 @@ hpc_main() {
         --nodes "$hpc_alloc" --launch-nodes "${hpc_use:-$hpc_alloc}" --ranks-per-node "$hpc_rpn" \
         ${first:+--first-ended "$first"} ||
         printf 'end 1 0\nerror: deciding after the launch failed (exit status %s)\n-\n-\n' "$status")
-    if [ "$action" = done ] || [ "$action" = end ]; then
+    if [ "$action" = "done" ] || [ "$action" = "end" ]; then
       if [ "$status" != 0 ] && [ "$status" != "$hpc_exit_stopped" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
         # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it (a
         # restarted launch does that itself, on each node, as it starts).

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm, munge,
-# slurmdbd and MariaDB from Debian's packages; Python packages into .venv), then lints and runs the whole suite:
-# unit, multi-process under mpirun, and Slurm tests against real local clusters that the tests start and stop.
+# slurmdbd, MariaDB and shellcheck from Debian's packages; Python packages into .venv), then lints and runs the
+# whole suite: unit, multi-process under mpirun, and Slurm tests against real local clusters that the tests start
+# and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # With accounting: tests/slurm/test_accounting.py also runs slurmdbd + MariaDB (Debian packages).
 HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh install >/dev/null
+# Debian's shellcheck, which tests/slurm/test_sbatch_scripts.py runs on every shell script.
+if ! command -v shellcheck >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
