@@ -15,10 +15,10 @@ from functools import partial
 from pathlib import Path
 
 from hpc.mpi import LauncherError, MpiLauncher
-from hpc.progress import MetricsFollower, Progress
+from hpc.progress import JsonlFollower, Progress, resume_notes
 from hpc.ranks import RankWatch
 from runconfig import RunConfig, RunDir, shm
-from runconfig.contract import FAILURE_HANG, LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
+from runconfig.contract import EVENT_RESUME, FAILURE_HANG, LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
 from runconfig.outcome import Ended, how_it_ended, new_launch_id
 
 
@@ -102,7 +102,8 @@ def run_local(
     command = launcher.command(world_size, trainer_command(rundir, cfg.job.launch_prefix), node_wraps(cfg, nodes))
     rundir.clear_failure()  # from an earlier attempt of this run directory
     launch_id = new_launch_id()
-    follower = MetricsFollower(rundir.metrics)
+    metrics = JsonlFollower(rundir.metrics, launch=launch_id)  # this launch's steps only, not a resumed run's
+    events = JsonlFollower(rundir.history, launch=launch_id)
     progress = Progress(cfg.train.steps) if show_progress else None
     tail_lines: deque[str] = deque(maxlen=200)
     env = trainer_environment(cfg, simulate_nodes=True, launch_id=launch_id)
@@ -120,14 +121,10 @@ def run_local(
     try:
         while proc.poll() is None:
             time.sleep(0.25)
-            for record in follower.poll():
-                if progress:
-                    progress.update(record)
+            _show(events, metrics, progress)
             if progress:
                 progress.tick()
-        for record in follower.poll():
-            if progress:
-                progress.update(record)
+        _show(events, metrics, progress)
     except KeyboardInterrupt:
         proc.terminate()
         try:
@@ -144,6 +141,17 @@ def run_local(
         shm.sweep()
     ended = how_it_ended(rundir, launch_id, proc.returncode)
     return LaunchResult(ended, list(tail_lines), launch_id, nodes, watch.first_ended)
+
+
+def _show(events: JsonlFollower, metrics: JsonlFollower, progress: Progress | None) -> None:
+    """What the launch wrote since the last look: a resume's warnings (before any step of it), then its steps."""
+    for event in events.poll():
+        if event.get("event") == EVENT_RESUME:
+            for note in resume_notes(event):
+                print(note, flush=True)
+    for record in metrics.poll():
+        if progress:
+            progress.update(record)
 
 
 #: After a hang's report, the seconds the ranks still running get before they are killed: the live ones end right

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hpc.jobs import job_ids, query, run
 from hpc.options import set_arguments
+from hpc.progress import resume_notes
 from runconfig import RunDir, load_config
 from runconfig.badnodes import bad_node_events
 from runconfig.checkpoints import latest_committed
@@ -90,6 +91,7 @@ def status(rundir: RunDir) -> dict:
         "failure": failure,
         "bad_nodes": [{k: e.get(k) for k in ("node", "evidence", "launch")} for e in bad_node_events(rundir)],
         "stop_lead": {**budget.fields(), "message": budget.describe()} if budget else None,
+        "resume_warnings": resume_notes(next((e for e in reversed(history) if e["event"] == EVENT_RESUME), {})),
     }
 
 
@@ -116,6 +118,8 @@ def print_status(info: dict) -> None:
     print(f"  restarts: {info['restarts']}")
     if info.get("failure"):
         print(f"  failure: {info['failure']}")
+    for note in info.get("resume_warnings") or []:
+        print(f"  {note}")
     for bad in info.get("bad_nodes") or []:
         print(f"  bad node (left out of later launches): {bad['node']}: {bad['evidence']}")
     lead = info.get("stop_lead")

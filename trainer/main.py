@@ -185,7 +185,8 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
         memory = _largest(comm, memory, float)
         if env.rank == 0:
             # Steps after the checkpoint are recomputed: their records move to metrics.discarded.jsonl.
-            truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
+            discarded = truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
+            resume_fields = {"skipped_checkpoints": p.checkpoints.skipped, "discarded_records": discarded}
             append_event(
                 rundir.history,
                 EVENT_RESUME if resumed else EVENT_START,
@@ -201,6 +202,7 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
                 peak_mem_mb={k: round(v, 1) for k, v in memory.items()},  # the largest rank's
                 recipe=cfg.recipe,
                 code_sha256=code_sha256,
+                **(resume_fields if resumed else {}),
             )
         n_params = p.wrapped.n_params
         log.info(

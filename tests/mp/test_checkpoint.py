@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -403,6 +404,17 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path, reference_2x1, damage):
     assert f"skipping checkpoint step_00000024: {victim}" in log
     assert "resumed from step_00000020" in log
     assert_same_as(reference_2x1, run_dir)
+    # Said where the user looks: on the console, before this launch's progress, which shows only its own steps
+    # (not the old run's 24 replayed first); and in the resume event.
+    out = done.stdout
+    assert f"warning: skipping checkpoint step_00000024: {victim}" in out, out
+    assert "warning: resumed from step 20, the newest checkpoint that verifies; 4 logged step(s)" in out, out
+    shown = [int(m) for m in re.findall(r"^step (\d+)/24", out, re.M)]
+    assert shown and min(shown) > 20 and out.index("warning: skipping") < out.index(f"step {shown[0]}/24"), out
+    (resumed,) = [e for e in history(run_dir) if e["event"] == "resume"]
+    assert resumed["step"] == 20 and resumed["discarded_records"] == 4
+    (why,) = resumed["skipped_checkpoints"]
+    assert why.startswith(f"skipping checkpoint step_00000024: {victim}"), why
     # nothing deleted: the damaged generation was set aside when step 24 was committed again
     (aside,) = (run_dir / "checkpoints").glob("step_00000024.invalid-*")
     assert (aside / victim.relative_to(newest)).exists() or damage == "no_manifest"

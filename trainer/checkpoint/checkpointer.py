@@ -230,6 +230,7 @@ class Checkpointer:
         self.blocking_s: list[float] = []  # time the training loop waited per save
         self.last_save_s: float | None = None  # the newest committed save's seconds, save() -> committed
         self.verified: set[str] = set()  # generations this process committed or fully verified (rank 0)
+        self.skipped: list[str] = []  # rank 0: why the restore passed over newer generations (damaged ones)
 
     # -- when ---------------------------------------------------------------------------------------------
     def due_by_steps(self, step: int, final: bool) -> bool:
@@ -546,7 +547,13 @@ class Checkpointer:
                 crash = _read_failed(exc, f"the checkpoints in {self.root}")
         gens, crash = patient_bcast(self.comm, (gens, crash))  # rank 0 listed them alone
         _raise_crash(crash)
-        warn = log.warning if self.env.rank == 0 else lambda _: None
+        self.skipped = []
+
+        def warn(message: str) -> None:  # rank 0: logged, and kept for the resume event
+            if self.env.rank == 0:
+                log.warning("%s", message)
+                self.skipped.append(message)
+
         try:
             found = newest_valid(self.root, warn, check=self._check, paths=[Path(p) for p in gens])
         except CheckpointInvalid as exc:
