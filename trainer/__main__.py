@@ -5,7 +5,7 @@ import os
 import sys
 
 # trainer.main first: its first lines install the early stop-signal handlers (a signal during the imports must be
-# a clean stop: tests/mp/test_checkpoint.py sends one 0.15 s after the processes appear).
+# a clean stop: tests/mp/test_checkpoint.py sends one while the processes start).
 from trainer.main import main  # isort: skip
 
 from runconfig.contract import EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
@@ -20,13 +20,13 @@ status = main()
 ignore_stop_signals()
 if status not in MET:
     sys.exit(status)
-# Leave without the interpreter's teardown. With torch loaded it takes 1.4-2.4 s per rank (measured: freeing modules
-# and their objects), paid by every launch; nothing of the trainer's needs it: main() has closed what it opened
-# (checkpoints committed, metrics, logs and data files closed, threads stopped, process groups destroyed). Leaving
-# together matters under srun --kill-on-bad-exit: the first rank to exit non-zero gets the others killed, and with
-# the teardown's spread (up to a second between ranks) a stopped run's slower ranks were killed mid-teardown (srun
-# then reports 137; the launcher reads the outcome from the run directory: runconfig/outcome.py). What the teardown
-# would still do is done here: flush the streams and logs, finalize MPI.
+# Leave without the interpreter's teardown: with torch loaded it is slow (freeing modules and their objects), paid
+# by every launch, and nothing of the trainer's needs it: main() has closed what it opened (checkpoints committed,
+# metrics, logs and data files closed, threads stopped, process groups destroyed). Leaving together matters under
+# srun --kill-on-bad-exit: the first rank to exit non-zero gets the others killed, and the teardown's spread between
+# ranks would get a stopped run's slower ranks killed mid-teardown (the launcher reads the outcome from the run
+# directory: runconfig/outcome.py). What the teardown would still do is done here: flush the streams and logs,
+# finalize MPI.
 sys.stdout.flush()
 sys.stderr.flush()
 logging.shutdown()

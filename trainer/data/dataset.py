@@ -194,10 +194,10 @@ class TokenShards:
 @dataclass(frozen=True)
 class _Raw:
     """Where a contiguous, unfiltered token dataset lies in its file, to read a window with one ``pread`` on the
-    descriptor HDF5 itself holds: a whole ``TokenShards[i]`` took 5.6 us against 23.7 us through h5py's slicing
-    (measured, random windows of the stdlib dataset), and the prefetch threads read one window per sample. The same
-    descriptor: a broken handle fails the same way for both paths, and closing the h5py file closes it. None for any
-    other layout (chunked, compressed, another file driver): h5py reads those."""
+    descriptor HDF5 itself holds: several times faster than h5py's slicing, and the prefetch threads read one window per
+    sample (docs/measurements/overhead.md, "token windows by pread"). The same descriptor: a broken handle fails the
+    same way for both paths, and closing the h5py file closes it. None for any other layout (chunked, compressed,
+    another file driver): h5py reads those."""
 
     fd: int
     start: int  # byte offset of token 0

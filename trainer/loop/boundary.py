@@ -14,15 +14,10 @@ checkpoint, an agreed stop) or ends training agrees on its own step synchronousl
 state after a non-finite loss, and the record before a checkpoint is complete. A non-finite loss ends the run,
 naming the ranks, before anything after it is saved (carried or not).
 
-A deferred step's gradient norm (this rank's; every rank's is the same under DDP) is read with its agreement, so
-its record waits for both. With NCCL both come back to the host behind an event: a side stream waits for the
-all-reduce, copies the three agreed numbers and the norm into pinned host memory, and boundary t+1 waits for that
-copy alone, not for step t+1's work queued on the training stream since (reading a device tensor would drain that
-queue at every boundary). So the boundary does not hold the host back: it may queue step t+2 while the device
-still computes step t+1, as far as the step-time breakdown's events (read a step later) allow. Measured on one H100
-(bench/README.md): records identical, no throughput change yet (something else still drains the queue). Over gloo
-(CPU tensors, or CUDA ones staged through the host by gloo itself) waiting is the only way: the work completes on
-gloo's thread."""
+A deferred step's gradient norm (this rank's) is read with its agreement. With NCCL both come back to the host
+behind an event (``_HostCopy``): boundary t+1 waits for that copy alone, not for step t+1's work queued since
+(reading a device tensor would drain the device's queue at every boundary). Over gloo waiting is the only way:
+the work completes on gloo's thread."""
 
 from __future__ import annotations
 

@@ -5,11 +5,9 @@ freed; smaller ones come from the heap, whose freed space stays resident. The th
 *dynamic*: the first free of a mapped block raises it to that block's size (up to 32 MiB). From then on tensors of
 a few MB (activations, FSDP's all-gathered parameters and reduce-scatter buffers, gloo's staging) live in the heap,
 fragmented, and the process keeps what they took. Fixing the threshold (``mallopt``, which also switches the raise
-off) hands that memory back, at the price of a mapping and zero-filled page faults for every large allocation.
-Measured on CPU (2 simulated nodes x 2 ranks, 25M-parameter GPT, bench/parallel.py): at 256 KiB, FSDP's peak per
-rank fell 898 -> 573 MB and its speed 627 -> 416 tokens/s; DDP's 993 -> 946 MB, 788 -> 652 tokens/s; at 2 MiB
-FSDP kept 620 MB at 481 tokens/s; a trim of the heap after every step saved nothing (the peak is within a step).
-So the default leaves glibc alone; a run short of host memory sets it.
+off) hands that memory back, at the price of a mapping and zero-filled page faults for every large allocation:
+measured on CPU, it lowers the peak per rank (most under FSDP) and costs throughput too
+(docs/measurements/parallel.md, "host memory"). So the default leaves glibc alone; a run short of host memory sets it.
 """
 
 from __future__ import annotations

@@ -10,14 +10,12 @@ alike without a further collective.
 
 A node is named when its intra-node bandwidth, best link, compute or free memory is below the median of the *other*
 nodes by more than ``monitor.preflight_margin``, or when one of its ranks cannot read its data. Every node unable to
-read means the data is at fault, not a node: that is reported, and the first step's read then fails the way the
-loader classifies it (bad input, or a storage fault that outlived its retries). The inter-node all-reduce is reported
-but names nobody: it spans every node, so all its members time the same operation. The ring ping-pong does: a node's
-best link is slow only when the node itself is. A first verdict that names a node is a question, not an answer:
-every rank measures once more and each rank's better figure of the two counts (``better_of``), so a node is named
-only when it is slow both times. On a loaded 2-core host a healthy node's best of 8 intra-node all-reduces once came
-out at 0.49x the other node's in a full test-suite run; a slow link or device is slow every time. Rank 0 logs a
-table and appends one ``preflight`` history event, which says how many times the ranks measured.
+read means the data is at fault, not a node: that is reported, and the first step's read then fails the way the loader
+classifies it (bad input, or a storage fault that outlived its retries). The inter-node all-reduce is reported but names
+nobody: it spans every node, so all its members time the same operation. The ring ping-pong does: a node's best link is
+slow only when the node itself is. A first verdict that names a node is a question, not an answer: every rank measures
+once more and each rank's better figure of the two counts (``better_of``), so a node is named only when it is slow both
+times. Rank 0 logs a table and appends one ``preflight`` history event, which says how many times the ranks measured.
 With ``exclude`` a named node ends the launch: rank 0 writes failure.json with the node's ranks as suspects (the
 launcher leaves the node out) and every rank returns EXIT_FAILED through the normal teardown.
 """
@@ -386,8 +384,8 @@ def run_preflight(p: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
     mine = measure(
         env, p.d.device, p.d.groups, p.loader, position=p.state.data_position, mib=mib, injector=p.mon.injector
     )
-    # The nodes finish measuring at different times; ranks spinning in MPI's gather starved the gloo transfers the
-    # others were still finishing on a shared host (measured: 1-2 s longer in 2 of 20 launches, once 27 s).
+    # The nodes finish measuring at different times; ranks spinning in MPI's gather would starve the gloo transfers
+    # the others are still finishing on a shared host.
     figures = patient_allgather(comm, mine)
     verdict = judge(figures, ranks_per_node=env.topology.ranks_per_node, margin=cfg.preflight_margin)
     measured = 1

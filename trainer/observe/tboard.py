@@ -28,8 +28,8 @@ TAGS = {
 
 
 # Events the writer's queue holds before add_scalar blocks: SummaryWriter's default, 10, is less than one step's
-# scalars, so rank 0 waited for TensorBoard's writer thread at every step (5.6 ms a step with 2 x 2 ranks on 2 cores,
-# py-spy; every rank then waits for rank 0 in the next all-reduce). Ten thousand hold several hundred steps.
+# scalars, so rank 0 would wait for TensorBoard's writer thread at every step (and every rank for rank 0 in the next
+# all-reduce: docs/measurements/overhead.md). Ten thousand hold several hundred steps.
 MAX_QUEUE = 10_000
 
 

@@ -1,20 +1,18 @@
 """Where a step's time goes: data wait, forward+backward, exposed communication, optimizer, checkpoint, sync.
 
-``StepClock`` times the phases of each step. On CPU it reads the host clock. On CUDA it records a pair of CUDA
-events around each phase on the training stream and reads their device times once the device has passed them (a
-step later, or when a record is written): each phase's time is the device's, and nothing drains the GPU's queue
-mid-step, so the host keeps running ahead (on one H100 the per-phase synchronizations cost 4 % of a device-bound
-step: bench/README.md, ``gpu_check.py``). A phase that blocks the host (a checkpoint's write) shows on the device's
-clock as the time the device waited for its end; a host wait the device did not notice (a late batch while the
-device still had queued work) costs nothing and counts nowhere. ``monitor.device_sync`` instead synchronizes the
-device at each phase boundary and reads the host clock (the older measurement, for comparison). The moment the last
-gradient was produced comes from a CUDA event recorded by per-parameter hooks either way.
-
+``StepClock`` times the phases of each step. On CPU it reads the host clock. On CUDA it records a pair of CUDA events
+around each phase on the training stream and reads their device times once the device has passed them (a step later, or
+when a record is written): each phase's time is the device's, and nothing drains the GPU's queue mid-step, so the host
+keeps running ahead (per-phase synchronizations slow a device-bound step: docs/measurements/gpu.md). A phase that blocks
+the host (a checkpoint's write) shows as the time the device waited for its end; a host wait the device did not notice
+(a late batch while it still had queued work) costs nothing and counts nowhere. ``monitor.device_sync`` instead
+synchronizes the device at each phase boundary and reads the host clock. The moment the last gradient was produced comes
+from a CUDA event recorded by per-parameter hooks either way.
 Exposed communication is the time the backward pass spends waiting on gradient communication rather than
 computing: from the moment the last gradient is ready to the end of ``backward()`` (DDP waits there for its
 all-reduce), plus, for a synchronous communication hook such as the hierarchical one, the time spent blocked
-inside the hook before that moment. Communication that overlaps with computing gradients is not exposed and is
-not counted. With a synchronous hook on GPU the hook's waits inside backward show up as compute.
+inside the hook before that moment. Overlapped communication is not counted. With a synchronous hook on GPU the
+hook's waits inside backward show up as compute.
 
 The layouts whose forward is collective (FSDP2, tensor and pipeline parallelism) block the training thread in
 their collectives wherever they fall; on CPU their exposed communication is the time the thread slept in

@@ -14,9 +14,8 @@ A collective that fails outright (gloo notices a peer's closed connection) is di
 (``diagnose``), so the error names the rank that went away: every live rank has a second daemon thread blocked in
 the store's ``wait`` on a key of its own (its own connection, no polling); the failing rank sets all those keys
 (one ``multi_set``) and each thread answers at once; a rank that has not answered within ``answer_window(cfg)``
-(1-5 s) has ended or is frozen. ``close`` wakes the rank's own thread to end it, so that no thread is left
-blocked on the store of a rank 0 that leaves first. Waiting out heartbeats instead (a gone rank is silent for
-longer than the 3-beat limit) cost 4 beats, 8 s at the default, for every crash, and the job's restart waited.
+has ended or is frozen. This is much faster than waiting for a gone rank's heartbeats to stop. ``close`` wakes the
+rank's own thread to end it, so that no thread is left blocked on the store of a rank 0 that leaves first.
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_n
     """The plan for these bucket sizes (bytes): see runconfig/allreduce_plan.py for its use and table. With
     ``one_network`` (every rank on one host in one network namespace: every "inter-node" link is loopback) the
     figures are measured and recorded but flat is chosen for every size: there the other algorithms, faster when
-    timed alone, lost in training (bench/README.md, "One host, more rounds, and the CPU a step costs")."""
+    timed alone, lost in training (docs/measurements/overhead.md, "one host, more rounds, and the CPU a step
+    costs")."""
     names = list(ALGORITHMS)
     start = time.perf_counter()
     rows: list[dict] = []

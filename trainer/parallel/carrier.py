@@ -1,14 +1,14 @@
 """The per-step agreement carried inside DDP's gradient reduction (``comm.carry_agreement``).
 
 Every step the ranks must agree on three numbers: the step's loss (its mean over ranks, for the record and the
-non-finite check), whether any rank was asked to stop, and rank 0's time-based checkpoint trigger. A small all-reduce
-of its own costs a gloo collective a step (1.3 ms of rank 0's training thread to issue, py-spy, plus a socket round on
-every rank; side by side on one host the gain is within the noise: bench/README.md). Under DDP the step already runs
-one reduction that every rank joins: the gradients'. ``Carrier`` wraps the model that DDP wraps with one extra
-parameter of ``SLOTS`` float32 elements, zero and never updated, whose gradient is this rank's three numbers
-(``backward``: the gradient of sum(a * v) for a being v, added to the last micro-batch's backward). DDP reduces it with
-the gradients, in whatever bucket and with whatever hook runs, and after backward its gradient holds the mean over
-ranks: the step's own agreement, known at the step's own boundary with no collective of its own and no deferral.
+non-finite check), whether any rank was asked to stop, and rank 0's time-based checkpoint trigger. A small all-reduce of
+its own costs a gloo collective a step (the training thread's time to issue it, plus a socket round on every rank:
+docs/measurements/overhead.md). Under DDP the step already runs one reduction that every rank joins: the
+gradients'. ``Carrier`` wraps the model that DDP wraps with one extra parameter of ``SLOTS`` float32 elements, zero and
+never updated, whose gradient is this rank's three numbers (``backward``: the gradient of sum(a * v) for a being v,
+added to the last micro-batch's backward). DDP reduces it with the gradients, in whatever bucket and with whatever hook
+runs, and after backward its gradient holds the mean over ranks: the step's own agreement, known at the step's own
+boundary with no collective of its own and no deferral.
 
 The parameter is not the model's: ``Wrapped.model`` (what the optimizer, clipping, the gradient norm, checkpoints,
 fingerprints and the parameter count see) is the bare model; only DDP sees the carrier. The loss calls DDP, which

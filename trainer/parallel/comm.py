@@ -2,31 +2,21 @@
 
 Algorithms (each sums a tensor over all ranks in place; ``ALGORITHMS``):
 
-- ``flat``: one all-reduce over all ranks (on a world group of its own, so that nothing the training thread
+- ``flat``: one all-reduce over all ranks, on a world group of its own (so that nothing the training thread
   issues on the default group can interleave with it).
 - ``hierarchical``: intra-node reduce-scatter, inter-node all-reduce of the shard, intra-node all-gather: only
-  1/ranks_per_node of the data crosses the inter-node fabric per rank (with one NIC per GPU, every NIC busy);
-  pipelined over chunks with ``comm.chunk_kb``.
+  1/ranks_per_node of the data crosses the inter-node fabric per rank; pipelined over chunks with ``comm.chunk_kb``.
 - ``leader``: reduce to the node's first rank, all-reduce among the node leaders, broadcast inside the node.
 - ``two_level``: all-reduce inside the node, then among the ranks with the same local index on every node.
 
-``comm.allreduce: auto`` measures them at start-up (trainer/parallel/autotune.py) and ``BucketDispatch`` picks the
-fastest per bucket size. Three hooks run a dispatch:
-
-- ``overlapped_hook`` (CPU): the hook hands the bucket to a ``BucketReducer``, a thread of its own that reduces
-  DDP's buckets one after another in the order the hook received them, and returns a future that completes when
-  the bucket is reduced; backward goes on meanwhile. DDP's reducer launches buckets in bucket index order on every
-  rank, the choice of algorithm depends only on the bucket's size and a plan every rank holds alike, and nothing
-  else issues collectives on these groups during training, so every rank issues the same collectives in the same
-  order on each group. (Chaining the phases through futures' callbacks instead lets ranks issue them in different
-  orders, a hang measured on torch 2.13; gloo has no future for a reduce-scatter anyway: see shared notes.)
-- ``stream_hook`` (CUDA): the hook issues the bucket's collectives at once, from the autograd thread in bucket
-  order, on a CUDA stream of its own (``SideStream``) that first waits for the bucket's gradients; the compute
-  stream goes on with backward and waits only where DDP waits for the returned future, at the end of backward. No
-  thread: with NCCL, issuing blocks nothing on the host (a collective's wait makes the issuing stream wait), so the
-  hook returns at once and every rank issues the same collectives in the same order.
-- ``sync_hook``: the same, synchronously inside the hook, blocking backward while each bucket is reduced
-  (``comm.overlap: false``; the reference the overlapped ones are tested against: they end bit-identical).
+``comm.allreduce: auto`` measures them at start-up (autotune.py) and ``BucketDispatch`` picks one per bucket size.
+Hooks: ``overlapped_hook`` (CPU: a ``BucketReducer`` thread reduces the buckets in arrival order while backward
+goes on), ``stream_hook`` (CUDA: the autograd thread issues each bucket's collectives at once on a ``SideStream``;
+no thread, as issuing an NCCL collective blocks nothing on the host) and ``sync_hook`` (inside the hook, blocking:
+the reference the other two are tested bit-identical against). All rely on every rank issuing the same
+collectives in the same order on each group: DDP launches buckets in index order on every rank, the algorithm
+depends only on the bucket's size and a plan all ranks share, and nothing else uses these groups in training. Do
+not chain the phases through futures' callbacks: ranks can then issue them in different orders, and hang.
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook checks the hook's annotations at run
@@ -100,9 +90,9 @@ class HierGroups:
     def release(self) -> int:
         """Destroy the groups of its own (never the default group) once nothing will use them: start-up's link
         test and all-reduce measurements are done and DDP's own all-reduce runs, with no hook. Each gloo group
-        keeps a thread that wakes every 10 ms whether or not the group is used (gloo's tcp loop polls with a 10-ms
-        timeout), and on ranks sharing cores each wake-up takes a core from a training thread: bench/README.md.
-        Collective (every rank releases at the same point). Returns how many groups were destroyed."""
+        keeps a polling thread that wakes whether or not the group is used, and on ranks sharing cores each wake-up
+        takes a core from a training thread (docs/measurements/overhead.md, "idle gloo groups"). Collective (every
+        rank releases at the same point). Returns how many groups were destroyed."""
         default = dist.group.WORLD
         released = 0
         for name in ("intra", "inter", "world"):
@@ -340,7 +330,7 @@ def stream_hook(side: SideStream, bucket: dist.GradBucket) -> torch.futures.Futu
     return side.reduce(bucket.buffer())
 
 
-CHECK_DELAY_CYCLES = 20_000_000  # GPU clock cycles the compute stream spins before the check's input: ~10-15 ms
+CHECK_DELAY_CYCLES = 20_000_000  # GPU clock cycles the compute stream spins before writing the check's input
 
 
 def check_overlapped(dispatch: BucketDispatch, sizes: list[int], device: torch.device) -> list[int]:
@@ -350,9 +340,10 @@ def check_overlapped(dispatch: BucketDispatch, sizes: list[int], device: torch.d
     every algorithm's sum is exact, and both paths run the same collectives.
 
     On CUDA it is the test of the two stream orderings the hook relies on. The input is written on the compute
-    stream behind a kernel that spins ~10 ms, so a side stream that did not wait for the compute stream would read
-    the buffer before it is written; the result is compared on the compute stream after a wait on the future, as
-    DDP waits, so a future that did not order that stream after the reduction would compare the unreduced input."""
+    stream behind a spinning kernel (``CHECK_DELAY_CYCLES``), so a side stream that did not wait for the compute
+    stream would read the buffer before it is written; the result is compared on the compute stream after a wait
+    on the future, as DDP waits, so a future that did not order that stream after the reduction would compare the
+    unreduced input."""
     bad = torch.zeros(dist.get_world_size(dispatch.groups.world), dtype=torch.int32, device=device)
     me = dist.get_rank(dispatch.groups.world)
     for size in sizes:

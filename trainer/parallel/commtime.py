@@ -4,8 +4,7 @@ pipeline parallelism) on CPU.
 There, collectives block the training thread inside forward and backward, wherever the parallelism puts them, so
 the tail-after-the-last-gradient measure of DDP sees none of them. Gloo's collectives carry no process group in
 torch's profiler and its completion hooks are NCCL-only, so the time is taken where this trainer can draw a
-boundary: the time the training thread SLEPT (trainer.observe.offcpu: waiting, not computing, not queued for a
-core) inside
+boundary: the time the training thread SLEPT (trainer.observe.offcpu: waiting, not computing or queued) inside
 
 - FSDP2's all-gathers and reduce-scatters (FSDP2's custom-collective interface, calling the same collectives):
   ``dp_shard``;
@@ -15,10 +14,8 @@ core) inside
 and the rest of the forward/backward's sleep, which falls in the collectives nothing above encloses: DTensor's
 (tensor parallelism: ``tp``) and FSDP2's all-reduce across HSDP replicas (``dp_replicate``). Where both are on,
 that rest is named ``tp+dp_replicate``: torch gives no boundary between them. Where neither is, it is not counted
-as communication. Regions nest; a region's own time leaves out what nested regions took.
-
-On GPUs the host does not wait for NCCL, so none of this runs there (torch.profiler's NCCL kernels carry their
-process group).
+as communication. Regions nest; a region's own time leaves out what nested regions took. On GPUs the host does
+not wait for NCCL, so none of this runs there (torch.profiler's NCCL kernels carry their process group).
 """
 
 from __future__ import annotations

@@ -128,7 +128,8 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
 
 
 def gloo_threads() -> int:
-    """This process' gloo transport threads: one per gloo group (each polls every 10 ms, used or not)."""
+    """This process' gloo transport threads: one per gloo group (each wakes on a timer, used or not:
+    ``HierGroups.release``)."""
     tasks, names = Path("/proc/self/task"), []
     if not tasks.is_dir():  # not Linux: not counted
         return 0

@@ -101,7 +101,7 @@ def shard(
     """fully_shard every block, then the root. ``param_dtype`` (bf16 on GPUs) is the compute dtype of the gathered
     parameters; gradients are reduced in fp32 and the sharded parameters and optimizer state stay fp32. With an
     enabled ``ledger``, FSDP2's all-gathers and reduce-scatters are timed into it (the same collectives)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # 0.2-0.7 s: only where it is used
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # slow to import: only where it is used
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for i, block in enumerate(blocks):

@@ -2,20 +2,17 @@
 
 With MPICH's OFI network module (the ``tcp`` provider between hosts) a message leaves the sender only while the
 sender is inside an MPI call. The trainer often sends and then waits elsewhere: rank 0 broadcasts the rendezvous
-port and then waits in torch's TCPStore, a collective's last sender goes on to a gloo collective. Measured between
-separate hosts (envs/slurm/cluster.sh with HPC_SLURM_NETNS=1): a broadcast reached the other nodes only when rank 0
-next called MPI, 4 s later in the test, never in the trainer. OFI's automatic data progress delivers it, but with it
-8 to 13 % of 3-node starts hung in ``MPI_Init`` (3, 3, 4 and 1 of 30), every rank spinning in MPICH's progress
-loop; without it, 0 of 90.
+port and then waits in torch's TCPStore, a collective's last sender goes on to a gloo collective, and the message
+may then never arrive. OFI's automatic data progress would deliver it but can hang multi-node starts in
+``MPI_Init`` (trainer/parallel/mpi_library.py).
 
 So data progress is driven here: every ``interval_s`` a daemon thread probes a private duplicate of the world
-communicator, which runs MPICH's progress engine (mpi4py starts MPI with ``MPI_THREAD_MULTIPLE``). A broadcast then
-arrives within ~10 ms. It is started after ``MPI_Init`` and stopped before ``MPI_Finalize``.
+communicator, which runs MPICH's progress engine (mpi4py starts MPI with ``MPI_THREAD_MULTIPLE``). It is started
+after ``MPI_Init`` and stopped before ``MPI_Finalize``.
 
-While the loop trains, no MPI message is sent (torch.distributed carries everything), so the thread wakes every
-``RELAXED_INTERVAL_S`` instead (``relaxed``). At 5 ms each rank's thread took ~11 ms of CPU a second (a wake, the
-GIL, MPICH polling its sockets): with 2 x 2 ranks on 2 cores, 7.9 ms of the 327 ms of CPU a training step cost
-(2.4 %); relaxed, 0.5 ms (per-thread CPU from /proc, bench/README). A message sent just before the loop still
+While the loop trains no MPI message is sent (torch.distributed carries everything), so the thread wakes only
+every ``RELAXED_INTERVAL_S`` (``relaxed``): each wake costs CPU (the GIL, MPICH polling its sockets) that ranks
+sharing cores take from training (docs/measurements/overhead.md). A message sent just before the loop still
 leaves within that interval.
 """
 

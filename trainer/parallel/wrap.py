@@ -80,7 +80,7 @@ def wrap(
     fills this rank's part once it is split (before DDP, which broadcasts values, or a pipeline schedule)."""
     # DDP and FSDP read attributes of torch._dynamo, which trainer.main imports in a background thread to save
     # start-up time: an import statement waits for that import to finish, where an attribute read of the half-
-    # initialised module fails ("module 'torch._dynamo' has no attribute 'utils'", seen once in CI).
+    # initialised module can fail.
     importlib.import_module("torch._dynamo")
 
     layout = layout_of(cfg, env)

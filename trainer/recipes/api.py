@@ -15,12 +15,11 @@ called once per rank as ``function(ctx, **recipe_args)`` and returning a :class:
         )
 
 The trainer does the rest: it seeds torch with ``train.seed`` before calling the recipe (so every rank builds the
-same initial weights), moves the model to the device, wraps it in DDP with the configured all-reduce, splits a
-global sample order (a pure function of ``data.seed`` and the epoch, independent of the world size) over ranks and
-micro-batches, prefetches batches in background threads, steps the optimizer, checkpoints and resumes exactly.
-
-Raise ``ValueError`` (or ``TypeError``) from the recipe function for ``recipe_args`` it rejects: the message is
-shown to the user with the recipe named, and the job ends with status 2 before any training.
+same initial weights), places and wraps the model for the parallel layout, splits a global sample order (a pure
+function of ``data.seed`` and the epoch, independent of the world size) over ranks and micro-batches, prefetches
+batches, steps the optimizer, checkpoints and resumes exactly. Raise ``ValueError`` (or ``TypeError``) for
+``recipe_args`` the recipe rejects: the message is shown with the recipe named, and the job ends with status 2
+before any training.
 """
 
 from __future__ import annotations
