@@ -3,7 +3,7 @@
 The generated batch script runs one *driver* process (``hpc.driver``, no srun around it); the driver starts the
 ranks with ``srun --mpi=PLUGIN python -m trainer`` and decides what happens when they stop: done, requeue (after
 the trainer committed its checkpoint), or give up. Every config value that reaches the script was validated in
-``runconfig.schema.JobConfig.check`` or is quoted here.
+``runconfig.schema.slurm_syntax`` (through ``JobConfig.check``) or is quoted here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from runconfig import RunConfig, RunDir
-from runconfig.schema import SLURM_NAMES_RE
+from runconfig.schema.slurm_syntax import SLURM_NAMES_RE
 
 SIGNAL_PREFIX = "SIG"
 

@@ -83,13 +83,20 @@ class Layout:
         return " x ".join(f"{name} {size}" for name, size in self.sizes().items())
 
 
+def degree_problem(value: int) -> str | None:
+    """Why ``value`` cannot be a parallel degree (None when it can): at least 1, or -1 for what the others leave."""
+    if value != -1 and value < 1:
+        return f"must be >= 1, or -1 for what the other degrees leave; got {value}"
+    return None
+
+
 def resolve(degrees: dict[str, int], world_size: int, ranks_per_node: int) -> Layout:
     """The layout for ``degrees`` (``parallel.*``, -1 on at most one: what the others leave) on ``world_size`` ranks
     of ``ranks_per_node`` per node. Raises LayoutError naming the key at fault."""
     wild = [name for name in DIMS if degrees[name] == -1]
     for name in DIMS:
-        if degrees[name] != -1 and degrees[name] < 1:
-            raise LayoutError(name, f"must be >= 1, or -1 for what the other degrees leave; got {degrees[name]}")
+        if problem := degree_problem(degrees[name]):
+            raise LayoutError(name, problem)
     if len(wild) > 1:
         raise LayoutError(wild[1], f"only one degree may be -1 (what the others leave); {' and '.join(wild)} are")
     tp = degrees["tp"]

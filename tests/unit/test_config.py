@@ -261,21 +261,21 @@ def test_recipe_keys(tmp_path):
         assert needle in str(info.value), (overrides, str(info.value))
 
 
-def test_readme_lists_every_config_key():
-    """The README's table of config keys names every key each section declares (it drifted once: the preflight and
-    straggler-exclusion keys were missing)."""
+def test_the_configuration_reference_is_generated_from_the_schema_and_current():
+    """docs/configuration.md is what `python -m runconfig.reference` makes of the field declarations: every key of
+    every section, its default and declared rule (a stale page fails here; run the command to refresh it)."""
     import dataclasses
     import typing
 
+    from runconfig.reference import PAGE, markdown
     from runconfig.schema import RunConfig
 
-    rows = {}
-    for line in (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines():
-        if line.startswith("| `") and line.count("|") == 3:
-            section, keys = line.split("|")[1:3]
-            rows[section.strip().strip("`")] = keys
+    text = markdown()
+    assert PAGE.read_text() == text, "docs/configuration.md is stale: run python -m runconfig.reference"
     for name, kind in typing.get_type_hints(RunConfig).items():
-        if dataclasses.is_dataclass(kind):
-            assert name in rows, f"README has no row for section {name!r}"
-            missing = [f.name for f in dataclasses.fields(kind) if f"`{f.name}`" not in rows[name]]
-            assert not missing, f"README's {name!r} row lacks {missing}"
+        keys = [f"{name}.{f.name}" for f in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else [name]
+        for key in keys:
+            assert f"| `{key}` |" in text, key
+    assert "| `train.steps` | integer | `200` | >= 1 |" in text
+    assert "| `job.restart_backoff_s` | number | `5.0` | between 0 and 3600 seconds |" in text
+    assert run_cli(["-m", "runconfig.reference", "--check"]).returncode == 0

@@ -1,0 +1,61 @@
+"""When checkpoints are committed and kept, the stop signals, resume, and storage retries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runconfig.schema.fields import Problems, Range, Section, doc
+from runconfig.schema.slurm_syntax import SIGNAL_NAMES
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(Section):
+    every_steps: int = doc(
+        "Commit a checkpoint every N optimizer steps; 0 = not by step count.", 100, bounds=Range(ge=0)
+    )
+    every_minutes: float = doc(
+        "Commit a checkpoint when this many minutes passed since the last; 0 = off.", 0.0, bounds=Range(ge=0)
+    )
+    keep_last: int = doc(
+        "Committed generations kept (>= 2); older ones are pruned after a newer commit.",
+        2,
+        bounds=Range(ge=2, text=">= 2 (never keep only one generation)"),
+    )
+    keep_every: int = doc(
+        "Also keep forever every checkpoint whose step is a multiple of this; 0 = none.", 0, bounds=Range(ge=0)
+    )
+    async_save: bool = doc("Copy the state to CPU memory and write it in the background while training goes on.", False)
+    at_end: bool = doc("Commit a checkpoint when training completes.", True)
+    stop_signals: list[str] = doc(
+        "Signals that stop training at the next step boundary with a committed checkpoint (exit status 75: "
+        "stopped, resumable). SIGUSR1 is left out by default: NCCL uses it on some systems.",
+        factory=lambda: ["SIGUSR2", "SIGTERM"],
+    )
+    resume: bool = doc("Continue from the newest valid checkpoint in the run directory when there is one.", True)
+    allow_shape_change: bool = doc(
+        "Resume even if the model or optimizer config changed since the checkpoint (a warm start: parameters "
+        "whose name and shape still match are loaded, the others keep their fresh initialisation, and the "
+        "optimizer state is reset unless every parameter loaded). A dropout change never needs it.",
+        False,
+    )
+    io_retries: int = doc(
+        "Further attempts at a checkpoint save or load whose file I/O failed with a transient storage error (EIO, "
+        "ESTALE, ETIMEDOUT, ...: a network file system's fail-over). A save is retried whole, on every rank, from a "
+        "fresh temporary folder; the previous generation is never touched. Then the launch fails as a crash and is "
+        "restarted (job.max_failures). A full disk or a permission error is not retried; 0 = no retries.",
+        5,
+        bounds=Range(ge=0),
+    )
+    io_retry_backoff_s: float = doc(
+        "Seconds before the first retry of a checkpoint save or load; each next one waits twice as long (at most "
+        "30 s, with jitter), and no retry starts later than 120 s after the first attempt.",
+        1.0,
+        bounds=Range(gt=0, le=60, text="in (0, 60] seconds"),
+    )
+
+    def relations(self) -> Problems:
+        return [
+            ("stop_signals", f"{name!r} is not one of {', '.join(SIGNAL_NAMES)}")
+            for name in self.stop_signals
+            if name not in SIGNAL_NAMES
+        ]

@@ -1,0 +1,66 @@
+"""The sample order, prefetching, and the prepared HDF5 token data that token-based recipes read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runconfig.schema.fields import Range, Section, doc
+
+#: Smallest shard of a prepared dataset (data.shard_tokens, and `python -m trainer.data prepare`).
+MIN_SHARD_TOKENS = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(Section):
+    source: str = doc(
+        "Folder of text files to prepare on first use, or 'stdlib' for this Python's standard library.",
+        "stdlib",
+        nonempty="must not be empty",
+    )
+    include: list[str] = doc(
+        "Glob patterns (relative to source) of the files to take.",
+        factory=lambda: ["*.py"],
+        nonempty="needs at least one pattern",
+    )
+    max_source_bytes: int = doc("Stop reading the source after this many bytes; 0 = no limit.", 0, bounds=Range(ge=0))
+    path: str | None = doc(
+        "Prepared dataset folder (manifest.json + HDF5 shards). Unset: a cache folder derived from the "
+        "source under $HPC_DATA_CACHE (default ~/.cache/hpc-trainer/data).",
+        None,
+    )
+    val_fraction: float = doc("Fraction of source files held out for the eval loss.", 0.05, bounds=Range(gt=0, lt=1))
+    shard_tokens: int = doc("Tokens per HDF5 shard when preparing.", 4_000_000, bounds=Range(ge=MIN_SHARD_TOKENS))
+    seed: int = doc("Seed of the global sample order (with the epoch).", 1234)
+    verify: str = doc(
+        "Start-up check of the prepared shards against manifest.json: 'checksum' = each shard's SHA-256 (every "
+        "byte read once, the shards split over the ranks); 'size' = only each shard's token count and dtype, for "
+        "datasets too large to read at every start, and then every window read while training is range-checked. "
+        "Both refuse a vocabulary larger than model.vocab_size.",
+        "checksum",
+        choices=("checksum", "size"),
+    )
+
+    tokenizer: str | None = doc(
+        "A tokenizers-package tokenizer.json used when preparing data.source on first use (its ids are stored in the "
+        "same HDF5 shards; the vocabulary size comes from it). Unset: bytes (vocabulary 257).",
+        None,
+    )
+    prefetch: int = doc(
+        "Micro-batches fetched and collated ahead of the step by as many background threads (hides a dataset slower "
+        "than a step when its items can be fetched in parallel, e.g. file reads); 0 = fetch in the training thread.",
+        2,
+        bounds=Range(ge=0),
+    )
+    read_retries: int = doc(
+        "Further attempts at reading a token window that failed with a transient storage error (EIO, ESTALE, "
+        "ETIMEDOUT, ...: a network file system's fail-over), the shard reopened each time; then the launch fails "
+        "as a crash and is restarted (job.max_failures). Other errors are not retried; 0 = no retries.",
+        5,
+        bounds=Range(ge=0),
+    )
+    read_retry_backoff_s: float = doc(
+        "Seconds before the first retry of a data read; each next one waits twice as long (at most 30 s, with "
+        "jitter), and no retry starts later than 120 s after the first attempt.",
+        0.5,
+        bounds=Range(gt=0, le=60, text="in (0, 60] seconds"),
+    )

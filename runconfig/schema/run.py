@@ -1,0 +1,108 @@
+"""The whole run configuration: the top-level keys, the sections, and the checks that span sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runconfig.layout import Layout, resolve
+from runconfig.schema.checkpoint import CheckpointConfig
+from runconfig.schema.comm import CommConfig
+from runconfig.schema.data import DataConfig
+from runconfig.schema.feasible import layout_problems
+from runconfig.schema.fields import Problems, doc
+from runconfig.schema.job import JobConfig
+from runconfig.schema.model import ModelConfig
+from runconfig.schema.monitor import MonitorConfig
+from runconfig.schema.parallel import ParallelConfig
+from runconfig.schema.recipe import BUILTIN_RECIPE, RECIPE_RE
+from runconfig.schema.train import TrainConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    recipe: str = doc(
+        "What to train: 'module:function' of a recipe (the user's model, data and loss; see trainer/recipes/api.py), "
+        "or 'gpt', the built-in byte-level GPT. The module is found in the config file's folder, the current folder "
+        "or the installed packages, and snapshotted into the run directory at submit time.",
+        "gpt",
+    )
+    recipe_args: dict[str, Any] = doc("Keyword arguments of the recipe function (free mapping).", factory=dict)
+    job: JobConfig = doc("Job shape: nodes and ranks.", factory=JobConfig)
+    model: ModelConfig = doc("The built-in GPT's shape (recipe: gpt only).", factory=ModelConfig)
+    data: DataConfig = doc(
+        "Sample order (seed), prefetch, and the prepared HDF5 token data that token-based recipes read.",
+        factory=DataConfig,
+    )
+    train: TrainConfig = doc("Optimisation loop.", factory=TrainConfig)
+    comm: CommConfig = doc("Gradient communication.", factory=CommConfig)
+    parallel: ParallelConfig = doc(
+        "How the model is split over the ranks: data-parallel replicas and FSDP2 shards (HSDP), see "
+        "runconfig/layout.py.",
+        factory=ParallelConfig,
+    )
+    checkpoint: CheckpointConfig = doc("Checkpoints, stop signals and resume.", factory=CheckpointConfig)
+    monitor: MonitorConfig = doc("Metrics, TensorBoard, stragglers and the hang watchdog.", factory=MonitorConfig)
+
+    def check(self) -> Problems:
+        """Checks that span sections."""
+        out: Problems = []
+        if not RECIPE_RE.match(self.recipe):
+            out.append(("recipe", f"{self.recipe!r} must be 'gpt' or 'package.module:function'"))
+        elif self.recipe != BUILTIN_RECIPE and self.model != ModelConfig():
+            out.append(
+                (
+                    "model",
+                    f"configures the built-in gpt recipe; recipe {self.recipe} takes its settings from recipe_args",
+                )
+            )
+        if self.recipe == BUILTIN_RECIPE and self.recipe_args:
+            out.append(("recipe_args", "the built-in gpt recipe takes its settings from the model section"))
+        if self.job.signal not in self.checkpoint.stop_signals:
+            out.append(
+                (
+                    "job.signal",
+                    f"{self.job.signal} is not in checkpoint.stop_signals {self.checkpoint.stop_signals}: "
+                    "the trainer would not stop on it",
+                )
+            )
+        out += layout_problems(self)
+        if self.monitor.preflight == "exclude" and self.job.nodes == 1:
+            out.append(
+                (
+                    "monitor.preflight",
+                    "exclude needs job.nodes >= 2: the preflight compares a node with the other nodes, and one node "
+                    "has none to be compared with or to leave it out for (use warn)",
+                )
+            )
+        if self.monitor.straggler_exclude_after and self.job.nodes == 1:
+            out.append(("monitor.straggler_exclude_after", "needs job.nodes >= 2: one node has no peers to lag behind"))
+        job = self.job
+        nccl = self.comm.backend == "nccl" or (self.comm.backend == "auto" and self.train.device != "cpu")
+        if nccl and 0 < job.gpus_per_node < job.ranks_per_node:
+            out.append(
+                (
+                    "job.ranks_per_node",
+                    f"{job.ranks_per_node} ranks per node on {job.gpus_per_node} GPU(s) per node (job.gpus_per_node): "
+                    "NCCL allows one rank per GPU. Set ranks_per_node to the GPUs per node, or comm.backend: gloo "
+                    "(or train.device: cpu) for ranks that share a GPU",
+                )
+            )
+        if self.monitor.hang_timeout_s and self.monitor.hang_timeout_s < 2 * self.checkpoint.io_retry_backoff_s:
+            out.append(
+                (
+                    "monitor.hang_timeout_s",
+                    f"{self.monitor.hang_timeout_s:g} s would end a checkpoint save that is waiting out a storage "
+                    f"retry (checkpoint.io_retry_backoff_s={self.checkpoint.io_retry_backoff_s:g})",
+                )
+            )
+        return out
+
+    def layout(self, world_size: int | None = None) -> Layout:
+        """The parallel layout on ``world_size`` ranks (default: the job's); raises LayoutError."""
+        return resolve(self.parallel.degrees(), world_size or self.job.world_size, self.job.ranks_per_node)
+
+    def grad_accum(self, world_size: int | None = None) -> int:
+        """Micro-batches per optimizer step on ``world_size`` ranks (default: the job's): the global batch over
+        micro-batch x the layout's data-parallel ranks (tensor and pipeline ranks share their micro-batches)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.layout(world_size).dp)
