@@ -142,7 +142,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
 
 def patient_barrier(comm: MPI.Comm, poll_s: float = 0.002, timeout_s: float | None = None) -> bool:
     """Wait for every rank without taking a core: MPICH's blocking collectives spin, which slows the rank still
-    working (docs/measurements/startup.md). Costs up to ``poll_s`` of latency: for start-up checks, not for the
+    working (docs/measurements/notes-trainer.md). Costs up to ``poll_s`` of latency: for start-up checks, not for the
     training loop. With ``timeout_s``, gives up after that long; whether every rank arrived."""
     request = comm.Ibarrier()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
