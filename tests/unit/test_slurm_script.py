@@ -117,9 +117,9 @@ def test_bad_time_limits(text):
 def test_submitit_is_pinned_to_the_range_that_is_tested():
     """hpc/slurm.py renders the script with a private function of submitit: the package's requirement admits the
     version the tests run (and the golden file holds) and no later minor release, whose private API may differ."""
-    import tomllib
     from importlib.metadata import version
 
+    import tomllib
     from packaging.requirements import Requirement
 
     root = Path(__file__).resolve().parents[2]
