@@ -34,6 +34,7 @@ from trainer.loop.parts import Parts, autocast
 from trainer.loop.stop import StopFlag
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
+from trainer.observe.startup import StartupClock
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
 from trainer.parallel.buckets import ddp_bucket_bytes
@@ -96,15 +97,14 @@ def build_parts(
     stack: contextlib.ExitStack,
     *,
     code_sha256: str | None = None,
-    marks: dict[str, float] | None = None,
-    memory: dict[str, float] | None = None,
+    clock: StartupClock | None = None,
 ) -> Parts:
-    """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``marks`` gets the
-    time the recipe was built (start-up phases); ``memory`` this rank's peak memory once the model is built and
-    split (``model_built``, MB), before any forward."""
+    """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``clock`` notes
+    when the recipe was built and this rank's peak memory once the model is built and split (``model_built``),
+    before any forward."""
     recipe = make_recipe(cfg, env, d, rundir, comm, stack)
-    if marks is not None:
-        marks["recipe"] = time.time()
+    if clock is not None:
+        clock.mark("recipe")
     materialise, init_error = None, []
     if cfg.parallel.meta_init:  # parameters on meta: split first, then allocate and fill this rank's part only
         model = recipe.model
@@ -121,8 +121,8 @@ def build_parts(
     wrapped = wrap(cfg, env, d, model, recipe, materialise=materialise)
     if cfg.parallel.meta_init:
         agree(comm, init_error[0] if init_error else None)
-    if memory is not None:
-        memory["model_built"] = peak_memory_mb(d.device)
+    if clock is not None:
+        clock.note_memory("model_built", peak_memory_mb(d.device))
     model = wrapped.model  # this rank's part under pipeline parallelism
     t = cfg.train
     loader = BatchLoader(

@@ -1,4 +1,4 @@
-"""Where a run's code and libraries came from: recorded in checkpoint manifests."""
+"""Where a run's code and libraries came from, and the rest of what a checkpoint manifest records about the run."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
+
+from runconfig.load import config_hash
 
 
 @functools.cache
@@ -37,3 +39,27 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def manifest_fields(*, cfg, env, state, identity: dict, code_sha256: str | None, optimizer_type: str, fmt: int) -> dict:
+    """What a generation's manifest records besides its files: the step and loop state, the world and topology,
+    the config's hash, what identifies the model and optimizer, the code, libraries and Slurm ids."""
+    return {
+        "format": fmt,
+        "step": state.step,
+        "tokens_seen": state.tokens_seen,
+        "data_position": state.data_position,
+        "loss": state.last_loss,
+        "world_size": env.world_size,
+        "topology": env.topology.describe(),
+        "config_sha256": config_hash(cfg),
+        **identity,
+        "recipe_args": cfg.recipe_args,
+        "code_sha256": code_sha256,
+        "optimizer": {"type": optimizer_type},
+        "git_commit": git_commit(),
+        "versions": versions(),
+        "slurm_job_id": env.slurm_job_id,
+        "slurm_restart_count": env.slurm_restart_count,
+        "wall_time_s": state.elapsed_s,
+    }

@@ -1,0 +1,104 @@
+"""A launch's first steps on every rank: the config and the recipe's code, the MPI environment, logging, the stop
+flag, threads, the device and the process groups. What it returns is what the build needs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from mpi4py import MPI
+
+from runconfig import ConfigError, RunConfig, RunDir, code, load_config, shm
+from trainer.env import RuntimeEnv, agree, from_mpi
+from trainer.errors import UserError
+from trainer.loop.stop import EarlySignals, StopFlag
+from trainer.loop.stopreport import record_signal_path
+from trainer.observe.hostmem import fix_mmap_threshold
+from trainer.observe.startup import StartupClock
+from trainer.parallel.distributed import Distributed, init_distributed, pick_device
+
+log = logging.getLogger("trainer")
+
+
+@dataclass(frozen=True)
+class Booted:
+    cfg: RunConfig
+    code_sha256: str | None  # the recipe's code snapshot, first on sys.path (None: built in or installed)
+    env: RuntimeEnv
+    stop: StopFlag
+    d: Distributed
+
+
+def boot(
+    rundir: RunDir, comm: MPI.Comm, clock: StartupClock, early: EarlySignals, mpi_defaults: dict[str, str]
+) -> Booted:
+    """Read the config, activate the code snapshot, read the MPI environment, meet the other ranks, and bring up
+    the process groups. Bad input stops every rank with the same UserError."""
+    try:  # deterministic checks: every rank fails the same way
+        cfg = load_config(str(rundir.config))
+        code_sha256 = code.activate(rundir)  # the recipe's code as submitted, first on sys.path
+        env = from_mpi(comm)
+    except (ConfigError, UserError) as exc:
+        raise UserError(str(exc), collective=True) from None
+    clock.slowest_imports = comm.allreduce(clock.slowest_imports, op=MPI.MAX)
+    clock.mark("mpi")
+    agree(comm, rundir.writable_error() if env.rank == 0 else None)
+    setup_logging(rundir, env.rank)
+    fix_mmap_threshold(cfg.train.host_mmap_threshold_kb)  # before the model and data take memory
+    stop = _stop_flag(cfg, early)
+    torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
+    log.info(
+        "rank %d/%d on %s%s: node %d local rank %d%s, %d threads, pid %d",
+        env.rank,
+        env.world_size,
+        env.hostname,
+        f" (slurm node {env.slurm_node})" if env.slurm_node else "",
+        env.node,
+        env.local_rank,
+        " (simulated nodes)" if env.simulated_nodes else "",
+        torch.get_num_threads(),
+        os.getpid(),
+    )
+    record_signal_path(rundir, env, cfg.checkpoint.stop_signals, early)  # for `python -m hpc selftest`
+    if env.host_local_rank == 0:  # what ranks of an earlier, killed launch left on this host
+        removed = shm.sweep()
+        if removed:
+            log.info("removed %d stale MPI shared-memory segment(s) from %s", len(removed), shm.SHM_DIR)
+    if env.rank == 0 and mpi_defaults:
+        applied = " ".join(f"{name}={value}" for name, value in mpi_defaults.items())
+        log.info("MPI library defaults applied (set them in job.env to choose otherwise): %s", applied)
+    d = init_distributed(env, cfg.comm, pick_device(env, cfg.train.device), comm)
+    clock.mark("rendezvous")
+    return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, d=d)
+
+
+def _stop_flag(cfg: RunConfig, early: EarlySignals) -> StopFlag:
+    """The stop handlers; a signal during start-up (from the process's first lines on) is honoured at step 1."""
+    stop = StopFlag(cfg.checkpoint.stop_signals, early=early)
+    if stop.signum is not None:
+        log.info("stop signal %d arrived during start-up: the run stops at its first step boundary", stop.signum)
+    if stop.ignored_early is not None:
+        log.warning(
+            "signal %d arrived during start-up; it is not in checkpoint.stop_signals: ignored", stop.ignored_early
+        )
+    return stop
+
+
+def setup_logging(rundir: RunDir, rank: int) -> None:
+    fmt = logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    handlers: list[logging.Handler] = []
+    if rundir.logs.is_dir():
+        handlers.append(logging.FileHandler(rundir.rank_log(rank)))
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        if sys.stdout.isatty():  # a progress bar is drawn there instead of the periodic step lines
+            console.addFilter(lambda record: not getattr(record, "progress", False))
+        handlers.append(console)
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)

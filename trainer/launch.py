@@ -1,0 +1,211 @@
+"""A launch once its parts are built: start (restore, the all-reduce plan, checks, preflight, the start event),
+train with the diagnosis of what ends it early, and finish (the stop or done event, the summary)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from mpi4py import MPI
+
+from runconfig import RunDir
+from runconfig.contract import (
+    EVENT_DONE,
+    EVENT_RESUME,
+    EVENT_START,
+    EVENT_STOPPED,
+    EXIT_DONE,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    FAILURE_CRASH,
+    FAILURE_STRAGGLER,
+    append_event,
+    write_json_atomic,
+)
+from runconfig.load import config_hash
+from trainer.boot import Booted
+from trainer.build import check_overlap, plan_allreduce, restore_or_start
+from trainer.checkpoint.fingerprint import params_sha256
+from trainer.failure import report_failure
+from trainer.loop.parts import Parts
+from trainer.loop.stopreport import LeadCheck, stopped_fields
+from trainer.loop.train import train
+from trainer.observe.memory import state_bytes
+from trainer.observe.metrics import truncate_metrics
+from trainer.observe.preflight import run_preflight
+from trainer.observe.startup import StartupClock
+from trainer.observe.stragglers import NodeEvicted
+from trainer.observe.timing import peak_memory_mb
+from trainer.parallel.distributed import gloo_threads
+
+log = logging.getLogger("trainer")
+
+
+def start(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, clock: StartupClock) -> bool:
+    """Restore or start, settle the all-reduce, run the preflight and record the launch's start or resume event.
+    False when the preflight named a node (monitor.preflight: exclude; every rank, in failure.json). Collective."""
+    resumed = restore_or_start(p)
+    plan_allreduce(p, rundir)  # comm.allreduce=auto: after the restore, which may hold the plan to reuse
+    check_overlap(p)  # the overlapped reduction against the synchronous one, on the plan's sizes
+    clock.mark("restore")
+    if not run_preflight(p, comm, rundir):
+        return False
+    clock.mark("preflight")
+    _release_startup_groups(p)
+    clock.note_memory("startup", peak_memory_mb(b.d.device))  # the throw-away step and the restore included
+    memory = largest(comm, clock.memory_mb, float)
+    if b.env.rank == 0:
+        _record_start(p, b, rundir, clock, resumed, memory)
+    log.info(
+        "recipe %s: %s with %d parameters; train %d samples, eval %s",
+        b.cfg.recipe,
+        type(p.model).__name__,
+        p.wrapped.n_params,
+        len(p.recipe.train_data),
+        len(p.recipe.eval_data) if p.recipe.eval_data is not None else "none",
+    )
+    return True
+
+
+def _release_startup_groups(p: Parts) -> None:
+    """Where no hook reduces with the hierarchy's groups, start-up was their last use: each gloo group keeps a
+    polling thread, so they go."""
+    if p.wrapped.dispatch is not None:
+        return
+    began = time.perf_counter()
+    released = p.d.groups.release()
+    if p.env.rank == 0 and released:
+        log.info(
+            "released %d process group(s) used only at start-up (no hook reduces with them); gloo threads left in "
+            "this process: %d (%.3f s)",
+            released,
+            gloo_threads(),
+            time.perf_counter() - began,
+        )
+
+
+def _record_start(p: Parts, b: Booted, rundir: RunDir, clock: StartupClock, resumed: bool, memory: dict) -> None:
+    """Rank 0: the launch's start or resume event; a resume first moves the records of the steps it recomputes to
+    metrics.discarded.jsonl."""
+    env, state = b.env, p.state
+    fields = {}
+    if resumed:
+        discarded = truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
+        fields = {"skipped_checkpoints": p.checkpoints.skipped, "discarded_records": discarded}
+    append_event(
+        rundir.history,
+        EVENT_RESUME if resumed else EVENT_START,
+        step=state.step,
+        world_size=env.world_size,
+        nodes=[env.node_names[env.topology.node_ranks(n)[0]] for n in range(env.topology.num_nodes)],
+        grad_accum=b.cfg.grad_accum(env.world_size),
+        slurm_job_id=env.slurm_job_id,
+        slurm_restart_count=env.slurm_restart_count,
+        launch=env.launch_id,
+        process_start=clock.process_start,
+        startup_s=clock.phases(),
+        peak_mem_mb={k: round(v, 1) for k, v in memory.items()},  # the largest rank's
+        recipe=b.cfg.recipe,
+        code_sha256=b.code_sha256,
+        **fields,
+    )
+
+
+def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple[object | None, int | None]:
+    """Train; (how it stopped, None), or (None, EXIT_FAILED) when the ranks left a slow node out after a committed
+    checkpoint. A collective that failed (a peer's connection closed) is diagnosed, reported and raised."""
+    env, cfg, state = b.env, b.cfg, p.state
+    relaxed = progress.relaxed() if progress is not None else contextlib.nullcontext()
+    try:
+        with relaxed:  # no MPI message while the loop trains: its progress thread wakes less often
+            return train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(b, rundir)), None
+    except NodeEvicted as evicted:  # every rank, after a committed checkpoint: leave the slow node out
+        p.mon.watchdog.close()
+        p.checkpoints.close()
+        _report_eviction(b, rundir, evicted.info, state.step)
+        return None, EXIT_FAILED
+    except RuntimeError as exc:  # a collective failed (a peer's connection closed): name who went away
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        diagnosis, suspects = p.mon.watchdog.diagnose(exc)
+        message = f"rank {env.rank}: a collective failed at step {state.step + 1}{diagnosis}. The error: {first}"
+        report_failure(rundir, env.rank, message, FAILURE_CRASH, suspects)  # first: see report_failure
+        log.error("%s", message)
+        raise
+
+
+def _report_eviction(b: Booted, rundir: RunDir, info: dict, step: int) -> None:
+    env = b.env
+    node = env.node_names[info["ranks"][0]]
+    message = (
+        f"node {info['node']} ({node}) was a straggler in {info['checks']} straggler checks in a row "
+        f"(busy {info['step_time_s']:.3f} s/step, {info['ratio']:.2f}x the median node; "
+        f"monitor.straggler_exclude_after={b.cfg.monitor.straggler_exclude_after}); checkpoint committed at "
+        f"step {step}, the launch ends so that the launcher leaves the node out"
+    )
+    if env.rank == 0:
+        log.error("%s", message)
+        why = f"straggler: {info['ratio']:.2f}x the median node in {info['checks']} checks in a row"
+        report_failure(rundir, 0, message, FAILURE_STRAGGLER, [env.suspect(r, why) for r in info["ranks"]])
+
+
+def finish(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, stopped) -> int:
+    """The stop's event (EXIT_STOPPED), or the summary and the done event (EXIT_DONE). A background save is
+    committed before anything else happens. Collective."""
+    env, state = b.env, p.state
+    p.mon.watchdog.close()
+    p.checkpoints.close()
+    if stopped is not None:
+        fields = stopped_fields(comm, env, b.stop, stopped, b.cfg.job.signal_lead_s)  # collective
+        if env.rank == 0:
+            append_event(rundir.history, EVENT_STOPPED, step=state.step, launch=env.launch_id, **fields)
+        return EXIT_STOPPED
+    summary = _summary(p, b, comm)
+    if env.rank == 0:
+        write_json_atomic(rundir.summary, summary)
+        append_event(rundir.history, EVENT_DONE, step=state.step, launch=env.launch_id)
+        log.info("done: step %d loss %.4f params_sha256 %s", state.step, state.last_loss, summary["params_sha256"][:16])
+    return EXIT_DONE
+    # The stop handlers stay (they only set a flag) until the process ends: a stop signal arriving during the
+    # teardown, after the decision is recorded, must not kill a rank with the default action.
+
+
+def _summary(p: Parts, b: Booted, comm: MPI.Comm) -> dict:
+    """summary.json (collective: the fingerprint and the largest rank's state bytes)."""
+    env, state, cfg = b.env, p.state, b.cfg
+    return {
+        "final_step": state.step,
+        "final_loss": state.last_loss,
+        "final_eval_loss": state.last_eval_loss,
+        "tokens_seen": state.tokens_seen,
+        "unit": p.recipe.unit,
+        "wall_time_s": state.elapsed_s,
+        "params_sha256": params_sha256(p.model, skip=p.wrapped.aliases),
+        "n_params": p.wrapped.n_params,
+        "recipe": cfg.recipe,
+        "code_sha256": b.code_sha256,
+        "world_size": env.world_size,
+        "topology": env.topology.describe(),
+        "allreduce": p.allreduce,
+        "allreduce_plan": state.allreduce_plan,
+        "parallel": p.wrapped.layout.sizes(),
+        "state_bytes_per_rank": largest(comm, state_bytes(p.model, p.optimizer)),
+        "backend": b.d.backend,
+        "config_sha256": config_hash(cfg),
+        **p.mon.stragglers.summary(),
+    }
+
+
+def largest(comm: MPI.Comm, values: dict, kind: type = int) -> dict:
+    """Each entry's largest value over the ranks (collective)."""
+    return {k: kind(comm.allreduce(v, op=MPI.MAX)) for k, v in values.items()}
+
+
+def _profiler(b: Booted, rundir: RunDir):
+    """monitor.profile_steps: a StepProfiler writing into RUN_DIR/profile/, else None."""
+    span = b.cfg.monitor.profile_range()
+    if span is None:
+        return None
+    from trainer.observe.profile import StepProfiler
+
+    return StepProfiler(*span, b.d.device, rundir.root / "profile", b.env.rank)
