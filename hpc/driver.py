@@ -33,11 +33,12 @@ from pathlib import Path
 
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
+from hpc.restarts import until_settled
 from runconfig import RunConfig, RunDir, load_config
 from runconfig.badnodes import bad_nodes
 from runconfig.contract import EXIT_DONE, EXIT_STOPPED
-from runconfig.decide import Situation, decide, record_decision
-from runconfig.outcome import how_it_ended, new_launch_id
+from runconfig.decide import Situation
+from runconfig.outcome import Ended, how_it_ended, new_launch_id
 from runconfig.slurmvars import slurm_job_id, slurm_restart_count
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
@@ -146,6 +147,17 @@ def run_complete(rundir: RunDir, cfg: RunConfig) -> bool:
 
 
 @dataclass(frozen=True)
+class StepLaunch:
+    """How one srun step of the ranks ended (hpc/restarts.py's Launched)."""
+
+    ended: Ended
+    launch_id: str
+    status: int  # srun's exit status
+    nodes: tuple[str, ...]
+    first_ended: int | None = None  # from srun's first failed-task line
+
+
+@dataclass(frozen=True)
 class Driver:
     run_dir: str
     last_in_chain: bool = True  # earlier jobs of a chain leave the continuation to the next one
@@ -171,47 +183,26 @@ class Driver:
             # A job submitted before a node was named (a chain link, a release) got it: continue without it.
             exclude = tuple(bad_nodes(rundir))
             return self._resubmit(cfg, rundir, job, exclude, "this job's allocation holds bad node(s) of the run")
-        nodes = usable if len(usable) < len(allocation) else ()
-        attempt = 0
-        while True:
-            command = srun_command(cfg, rundir, nodes)
-            suffix = f"-r{attempt}" if attempt else ""
-            launch_id = new_launch_id(f"slurm-{job.job_id}.{job.restart_count}{suffix}")
-            print(
-                f"job {job.job_id} (restart {job.restart_count}, launch {launch_id}): {' '.join(command)}", flush=True
-            )
-            env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
-            rundir.clear_failure()  # an earlier launch's diagnosis is not this one's
-            status, first_failed = run_step(command, env)
-            # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks
-            # were killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
-            ended = how_it_ended(rundir, launch_id, status)
-            if ended.recorded and status not in (EXIT_DONE, EXIT_STOPPED):
-                print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
-            situation = Situation(
+        decision, launched = until_settled(
+            rundir,
+            cfg.job,
+            usable or allocation,
+            lambda nodes, attempt: self._launch(cfg, rundir, job, allocation, nodes, attempt),
+            lambda launched: Situation(
                 slurm=True,
                 ending=JOB_ENDING.is_set(),
                 requeues=job.restart_count,
                 last_in_chain=self.last_in_chain,
                 nodes=allocation,
-                launch_nodes=nodes or allocation,
+                launch_nodes=launched.nodes,
                 ranks_per_node=cfg.job.ranks_per_node,
-                first_ended=first_failed,
-            )
-            decision = decide(rundir, cfg.job, ended, situation)
-            record_decision(rundir, decision, failed_launch=launch_id, status=status)
-            if decision.action != "restart":
-                if ended.how == "failed":
-                    # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node
-                    # (a restarted launch does that itself, on each node, as it starts).
-                    self._sweep(cfg, job)
-                break
-            # In the same allocation, without going back through the queue: the ranks restart from the newest
-            # valid checkpoint after the back-off, without the nodes the failure pointed at.
-            print(decision.message, flush=True)
-            nodes = decision.use_nodes if len(decision.use_nodes) < len(allocation) else ()
-            time.sleep(decision.delay_s)
-            attempt += 1
+                first_ended=launched.first_ended,
+            ),
+        )
+        if decision.action != "restart" and launched.ended.how == "failed":
+            # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a
+            # restarted launch does that itself, on each node, as it starts).
+            self._sweep(cfg, job)
         if decision.action == "resubmit":
             return self._resubmit(cfg, rundir, job, decision.exclude, decision.message)
         if decision.action in ("requeue", "requeuehold"):
@@ -222,7 +213,27 @@ class Driver:
         print(decision.message, flush=True)
         if decision.error:
             raise RuntimeError(decision.message.removeprefix("error: "))
-        return {"status": ended.how}
+        return {"status": launched.ended.how}
+
+    @staticmethod
+    def _launch(
+        cfg: RunConfig, rundir: RunDir, job: SlurmJob, allocation: tuple[str, ...], nodes: tuple[str, ...], attempt: int
+    ) -> StepLaunch:
+        """One srun step of the ranks on ``nodes`` (all of the allocation: no node list); how it ended."""
+        nodes = nodes if len(nodes) < len(allocation) else ()
+        command = srun_command(cfg, rundir, nodes)
+        suffix = f"-r{attempt}" if attempt else ""
+        launch_id = new_launch_id(f"slurm-{job.job_id}.{job.restart_count}{suffix}")
+        print(f"job {job.job_id} (restart {job.restart_count}, launch {launch_id}): {' '.join(command)}", flush=True)
+        env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
+        rundir.clear_failure()  # an earlier launch's diagnosis is not this one's
+        status, first_failed = run_step(command, env)
+        # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks were
+        # killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
+        ended = how_it_ended(rundir, launch_id, status)
+        if ended.recorded and status not in (EXIT_DONE, EXIT_STOPPED):
+            print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
+        return StepLaunch(ended, launch_id, status, nodes or allocation, first_failed)
 
     def _resubmit(self, cfg: RunConfig, rundir: RunDir, job: SlurmJob, exclude: tuple[str, ...], why: str) -> dict:
         """End this job; the run continues in a job that excludes ``exclude``: the chain's next link when one is

@@ -59,6 +59,10 @@ class LaunchResult:
     nodes: tuple[str, ...] = ()  # the simulated nodes it ran on
     first_ended: int | None = None  # the rank whose process ended first, when one clearly did
 
+    @property
+    def status(self) -> int:
+        return self.ended.status
+
     def error_line(self) -> str | None:
         """The trainer's one-paragraph user error, as printed by the reporting rank."""
         for line in reversed(self.output_tail):

@@ -138,18 +138,38 @@ def _world(event: dict) -> str:
 
 
 def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
-    acc, st = log.accounting, log.stragglers
-    steps = f"{f['final_step']}" + (f" of {f['steps']}" if f["steps"] else "")
+    """report.md: the summary, launches, goodput, step time, the all-reduce plan, stragglers, plots, definitions."""
+    acc = log.accounting
     goodput = f"{100 * acc.goodput:.1f} %" if acc.goodput is not None else "-"
-    world = f"{f['world_size']}" + (f" ({_cell(f['topology'])})" if f["topology"] else "") if f["world_size"] else "-"
-    tokens = f"{f['tokens_seen']:,}" if isinstance(f["tokens_seen"], int) else _cell(f["tokens_seen"] or "-")
-    rate = [s.get("tokens_per_s") for s in log.kept if s.get("tokens_per_s") is not None]
     lines = [
         f"# Run report: {_cell(f['name'])}",
         "",
         f"Run directory: `{log.rundir.root}`  ",
         f"State: {'complete (summary.json)' if f['complete'] else 'in progress, or ended without a summary'}  ",
         f"Written: {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `python -m hpc report`",
+        *_summary_lines(log, f, goodput),
+        *_launch_lines(log),
+        *_goodput_lines(acc, goodput),
+        *step_time_lines([{**x.raw, **{k: x.get(k) for k in TIMED}} for x in log.kept]),
+        *_plan_lines((log.summary or {}).get("allreduce_plan")),
+        *_straggler_lines(log.stragglers),
+        "",
+        "## Plots",
+        "",
+    ]
+    for caption, name in images:
+        lines += [f"### {caption}", "", f"![{caption}]({name})", ""]
+    lines += ["## Definitions", "", DEFINITIONS]
+    return "\n".join(lines)
+
+
+def _summary_lines(log: RunLog, f: dict, goodput: str) -> list[str]:
+    acc = log.accounting
+    steps = f"{f['final_step']}" + (f" of {f['steps']}" if f["steps"] else "")
+    world = f"{f['world_size']}" + (f" ({_cell(f['topology'])})" if f["topology"] else "") if f["world_size"] else "-"
+    tokens = f"{f['tokens_seen']:,}" if isinstance(f["tokens_seen"], int) else _cell(f["tokens_seen"] or "-")
+    rate = [s.get("tokens_per_s") for s in log.kept if s.get("tokens_per_s") is not None]
+    lines = [
         "",
         "## Summary",
         "",
@@ -182,10 +202,15 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
     mem = [s.get("peak_mem_mb") for s in log.kept if s.get("peak_mem_mb") is not None]
     if mem:
         lines.append(f"| peak memory (rank 0) | {max(mem):,.0f} MB |")
-
     if lead is not None and not lead.ok:
         lines += ["", f"**Warning:** {_cell(lead.describe())}."]
-    lines += [
+    return lines
+
+
+def _launch_lines(log: RunLog) -> list[str]:
+    """The launches, the bad nodes, and the time queued (not part of the wall time)."""
+    acc = log.accounting
+    lines = [
         "",
         "## Launches",
         "",
@@ -211,8 +236,11 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
         queued.append(f"from the first submission to the first launch: {duration(acc.queued_first_s)}")
     if queued:
         lines += ["", f"Not in the wall time: {'; '.join(queued)}."]
+    return lines
 
-    lines += [
+
+def _goodput_lines(acc, goodput: str) -> list[str]:
+    lines = [
         "",
         "## Goodput",
         "",
@@ -228,45 +256,46 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
         share = f"{100 * seconds / total:.1f} %" if total > 0 else "-"
         lines.append(f"| {what} | {duration(seconds)} | {seconds:.1f} | {share} |")
     lines.append(f"| **total wall** | {duration(total)} | {total:.1f} | 100 % |")
+    return lines
 
-    lines += step_time_lines([{**x.raw, **{k: x.get(k) for k in TIMED}} for x in log.kept])
-    plan = (log.summary or {}).get("allreduce_plan")
-    if plan:
-        lines += ["", "## All-reduce plan (comm.allreduce=auto)", ""]
-        lines += [
-            f"Measured at start-up in {plan['measured_s']:.2f} s on {plan['topology'][0]} nodes x "
-            f"{plan['topology'][1]} ranks: {plan['timing']}; the fastest per bucket size.",
-            "",
-            *plan_table(plan),
-        ]
-    lines += ["", "## Stragglers", ""]
+
+def _plan_lines(plan: dict | None) -> list[str]:
+    if not plan:
+        return []
+    return [
+        "",
+        "## All-reduce plan (comm.allreduce=auto)",
+        "",
+        f"Measured at start-up in {plan['measured_s']:.2f} s on {plan['topology'][0]} nodes x "
+        f"{plan['topology'][1]} ranks: {plan['timing']}; the fastest per bucket size.",
+        "",
+        *plan_table(plan),
+    ]
+
+
+def _straggler_lines(st) -> list[str]:
+    lines = ["", "## Stragglers", ""]
     if not st.checks:
-        lines.append("No straggler checks in the metrics (no record has `rank_step_time_s`).")
-    else:
-        ranks = ", ".join(str(r) for r in sorted(st.by_rank)) or "none"
-        worst = (
-            f"; worst ratio {st.worst['ratio']:.2f} (rank {st.worst['rank']} on {_cell(st.worst.get('host') or '?')}"
-            f" at step {st.worst['step']})"
-            if st.worst
-            else ""
-        )
-        lines.append(
-            f"{st.detections} straggler detection{'s' if st.detections != 1 else ''} on {st.flagged_checks} of "
-            f"{st.checks} straggler checks; ranks flagged: {ranks}{worst}."
-        )
-        if st.by_rank:
-            lines += ["", "| rank | host | node | detections | worst ratio |", "|---|---|---|---|---|"]
-            for rank, x in sorted(st.by_rank.items()):
-                lines.append(
-                    f"| {rank} | {_cell(x['host'] or '-')} | {_cell(x['node'])} | {x['count']} | "
-                    f"{_fmt(x['worst_ratio'], '.2f')} |"
-                )
-
-    lines += ["", "## Plots", ""]
-    for caption, name in images:
-        lines += [f"### {caption}", "", f"![{caption}]({name})", ""]
-    lines += ["## Definitions", "", DEFINITIONS]
-    return "\n".join(lines)
+        return [*lines, "No straggler checks in the metrics (no record has `rank_step_time_s`)."]
+    ranks = ", ".join(str(r) for r in sorted(st.by_rank)) or "none"
+    worst = (
+        f"; worst ratio {st.worst['ratio']:.2f} (rank {st.worst['rank']} on {_cell(st.worst.get('host') or '?')}"
+        f" at step {st.worst['step']})"
+        if st.worst
+        else ""
+    )
+    lines.append(
+        f"{st.detections} straggler detection{'s' if st.detections != 1 else ''} on {st.flagged_checks} of "
+        f"{st.checks} straggler checks; ranks flagged: {ranks}{worst}."
+    )
+    if st.by_rank:
+        lines += ["", "| rank | host | node | detections | worst ratio |", "|---|---|---|---|---|"]
+        for rank, x in sorted(st.by_rank.items()):
+            lines.append(
+                f"| {rank} | {_cell(x['host'] or '-')} | {_cell(x['node'])} | {x['count']} | "
+                f"{_fmt(x['worst_ratio'], '.2f')} |"
+            )
+    return lines
 
 
 def _median(values: list[float]) -> float:

@@ -17,18 +17,20 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.driver import submit_link
 from hpc.local import LaunchResult, node_wraps, run_local, simulated_nodes, trainer_command
-from hpc.mpi import LauncherError, find_launcher
+from hpc.mpi import LauncherError, MpiLauncher, find_launcher
 from hpc.options import add_set_option
+from hpc.restarts import until_settled
 from hpc.slurm import sbatch_script
-from runconfig import ConfigError, RunDir, dump_yaml, load_config
+from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, load_config
 from runconfig import code as codesnap
 from runconfig.badnodes import bad_nodes
 from runconfig.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
-from runconfig.decide import Situation, decide, record_decision, restarts_so_far
+from runconfig.decide import Situation, restarts_so_far
 from runconfig.schema import BUILTIN_RECIPE
 
 
@@ -153,36 +155,70 @@ def check_resumed_code(rundir: RunDir, recipe: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        planned = plan(args)
+        if args.dry_run:
+            dry_run(planned)
+            return 0
+        rundir = write_run_dir(planned, args)
+    except (ConfigError, SubmitError, LauncherError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if planned.launcher is None:
+        return submit_slurm(planned.cfg, rundir, chain=args.chain)
+    return run_here(planned, rundir)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What a submission will do, decided before anything is written."""
+
+    cfg: RunConfig
+    run_path: Path
+    resume: bool
+    search: list[Path] | None  # where a new run's recipe module is looked for (None: a resume keeps its snapshot)
+    launcher: MpiLauncher | None  # this machine's mpirun; None: Slurm
+
+
+def plan(args: argparse.Namespace) -> Planned:
+    """Read and check everything the submission needs: the config, the target, the recipe's module."""
+    resume_dir = resume_target(args)
+    if args.refresh_code and not resume_dir:
+        raise SubmitError("--refresh-code applies to a resumed run only (--resume RUN_DIR, or a RUN_DIR).")
+    cfg = load_config(str(RunDir(resume_dir).config) if resume_dir else args.config, args.overrides)
+    use_slurm = args.slurm or (not args.local and slurm_available())
+    if args.chain < 1:
+        raise SubmitError(f"--chain must be >= 1, got {args.chain}.")
+    run_path = (resume_dir or args.run_dir or default_run_dir(cfg.job.name)).absolute()
+    search = None if resume_dir else config_search(args.config)
+    if search is not None:
+        codesnap.locate(cfg.recipe, search)  # a recipe module found nowhere is an error before anything is made
+    elif not args.refresh_code:
+        check_resumed_code(RunDir(run_path), cfg.recipe)
+    launcher = None if use_slurm else find_launcher()
+    if launcher is not None and not args.dry_run:
+        node_wraps(cfg, simulated_nodes(cfg))  # refused here, before the run directory, if malformed
+    return Planned(cfg=cfg, run_path=run_path, resume=bool(resume_dir), search=search, launcher=launcher)
+
+
+def dry_run(planned: Planned) -> None:
+    """Print the sbatch script (or the local launch command and the resolved config); create nothing."""
+    cfg, rundir = planned.cfg, RunDir(planned.run_path)
+    print(f"# run directory: {planned.run_path}")
+    if planned.launcher is None:
+        print(sbatch_script(cfg, rundir), end="")
+    else:
+        command = planned.launcher.command(cfg.job.world_size, trainer_command(rundir, cfg.job.launch_prefix))
+        print(f"# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
+
+
+def write_run_dir(planned: Planned, args: argparse.Namespace) -> RunDir:
+    """The run directory with its code snapshot and resolved config; a new one is removed again when it cannot be
+    completed."""
+    cfg, run_path = planned.cfg, planned.run_path
     created = None
     try:
-        resume_dir = resume_target(args)
-        if args.refresh_code and not resume_dir:
-            raise SubmitError("--refresh-code applies to a resumed run only (--resume RUN_DIR, or a RUN_DIR).")
-        config_spec = str(RunDir(resume_dir).config) if resume_dir else args.config
-        cfg = load_config(config_spec, args.overrides)
-        use_slurm = args.slurm or (not args.local and slurm_available())
-        if args.chain < 1:
-            raise SubmitError(f"--chain must be >= 1, got {args.chain}.")
-        run_path = (resume_dir or args.run_dir or default_run_dir(cfg.job.name)).absolute()
-        search = None if resume_dir else config_search(args.config)
-        if search is not None:
-            codesnap.locate(cfg.recipe, search)  # a recipe module found nowhere is an error before anything is made
-        elif not args.refresh_code:
-            check_resumed_code(RunDir(run_path), cfg.recipe)
-        if args.dry_run:
-            print(f"# run directory: {run_path}")
-            if use_slurm:
-                print(sbatch_script(cfg, RunDir(run_path)), end="")
-            else:
-                command = find_launcher().command(
-                    cfg.job.world_size, trainer_command(RunDir(run_path), cfg.job.launch_prefix)
-                )
-                print(f"# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
-            return 0
-        launcher = None if use_slurm else find_launcher()
-        if launcher is not None:
-            node_wraps(cfg, simulated_nodes(cfg))  # refused here, before the run directory, if malformed
-        if resume_dir:
+        if planned.resume:
             rundir = RunDir(run_path)
         else:
             created = None if run_path.exists() else run_path
@@ -190,55 +226,51 @@ def main(argv: list[str] | None = None) -> int:
         problem = rundir.writable_error()
         if problem:
             raise SubmitError(problem + "; nothing was changed.")
-        if resume_dir and args.refresh_code:
+        if planned.resume and args.refresh_code:
             refresh_code(rundir, cfg.recipe)
-        elif not resume_dir:
-            snapshot_new_run(rundir, cfg.recipe, search)
+        elif not planned.resume:
+            snapshot_new_run(rundir, cfg.recipe, planned.search)
             created = None  # the run directory is complete once its config is written below
         rundir.config.write_text(dump_yaml(cfg))
-    except (ConfigError, SubmitError, LauncherError) as exc:
+    except (ConfigError, SubmitError, LauncherError):
         if created is not None:  # a new run directory left without its code snapshot: remove what was made
             shutil.rmtree(created, ignore_errors=True)
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        raise
+    return rundir
 
-    if use_slurm:
-        return submit_slurm(cfg, rundir, chain=args.chain)
 
-    verb = "resuming" if resume_dir else "starting"
+def run_here(planned: Planned, rundir: RunDir) -> int:
+    """The local launch, restarted in place while the decisions say so (hpc/restarts.py); its exit status."""
+    cfg, launcher = planned.cfg, planned.launcher
+    verb = "resuming" if planned.resume else "starting"
     print(
         f"{verb} {cfg.job.name}: {cfg.job.nodes} simulated nodes x {cfg.job.ranks_per_node} ranks on this machine "
         f"({launcher.flavour}); run directory {rundir.root}",
         flush=True,
     )
+    allocation = simulated_nodes(cfg)
+    nodes = tuple(n for n in allocation if n not in bad_nodes(rundir))
+    if len(nodes) < cfg.job.min_nodes_or_all:
+        print(
+            f"error: run {rundir.root} named simulated node(s) {', '.join(bad_nodes(rundir))} bad; "
+            f"{len(nodes)} left, job.min_nodes={cfg.job.min_nodes_or_all}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     try:
-        allocation = simulated_nodes(cfg)
-        nodes = tuple(n for n in allocation if n not in bad_nodes(rundir))
-        if len(nodes) < cfg.job.min_nodes_or_all:
-            print(
-                f"error: run {rundir.root} named simulated node(s) {', '.join(bad_nodes(rundir))} bad; "
-                f"{len(nodes)} left, job.min_nodes={cfg.job.min_nodes_or_all}",
-                file=sys.stderr,
-            )
-            return EXIT_FAILED
-        while True:
-            result = run_local(cfg, rundir, launcher, nodes=nodes)
-            situation = Situation(
+        decision, result = until_settled(
+            rundir,
+            cfg.job,
+            nodes,
+            lambda use, _attempt: run_local(cfg, rundir, launcher, nodes=use),
+            lambda result: Situation(
                 slurm=False,
                 nodes=allocation,
                 launch_nodes=result.nodes,
                 ranks_per_node=cfg.job.ranks_per_node,
                 first_ended=result.first_ended,
-            )
-            decision = decide(rundir, cfg.job, result.ended, situation)
-            record_decision(rundir, decision, failed_launch=result.launch_id, status=result.ended.status)
-            if decision.action != "restart":
-                break
-            # Not the input's fault (a rank killed or crashed, a hang): the ranks restart from the newest checkpoint,
-            # without the nodes the failure pointed at.
-            print(decision.message, flush=True)
-            nodes = decision.use_nodes
-            time.sleep(decision.delay_s)
+            ),
+        )
     except KeyboardInterrupt:
         print(f"\ninterrupted; run directory {rundir.root}", file=sys.stderr)
         return 130

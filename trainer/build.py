@@ -105,22 +105,7 @@ def build_parts(
     recipe = make_recipe(cfg, env, d, rundir, comm, stack)
     if clock is not None:
         clock.mark("recipe")
-    materialise, init_error = None, []
-    if cfg.parallel.meta_init:  # parameters on meta: split first, then allocate and fill this rank's part only
-        model = recipe.model
-        buffers_to(model, d.device)
-        plan = owners(model)
-        seed, spec = cfg.train.seed, cfg.recipe
-
-        def materialise(part: torch.nn.Module) -> None:
-            error = fill(part, plan, recipe.init_weights, seed=seed, device=d.device, spec=spec)
-            init_error.append(error)
-    else:
-        model = recipe.model.to(d.device)
-    shapes = {n: [*q.shape, str(q.dtype)] for n, q in model.named_parameters()}  # the whole model's
-    wrapped = wrap(cfg, env, d, model, recipe, materialise=materialise)
-    if cfg.parallel.meta_init:
-        agree(comm, init_error[0] if init_error else None)
+    wrapped, shapes = place_model(cfg, env, d, recipe, comm)
     if clock is not None:
         clock.note_memory("model_built", peak_memory_mb(d.device))
     model = wrapped.model  # this rank's part under pipeline parallelism
@@ -184,6 +169,30 @@ def build_parts(
         stop=stop,
         mon=mon,
     )
+
+
+def place_model(
+    cfg: RunConfig, env: RuntimeEnv, d: Distributed, recipe: Recipe, comm: MPI.Comm
+) -> tuple[Wrapped, dict[str, list]]:
+    """The recipe's model on the device, split for the layout (``wrap``); with parallel.meta_init each rank
+    allocates and fills only its part after the split. Also the whole model's {name: [*shape, dtype]}."""
+    materialise, init_error = None, []
+    if cfg.parallel.meta_init:  # parameters on meta: split first, then allocate and fill this rank's part only
+        model = recipe.model
+        buffers_to(model, d.device)
+        plan = owners(model)
+        seed, spec = cfg.train.seed, cfg.recipe
+
+        def materialise(part: torch.nn.Module) -> None:
+            error = fill(part, plan, recipe.init_weights, seed=seed, device=d.device, spec=spec)
+            init_error.append(error)
+    else:
+        model = recipe.model.to(d.device)
+    shapes = {n: [*q.shape, str(q.dtype)] for n, q in model.named_parameters()}  # the whole model's
+    wrapped = wrap(cfg, env, d, model, recipe, materialise=materialise)
+    if cfg.parallel.meta_init:
+        agree(comm, init_error[0] if init_error else None)
+    return wrapped, shapes
 
 
 def settle(

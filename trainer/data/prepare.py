@@ -235,41 +235,12 @@ def prepare(spec: PrepareSpec, out: Path, *, progress: bool = False) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        writers = {s: _ShardWriter(tmp, s, spec.shard_tokens, dtype) for s in ("train", "val")}
-        source_hash = hashlib.sha256()
-        total_bytes = 0
-        bar = _progress(len(files), progress)
-        taken = 0
-        batch: list[tuple[str, bytes]] = []
-        batch_bytes = 0
-
-        def flush() -> None:
-            nonlocal batch_bytes
-            for (rel, _), tokens in zip(batch, _tokenize([data for _, data in batch], tokenizer, dtype), strict=True):
-                writers["val" if is_val(rel, spec.val_fraction) else "train"].add(tokens)
-            bar.update(len(batch))
-            batch.clear()
-            batch_bytes = 0
-
-        for rel, path in files:
-            data = path.read_bytes()
-            if spec.max_source_bytes and total_bytes + len(data) > spec.max_source_bytes and taken:
-                break
-            source_hash.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
-            batch.append((rel, data))
-            batch_bytes += len(data)
-            total_bytes += len(data)
-            taken += 1
-            if len(batch) >= ENCODE_BATCH_FILES or batch_bytes >= ENCODE_BATCH_BYTES:
-                flush()
-        flush()
-        bar.close()
-        splits = {s: w.close() for s, w in writers.items()}
+        splits, read = _write_shards(spec, files, tokenizer, dtype, tmp, progress)
         for split, shards in splits.items():
             if not shards:
                 raise ValueError(
-                    f"the {split} split of {root} came out empty ({taken} files); use more files or change "
-                    "data.val_fraction"
+                    f"the {split} split of {root} came out empty ({read['source_files']} files); use more files or "
+                    "change data.val_fraction"
                 )
         manifest = {
             "format": FORMAT,
@@ -285,9 +256,7 @@ def prepare(spec: PrepareSpec, out: Path, *, progress: bool = False) -> dict:
             manifest["tokenizer_source"] = str(tokenizer.path.resolve())
         manifest |= {
             "source": str(root),
-            "source_files": taken,
-            "source_bytes": total_bytes,
-            "source_sha256": source_hash.hexdigest(),
+            **read,
             "key": spec.key(),
             "splits": splits,
             "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()},
@@ -303,6 +272,44 @@ def prepare(spec: PrepareSpec, out: Path, *, progress: bool = False) -> dict:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return json.loads((out / "manifest.json").read_text())
+
+
+def _write_shards(
+    spec: PrepareSpec, files: list, tokenizer: Tokenizer | None, dtype: str, tmp: Path, progress: bool
+) -> tuple[dict, dict]:
+    """Read the source files in order (up to max_source_bytes), tokenize them in batches and write each into the
+    train or val shards of ``tmp``: ({split: shards}, the manifest's source_files, source_bytes, source_sha256)."""
+    writers = {s: _ShardWriter(tmp, s, spec.shard_tokens, dtype) for s in ("train", "val")}
+    source_hash = hashlib.sha256()
+    total_bytes = 0
+    bar = _progress(len(files), progress)
+    taken = 0
+    batch: list[tuple[str, bytes]] = []
+    batch_bytes = 0
+
+    def flush() -> None:
+        nonlocal batch_bytes
+        for (rel, _), tokens in zip(batch, _tokenize([data for _, data in batch], tokenizer, dtype), strict=True):
+            writers["val" if is_val(rel, spec.val_fraction) else "train"].add(tokens)
+        bar.update(len(batch))
+        batch.clear()
+        batch_bytes = 0
+
+    for rel, path in files:
+        data = path.read_bytes()
+        if spec.max_source_bytes and total_bytes + len(data) > spec.max_source_bytes and taken:
+            break
+        source_hash.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+        batch.append((rel, data))
+        batch_bytes += len(data)
+        total_bytes += len(data)
+        taken += 1
+        if len(batch) >= ENCODE_BATCH_FILES or batch_bytes >= ENCODE_BATCH_BYTES:
+            flush()
+    flush()
+    bar.close()
+    splits = {s: w.close() for s, w in writers.items()}
+    return splits, {"source_files": taken, "source_bytes": total_bytes, "source_sha256": source_hash.hexdigest()}
 
 
 def _tokenize(documents: list[bytes], tokenizer: Tokenizer | None, dtype: str) -> list[np.ndarray]:

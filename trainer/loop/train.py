@@ -29,6 +29,26 @@ def train(p: Parts, lead: LeadCheck | None = None, profiler: StepProfiler | None
             profiler.close()
 
 
+def _checks_and_eval(p: Parts, step: int, due_eval: bool, publisher: Publisher) -> tuple[dict | None, dict]:
+    """The straggler check on this step's busy time (before end_step: its all-gather is sync time of this step),
+    then the evaluation when due: (the straggler check's fields or None, the eval metrics or {})."""
+    mon = p.mon
+    mon.stragglers.add(mon.clock.busy_so_far())
+    extra = None
+    if mon.stragglers.due(step):
+        mon.watchdog.enter("straggler all-gather", step)
+        with mon.clock.part("sync"):
+            extra = mon.stragglers.check(step)
+    evals: dict = {}
+    if due_eval:
+        mon.watchdog.enter("eval", step)
+        eval_start = time.perf_counter()
+        evals = evaluate(p, step)
+        p.state.last_eval_loss = evals["eval_loss"]
+        publisher.interval_eval += time.perf_counter() - eval_start
+    return extra, evals
+
+
 def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None) -> StopTimes | None:
     state, mon, t = p.state, p.mon, p.cfg.train
     log.info(
@@ -70,20 +90,7 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None) -> S
         if decision.loss is not None:
             state.last_loss = decision.loss
         state.elapsed_s = elapsed_before + time.time() - run_start
-        # Straggler check on this step's busy time (before end_step: its all-gather is sync time of this step).
-        mon.stragglers.add(mon.clock.busy_so_far())
-        extra = None
-        if mon.stragglers.due(step):
-            mon.watchdog.enter("straggler all-gather", step)
-            with mon.clock.part("sync"):
-                extra = mon.stragglers.check(step)
-        evals: dict = {}
-        if decision.eval:
-            mon.watchdog.enter("eval", step)
-            eval_start = time.perf_counter()
-            evals = evaluate(p, step)
-            state.last_eval_loss = evals["eval_loss"]
-            publisher.interval_eval += time.perf_counter() - eval_start
+        extra, evals = _checks_and_eval(p, step, decision.eval, publisher)
         mon.clock.end_step()
         # The record is written before this step's checkpoint: a kill between a commit and its record would lose
         # the record for good (the resumed run starts after it). A checkpoint's blocking time is therefore counted

@@ -85,23 +85,7 @@ def wrap(
 
     layout = layout_of(cfg, env)
     n_params = sum(p.numel() for p in model.parameters())
-    cut_info = None
-    if layout.pp > 1:  # first: everything else applies to this rank's stage
-        model, cut_info = cut(model, recipe.pipeline, layout, env.rank, spec=cfg.recipe)
-    blocks = find_blocks(model, recipe.fsdp_wrap, recipe=cfg.recipe)
-    mode = cfg.parallel.activation_checkpointing
-    if mode != "none" and not blocks:
-        raise UserError(
-            f"parallel.activation_checkpointing={mode}: recipe {cfg.recipe!r}'s model has no blocks to recompute "
-            "(no nn.ModuleList of layers); give the Recipe fsdp_wrap=[YourBlockClass], or set it to none."
-        )
-    checkpointed = checkpoint_blocks(blocks, mode)
-    if env.rank == 0:
-        log.info(
-            "parallel layout: %s (%s)%s", layout.describe(), layout.kind,
-            (f"; activation checkpointing: {checkpointed} of {len(blocks)} blocks ({mode})" if checkpointed else "")
-            + (f"; torch.compile: {len(blocks) or 'the whole model, no'} blocks" if cfg.parallel.compile else ""),
-        )  # fmt: skip
+    model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout)
     mesh = train_mesh(layout, d.device)  # None for DDP
     if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
         tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe)
@@ -117,31 +101,7 @@ def wrap(
         )
         allreduce, dispatch = wire_allreduce(cfg, env, d, ddp)
         return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch, carrier=carrier)
-    if d.device.type == "cpu":  # collectives block the training thread: their waits are its exposed communication
-        rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
-        d.ledger.enable("+".join(rest) or None)
-    if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
-        allreduce, no_sync = ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
-    else:
-        # Data parallelism over DTensors (or pipeline stages) goes through FSDP2 even without sharding (dp_shard 1:
-        # HSDP with a shard group of one, i.e. replicas all-reduced): DDP takes neither.
-        shard(
-            model,
-            blocks,
-            dp_mesh(mesh, layout),
-            param_dtype=torch.bfloat16 if d.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
-            # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
-            # (torchtitan does the same).
-            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1 and layout.pp == 1,
-            ledger=d.ledger,
-        )
-        if layout.dp_replicate > 1:
-            allreduce = "hsdp" if layout.dp_shard > 1 else "replicate"
-            no_sync = functools.partial(_no_all_reduce, model)
-        else:
-            # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between
-            # micro-batches would cost the full model's gradient memory on every rank, which sharding avoids.
-            allreduce, no_sync = "fsdp", contextlib.nullcontext
+    allreduce, no_sync = _data_parallel_over_mesh(cfg, d, model, blocks, mesh, layout)
     if materialise is not None:
         materialise(model)
     pipe = None
@@ -159,6 +119,55 @@ def wrap(
             ledger=d.ledger,
         )
     return Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
+
+
+def _stage_and_blocks(cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe: Recipe, layout: Layout):
+    """This rank's pipeline stage (the whole model without pipeline parallelism), its blocks, and their activation
+    checkpointing: (model, the stage's cut or None, blocks)."""
+    cut_info = None
+    if layout.pp > 1:  # first: everything else applies to this rank's stage
+        model, cut_info = cut(model, recipe.pipeline, layout, env.rank, spec=cfg.recipe)
+    blocks = find_blocks(model, recipe.fsdp_wrap, recipe=cfg.recipe)
+    mode = cfg.parallel.activation_checkpointing
+    if mode != "none" and not blocks:
+        raise UserError(
+            f"parallel.activation_checkpointing={mode}: recipe {cfg.recipe!r}'s model has no blocks to recompute "
+            "(no nn.ModuleList of layers); give the Recipe fsdp_wrap=[YourBlockClass], or set it to none."
+        )
+    checkpointed = checkpoint_blocks(blocks, mode)
+    if env.rank == 0:
+        log.info(
+            "parallel layout: %s (%s)%s", layout.describe(), layout.kind,
+            (f"; activation checkpointing: {checkpointed} of {len(blocks)} blocks ({mode})" if checkpointed else "")
+            + (f"; torch.compile: {len(blocks) or 'the whole model, no'} blocks" if cfg.parallel.compile else ""),
+        )  # fmt: skip
+    return model, cut_info, blocks
+
+
+def _data_parallel_over_mesh(cfg: RunConfig, d: Distributed, model: nn.Module, blocks, mesh, layout: Layout):
+    """The mesh layouts' gradient reduction: (what summary.json calls it, the no-sync context of accumulation)."""
+    if d.device.type == "cpu":  # collectives block the training thread: their waits are its exposed communication
+        rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
+        d.ledger.enable("+".join(rest) or None)
+    if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
+        return ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
+    # Data parallelism over DTensors (or pipeline stages) goes through FSDP2 even without sharding (dp_shard 1:
+    # HSDP with a shard group of one, i.e. replicas all-reduced): DDP takes neither.
+    shard(
+        model,
+        blocks,
+        dp_mesh(mesh, layout),
+        param_dtype=torch.bfloat16 if d.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
+        # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
+        # (torchtitan does the same).
+        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1 and layout.pp == 1,
+        ledger=d.ledger,
+    )
+    if layout.dp_replicate > 1:
+        return ("hsdp" if layout.dp_shard > 1 else "replicate"), functools.partial(_no_all_reduce, model)
+    # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between micro-batches would
+    # cost the full model's gradient memory on every rank, which sharding avoids.
+    return "fsdp", contextlib.nullcontext
 
 
 def carries_agreement(cfg: RunConfig, d: Distributed) -> bool:

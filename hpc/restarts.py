@@ -1,0 +1,54 @@
+"""The one restart loop of every launcher (the local one in hpc/submit.py, the Slurm driver in hpc/driver.py):
+launch the ranks, decide what follows (runconfig/decide.py), and restart in the same allocation while the decision
+says so, on the nodes it names, after its back-off."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from runconfig import RunDir
+from runconfig.decide import Decision, Situation, decide, record_decision
+from runconfig.outcome import Ended
+from runconfig.schema import JobConfig
+
+
+class Launched(Protocol):
+    """How one launch of the ranks ended, as its launcher saw it (hpc/local.py's LaunchResult, the driver's)."""
+
+    ended: Ended  # read from the run directory, else the launcher's status (runconfig/outcome.py)
+    launch_id: str
+    nodes: tuple[str, ...]  # the nodes it ran on, in node order
+    first_ended: int | None  # the rank whose process the launcher saw end first
+
+    @property
+    def status(self) -> int:  # the launcher's exit status (mpirun's, srun's)
+        ...
+
+
+L = TypeVar("L", bound=Launched)
+
+
+def until_settled(
+    rundir: RunDir,
+    job: JobConfig,
+    nodes: tuple[str, ...],
+    launch: Callable[[tuple[str, ...], int], L],
+    situation: Callable[[L], Situation],
+) -> tuple[Decision, L]:
+    """``launch(nodes, attempt)`` (attempt 0, 1, ... within this allocation) until a decision other than a restart;
+    each decision is recorded in the run's history. ``situation`` tells ``decide`` what the launcher knows."""
+    attempt = 0
+    while True:
+        launched = launch(nodes, attempt)
+        decision = decide(rundir, job, launched.ended, situation(launched))
+        record_decision(rundir, decision, failed_launch=launched.launch_id, status=launched.status)
+        if decision.action != "restart":
+            return decision, launched
+        # Not the input's fault (a rank killed or crashed, a hang): the ranks restart from the newest checkpoint,
+        # without the nodes the failure pointed at.
+        print(decision.message, flush=True)
+        nodes = decision.use_nodes
+        time.sleep(decision.delay_s)
+        attempt += 1
