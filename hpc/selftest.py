@@ -1,24 +1,18 @@
 """``python -m hpc selftest CONFIG [--set K=V] [--timeout S] [--run-dir DIR] [--keep] [--json]``, on a login node:
 does the configured stop signal reach every rank, and does ``job.signal_lead_s`` cover a stop? (torch-free)
 
-It submits, through the same path as ``python -m hpc.submit`` (real sbatch, ``--signal`` as configured), a short
-job of the config's shape (nodes, ranks, partition, GPUs, setup, environment, srun_args, launch_prefix, model, data
-and checkpoint settings) into a throw-away run directory (default runs/selftest-NAME-YYYYmmdd-HHMMSS), changing only
-SELFTEST_SETTINGS: so many steps that only the signal ends the run, no periodic checkpoint or eval, no requeue or
-in-job restart, and a time limit past the test's end.
+It submits through ``python -m hpc.submit``'s path a short job of the config's shape into a throw-away run
+directory, changing only SELFTEST_SETTINGS (so many steps that only the signal ends it, no periodic checkpoint or
+eval, no requeue or restart). Once every rank trains it sends the signal as Slurm does before the time limit
+(``scancel --signal=SIG JOBID``: every process of the job's steps), waits up to ``job.signal_lead_s`` for the
+ranks' stop, ends the job, and reads what the ranks recorded (runconfig/stopsignal.py): which ranks received the
+signal themselves, the process chain of each that did not (naming the wrapper that swallowed it), the stop's and
+the save's seconds, and whether the lead covers them with the margin ``SAFETY_FACTOR``. It also checks the
+script's ``#SBATCH --signal`` line and flags SIGUSR1 with CUDA/NCCL.
 
-Once every rank trains (step 2 in metrics.jsonl), it sends the signal the way Slurm does ``job.signal_lead_s``
-before the time limit: ``scancel --signal=SIG JOBID`` (every process of the job's steps, not the batch shell). It
-waits up to ``job.signal_lead_s`` for the ranks' stop, then ends the job with ``scancel`` as the time limit would,
-and reads what the ranks recorded (runconfig/stopsignal.py): which ranks received the signal themselves, the
-process chain of each that did not (naming the wrapper that swallowed it), the stop's and the save's seconds, and
-whether the lead covers them with the margin ``SAFETY_FACTOR``. It also checks the script's ``#SBATCH --signal``
-line and flags SIGUSR1 with CUDA/NCCL.
-
-Output: one PASS, WARN or FAIL line per check (``--json``: one JSON object). Exit status: 0 all good; 1 a rank did
-not receive the signal, the script sends it to the batch shell only or not at all, or the job never got as far as
-the signal; 2 bad input (the config, or no Slurm here); 4 (EXIT_LEAD_SHORT) the lead is too short. The run
-directory's checkpoints are removed afterwards unless ``--keep``; its logs and history stay.
+Output: one PASS, WARN or FAIL line per check (``--json``: one object). Exit status: 0 all good; 1 a rank missed
+the signal, the script does not send it to the steps, or the job never got that far; 2 bad input (the config, or
+no Slurm here); 4 (EXIT_LEAD_SHORT) the lead is too short. Checkpoints are removed afterwards unless ``--keep``.
 """
 
 from __future__ import annotations

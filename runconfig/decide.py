@@ -1,27 +1,21 @@
 """What a launcher does once a launch of the ranks has ended: one pure function of the run directory's records
-and the config, used by every launcher (torch-free).
-
-The local launcher (``hpc/submit.py``), the Slurm driver (``hpc/driver.py``) and the sbatch scripts (``python -m
-runconfig.decide``, from ``sbatch/common.sh``) all act on the same ``Decision``:
+and the config, used by every launcher (the local one and the Slurm driver through hpc/restarts.py, the sbatch
+scripts through ``python -m runconfig.decide``). Torch-free.
 
 - done: training is complete.
-- stopped with a committed checkpoint (a signal): locally the run ends resumable (75). Under Slurm the job is
-  requeued for the job's own signal (held instead while the run is paused), up to ``job.max_restarts`` requeues. A
-  stop by SIGTERM is Slurm ending the job itself (scancel; scontrol requeue and preemption requeue it themselves),
-  so it is not requeued. A job of a chain that is not the last leaves the continuation to the next one.
-- failed: bad input (exit status 2, or the trainer's diagnosis says so) ends the run, never retried. Anything else
-  (a rank killed or crashed, a collective that failed, a hang the watchdog ended, a start that died in MPI_Init)
-  restarts the ranks in the same allocation from the newest valid checkpoint, after a back-off that doubles with
-  each restart of the run, up to ``job.max_failures`` restarts per run. Each restart is recorded in history.jsonl
-  with its cause (``record_decision``).
-- bad nodes: the nodes a failure points at (failure.json's suspects: the rank that went away or hung first, a
-  node the preflight found unfit; else the launcher's own evidence, the rank whose process ended first) are named
-  bad (``bad_node`` history events with the evidence, runconfig/badnodes.py) and no later launch of the run uses
-  them. The restart continues in the allocation on the nodes left when they are at least ``job.min_nodes`` (the
-  world shrinks; the global batch and the sample order stay, through gradient accumulation). Otherwise a Slurm job
-  ends and the run continues in a new job submitted with ``--exclude`` (``resubmit``: a running job's node
-  exclusions cannot be changed, and a plain requeue could land on the same node); locally the run ends. A stop
-  that would requeue is also resubmitted once the run has bad nodes, for the same reason.
+- stopped with a committed checkpoint: locally the run ends resumable (75). Under Slurm the job is requeued for the
+  job's own signal (held while the run is paused), up to ``job.max_restarts``; a stop by SIGTERM is Slurm ending
+  the job (scancel; requeue and preemption requeue it themselves), so it is not requeued. A job of a chain that is
+  not the last leaves the continuation to the next one.
+- failed: bad input (status 2, or the trainer's diagnosis says so) ends the run. Anything else (a rank killed or
+  crashed, a collective that failed, a hang, a start that died in MPI_Init) restarts the ranks in the allocation
+  from the newest valid checkpoint, after a back-off doubling with each restart, up to ``job.max_failures``; each
+  restart is a history event with its cause (``record_decision``).
+- bad nodes: the nodes a failure points at (failure.json's suspects, else the rank whose process the launcher saw
+  end first) are named bad (runconfig/badnodes.py) and no later launch uses them: the restart goes on with the
+  nodes left when at least ``job.min_nodes`` remain, else a Slurm run continues in a new job with ``--exclude``
+  (``resubmit``: a running job's exclusions cannot change) and a local run ends. A stop that would requeue is
+  resubmitted too once the run has bad nodes.
 """
 
 from __future__ import annotations
