@@ -19,7 +19,8 @@ temporary folder:
   forward, backward, clipping, AdamW step).
 
 Each figure is the slowest rank's time; the tables show medians over repetitions. Where the time goes is measured
-by timing wrappers around the functions trainer.checkpoint.checkpointer calls (rank 0's view).
+by timing wrappers around the functions the checkpointer's modules call (trainer/checkpoint/: the checkpointer
+facade, writer, reader, agreement; rank 0's view).
 With ``--ranks N`` (N > 1) the
 script starts itself under the venv's mpirun with HPC_SIMULATE_RANKS_PER_NODE=N. Prints a table and a JSON object.
 """
@@ -102,7 +103,10 @@ class Phases:
         return out
 
     def wrap(self, owner: Any, attr: str, phase: str) -> None:
-        fn = getattr(owner, attr)
+        fn = getattr(owner, attr, None)
+        if fn is None:  # the checkpointer's code has moved: instrument() must follow it
+            name = getattr(owner, "__name__", type(owner).__name__)
+            raise RuntimeError(f"bench/checkpoint.py: {name} has no {attr} to time as {phase}; update instrument()")
 
         @functools.wraps(fn)
         def timed(*a: Any, **kw: Any) -> Any:
@@ -124,31 +128,40 @@ class Phases:
 
 
 def instrument(phases: Phases) -> None:
-    """Wrap what trainer.checkpoint.checkpointer calls (its module globals only; torch itself is not patched)."""
+    """Wrap what the checkpointer's modules call (their module globals only; torch itself is not patched): the
+    facade trainer.checkpoint.checkpointer (the state dict, the CPU copy of an async save, a sharded model's
+    fingerprint), writer.py (DCP's save, the digests, fsyncs, commit, prune), reader.py (verification, DCP's load,
+    set_state_dict) and the ranks' agreement on every phase (agreement.py)."""
     import torch.distributed.checkpoint as dcp
 
     import runconfig.checkpoints as layout
+    import trainer.checkpoint.agreement as agreement
     import trainer.checkpoint.checkpointer as ck
+    import trainer.checkpoint.reader as reader
+    import trainer.checkpoint.writer as writer
 
-    ck.dcp = types.SimpleNamespace(
-        save=dcp.save, load=dcp.load, FileSystemWriter=dcp.FileSystemWriter, FileSystemReader=dcp.FileSystemReader
-    )
-    phases.wrap(ck.dcp, "save", "dcp_save")
-    phases.wrap(ck.dcp, "load", "dcp_load")
-    for attr, phase in [
-        ("get_state_dict", "get_state_dict"),
-        ("_stage", "stage_cpu_copy"),
-        ("params_sha256", "params_sha256"),
-        ("tensors_sha256", "params_sha256"),
-        ("sha256_file", "sha256_files"),
-        ("fsync_all_dirs", "fsync_dirs"),
-        ("commit", "commit_manifest"),
-        ("prune", "prune"),
-        ("set_state_dict", "set_state_dict"),
+    for module in (writer, reader):  # their own copy of torch.distributed.checkpoint's names, to wrap in place
+        module.dcp = types.SimpleNamespace(**{k: getattr(dcp, k) for k in dir(dcp) if not k.startswith("_")})
+    for owner, attr, phase in [
+        (writer.dcp, "save", "dcp_save"),
+        (reader.dcp, "load", "dcp_load"),
+        (ck, "get_state_dict", "get_state_dict"),
+        (reader, "get_state_dict", "get_state_dict"),
+        (ck, "stage", "stage_cpu_copy"),
+        (ck, "params_sha256", "params_sha256"),
+        (writer, "tensors_sha256", "params_sha256"),
+        (reader, "params_sha256", "params_sha256"),
+        (writer, "sha256_file", "sha256_files"),
+        (writer, "fsync_all_dirs", "fsync_dirs"),
+        (writer, "commit", "commit_manifest"),
+        (writer, "prune", "prune"),
+        (reader, "set_state_dict", "set_state_dict"),
+        (reader, "sha256_file", "sha256_verify"),  # each rank's share of the files, on restore
+        (layout, "sha256_file", "sha256_verify"),  # validate() on restore
+        (agreement.Agreement, "gather", "agree_collective"),
+        (agreement.Agreement, "from_rank0", "agree_collective"),
     ]:
-        phases.wrap(ck, attr, phase)
-    phases.wrap(layout, "sha256_file", "sha256_verify")  # used by validate() on restore
-    phases.wrap(ck.Checkpointer, "_agree", "agree_collective")
+        phases.wrap(owner, attr, phase)
 
 
 # --- worker (every rank) ----------------------------------------------------------------------------------------
@@ -256,7 +269,7 @@ def worker(args: argparse.Namespace) -> int:
             ckpts = {"sync": parts.checkpoints, "async": async_ckpt}
             # One run directory, two writers: share what each has committed, as one trainer process would know it
             # (otherwise each prune hashes the other writer's newest generation again).
-            async_ckpt.verified = ckpts["sync"].verified
+            async_ckpt.writer.verified = async_ckpt.reader.verified = ckpts["sync"].writer.verified
             state = TrainState()
             parts.loader.start(0)
             parts.wrapped.module.train()

@@ -11,12 +11,14 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OTHER_LOAD_LIMIT = 0.1  # cores used by other processes during a run above which its figures are suspect
+QUIET_WAIT_S = 60.0  # wait_for_quiet's default cap, seconds (set_quiet_wait: a script's --quiet-wait-s)
 LINK_IFNAME = "ic0"  # both veth ends of an emulated link carry this name: one GLOO_SOCKET_IFNAME fits every rank
 LINK_IPS = ("10.213.7.1", "10.213.7.2")
 
@@ -51,6 +53,30 @@ def emulated_link(mbit: float) -> Iterator[tuple[str, str]]:
     finally:
         for ns in names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # deleting one end removes the pair
+
+
+@contextlib.contextmanager
+def slurm_cluster(ports: dict[str, str], slurm_conf: Path | None = None) -> Iterator[None]:
+    """The Slurm cluster a benchmark submits to, SLURM_CONF pointing at it for the duration: by default its own
+    (envs/slurm/cluster.sh on ``ports``, apart from a developer's and the tests' clusters, in a fresh state folder,
+    wiped afterwards); with ``slurm_conf`` (a script's ``--slurm-conf``) the running cluster of that file, neither
+    started nor stopped (e.g. the test session's: one of cluster.sh's, which has the ``urgent`` partition)."""
+    if slurm_conf is not None:
+        if not slurm_conf.is_file():
+            raise SystemExit(f"error: --slurm-conf {slurm_conf}: no such file")
+        os.environ["SLURM_CONF"] = str(slurm_conf.resolve())
+        yield
+        return
+    state = Path(tempfile.mkdtemp(prefix="hpc-slurm-bench-", dir="/tmp"))
+    state.chmod(0o755)  # the munge user must traverse it
+    env = {**os.environ, **ports}
+    sh("bash", "envs/slurm/cluster.sh", "install", cwd=ROOT, env=env)
+    try:
+        sh("bash", "envs/slurm/cluster.sh", "start", str(state), cwd=ROOT, env=env)
+        os.environ["SLURM_CONF"] = str(state / "slurm.conf")
+        yield
+    finally:
+        subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env, capture_output=True)
 
 
 def mpirun_and_env(*, per_node: int, threads: int) -> tuple[Path, dict[str, str]] | None:
@@ -117,9 +143,27 @@ def tree_cpu_s(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def wait_for_quiet(max_wait_s: float = 60.0) -> None:
-    """Wait (at most ``max_wait_s``) until other processes use less than OTHER_LOAD_LIMIT cores for a second."""
-    deadline = time.monotonic() + max_wait_s
+def add_quiet_wait_option(p) -> None:
+    """The ``--quiet-wait-s`` option of the scripts that wait for a quiet machine before each run (set_quiet_wait)."""
+    p.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=QUIET_WAIT_S,
+        help=f"before each run, wait at most this long for other processes to go quiet (default {QUIET_WAIT_S:g}; "
+        "0: do not wait, e.g. a smoke test on a busy machine)",
+    )
+
+
+def set_quiet_wait(seconds: float) -> None:
+    """wait_for_quiet's cap from now on (a script's ``--quiet-wait-s``)."""
+    global QUIET_WAIT_S
+    QUIET_WAIT_S = max(0.0, seconds)
+
+
+def wait_for_quiet(max_wait_s: float | None = None) -> None:
+    """Wait (at most ``max_wait_s``, default QUIET_WAIT_S) until other processes use less than OTHER_LOAD_LIMIT
+    cores for a second."""
+    deadline = time.monotonic() + (QUIET_WAIT_S if max_wait_s is None else max_wait_s)
     while time.monotonic() < deadline:
         before = busy_cpu_s()
         time.sleep(1.0)

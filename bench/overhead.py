@@ -64,10 +64,12 @@ from common import (  # bench/common.py (bench/ on sys.path)
     LINK_IFNAME,
     LINK_IPS,
     OTHER_LOAD_LIMIT,
+    add_quiet_wait_option,
     busy_cpu_s,
     children_cpu_s,
     emulated_link,
     process_tree,
+    set_quiet_wait,
     tree_cpu_s,
     wait_for_quiet,
 )
@@ -130,6 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, help="keep run directories and logs here (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
+    add_quiet_wait_option(p)
     p.add_argument(
         "--nanogpt",
         type=Path,
@@ -434,6 +437,7 @@ def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[d
 def main(argv: list[str] | None = None) -> int:
     global VARIANTS
     args = parse_args(argv)
+    set_quiet_wait(args.quiet_wait_s)
     VARIANTS = tuple(v for v in ALL_VARIANTS if not args.variants or v in args.variants)
     if not args.nanogpt:
         VARIANTS = tuple(v for v in VARIANTS if v not in NANO)

@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, wait_for_quiet  # bench/common.py (bench/ on sys.path)
+from common import ROOT, add_quiet_wait_option, set_quiet_wait, wait_for_quiet  # bench/common.py (on sys.path)
 
 LAYOUTS = {
     "ddp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1"],
@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a config setting for every run"
     )
     p.add_argument("--work-dir", type=Path, help="keep run directories here (default: a temporary folder)")
+    add_quiet_wait_option(p)
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace, layout: str, layers: int, out: Path, extra: li
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    set_quiet_wait(args.quiet_wait_s)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-parallel-"))
     world = args.nodes * args.ranks
     tokens_per_step = args.micro * world * args.seq

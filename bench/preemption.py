@@ -1,10 +1,11 @@
 """Preemption latency on the real local Slurm cluster: from the scheduler's signal to the committed checkpoint,
 to the job running again, and to its first new step.
 
-    python bench/preemption.py [--reps 2] [--json PATH]
+    python bench/preemption.py [--reps 2] [--methods signal,requeue,preempt] [--slurm-conf FILE] [--json PATH]
 
-Starts its own cluster (envs/slurm/cluster.sh, separate ports and state), submits the tiny model on 2 nodes x 2
-ranks through `python -m hpc.submit`, and interrupts it three ways: the job's signal (`scancel --signal=USR2`),
+Starts its own cluster (envs/slurm/cluster.sh, separate ports and state; ``--slurm-conf`` uses a running one of
+cluster.sh's instead, e.g. the test session's), submits the tiny model on 2 nodes x 2 ranks through `python -m
+hpc.submit`, and interrupts it three ways (``--methods``: a subset): the job's signal (`scancel --signal=USR2`),
 `scontrol requeue`, and a job in the higher-priority partition. Times come from one clock on this host: the moment
 the interruption was issued, the trainer's history events (`stopped` is written right after the commit, `resume`
 right after the checkpoint is loaded), the first RUNNING poll of the requeued job (0.1 s resolution), and the
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -23,11 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, lines, sh, wait  # bench/ is on sys.path
+from common import ROOT, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
 
 from runconfig.contract import EVENT_RESUME, EVENT_STOPPED
 
 PORTS = {"HPC_SLURM_CTLD_PORT": "18917", "HPC_SLURM_NODE_PORT": "19101"}
+METHODS = ("signal", "requeue", "preempt")
 SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
         "model.seq_len=64", "checkpoint.every_steps=50"]  # fmt: skip
 
@@ -88,28 +89,31 @@ def one(method: str, data: Path, work: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument(
+        "--slurm-conf",
+        type=Path,
+        metavar="FILE",
+        help="use the running cluster of this slurm.conf (one of envs/slurm/cluster.sh's: its urgent partition) "
+        "instead of starting one",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    state = Path(tempfile.mkdtemp(prefix="hpc-slurm-bench-", dir="/tmp"))
-    state.chmod(0o755)
-    env = {**os.environ, **PORTS}
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or set(methods) - set(METHODS) or args.reps < 1:
+        p.error(f"--methods takes a comma-separated subset of {','.join(METHODS)}; --reps must be >= 1")
     work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
-    sh("bash", "envs/slurm/cluster.sh", "install", cwd=ROOT, env=env)
-    sh("bash", "envs/slurm/cluster.sh", "start", str(state), cwd=ROOT, env=env)
-    os.environ["SLURM_CONF"] = str(state / "slurm.conf")
-    try:
+    with slurm_cluster(PORTS, args.slurm_conf):
         from trainer.data.prepare import PrepareSpec, prepare
 
         data = work / "data"
         prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
                             shard_tokens=400_000), data)  # fmt: skip
-        rows = [one(m, data, work) for _ in range(args.reps) for m in ("signal", "requeue", "preempt")]
-    finally:
-        subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env, capture_output=True)
+        rows = [one(m, data, work) for _ in range(args.reps) for m in methods]
     keys = ("committed_s", "running_again_s", "resumed_s", "first_new_step_s")
     summary = {}
     print(f"\n{'interruption':14} " + " ".join(f"{k:>17}" for k in keys) + "   (medians, seconds after issuing it)")
-    for method in ("signal", "requeue", "preempt"):
+    for method in methods:
         mine = [r for r in rows if r["method"] == method]
         med = {k: statistics.median(r[k] for r in mine if r[k] is not None) if any(r[k] is not None for r in mine)
                else None for k in keys}  # fmt: skip
@@ -121,8 +125,8 @@ def main() -> int:
     for r in rows:
         cells = " ".join(f"{r['startup_s'].get(k, float('nan')):>10.2f}" for k in phases)
         print(f"{r['method']:14} {r['to_process_start_s']:>8.2f} {cells}")
-    result = {"benchmark": "preemption", "setup": {"reps": args.reps, "config": SETS}, "summary": summary,
-              "runs": rows}  # fmt: skip
+    result = {"benchmark": "preemption", "setup": {"reps": args.reps, "methods": methods, "config": SETS},
+              "summary": summary, "runs": rows}  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -32,7 +32,15 @@ import time
 from pathlib import Path
 
 import yaml
-from common import OTHER_LOAD_LIMIT, ROOT, busy_cpu_s, children_cpu_s, wait_for_quiet  # bench/ is on sys.path
+from common import (  # bench/ is on sys.path
+    OTHER_LOAD_LIMIT,
+    ROOT,
+    add_quiet_wait_option,
+    busy_cpu_s,
+    children_cpu_s,
+    set_quiet_wait,
+    wait_for_quiet,
+)
 
 RECIPE = ROOT / "bench" / "recipes" / "slow_data.py"
 RECIPE_SPEC = "slow_data:recipe"
@@ -53,6 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ratios", default="0.7,1.5", help="one micro-batch's fetch time / the step's compute, per setting")
     p.add_argument("--compute-ms", type=float, help="the step's compute in ms (default: measured by a calibration run)")
     p.add_argument("--work-dir", type=Path, help="keep run directories and logs here (default: a temporary folder)")
+    add_quiet_wait_option(p)
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     try:
@@ -138,6 +147,7 @@ def expected_wait(prefetch: int, accum: int, fetch_s: float, compute_s: float) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    set_quiet_wait(args.quiet_wait_s)
     sys.stdout.reconfigure(line_buffering=True)
     started = time.perf_counter()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-prefetch-"))

@@ -1,9 +1,11 @@
 """Recovery from a crashed rank: time from its death to the first new step, restarting in the job vs going back
 through the queue, and the goodput of a run whose ranks are killed every K steps.
 
-    python bench/recovery.py [--reps 2] [--goodput-steps 3000 --kill-every 1000] [--json PATH]
+    python bench/recovery.py [--reps 2] [--methods local-kill,kill,requeue] [--goodput-steps 3000 --kill-every 1000]
+        [--slurm-conf FILE] [--json PATH]
 
-Latency, on the real local Slurm cluster (its own, started by envs/slurm/cluster.sh on separate ports): the tiny
+Latency, on the real local Slurm cluster (its own, started by envs/slurm/cluster.sh on separate ports; or with
+``--slurm-conf`` a running one of cluster.sh's, e.g. the test session's; ``--methods``: a subset): the tiny
 model on 2 nodes x 2 ranks through `python -m hpc.submit`, interrupted at step 20 by
 - `kill`: SIGKILL to rank 1; the driver restarts the ranks in the same allocation (job.restart_backoff_s=0);
 - `requeue`: the job's signal (`scancel --signal=USR2`); the ranks commit and the job goes back through the queue
@@ -35,11 +37,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, lines, sh, wait  # bench/ is on sys.path
+from common import ROOT, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
 
 from runconfig.contract import EVENT_RESTART, EVENT_RESUME
 
 PORTS = {"HPC_SLURM_CTLD_PORT": "18927", "HPC_SLURM_NODE_PORT": "19121"}
+METHODS = ("local-kill", "kill", "requeue")  # kill and requeue on Slurm
 # The kill restarts on the same nodes (job.exclude_bad_nodes=false): the 2-node bench cluster has no spare node.
 SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
         "model.seq_len=64", "checkpoint.every_steps=10", "job.restart_backoff_s=0",
@@ -83,8 +86,8 @@ def one(method: str, data: Path, work: Path) -> dict:
     resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESUME], every=0.02)[0]
     first = wait(lambda: [r for r in lines(run_dir / "metrics.jsonl") if r["step"] == resume["step"] + 1])[0]
     restarts = [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESTART]
-    if proc is not None:
-        proc.terminate()
+    if proc is not None:  # as Ctrl-C: the launcher stops its mpirun and waits for the ranks (a SIGTERM would end
+        proc.send_signal(signal.SIGINT)  # the launcher alone, and the ranks would train on into the next run)
         proc.wait()
     else:
         subprocess.run(["scancel", job], check=False)
@@ -169,27 +172,33 @@ def main() -> int:
     p.add_argument("--goodput-steps", type=int, default=0, help="steps of the goodput runs (0: skip them)")
     p.add_argument("--kill-every", type=int, default=1000, help="steps between kills in the goodput run")
     p.add_argument("--no-slurm", action="store_true", help="only the local measurements")
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)} (latency)"
+    )
+    p.add_argument(
+        "--slurm-conf",
+        type=Path,
+        metavar="FILE",
+        help="use the running cluster of this slurm.conf (one of envs/slurm/cluster.sh's) instead of starting one",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if set(methods) - set(METHODS):
+        p.error(f"--methods takes a comma-separated subset of {','.join(METHODS)}")
+    if args.no_slurm:
+        methods = [m for m in methods if m == "local-kill"]
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     from trainer.data.prepare import PrepareSpec, prepare
 
     data = work / "data"
     prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
                         shard_tokens=400_000), data)  # fmt: skip
-    rows = [one("local-kill", data, work) for _ in range(args.reps)]
-    if not args.no_slurm:
-        state = Path(tempfile.mkdtemp(prefix="hpc-slurm-bench-", dir="/tmp"))
-        state.chmod(0o755)
-        env = {**os.environ, **PORTS}
-        sh("bash", "envs/slurm/cluster.sh", "install", cwd=ROOT, env=env)
-        sh("bash", "envs/slurm/cluster.sh", "start", str(state), cwd=ROOT, env=env)
-        os.environ["SLURM_CONF"] = str(state / "slurm.conf")
-        try:
-            rows += [one(m, data, work) for _ in range(args.reps) for m in ("kill", "requeue")]
-        finally:
-            subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env,
-                           capture_output=True)  # fmt: skip
+    rows = [one("local-kill", data, work) for _ in range(args.reps)] if "local-kill" in methods else []
+    on_slurm = [m for m in methods if m != "local-kill"]
+    if on_slurm:
+        with slurm_cluster(PORTS, args.slurm_conf):
+            rows += [one(m, data, work) for _ in range(args.reps) for m in on_slurm]
     keys = ("restart_decided_s", "resumed_s", "first_new_step_s")
     summary = {}
     print(
@@ -201,7 +210,8 @@ def main() -> int:
                else None for k in keys}  # fmt: skip
         summary[method] = med
         print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>18}" for v in med.values()))
-    result = {"benchmark": "recovery", "setup": {"reps": args.reps, "config": SETS}, "summary": summary, "runs": rows}
+    setup = {"reps": args.reps, "methods": methods, "config": SETS}
+    result = {"benchmark": "recovery", "setup": setup, "summary": summary, "runs": rows}
     if args.goodput_steps:
         g = goodput(data, work, args.goodput_steps, args.kill_every)
         result["goodput"] = g

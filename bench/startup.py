@@ -32,7 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, children_cpu_s, lines, mpirun_and_env, wait_for_quiet  # bench/ is on sys.path
+from common import (  # bench/ is on sys.path
+    ROOT,
+    add_quiet_wait_option,
+    children_cpu_s,
+    lines,
+    mpirun_and_env,
+    set_quiet_wait,
+    wait_for_quiet,
+)
 
 sys.path.insert(0, str(ROOT))
 
@@ -50,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks", type=int, default=2, help="ranks per simulated node")
     p.add_argument("--json", type=Path, help="also write the JSON object here")
+    add_quiet_wait_option(p)
     p.add_argument("--wait-worker", choices=("blocking", "patient"), help=argparse.SUPPRESS)
     p.add_argument("--wait-out", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -136,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.wait_worker:
         wait_worker(args.wait_worker, args.wait_out)
         return 0
+    set_quiet_wait(args.quiet_wait_s)
     tmp = tempfile.TemporaryDirectory(prefix="bench-startup-")
     data = small_dataset(Path(tmp.name)) if args.launches else None
     wait_for_quiet()

@@ -1,0 +1,370 @@
+"""Every benchmark under bench/ at a toy size, run as a user would (``python bench/NAME.py ... --json OUT`` from the
+repository root): it must finish, print its table, and write the JSON fields its docstring promises, with sane
+values. A smoke test of the script, not of the figures (benchmarks never fail on a slow result). bench/preemption.py,
+which needs Slurm, is in tests/slurm/test_bench_smoke.py, on the session's cluster."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pickle
+import tarfile
+
+import h5py
+import numpy as np
+import pytest
+
+from runconfig import load_config
+from tests.bench.helpers import positive, run_bench, stat, table_lines
+from tests.conftest import ROOT
+
+
+@pytest.mark.mp
+def test_allreduce(tmp_path):
+    """2 simulated nodes x 2 ranks, two small messages, one timed iteration; the pipelined and bf16 variants too."""
+    res, out = run_bench(
+        "allreduce",
+        ["--min-bytes", "4096", "--max-bytes", "16384", "--warmup", "0", "--iters", "1", "--min-iters", "1",
+         "--chunk-kb", "4", "--compress"],
+        tmp_path,
+    )  # fmt: skip
+    assert res["benchmark"] == "allreduce"
+    setup = res["setup"]
+    assert (setup["world_size"], setup["nodes"], setup["ranks_per_node"]) == (4, 2, 2)
+    assert setup["backend"] in ("gloo", "nccl") and setup["link_mbit"] is None
+    plan = res["auto_plan"]
+    assert plan["topology"] == [2, 2] and "flat" in plan["algorithms"]
+    choices = {row["bytes"]: row["choice"] for row in plan["sizes"]}
+    variants = ["flat", "hier", "leader", "two_level", "auto", "hier_pipe", "hier_bf16"]
+    assert [row["bytes"] for row in res["rows"]] == [4096, 16384]
+    for row in res["rows"]:
+        assert row["count"] == row["bytes"] // 4 and row["iters"] == 1
+        for v in variants:
+            fig = row[v]
+            assert all(positive(fig[k]) for k in ("time_us", "algbw_GBps", "busbw_GBps")), (v, fig)
+            assert math.isclose(fig["busbw_GBps"], fig["algbw_GBps"] * 2 * 3 / 4)  # n = 4 ranks
+        for v in variants[1:]:
+            assert math.isclose(row[f"ratio_{v}_over_flat"], row[v]["busbw_GBps"] / row["flat"]["busbw_GBps"])
+        assert row["auto_choice"] == choices[row["bytes"]] and row["auto_choice"] in plan["algorithms"]
+    header, first, second = table_lines(out, "bytes", "4096", "16384")
+    assert "flat us" in header and "hier_bf16 us" in header and "hier_pipe us" in header
+    assert first.split()[-1] == choices[4096] and second.split()[-1] == choices[16384]
+
+
+@pytest.mark.mp
+def test_checkpoint(tmp_path):
+    """2 ranks under mpirun, a ~1 MB checkpoint of a 1-layer GPT, one repetition of every measure."""
+    res, out = run_bench(
+        "checkpoint",
+        ["--size-mb", "1", "--d-model", "64", "--heads", "4", "--batch", "2", "--reps", "1", "--warmup", "0",
+         "--ranks", "2", "--threads", "1"],
+        tmp_path,
+    )  # fmt: skip
+    assert res["benchmark"] == "checkpoint"
+    setup = res["setup"]
+    assert setup["world_size"] == 2 and setup["reps"] == 1 and setup["warmup_reps"] == 0
+    assert setup["model"]["d_model"] == 64 and setup["model"]["n_layers"] >= 1 and setup["model"]["params"] > 0
+    # model + AdamW's two moments: at least 3 x 4 bytes a parameter, in more than one file (2 ranks' files)
+    assert setup["checkpoint_bytes"] >= 12 * setup["model"]["params"] and setup["checkpoint_files"] > 1
+    assert setup["dir"]["path"].startswith(str(tmp_path))  # the temporary folder, under TMPDIR
+    r = res["results"]
+    for key in ("raw_write_s", "sync_save_s", "sync_blocking_s", "async_blocking_s", "async_total_s", "restore_s",
+                "step_s"):  # fmt: skip
+        assert stat(r[key]), (key, r[key])
+    for key in ("raw_write_GBps", "sync_save_GBps", "save_over_raw", "async_blocking_over_sync_save",
+                "async_blocking_over_step", "sync_blocking_over_step", "async_total_GBps", "restore_GBps"):  # fmt: skip
+        assert positive(r[key]), (key, r[key])
+    assert math.isclose(r["save_over_raw"], r["sync_save_GBps"] / r["raw_write_GBps"])
+    assert set(res["targets"]) == {"save_over_raw", "async_blocking_over_sync_save"}
+    assert all(isinstance(t["met"], bool) and t["target"] for t in res["targets"].values())
+    phases = res["phases_median_s"]  # what the timing wrappers saw: they follow trainer/checkpoint/'s functions
+    assert {"dcp_save", "sha256_files", "commit_manifest", "agree_collective"} <= set(phases["sync"])
+    assert {"stage_cpu_copy", "bg:dcp_save", "bg:commit_manifest"} <= set(phases["async"])
+    assert {"dcp_load", "sha256_verify", "set_state_dict"} <= set(phases["restore"])
+    assert set(res["phases_other_s"]) == {"sync", "async", "restore"}
+    for label in ("raw write + fsync", "sync save (block=True)", "async save: blocked", "async save: total",
+                  "restore (newest)", "train step", "dcp_save", "other (unwrapped)"):  # fmt: skip
+        table_lines(out, label)
+
+
+@pytest.mark.mp
+def test_gpu_check_cpu_rehearsal(tmp_path):
+    """``--device cpu --small``: the rehearsal without a GPU, its checks ``env`` and ``plain`` (the trainer, with
+    and without monitor.device_sync, against bench/plain_ddp.py under torchrun; one round). The CUDA-only checks
+    (shared_gpu, gloo_2x2) do not run on CPU; tiny, resume, gpt124m(_compile), plain_large and profile(_large) run
+    there too but take a minute together, so they are left to a rehearsal by hand."""
+    out_dir = tmp_path / "out"
+    _, out = run_bench(
+        "gpu_check",
+        ["--device", "cpu", "--small", "--rounds", "1", "--only", "env", "plain", "--out", str(out_dir)],
+        tmp_path,
+        json_flag=False,
+    )
+    res = json.loads((out_dir / "gpu_check.json").read_text())
+    assert list(res) == ["env", "plain"]
+    env = res["env"]
+    assert env["ok"] is True and env["torch"] and env["python"] and env["mpirun_beside_python"] is True
+    assert env["mpi"]
+    plain = res["plain"]
+    assert plain["ok"] is True and plain["rounds"] == 1
+    for key in ("trainer_tokens_per_s", "hostsync_tokens_per_s", "plain_tokens_per_s", "ratio", "ratio_hostsync"):
+        assert positive(plain[key]), (key, plain[key])
+    assert math.isclose(plain["ratio"], plain["trainer_tokens_per_s"] / plain["plain_tokens_per_s"])
+    assert len(plain["each_trainer"]) == len(plain["each_plain"]) == len(plain["ratio_each_round"]) == 1
+    breakdown = plain["breakdown_last_round"]
+    assert set(breakdown) == {"trainer", "hostsync"}
+    assert all(positive(b["compute_ms"]) for b in breakdown.values()), breakdown
+    assert all(positive(x["check_s"]) for x in res.values())
+    header, env_line, plain_line = table_lines(out, "check", "env ", "plain ")
+    assert header.split()[:3] == ["check", "ok", "s"]
+    assert env_line.split()[1] == "True" and plain_line.split()[1] == "True" and "ratio=" in plain_line
+    log = (out_dir / "runs.log").read_text()
+    assert "===== plain_trainer_0: " in log and "===== plain_0: " in log  # every run's launcher output
+    with tarfile.open(out_dir / "runs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "plain_trainer_0/metrics.jsonl" in names and "plain_hostsync_0/summary.json" in names
+
+
+@pytest.mark.mp
+def test_overhead_trainer_vs_plain(tmp_path, small_dataset):
+    """1 node x 2 ranks, one round of 8 steps of a 1-layer GPT: plain DDP (always), trainer-flat and the user-recipe
+    door (trainer-recipe). nanoGPT is a peer that is not installed: its variants are not run (bench/nanogpt.py's
+    own functions are checked below)."""
+    variants = ["plain", "trainer-flat", "trainer-recipe"]
+    res, out = run_bench(
+        "overhead",
+        ["--variants", "trainer-flat,trainer-recipe", "--rounds", "1", "--steps", "8", "--skip", "2",
+         "--data", str(small_dataset), "--set", "model.d_model=64", "--set", "model.n_layers=1",
+         "--quiet-wait-s", "0"],
+        tmp_path,
+    )  # fmt: skip
+    assert res["benchmark"] == "overhead"
+    setup = res["setup"]
+    assert (setup["nodes"], setup["ranks_per_node"], setup["steps"], setup["skip"], setup["rounds"]) == (1, 2, 8, 2, 1)
+    assert setup["data"] == str(small_dataset) and positive(setup["tokens_per_step"])
+    summary = res["summary"]
+    assert list(summary) == variants
+    for v in variants:
+        s = summary[v]
+        for key in ("median_step_s", "p25_step_s", "tokens_per_s", "ratio_vs_plain", "ratio_vs_plain_p25"):
+            assert positive(s[key]), (v, key, s)
+        assert math.isclose(s["tokens_per_s"], setup["tokens_per_step"] / s["median_step_s"])
+        assert len(s["round_ratios"]) == 1
+        assert [r["round"] for r in res["runs"][v]] == [0] and positive(res["runs"][v][0]["wall_s"])
+    assert summary["plain"]["ratio_vs_plain"] == 1.0
+    for v in variants[1:]:  # the trainer's own figures
+        assert summary[v]["median_exposed_comm_s"] >= 0
+    # the same model through both doors: the recipe's parameter count is the built-in GPT's
+    assert set(res["n_params"]) == {"trainer-flat", "trainer-recipe"} and len(set(res["n_params"].values())) == 1
+    header, *rows = table_lines(out, "variant", *(f"{v} " for v in variants))
+    assert "median ms" in header and "ratio" in header
+    assert all(len(row.split("|")) == len(header.split("|")) for row in rows)
+    table_lines(out, "parameters:")
+
+
+def load_nanogpt():
+    spec = importlib.util.spec_from_file_location("bench_nanogpt", ROOT / "bench" / "nanogpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: The lines of karpathy/nanoGPT's train.py and model.py that bench/nanogpt.py edits, in their context.
+NANO_TRAIN = """\
+if ddp:
+    init_process_group(backend=backend)
+    ddp_rank = int(os.environ['RANK'])
+    ddp_local_rank = int(os.environ['LOCAL_RANK'])
+    ddp_world_size = int(os.environ['WORLD_SIZE'])
+    device = f'cuda:{ddp_local_rank}'
+    torch.cuda.set_device(device)
+    master_process = ddp_rank == 0
+# wrap model into DDP container
+if ddp:
+    model = DDP(model, device_ids=[ddp_local_rank])
+"""
+NANO_MODEL = """\
+        fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
+        use_fused = fused_available and device_type == 'cuda'
+        print(f"using fused AdamW: {use_fused}")
+"""
+NANO_LOG = """\
+num decayed parameter tensors: 10, with 1,234,560 parameters
+num non-decayed parameter tensors: 21, with 4,321 parameters
+using fused AdamW: True
+step 0: train loss 5.5512, val loss 5.5527
+iter 0: loss 5.5508, time 812.34ms, mfu -100.00%
+iter 1: loss 5.4019, time 101.50ms, mfu -100.00%
+iter 2: loss nan, time 99.25ms, mfu 0.01%
+"""
+
+
+def test_nanogpt_prepare_without_checkout(tmp_path, small_dataset):
+    """bench/nanogpt.py's work folder from a stand-in checkout (the lines its edits name, in their context): the
+    CPU edits (and the fused-AdamW one) applied once, an already edited file left as is, a foreign train.py refused;
+    the prepared dataset in nanoGPT's uint16 files; the config with the trainer's shape, batch and schedule; the
+    parsing of nanoGPT's log lines."""
+    nano = load_nanogpt()
+    src = tmp_path / "nanoGPT"
+    src.mkdir()
+    (src / "train.py").write_text(NANO_TRAIN)
+    (src / "model.py").write_text(NANO_MODEL)
+    (src / "configurator.py").write_text("# nanoGPT's configurator\n")
+    cfg = load_config("tiny", ["model.d_model=64", "model.n_layers=2", "train.steps=20", "train.warmup_steps=2"])
+    folder = nano.prepare(src, tmp_path / "work", small_dataset, cfg, 2, fused_cpu=True)
+
+    train = (folder / "train.py").read_text()
+    expected = NANO_TRAIN
+    for before, after in nano.EDITS:
+        assert before in expected
+        expected = expected.replace(before, after, 1)
+    assert train == expected and not any(before in train for before, _ in nano.EDITS)
+    model = (folder / "model.py").read_text()
+    assert nano.FUSED_EDIT[1] in model and nano.FUSED_EDIT[0] not in model
+    assert (src / "train.py").read_text() == NANO_TRAIN  # the checkout itself is not touched
+
+    # the dataset: each split's shards, concatenated as uint16
+    manifest = json.loads((small_dataset / "manifest.json").read_text())
+    data = folder / "data" / nano.DATASET
+    for split, name in (("train", "train.bin"), ("val", "val.bin")):
+        tokens = []
+        for shard in manifest["splits"][split]:
+            with h5py.File(small_dataset / shard["file"], "r") as h5:
+                tokens.append(h5["tokens"][:])
+        assert np.array_equal(np.fromfile(data / name, dtype=np.uint16), np.concatenate(tokens).astype(np.uint16))
+    with open(data / "meta.pkl", "rb") as f:
+        assert pickle.load(f) == {"vocab_size": manifest["vocab_size"]}
+
+    # the config: plain assignments nanoGPT's configurator executes
+    values: dict = {}
+    exec((folder / "bench_config.py").read_text(), {}, values)  # noqa: S102 (the file this test just wrote)
+    m, t = cfg.model, cfg.train
+    assert (values["n_layer"], values["n_head"], values["n_embd"], values["block_size"]) == (
+        m.n_layers, m.n_heads, m.d_model, m.seq_len,
+    )  # fmt: skip
+    assert values["batch_size"] == t.micro_batch_size
+    assert values["gradient_accumulation_steps"] == t.global_batch_size // t.micro_batch_size
+    assert values["max_iters"] == t.steps - 1 and values["lr_decay_iters"] == t.steps
+    assert values["warmup_iters"] == t.warmup_steps and values["learning_rate"] == t.lr
+    assert values["dataset"] == nano.DATASET and values["device"] == "cpu" and values["bias"] is True
+    assert nano.command(folder, "python") == ["python", str(folder / "train.py"), "bench_config.py"]
+
+    # an edited checkout (by hand) is taken as it is; a train.py without the lines is refused, naming them
+    (src / "train.py").write_text(train)
+    again = (nano.prepare(src, tmp_path / "again", small_dataset, cfg, 2) / "train.py").read_text()
+    assert again == train
+    (src / "train.py").write_text("print('not nanoGPT')\n")
+    with pytest.raises(nano.NanoGPTError, match="does not contain"):
+        nano.prepare(src, tmp_path / "foreign", small_dataset, cfg, 2)
+    with pytest.raises(nano.NanoGPTError, match="not a multiple"):
+        nano.write_config(tmp_path / "c.py", cfg, 3)
+
+    log = tmp_path / "launch.log"
+    log.write_text(NANO_LOG)
+    assert nano.step_times(log) == pytest.approx([0.81234, 0.1015, 0.09925])
+    assert nano.n_params(log) == 1_234_560 + 4_321
+    assert nano.fused_adamw(log) is True
+
+
+@pytest.mark.mp
+def test_parallel(tmp_path, small_dataset):
+    """ddp and fsdp on 1 node x 2 ranks, a 2-layer (and for the memory fit a 1-layer) GPT of width 64, 3 steps."""
+    res, out = run_bench(
+        "parallel",
+        ["--layouts", "ddp,fsdp", "--nodes", "1", "--ranks", "2", "--d-model", "64", "--heads", "4", "--layers", "2",
+         "--small-layers", "1", "--seq", "32", "--micro", "1", "--steps", "3", "--skip", "1",
+         "--set", f"data.path={small_dataset}", "--quiet-wait-s", "0"],
+        tmp_path,
+    )  # fmt: skip
+    setup = res["setup"]
+    assert (setup["nodes"], setup["ranks_per_node"], setup["layers"], setup["small_layers"]) == (1, 2, 2, 1)
+    assert setup["tokens_per_step"] == 1 * 2 * 32
+    layouts = res["layouts"]
+    assert list(layouts) == ["ddp", "fsdp"]
+    for name, x in layouts.items():
+        for key in ("median_step_s", "tokens_per_s", "vs_ddp", "peak_mem_mb", "built_mem_mb",
+                    "largest_params_under_cap"):  # fmt: skip
+            assert positive(x[key]), (name, key, x)
+        assert math.isclose(x["tokens_per_s"], setup["tokens_per_step"] / x["median_step_s"])
+        assert x["n_params"] > x["small"]["n_params"] > 0 and positive(x["small"]["peak_mem_mb"])
+        assert "all" in x["exposed_comm_ms"] and x["exposed_comm_ms"]["all"] >= 0
+        assert x["state_mb_per_rank"] and all(v > 0 for v in x["state_mb_per_rank"].values())
+        assert math.isfinite(x["mb_per_million_params"]) and math.isfinite(x["fixed_mb"])
+    assert layouts["ddp"]["vs_ddp"] == 1.0
+    assert layouts["ddp"]["n_params"] == layouts["fsdp"]["n_params"]
+    # FSDP2 over 2 ranks: each holds about half of the model's state
+    assert sum(layouts["fsdp"]["state_mb_per_rank"].values()) < 0.75 * sum(layouts["ddp"]["state_mb_per_rank"].values())
+    header, ddp, fsdp = table_lines(out, "layout", "ddp ", "fsdp ")
+    assert "tokens/s" in header and "vs ddp" in header and "largest under 2048 MB" in header
+    table_lines(out, "exposed communication of rank 0")
+
+
+@pytest.mark.mp
+def test_prefetch(tmp_path):
+    """1 node x 2 ranks, a 1 x 64 MLP: the calibration run, then one setting (fetch = compute) at prefetch 0 and 2,
+    one round of 4 steps."""
+    res, out = run_bench(
+        "prefetch",
+        ["--ranks", "2", "--steps", "4", "--skip", "1", "--rounds", "1", "--micro-batch", "4", "--accum", "2",
+         "--hidden", "64", "--layers", "1", "--prefetch", "0,2", "--ratios", "1", "--quiet-wait-s", "0"],
+        tmp_path,
+    )  # fmt: skip
+    assert res["benchmark"] == "prefetch"
+    setup = res["setup"]
+    assert (setup["ranks"], setup["steps"], setup["skip"], setup["rounds"], setup["accum"]) == (2, 4, 1, 1, 2)
+    assert setup["compute_measured"] is True and positive(setup["compute_s"])
+    rows = res["results"]
+    assert [(r["fetch_over_compute"], r["prefetch"]) for r in rows] == [(1.0, 0), (1.0, 2)]
+    for r in rows:
+        assert positive(r["median_step_time_s"]) and r["median_time_data_s"] >= 0 and r["expected_time_data_s"] >= 0
+        assert math.isclose(r["micro_batch_fetch_s"], setup["compute_s"])  # ratio 1
+        assert math.isclose(r["item_ms"], 1e3 * r["micro_batch_fetch_s"] / 4)
+        assert len(r["round_medians"]) == 1 and positive(r["step_speedup_vs_prefetch0"])
+    p0 = rows[0]
+    assert p0["step_speedup_vs_prefetch0"] == 1.0 and p0["data_wait_vs_prefetch0"] == 1.0
+    # fetching in the training thread sleeps accum x micro-batch x item_ms every step: at least the expected wait
+    assert p0["median_time_data_s"] >= 0.9 * p0["expected_time_data_s"] > 0
+    table_lines(out, "calibration: step compute")
+    header = table_lines(out, "F / C")[0]
+    assert "prefetch" in header and "data wait ms" in header and "expected" in header
+    cells = [line.split("|") for line in out.splitlines() if line.count("|") == header.count("|")][1:]
+    assert [int(c[3]) for c in cells] == [0, 2]
+
+
+@pytest.mark.mp
+def test_startup(tmp_path):
+    """One round of each comparison (imports with the collector on and off, blocking and patient waits on 1 x 2
+    ranks) and one one-step launch."""
+    res, out = run_bench(
+        "startup", ["--rounds", "1", "--launches", "1", "--nodes", "1", "--ranks", "2", "--quiet-wait-s", "0"], tmp_path
+    )
+    assert res["layout"] == "1x2" and res["rounds"] == 1 and res["n_launches"] == 1
+    assert set(res["imports_s"]) == {"on", "off"} and all(positive(v) for v in res["imports_s"].values())
+    assert math.isclose(res["imports_ratio_off_vs_on"], res["imports_s"]["off"] / res["imports_s"]["on"])
+    assert set(res["waits"]) == {"blocking", "patient"}
+    for figures in res["waits"].values():
+        assert positive(figures["work_s"]) and figures["waiters_cpu_s"] >= 0
+    phases = ("imports", "mpi", "rendezvous", "recipe", "build", "restore", "preflight")
+    assert list(res["launches"]) == ["wall_s", "cpu_s", *phases, "preflight_node_gap_s"]
+    for key, figures in res["launches"].items():
+        assert figures["median"] == figures["max"] >= 0, (key, figures)  # one launch
+    assert positive(res["launches"]["wall_s"]["median"]) and positive(res["launches"]["imports"]["median"])
+    table_lines(out, "imports (1 rounds each", "| blocking |", "| patient |", "launches (1 one-step", "| wall_s |")
+
+
+@pytest.mark.mp
+def test_recovery_local(tmp_path):
+    """The local part: one ``local-kill`` (SIGKILL to rank 1 of a 2 x 2 local run at step 20, restarted in place)
+    until its first new step (the Slurm methods, kill and requeue, are not run: see tests/slurm/test_bench_smoke.py)."""
+    res, out = run_bench("recovery", ["--reps", "1", "--methods", "local-kill"], tmp_path)
+    assert res["benchmark"] == "recovery"
+    assert res["setup"]["reps"] == 1 and res["setup"]["methods"] == ["local-kill"]
+    assert list(res["summary"]) == ["local-kill"] and [r["method"] for r in res["runs"]] == ["local-kill"]
+    med = res["summary"]["local-kill"]
+    assert all(positive(med[k]) for k in ("restart_decided_s", "resumed_s", "first_new_step_s")), med
+    assert med["restart_decided_s"] <= med["resumed_s"] <= med["first_new_step_s"]
+    assert {"imports", "restore"} <= set(res["runs"][0]["startup_s"])
+    assert "goodput" not in res
+    header, row = table_lines(out, "interruption", "local-kill")
+    assert "first_new_step_s" in header and len(row.split()) == 4
