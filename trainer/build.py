@@ -369,8 +369,8 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
         runs = "the trainer's hook runs it"
     else:
         # Every bucket flat: DDP's own all-reduce runs, with no hook (the same bits as comm.allreduce=flat). A
-        # Python hook issuing the same all-reduce cost 3 % of the step on 2 x 2 ranks sharing 2 cores (median of 8
-        # alternated pairs): each bucket's call and completion take the GIL, which DDP's C++ path never does.
+        # Python hook issuing the same all-reduce is slower: each bucket's call and completion take the GIL, which
+        # DDP's C++ path never does (docs/measurements/notes-trainer.md).
         p.wrapped.dispatch = None
         runs = "every bucket flat: DDP's own all-reduce runs, no hook"
     if p.env.rank == 0:
