@@ -55,16 +55,15 @@ def test_chain_of_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path)
     continues from the newest checkpoint; once training is complete the rest end at once (or the last link, which
     requeues itself when signalled, finishes it).
 
-    slurmctld sends a job's --signal from its time-limit pass, which runs every 30 s: the first job's signal comes
-    0-30 s after it starts, whatever the lead (measured: none in a job that finished 800 steps in 29 s). So the run
-    must outlast 30 s: 150 steps in which rank 0 sleeps 0.2 s (~35 s unloaded; 800 steps without it took 25 s).
-    The sleep, not computation, sets the run's length, so that another launch on the same 2 cores (tests/run.sh's
-    second worker) lengthens it little: with 600 steps of 25 ms sleep and ~30 ms of computation, such load made the
-    steps up to twice as long while each link's start-up (10-16 s of imports) left it ~8 s of training, and the
-    last link was requeued seven times (315 s in all, against ~110 s). Four links: under such load one trains
-    ~10 s of the run."""
+    slurmctld sends a job's --signal from its time-limit pass, which runs every 30 s: with a 1-minute limit and a
+    40 s lead the signal is due 20 s after the job starts and comes 20-50 s after it. So one job must need more than
+    50 s: 200 steps in which rank 0 sleeps 0.2 s (about 48 s of training after 10-16 s of start-up; 150 steps, 36 s,
+    once finished inside one job whose time-limit pass came late). The sleep, not computation, sets the run's
+    length, so that another launch on the same 2 cores (tests/run.sh's second worker) lengthens it little; a link
+    that trains only a few seconds under such load leaves the rest to the next, and the last link requeues itself
+    until the run is complete."""
     run_dir = tmp_path / "run"
-    sets = [*sets_for(small_dataset), "train.steps=150", "checkpoint.every_steps=50", "train.eval_every=0",
+    sets = [*sets_for(small_dataset), "train.steps=200", "checkpoint.every_steps=50", "train.eval_every=0",
             "job.time=1", "job.signal_lead_s=40", f"job.env.{INJECT_VAR}=slow:0:0.2"]  # fmt: skip
     last = submit(run_dir, sets, "--chain", "4")
     ids = [json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()]
@@ -73,7 +72,7 @@ def test_chain_of_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path)
     for job in ids:
         wait_state(job, DONE, timeout=240)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["final_step"] == 150
+    assert summary["final_step"] == 200
     events = history(run_dir)
     worked = {e["slurm_job_id"] for e in events if e["event"] in (EVENT_START, EVENT_RESUME)}
     assert len(worked) >= 2, events  # one job could not finish it
