@@ -89,7 +89,8 @@ StrictLoader.add_implicit_resolver(
 
 def expanded_size(root: yaml.Node | None) -> int:
     """Values in the document under ``root`` with every alias expanded, counted without expanding anything (each
-    node's count once); raises AliasBombError past MAX_EXPANDED_NODES or on an alias inside its own anchor."""
+    node's count once); raises AliasBombError where aliases make it exceed MAX_EXPANDED_NODES, or on an alias
+    inside its own anchor. A document as large without aliases is only large: it is read."""
     sizes: dict[int, int] = {}
     open_nodes: set[int] = set()
 
@@ -107,7 +108,7 @@ def expanded_size(root: yaml.Node | None) -> int:
         else:
             total = 1
         open_nodes.discard(key)
-        if total > MAX_EXPANDED_NODES:
+        if total > MAX_EXPANDED_NODES and total > len(sizes) + 1:  # more than its distinct nodes: aliases repeat
             raise AliasBombError(recursive=False)
         sizes[key] = total
         return total

@@ -86,13 +86,13 @@ def _release_startup_groups(p: Parts) -> None:
 
 
 def _record_start(p: Parts, b: Booted, rundir: RunDir, clock: StartupClock, resumed: bool, memory: dict) -> None:
-    """Rank 0: the launch's start or resume event; a resume first moves the records of the steps it recomputes to
+    """Rank 0: the launch's start or resume event, after moving the records of the steps it recomputes to
     metrics.discarded.jsonl."""
     env, state = b.env, p.state
-    fields = {}
-    if resumed:
-        discarded = truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
-        fields = {"skipped_checkpoints": p.checkpoints.skipped, "discarded_records": discarded}
+    # Every launch (a fresh start after a launch that never committed too): records of steps after the state's step
+    # are recomputed, so they move out of metrics.jsonl.
+    discarded = truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
+    fields = {"skipped_checkpoints": p.checkpoints.skipped, "discarded_records": discarded} if resumed else {}
     append_event(
         rundir.history,
         EVENT_RESUME if resumed else EVENT_START,

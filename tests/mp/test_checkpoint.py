@@ -421,6 +421,19 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path, reference_2x1, damage):
     assert [s for s, _ in generations(run_dir / "checkpoints")] == [16, 20, 24]
 
 
+def test_a_launch_that_starts_afresh_moves_the_old_records_out(tmp_path, reference_2x1):
+    """A launch that finds no checkpoint (its predecessor died before its first commit) trains from step 0 again:
+    the predecessor's records move to metrics.discarded.jsonl instead of staying beside the new ones."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_2x1, run_dir)
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "summary.json").unlink()
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_as(reference_2x1, run_dir)
+    assert len((run_dir / "metrics.discarded.jsonl").read_text().splitlines()) == len(rows(reference_2x1))
+
+
 def test_all_checkpoints_invalid_is_an_error_and_deletes_nothing(tmp_path, reference_2x1):
     run_dir = tmp_path / "run"
     shutil.copytree(reference_2x1, run_dir)

@@ -77,6 +77,8 @@ def test_aliases_that_expand_a_short_file_into_a_huge_one_are_refused(tmp_path):
         load_config(write(tmp_path, "recipe_args: &r {me: *r}\n"))
     cfg = load_config(write(tmp_path, "train: {steps: &n 7, log_every: *n}\n"))
     assert cfg.train.steps == cfg.train.log_every == 7
+    big = "recipe: lab.recipes:mlp\nrecipe_args: {sizes: [" + "1, " * 100_500 + "1]}\n"  # large, but no aliases
+    assert len(load_config(write(tmp_path, big)).recipe_args["sizes"]) == 100_501
 
 
 def test_ints_accepted_for_floats(tmp_path):

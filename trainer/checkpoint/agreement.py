@@ -4,7 +4,8 @@ Every rank learns every rank's outcome of a phase (a failure with its cause, or 
 files it wrote) through ``torch.distributed``'s object collectives on the checkpoint's process group: its own gloo
 group where saves run in the background or the training collectives run on NCCL, else the default gloo group. One
 group, usable from the background thread of an async save, and a wait that blocks in a socket rather than spinning
-on a core. Each phase must end within ``comm.timeout_s`` on every rank (the group's timeout).
+on a core. Each phase must end within the group's timeout on every rank (``comm.timeout_s`` on the default group;
+torch's default for a group of its own).
 
 A phase whose failures are all transient storage errors (runconfig/ioretry.py) is retried as a unit, on every rank,
 while ``checkpoint.io_retries`` allows: the decision depends only on what every rank gathered, so every rank takes
