@@ -79,6 +79,25 @@ def slurm_cluster(ports: dict[str, str], slurm_conf: Path | None = None) -> Iter
         subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env, capture_output=True)
 
 
+def add_slurm_options(p, methods: tuple[str, ...]) -> None:
+    """``--methods`` (a subset of ``methods``) and ``--slurm-conf FILE`` (a running cluster, slurm_cluster)."""
+    p.add_argument("--methods", default=",".join(methods), help=f"comma-separated subset of {','.join(methods)}")
+    p.add_argument(
+        "--slurm-conf",
+        type=Path,
+        metavar="FILE",
+        help="use the running cluster of this slurm.conf (one of envs/slurm/cluster.sh's) instead of starting one",
+    )
+
+
+def chosen_methods(p, text: str, methods: tuple[str, ...]) -> list[str]:
+    """``--methods``' list, in the order given; a name outside ``methods`` (or none) is the parser's error."""
+    chosen = [m.strip() for m in text.split(",") if m.strip()]
+    if not chosen or set(chosen) - set(methods):
+        p.error(f"--methods takes a comma-separated subset of {','.join(methods)}")
+    return chosen
+
+
 def mpirun_and_env(*, per_node: int, threads: int) -> tuple[Path, dict[str, str]] | None:
     """The mpirun beside this Python and the workers' environment (repo importable, nodes of ``per_node``
     simulated on one host, ``threads`` OpenMP threads); None, after an error message, without an mpirun."""

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
+from common import ROOT, add_slurm_options, chosen_methods, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
 
 from runconfig.contract import EVENT_RESUME, EVENT_STOPPED
 
@@ -89,19 +89,12 @@ def one(method: str, data: Path, work: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument(
-        "--slurm-conf",
-        type=Path,
-        metavar="FILE",
-        help="use the running cluster of this slurm.conf (one of envs/slurm/cluster.sh's: its urgent partition) "
-        "instead of starting one",
-    )
+    add_slurm_options(p, METHODS)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or set(methods) - set(METHODS) or args.reps < 1:
-        p.error(f"--methods takes a comma-separated subset of {','.join(METHODS)}; --reps must be >= 1")
+    methods = chosen_methods(p, args.methods, METHODS)
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
     work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
     with slurm_cluster(PORTS, args.slurm_conf):
         from trainer.data.prepare import PrepareSpec, prepare

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
+from common import ROOT, add_slurm_options, chosen_methods, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
 
 from runconfig.contract import EVENT_RESTART, EVENT_RESUME
 
@@ -172,20 +172,10 @@ def main() -> int:
     p.add_argument("--goodput-steps", type=int, default=0, help="steps of the goodput runs (0: skip them)")
     p.add_argument("--kill-every", type=int, default=1000, help="steps between kills in the goodput run")
     p.add_argument("--no-slurm", action="store_true", help="only the local measurements")
-    p.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)} (latency)"
-    )
-    p.add_argument(
-        "--slurm-conf",
-        type=Path,
-        metavar="FILE",
-        help="use the running cluster of this slurm.conf (one of envs/slurm/cluster.sh's) instead of starting one",
-    )
+    add_slurm_options(p, METHODS)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if set(methods) - set(METHODS):
-        p.error(f"--methods takes a comma-separated subset of {','.join(METHODS)}")
+    methods = chosen_methods(p, args.methods, METHODS)
     if args.no_slurm:
         methods = [m for m in methods if m == "local-kill"]
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))

@@ -12,6 +12,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from runconfig import RunDir
+from trainer.env import patient_barrier
 
 
 def report_failure(rundir: RunDir, rank: int, message: str, kind: str, suspects: list[dict] | None = None) -> None:
@@ -38,8 +39,6 @@ def meet(comm: MPI.Comm, timeout_s: float = 30.0) -> None:
     their process groups with it, and they would fail there ("Connection closed by peer") and end the job with a
     crash's status instead of the user error's."""
     if comm.Get_size() > 1:
-        from trainer.env import patient_barrier
-
         patient_barrier(comm, poll_s=0.005, timeout_s=timeout_s)
 
 
