@@ -26,6 +26,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.rng import seed_rank
 from trainer.checkpoint.state import TrainState
 from trainer.data.loader import BatchLoader, fetch, to_device
+from trainer.data.order import chosen_order
 from trainer.data.resolve import open_splits
 from trainer.env import RuntimeEnv, agree, patient_barrier
 from trainer.errors import UserError, first_line
@@ -114,6 +115,7 @@ def build_parts(
         recipe.train_data,
         collate=recipe.collate,
         seed=cfg.data.seed,
+        order=chosen_order(cfg.data.order, cfg.data.shuffle_window, None, resumed=False),
         global_batch=t.global_batch_size,
         micro_batch=t.micro_batch_size,
         world_size=wrapped.layout.dp,
@@ -435,4 +437,9 @@ def _plan_from(source: str, wanted: dict) -> dict:
 
 def restore_or_start(p: Parts) -> bool:
     """Resume from the newest valid checkpoint when there is one (and checkpoint.resume); True if resumed."""
-    return bool(p.cfg.checkpoint.resume) and p.checkpoints.restore(p.state)
+    resumed = bool(p.cfg.checkpoint.resume) and p.checkpoints.restore(p.state)
+    data = p.cfg.data
+    spec = chosen_order(data.order, data.shuffle_window, p.state.data_order, resumed)
+    p.state.data_order = spec.as_dict()
+    p.loader.use_order(spec)
+    return resumed

@@ -31,6 +31,21 @@ class DataConfig(Section):
     val_fraction: float = doc("Fraction of source files held out for the eval loss.", 0.05, bounds=Range(gt=0, lt=1))
     shard_tokens: int = doc("Tokens per HDF5 shard when preparing.", 4_000_000, bounds=Range(ge=MIN_SHARD_TOKENS))
     seed: int = doc("Seed of the global sample order (with the epoch).", 1234)
+    order: str = doc(
+        "The global sample order. 'windowed': every epoch shuffles the shards, then the samples within each window "
+        "of data.shuffle_window consecutive shuffled shards (memory per rank: two integers per shard; a stretch of "
+        "training reads a window of the dataset at a time). 'permutation': a full permutation of every sample per "
+        "epoch (8 bytes per sample on every rank). 'auto': a resumed run keeps the order its checkpoint records (a "
+        "checkpoint that records none: 'permutation'), a new run takes 'windowed'. Neither depends on the world size.",
+        "auto",
+        choices=("auto", "windowed", "permutation"),
+    )
+    shuffle_window: int = doc(
+        "Shards per shuffle window of the windowed order; a map-style dataset without shards is one block, shuffled "
+        "whole. Larger: better mixed batches, more of the dataset needed at once by a streaming node.",
+        64,
+        bounds=Range(ge=1),
+    )
     verify: str = doc(
         "Start-up check of the prepared shards against manifest.json: 'checksum' = each shard's SHA-256 (every "
         "byte read once, the shards split over the ranks); 'size' = only each shard's token count and dtype, for "

@@ -458,6 +458,20 @@ def test_model_change_is_refused(tmp_path, reference_2x1):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
 
+def test_a_resume_keeps_the_order_its_checkpoint_records(tmp_path, reference_2x1):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_2x1, run_dir)
+    newest = run_dir / "checkpoints" / read_latest(run_dir / "checkpoints")
+    assert json.loads((newest / "train_state.json").read_text())["data_order"] == {"name": "windowed", "window": 64}
+    proc = run(run_dir, ["data.order=permutation"], resume=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        "data.order=permutation (data.shuffle_window=64) is not the order this run's checkpoint was trained in: "
+        "windowed (window of 64 shards)"
+    ) in proc.stderr
+    assert "set data.order=auto" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_resume_runs_the_optimizer_kernels_its_config_names(tmp_path, reference_2x1):
     """The reference saved fused AdamW (the default); resumed with the per-parameter loop, the loop runs: torch's
     load alone would have put the checkpoint's fused=True back (trainer/checkpoint/kernels.py)."""

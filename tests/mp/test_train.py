@@ -13,7 +13,8 @@ from runconfig.schema import DataConfig
 from tests.conftest import run_cli, run_mpi
 from tests.mp.test_checkpoint import TWO_NODES  # the checks below are per rank and per node, not per layout
 from tests.unit.test_data import copy_dataset, flip_high_byte
-from trainer.data.dataset import GlobalOrder, TokenShards, rank_slice
+from trainer.data.dataset import TokenShards
+from trainer.data.order import chosen_order, make_order, rank_slice
 
 pytestmark = pytest.mark.mp
 
@@ -210,7 +211,8 @@ def test_bad_token_read_by_one_rank_ends_the_job_clearly(tmp_path, small_dataset
     its message and status 2."""
     manifest = copy_dataset(small_dataset, tmp_path / "data")
     train = TokenShards(tmp_path / "data", manifest, "train", seq_len=64)
-    order = GlobalOrder(len(train), seed=DataConfig().seed)
+    cfg = DataConfig()
+    order = make_order(chosen_order(cfg.order, cfg.shuffle_window, None, False), len(train), cfg.seed, train.shard_sizes)
     first = int(rank_slice(order, 0, global_batch=32, micro_batch=8, world_size=2, rank=1, micro=0)[0])
     shard = int(np.searchsorted(train.starts, first, side="right") - 1)
     offset = (first - int(train.starts[shard])) * train.window + 10  # in rank 1's first window of step 1

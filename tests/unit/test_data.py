@@ -13,7 +13,7 @@ from runconfig.contract import EXIT_USER_ERROR
 from runconfig.ioretry import RetryPolicy
 from tests.conftest import run_cli
 from trainer.checkpoint.state import TrainState
-from trainer.data.dataset import GlobalOrder, TokenShards, rank_slice, read_manifest
+from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.prepare import EOS, PrepareSpec, prepare
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.errors import UserError
@@ -145,54 +145,6 @@ def test_a_shard_cut_short_under_an_open_handle_is_named_not_read_as_garbage(sma
     with pytest.raises(UserError, match=f"data shard {victim} is not a readable HDF5 token file"):
         shards[last]  # the short read is retried on a fresh open, which HDF5 refuses: truncated
     shards.close()
-
-
-def test_global_order_is_a_seeded_permutation_per_epoch():
-    order = GlobalOrder(1000, seed=7)
-    e0, e1 = order.take(0, 1000), order.take(1000, 1000)
-    assert sorted(e0) == list(range(1000)) and sorted(e1) == list(range(1000))
-    assert not np.array_equal(e0, e1)
-    assert np.array_equal(GlobalOrder(1000, seed=7).take(0, 1000), e0)
-    assert not np.array_equal(GlobalOrder(1000, seed=8).take(0, 1000), e0)
-    # reading across the epoch boundary is the concatenation
-    assert np.array_equal(order.take(990, 20), np.concatenate([e0[990:], e1[:10]]))
-
-
-def step_samples(order, position, world, global_batch=24, micro=2):
-    accum = global_batch // (micro * world)
-    ids = [
-        rank_slice(order, position, global_batch=global_batch, micro_batch=micro, world_size=world, rank=r, micro=m)
-        for m in range(accum)
-        for r in range(world)
-    ]
-    return np.concatenate(ids)
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 12])
-def test_step_samples_do_not_depend_on_world_size(world):
-    order = GlobalOrder(500, seed=3)
-    reference = order.take(0, 24 * 30)
-    position = 0
-    for step in range(30):  # 30 steps of 24 cross an epoch boundary (500 samples)
-        got = step_samples(order, position, world)
-        assert np.array_equal(np.sort(got), np.sort(reference[step * 24 : (step + 1) * 24]))
-        position += 24
-
-
-def test_data_state_resumes_the_stream_at_another_world_size():
-    """Steps after a save at 2 ranks and a restore at 4 ranks are the uninterrupted run's steps."""
-    order = GlobalOrder(100, seed=1)
-    state = TrainState()
-    for _ in range(5):
-        step_samples(order, state.data_position, 2)
-        state.data_position += 24
-    restored = TrainState()
-    restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
-    fresh = GlobalOrder(100, seed=1)
-    for step in range(5, 10):
-        got = step_samples(fresh, restored.data_position, 4)
-        assert np.array_equal(np.sort(got), np.sort(order.take(step * 24, 24)))
-        restored.data_position += 24
 
 
 def test_missing_and_corrupt_data_are_named(small_dataset, tmp_path):

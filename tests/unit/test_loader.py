@@ -11,8 +11,8 @@ import torch
 
 from runconfig import load_config
 from trainer.build import check_structure, count_flops_per_sample
-from trainer.data.dataset import GlobalOrder
 from trainer.data.loader import BatchLoader
+from trainer.data.order import WINDOWED, OrderSpec, make_order
 from trainer.errors import UserError
 from trainer.recipes.api import Recipe
 from trainer.recipes.load import check_recipe
@@ -31,9 +31,12 @@ class Squares(torch.utils.data.Dataset):
         return torch.tensor([i, i * i], dtype=torch.float32), i % 3
 
 
+ORDER = OrderSpec(WINDOWED, 4)
+
+
 def loader(ds, *, prefetch: int, world: int = 2, rank: int = 0) -> BatchLoader:
     return BatchLoader(
-        ds, collate=None, seed=7, global_batch=8, micro_batch=2, world_size=world, rank=rank,
+        ds, collate=None, seed=7, order=ORDER, global_batch=8, micro_batch=2, world_size=world, rank=rank,
         device=torch.device("cpu"), prefetch=prefetch,
     )  # fmt: skip
 
@@ -51,7 +54,7 @@ def test_prefetch_changes_nothing_and_a_restart_continues_the_stream():
         a = take(plain, 0, 12)  # 12 micro-batches = 6 steps of 2 micro-batches on this rank
         assert take(fetched, 0, 12) == a
         assert take(fetched, 3 * 8, 6) == a[6:]  # from the stream position of step 3: what an uninterrupted run saw
-        order = GlobalOrder(50, 7)
+        order = make_order(ORDER, 50, 7, None)
         first_step = order.take(0, 8)  # rank 0 of 2: blocks 0 (micro 0) and 2 (micro 1) of the step
         assert a[0] == first_step[0:2].tolist() and a[1] == first_step[4:6].tolist()
     finally:
@@ -60,7 +63,7 @@ def test_prefetch_changes_nothing_and_a_restart_continues_the_stream():
 
 
 def test_a_failing_item_names_the_dataset_index_and_rank():
-    ld = loader(Squares(50, fail_at=int(GlobalOrder(50, 7).take(2, 1)[0])), prefetch=2, rank=1)
+    ld = loader(Squares(50, fail_at=int(make_order(ORDER, 50, 7, None).take(2, 1)[0])), prefetch=2, rank=1)
     try:
         ld.start(0)
         with pytest.raises(UserError) as info:

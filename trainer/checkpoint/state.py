@@ -14,6 +14,9 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0  # units (the recipe's: tokens, images...) seen over all ranks
     data_position: int = 0
+    # which global order the position counts in (trainer/data/order.py, OrderSpec): None in checkpoints written
+    # before the windowed order existed, which used the full permutation
+    data_order: dict | None = None
     last_loss: float | None = None
     last_eval_loss: float | None = None
     elapsed_s: float = 0.0  # wall time spent in training over all runs of this run directory

@@ -1,10 +1,8 @@
-"""Reading prepared token shards lazily, in a global sample order that does not depend on the world size.
+"""Reading prepared token shards lazily.
 
 A *sample* is a window of ``seq_len + 1`` consecutive tokens inside one shard (documents are packed back to back,
 separated by EOS, so windows cross document boundaries: sequence packing). Windows do not overlap; a shard's
-tail shorter than a window is left out. The global order is a permutation of all windows that is a pure
-function of (seed, epoch); training consumes it as one endless stream, and the only state is the position in
-that stream (samples consumed over all ranks), so a run can resume at any world size.
+tail shorter than a window is left out. The order in which training visits them is trainer/data/order.py's.
 """
 
 from __future__ import annotations
@@ -99,6 +97,11 @@ class TokenShards:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        """Windows per shard, in index order: the blocks the windowed order shuffles (trainer/data/order.py)."""
+        return np.diff(self.starts).tolist()
 
     def verify(self) -> None:
         """Open every shard and check its length and dtype against the manifest (cheap: no token is read)."""
@@ -225,45 +228,3 @@ class _Raw:
         if len(data) != nbytes:  # the file shrank under the open handle: reopened on retry, then named
             raise OSError(errno.EIO, f"short read: {len(data)} of {nbytes} bytes at token {offset}")
         return np.frombuffer(data, dtype=self.dtype)
-
-
-@dataclass
-class GlobalOrder:
-    """Endless stream of sample indices: epoch e is a permutation of range(num_samples) seeded by (seed, e)."""
-
-    num_samples: int
-    seed: int
-
-    def __post_init__(self) -> None:
-        self._cache: dict[int, np.ndarray] = {}
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        perm = self._cache.get(epoch)
-        if perm is None:
-            perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.num_samples)
-            self._cache = {epoch: perm}  # keep only the current epoch
-        return perm
-
-    def take(self, position: int, count: int) -> np.ndarray:
-        """Sample indices at stream positions [position, position + count)."""
-        out = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            epoch, offset = divmod(position + done, self.num_samples)
-            n = min(count - done, self.num_samples - offset)
-            out[done : done + n] = self.permutation(epoch)[offset : offset + n]
-            done += n
-        return out
-
-
-def rank_slice(
-    order: GlobalOrder, position: int, *, global_batch: int, micro_batch: int, world_size: int, rank: int, micro: int
-) -> np.ndarray:
-    """Indices for one rank's micro-batch ``micro`` of the optimizer step that starts at ``position``.
-
-    The step covers positions [position, position + global_batch) whatever the world size; micro-step a on rank r
-    takes the block (a * world_size + r) of size micro_batch.
-    """
-    assert global_batch % (micro_batch * world_size) == 0
-    block = micro * world_size + rank
-    return order.take(position + block * micro_batch, micro_batch)

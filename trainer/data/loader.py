@@ -1,8 +1,8 @@
 """One rank's micro-batches from any map-style dataset, in the global sample order, prefetched in the background.
 
-The global order (``GlobalOrder``: a permutation per epoch, a pure function of (seed, epoch)) is consumed as one
-endless stream; optimizer step k covers stream positions [p, p + global_batch), and micro-batch a on rank r takes
-block (a * world_size + r) of it (``rank_slice``). So the samples of a step do not depend on the world size, and the
+The global order (trainer/data/order.py: a pure function of (seed, epoch, position)) is consumed as one endless
+stream; optimizer step k covers stream positions [p, p + global_batch), and micro-batch a on rank r takes block
+(a * world_size + r) of it (``rank_slice``). So the samples of a step do not depend on the world size, and the
 stream position is the only data state. Batches are fetched and collated by ``prefetch`` background threads, in
 order, ahead of the step that needs them; a dataset whose items take I/O time (file reads, decoding that releases
 the GIL) is then hidden behind the step. For a GPU, the threads also copy each batch into pinned (page-locked) host
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import default_collate
 
 from runconfig.ioretry import is_transient
-from trainer.data.dataset import GlobalOrder, rank_slice
+from trainer.data.order import Order, OrderSpec, make_order, rank_slice, shard_sizes_of
 from trainer.errors import UserError, first_line
 
 
@@ -82,6 +82,7 @@ class BatchLoader:
         *,
         collate: Callable[[list], Any] | None,
         seed: int,
+        order: OrderSpec,
         global_batch: int,
         micro_batch: int,
         world_size: int,
@@ -91,11 +92,12 @@ class BatchLoader:
         what: str = "train_data",
     ) -> None:
         self.dataset, self.collate = dataset, collate or default_collate
-        self.order = GlobalOrder(len(dataset), seed)
+        self.seed, self.what = seed, what
+        self.sizes = shard_sizes_of(dataset, what)
+        self.order: Order = make_order(order, len(dataset), seed, self.sizes)
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.world_size, self.rank, self.device = world_size, rank, device
         self.accum = global_batch // (micro_batch * world_size)
-        self.what = what
         self.prefetch = prefetch
         self.pin = device.type == "cuda"
         self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="prefetch") if prefetch else None
@@ -112,6 +114,12 @@ class BatchLoader:
             rank=self.rank,
             micro=micro,
         )
+
+    def use_order(self, spec: OrderSpec) -> None:
+        """Consume the stream in ``spec``'s order from now on (a resumed run keeps the order it started with)."""
+        if spec != self.order.spec:
+            self._drop_pending()
+            self.order = make_order(spec, len(self.dataset), self.seed, self.sizes)
 
     def start(self, position: int) -> None:
         """The next batch is micro-batch 0 of the step that starts at stream ``position``."""
