@@ -212,7 +212,8 @@ def test_bad_token_read_by_one_rank_ends_the_job_clearly(tmp_path, small_dataset
     manifest = copy_dataset(small_dataset, tmp_path / "data")
     train = TokenShards(tmp_path / "data", manifest, "train", seq_len=64)
     cfg = DataConfig()
-    order = make_order(chosen_order(cfg.order, cfg.shuffle_window, None, False), len(train), cfg.seed, train.shard_sizes)
+    spec = chosen_order(cfg.order, cfg.shuffle_window, None, resumed=False)
+    order = make_order(spec, len(train), cfg.seed, train.shard_sizes)
     first = int(rank_slice(order, 0, global_batch=32, micro_batch=8, world_size=2, rank=1, micro=0)[0])
     shard = int(np.searchsorted(train.starts, first, side="right") - 1)
     offset = (first - int(train.starts[shard])) * train.window + 10  # in rank 1's first window of step 1

@@ -1,6 +1,5 @@
 """Data preparation, lazy shard reading, and a global sample order that does not depend on the world size."""
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -12,7 +11,6 @@ import pytest
 from runconfig.contract import EXIT_USER_ERROR
 from runconfig.ioretry import RetryPolicy
 from tests.conftest import run_cli
-from trainer.checkpoint.state import TrainState
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.prepare import EOS, PrepareSpec, prepare
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
