@@ -16,6 +16,7 @@ import yaml
 
 from runconfig import yamlread
 from runconfig.schema import RunConfig
+from runconfig.secrets import WHERE_CREDENTIALS_GO, find_secret, key_is_secret
 
 
 class ConfigError(Exception):
@@ -101,6 +102,10 @@ def apply_override(raw: dict, item: str) -> None:
 def set_key(raw: dict, key: str, value: Any, *, what: str) -> None:
     """Set a dotted key in config data after checking that the schema has it."""
     parts = key.split(".")
+    secret = find_secret({key: value})
+    if secret or key_is_secret(parts[-1]):
+        why = secret[1] if secret else "its name says it holds a credential"
+        raise ConfigError(f"{what}: key {key!r} is refused: {why}; {WHERE_CREDENTIALS_GO}.")
     _check_path(parts, what)
     node = raw
     for part in parts[:-1]:
@@ -128,6 +133,9 @@ def _check_path(parts: list[str], what: str) -> None:
 
 def from_dict(raw: dict, *, source: str = "<config>") -> RunConfig:
     """Build and validate a RunConfig from plain data (as loaded from YAML)."""
+    secret = find_secret(raw)
+    if secret:
+        raise ConfigError(f"config {source}: key {secret[0]!r} is refused: {secret[1]}; {WHERE_CREDENTIALS_GO}.")
     cfg = _build(RunConfig, raw, source, prefix="")
     problems = [(f"{section}.{key}", msg) for section in _sections() for key, msg in getattr(cfg, section).check()]
     if not problems:  # cross-section checks assume each section is valid on its own

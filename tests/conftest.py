@@ -21,8 +21,9 @@ PY = sys.executable
 class WorkUnits:
     """Work units for ``pytest -n N --dist loadfile`` (tests/run.sh runs two workers: the suite's processes leave a
     core idle about half of the time, waiting on Slurm's passes and on sleeps): every Slurm test in one unit, so
-    that one worker starts the session's clusters (on their fixed ports) and runs those tests in file order, and
-    every other test module a unit of its own, so that a module's fixtures (its reference runs) are made once.
+    that one worker starts the session's clusters (on their fixed ports) and runs those tests in file order, every
+    S3 test in another (one server), and every other test module a unit of its own, so that a module's fixtures
+    (its reference runs) are made once.
     (``xdist_group`` marks would say the same, but pytest 9.2's node ids lose them: pytest-xdist issue 1386.)"""
 
     def pytest_xdist_make_scheduler(self, config, log):
@@ -33,7 +34,10 @@ class WorkUnits:
         class Units(LoadFileScheduling):
             def _split_scope(self, nodeid: str) -> str:
                 path = nodeid.split("::", 1)[0]
-                return "tests/slurm" if path.startswith("tests/slurm/") else path
+                for shared in ("tests/slurm/", "tests/s3/"):  # one cluster, one S3 server per session
+                    if path.startswith(shared):
+                        return shared
+                return path
 
         return Units(config, log)
 

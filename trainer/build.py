@@ -22,6 +22,7 @@ from torch.utils.data import default_collate
 from runconfig import RunConfig, RunDir
 from runconfig.allreduce_plan import choose, plan_table
 from runconfig.contract import write_json_atomic
+from runconfig.objstore import Store
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.rng import seed_rank
 from trainer.checkpoint.state import TrainState
@@ -58,9 +59,11 @@ def make_recipe(
     gets the recipe or the same UserError (the first failing rank's)."""
 
     def token_data(seq_len: int, vocab_size: int | None):
-        train, val = open_splits(cfg.data, seq_len, vocab_size, env, comm)
+        train, val = open_splits(cfg.data, seq_len, vocab_size, env, comm, Store(cfg.storage))
         stack.callback(train.close)
         stack.callback(val.close)
+        if train.cache is not None:
+            stack.callback(train.cache.close)
         return train, val
 
     ctx = RecipeContext(

@@ -17,6 +17,7 @@ from runconfig.schema.parallel import ParallelConfig
 from runconfig.schema.recipe import BUILTIN_RECIPE, RECIPE_RE
 from runconfig.schema.run import RunConfig
 from runconfig.schema.slurm_syntax import SIGNAL_NAMES, SLURM_NAMES_RE, slurm_minutes
+from runconfig.schema.storage import StorageConfig
 from runconfig.schema.train import TrainConfig
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "Range",
     "RunConfig",
     "Section",
+    "StorageConfig",
     "TrainConfig",
     "doc",
     "field_problems",

@@ -24,9 +24,28 @@ class DataConfig(Section):
     )
     max_source_bytes: int = doc("Stop reading the source after this many bytes; 0 = no limit.", 0, bounds=Range(ge=0))
     path: str | None = doc(
-        "Prepared dataset folder (manifest.json + HDF5 shards). Unset: a cache folder derived from the "
-        "source under $HPC_DATA_CACHE (default ~/.cache/hpc-trainer/data).",
+        "Prepared dataset folder (manifest.json + HDF5 shards): a path, or a URL of object storage (s3://bucket/"
+        "prefix; storage: for the endpoint), whose shards are streamed through the node cache (data.cache_dir). "
+        "Unset: a cache folder derived from the source under $HPC_DATA_CACHE (default ~/.cache/hpc-trainer/data).",
         None,
+    )
+    cache_dir: str | None = doc(
+        "Node-local folder where the shards of a data.path URL are kept (one copy per node, whatever the number of "
+        "ranks on it; a subfolder per node and dataset). Use local disk ($TMPDIR, /local/scratch). Unset: "
+        "$HPC_DATA_CACHE/stream.",
+        None,
+    )
+    cache_max_gb: float = doc(
+        "Size bound of the node cache: least recently used shards are evicted to stay under it (about two shuffle "
+        "windows of shards must fit). 0 = the disk's own size: a shard that meets a full disk evicts what it can.",
+        0.0,
+        bounds=Range(ge=0),
+    )
+    stream_threads: int = doc(
+        "Background threads per rank fetching the shards of the current and the next shuffle window into the node "
+        "cache.",
+        4,
+        bounds=Range(ge=1),
     )
     val_fraction: float = doc("Fraction of source files held out for the eval loss.", 0.05, bounds=Range(gt=0, lt=1))
     shard_tokens: int = doc("Tokens per HDF5 shard when preparing.", 4_000_000, bounds=Range(ge=MIN_SHARD_TOKENS))

@@ -16,6 +16,7 @@ from runconfig.schema.model import ModelConfig
 from runconfig.schema.monitor import MonitorConfig
 from runconfig.schema.parallel import ParallelConfig
 from runconfig.schema.recipe import BUILTIN_RECIPE, RECIPE_RE
+from runconfig.schema.storage import StorageConfig
 from runconfig.schema.train import TrainConfig
 
 
@@ -42,6 +43,10 @@ class RunConfig:
         factory=ParallelConfig,
     )
     checkpoint: CheckpointConfig = doc("Checkpoints, stop signals and resume.", factory=CheckpointConfig)
+    storage: StorageConfig = doc(
+        "Object storage (s3:// and other fsspec URLs): endpoint and retries; credentials come from the environment.",
+        factory=StorageConfig,
+    )
     monitor: MonitorConfig = doc("Metrics, TensorBoard, stragglers and the hang watchdog.", factory=MonitorConfig)
 
     def check(self) -> Problems:

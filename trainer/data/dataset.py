@@ -21,6 +21,8 @@ import h5py
 import numpy as np
 
 from runconfig.ioretry import RetryPolicy, is_transient, retry
+from runconfig.objstore import join
+from trainer.data.stream import ShardCache
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,11 +75,14 @@ class TokenShards:
         check_range: bool = True,
         retry: RetryPolicy = NO_RETRY,
         before_read: Callable[[Path], None] | None = None,
+        cache: ShardCache | None = None,
     ) -> None:
-        self.folder = Path(folder)
+        self.folder = Path(folder) if cache is None else cache.url  # where the shards are, for messages
         self.window = seq_len + 1
         self.shards = manifest["splits"][split]
-        self.paths = [self.folder / s["file"] for s in self.shards]
+        self.cache = cache
+        # what messages name: the shard's path, or its URL (read from the node cache)
+        self.paths = [self.folder / s["file"] if cache is None else join(cache.url, s["file"]) for s in self.shards]
         self.split = split
         self.vocab_size = int(manifest["vocab_size"])
         self.dtype = np.dtype(manifest.get("dtype", "uint16"))
@@ -103,16 +108,31 @@ class TokenShards:
         """Windows per shard, in index order: the blocks the windowed order shuffles (trainer/data/order.py)."""
         return np.diff(self.starts).tolist()
 
+    def will_need(self, shards: list[int]) -> None:
+        """The shards the next stretch of training reads (trainer/data/order.py, ``blocks_ahead``): fetched ahead
+        into the node cache; open shards outside them are closed, so that their copies can be evicted."""
+        if self.cache is None:
+            return
+        self.cache.will_need([self.shards[i]["file"] for i in shards])
+        keep = set(shards)
+        with self._lock:
+            for i in [i for i in self._files if i not in keep]:
+                self._files.pop(i).file.close()
+                self._raw.pop(i, None)
+
     def verify(self) -> None:
         """Open every shard and check its length and dtype against the manifest (cheap: no token is read)."""
-        for i, shard in enumerate(self.shards):
-            ds = self._dataset(i)
-            if ds.shape != (shard["tokens"],) or ds.dtype != self.dtype:
-                raise UserError(
-                    f"rank {self.rank}: data shard {self.folder / shard['file']} holds {ds.dtype}{list(ds.shape)}, "
-                    f"but the manifest says {self.dtype}[{shard['tokens']}]: the shard or manifest is corrupt; "
-                    f"{reprepare_hint(self.folder)}."
-                )
+        for i in range(len(self.shards)):
+            self._check_shape(i, self._dataset(i))
+
+    def _check_shape(self, i: int, ds: h5py.Dataset) -> None:
+        shard = self.shards[i]
+        if ds.shape != (shard["tokens"],) or ds.dtype != self.dtype:
+            raise UserError(
+                f"rank {self.rank}: data shard {self.paths[i]} holds {ds.dtype}{list(ds.shape)}, "
+                f"but the manifest says {self.dtype}[{shard['tokens']}]: the shard or manifest is corrupt; "
+                f"{reprepare_hint(self.folder)}."
+            )
 
     def sample(self, index: int) -> np.ndarray:
         shard = int(np.searchsorted(self.starts, index, side="right") - 1)
@@ -180,7 +200,10 @@ class TokenShards:
         if ds is None:
             path = self.paths[shard]
             try:
-                f = h5py.File(path, "r")
+                if self.cache is None:
+                    f = h5py.File(path, "r")
+                else:
+                    f = self.cache.open(self.shards[shard]["file"], lambda local: h5py.File(local, "r"))
                 ds = f["tokens"]
             except (OSError, KeyError) as exc:
                 if is_transient(exc):
@@ -189,6 +212,12 @@ class TokenShards:
                     f"rank {self.rank}: data shard {path} is not a readable HDF5 token file ({exc}); "
                     f"{reprepare_hint(self.folder)}."
                 ) from None
+            if self.cache is not None:  # a remote dataset's shards are checked as they arrive, not at start
+                try:
+                    self._check_shape(shard, ds)
+                except UserError:
+                    ds.file.close()
+                    raise
             self._files[shard] = ds
             self._raw[shard] = _Raw.of(ds)
         return ds

@@ -103,6 +103,8 @@ class BatchLoader:
         self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="prefetch") if prefetch else None
         self._pending: deque[Future] = deque()
         self._next_key = (0, 0)  # (stream position of the step, micro-batch) of the next batch to fetch
+        self._will_need = getattr(dataset, "will_need", None)  # a streaming dataset: told the shards ahead
+        self._hinted: list[int] | None = None
 
     def ids(self, position: int, micro: int) -> np.ndarray:
         return rank_slice(
@@ -151,8 +153,18 @@ class BatchLoader:
 
     def _advance(self) -> tuple[int, int]:
         key = position, micro = self._next_key
+        if micro == 0 and self._will_need is not None:
+            self._hint(position)
         self._next_key = (position, micro + 1) if micro + 1 < self.accum else (position + self.global_batch, 0)
         return key
+
+    def _hint(self, position: int) -> None:
+        """Tell a streaming dataset the shards of this step's window and the next one (fetched in the background
+        while this window trains), when they change."""
+        blocks = self.order.blocks_ahead(position, self.global_batch, windows_after=1)
+        if blocks != self._hinted:
+            self._hinted = blocks
+            self._will_need(blocks)
 
     def _submit(self) -> None:
         assert self._pool is not None

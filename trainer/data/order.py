@@ -56,7 +56,7 @@ class Order(Protocol):
 
     def take(self, position: int, count: int) -> np.ndarray: ...
 
-    def blocks_ahead(self, position: int, count: int) -> list[int]: ...
+    def blocks_ahead(self, position: int, count: int, windows_after: int = 0) -> list[int]: ...
 
 
 def chosen_order(configured: str, window: int, recorded: dict | None, resumed: bool) -> OrderSpec:
@@ -122,7 +122,7 @@ class PermutationOrder:
             done += n
         return out
 
-    def blocks_ahead(self, position: int, count: int) -> list[int]:
+    def blocks_ahead(self, position: int, count: int, windows_after: int = 0) -> list[int]:
         return []  # every sample anywhere: nothing to stream ahead
 
 
@@ -169,13 +169,15 @@ class WindowedOrder:
             done += n
         return out
 
-    def blocks_ahead(self, position: int, count: int) -> list[int]:
-        """The shards read at stream positions [position, position + count), in the order they are first needed
-        (whole windows: a window's samples come in any order)."""
+    def blocks_ahead(self, position: int, count: int, windows_after: int = 0) -> list[int]:
+        """The shards read at stream positions [position, position + count), then those of the next
+        ``windows_after`` windows, in the order they are first needed (whole windows: a window's samples come in
+        any order)."""
         out: list[int] = []
         seen: set[int] = set()
-        pos, end = position, position + count
-        while pos < end:
+        pos, end, extra = position, position + count, windows_after
+        while pos < end or extra > 0:
+            extra -= pos >= end
             epoch, offset = divmod(pos, self.num_samples)
             perm, cum = self.epoch(epoch)
             w = int(np.searchsorted(cum, offset, side="right") - 1) // self.window

@@ -213,7 +213,8 @@ class _ShardWriter:
             f.attrs["format"] = FORMAT
         with open(path, "rb") as fh:
             os.fsync(fh.fileno())
-        self.shards.append({"file": name, "tokens": int(len(head)), "sha256": sha256_file(path)})
+        shard = {"file": name, "tokens": int(len(head)), "sha256": sha256_file(path), "bytes": path.stat().st_size}
+        self.shards.append(shard)
 
 
 def prepare(spec: PrepareSpec, out: Path, *, progress: bool = False) -> dict:

@@ -3,6 +3,7 @@ check it against its manifest before any training."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -10,9 +11,11 @@ from pathlib import Path
 from mpi4py import MPI
 
 from runconfig.ioretry import RetryPolicy
-from runconfig.schema import DataConfig
+from runconfig.objstore import Store, StoreError, StoreUnavailable, is_url
+from runconfig.schema import DataConfig, StorageConfig
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.prepare import STDLIB, PrepareSpec, TokenizerError, prepare, tokenizer_sha256
+from trainer.data.stream import ShardCache, dataset_key
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.env import RuntimeEnv, agree
 from trainer.errors import UserError
@@ -47,7 +50,12 @@ def dataset_folder(cfg: DataConfig, cache: Path) -> Path:
 
 
 def open_splits(
-    cfg: DataConfig, seq_len: int, vocab_size: int | None, env: RuntimeEnv, comm: MPI.Comm
+    cfg: DataConfig,
+    seq_len: int,
+    vocab_size: int | None,
+    env: RuntimeEnv,
+    comm: MPI.Comm,
+    store: Store | None = None,
 ) -> tuple[TokenShards, TokenShards]:
     """Collective: every rank returns (train, val) readers, or every rank raises the same UserError.
 
@@ -56,6 +64,8 @@ def open_splits(
     on the outcome before any training, so a bad shard stops the job with its file and finder named.
     ``vocab_size=None`` skips the vocabulary check (a model sized from the manifest's ``vocab_size``).
     """
+    if cfg.path and is_url(cfg.path):
+        return _open_remote(cfg, seq_len, vocab_size, env, comm, store or Store(StorageConfig()))
     folder: Path | None = None
 
     def find() -> None:
@@ -79,6 +89,83 @@ def open_splits(
     }
     train = TokenShards(folder, manifest, "train", seq_len, **reads)
     return train, TokenShards(folder, manifest, "val", seq_len, **reads)
+
+
+def _open_remote(
+    cfg: DataConfig, seq_len: int, vocab_size: int | None, env: RuntimeEnv, comm: MPI.Comm, store: Store
+) -> tuple[TokenShards, TokenShards]:
+    """A prepared dataset in object storage: rank 0 reads the manifest and lists the prefix once (every shard the
+    manifest names must be there, at its size where the manifest records one) and passes both to the others; each
+    node then streams the shards into its own cache, verified against the manifest as they arrive."""
+    url = cfg.path.rstrip("/")
+    found: tuple[dict, dict[str, int]] | None = None
+
+    def look() -> None:
+        nonlocal found
+        found = remote_manifest(store, url)
+        if vocab_size is not None:
+            check_vocab(url, found[0], vocab_size)
+
+    agree(comm, _error_of(look) if env.rank == 0 else None)
+    manifest, sizes = comm.bcast(found, root=0)
+    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else env.data_cache / "stream"
+    node = env.node_names[env.rank].replace("/", "_")
+    folder = root / node / dataset_key(url, manifest)
+    try:
+        cache = ShardCache(
+            store, url, manifest, folder, max_bytes=int(cfg.cache_max_gb * 1e9), threads=cfg.stream_threads,
+            rank=env.rank, sizes=sizes,
+        )  # fmt: skip
+    except OSError as exc:
+        raise UserError(f"rank {env.rank}: data.cache_dir {folder} cannot be used: {exc}.", collective=False) from None
+    checksummed = all(s.get("sha256") for split in manifest["splits"].values() for s in split)
+    reads = {
+        "rank": env.rank,
+        "check_range": not checksummed,  # every download is checked against its SHA-256
+        "retry": RetryPolicy(cfg.read_retries, cfg.read_retry_backoff_s, "data.read_retries"),
+        "cache": cache,
+    }
+    train = TokenShards(folder, manifest, "train", seq_len, **reads)
+    return train, TokenShards(folder, manifest, "val", seq_len, **reads)
+
+
+def remote_manifest(store: Store, url: str) -> tuple[dict, dict[str, int]]:
+    """The manifest of the dataset at ``url`` and the sizes of the objects under it, checked against each other."""
+    try:
+        raw = store.read_bytes(f"{url}/manifest.json", what="data manifest", key="data.path")
+    except StoreError as exc:
+        if "no such object" in str(exc):
+            raise UserError(
+                f"data.path {url} has no manifest.json: it is not a prepared dataset (prepare one with "
+                "`python -m trainer.data prepare --source DIR --out OUT` and upload OUT, or prepare straight to the "
+                "bucket)."
+            ) from None
+        raise UserError(str(exc)) from None
+    except StoreUnavailable as exc:
+        raise UserError(
+            f"data.path {url}: the object store cannot be reached ({exc.strerror}) after storage.retries; check "
+            "storage.endpoint_url (or AWS_ENDPOINT_URL) and that the store is up."
+        ) from None
+    try:
+        manifest = json.loads(raw)
+        manifest["splits"]["train"], manifest["splits"]["val"], manifest["vocab_size"]  # noqa: B018
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"data manifest {url}/manifest.json is malformed ({type(exc).__name__}: {exc}).") from None
+    sizes = store.sizes(url, what="data.path listing of", key="data.path")
+    for split in ("train", "val"):
+        for shard in manifest["splits"][split]:
+            name = shard["file"]
+            if name not in sizes:
+                raise UserError(
+                    f"data shard {url}/{name}, listed in {url}/manifest.json, is missing from the bucket: the "
+                    "upload was incomplete or the shard was deleted; upload the prepared folder again."
+                )
+            if "bytes" in shard and sizes[name] != shard["bytes"]:
+                raise UserError(
+                    f"data shard {url}/{name} holds {sizes[name]} bytes, but {url}/manifest.json says "
+                    f"{shard['bytes']}: the manifest does not match the shards; upload the prepared folder again."
+                )
+    return manifest, sizes
 
 
 def _error_of(check: Callable[[], None]) -> str | None:

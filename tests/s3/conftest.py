@@ -1,0 +1,67 @@
+"""The session's real S3-compatible server (envs/s3/server.sh: s3rver, objects on disk, so a restart keeps them), and
+helpers to put a prepared dataset in it. Every test here runs on one pytest-xdist worker (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+# Off s3rver's default 4568 and a developer's own server (19000); HPC_TEST_S3_PORT moves it.
+PORT = os.environ.get("HPC_TEST_S3_PORT", "19100")
+BUCKET = "hpc-test"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@dataclass
+class S3Server:
+    state: Path
+    endpoint: str
+
+    def script(self, verb: str) -> None:
+        env = {**os.environ, "HPC_S3_PORT": PORT, "HPC_S3_BUCKETS": BUCKET}
+        subprocess.run(["bash", "envs/s3/server.sh", verb, str(self.state)], check=True, cwd=ROOT, env=env)
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(endpoint_url=self.endpoint, use_listings_cache=False, skip_instance_cache=True)
+
+    def upload(self, folder: Path, prefix: str) -> str:
+        """Copy a local folder's files to s3://BUCKET/prefix; the URL."""
+        fs = self.fs()
+        for path in sorted(Path(folder).iterdir()):
+            if path.is_file():
+                fs.put_file(str(path), f"{BUCKET}/{prefix}/{path.name}")
+        return f"s3://{BUCKET}/{prefix}"
+
+
+@pytest.fixture(scope="session")
+def s3():
+    state = Path(tempfile.mkdtemp(prefix="hpc-s3-test-", dir="/tmp"))
+    server = S3Server(state, f"http://127.0.0.1:{PORT}")
+    server.script("install")
+    server.script("start")
+    old = {k: os.environ.get(k) for k in [*CREDENTIALS, "AWS_ENDPOINT_URL"]}
+    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=server.endpoint)
+    try:
+        yield server
+    finally:
+        server.script("wipe")
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3_small(s3, small_dataset) -> str:
+    """tests/conftest.py's small dataset, uploaded once: its URL."""
+    return s3.upload(small_dataset, "small")
