@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm, munge,
-# slurmdbd, MariaDB and shellcheck from Debian's packages; Python packages into .venv), then lints and runs the
-# whole suite: unit, multi-process under mpirun, and Slurm tests against real local clusters that the tests start
-# and stop.
+# slurmdbd, MariaDB, shellcheck and nodejs from Debian's packages, s3rver from npm; Python packages into .venv),
+# then lints and runs the whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local
+# clusters and servers that the tests start and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # With accounting: tests/slurm/test_accounting.py also runs slurmdbd + MariaDB (Debian packages).
 HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh install >/dev/null
+# The S3-compatible server the object-storage tests start (envs/s3/server.sh: nodejs and npm from Debian, s3rver).
+bash envs/s3/server.sh install
 # Debian's shellcheck, which tests/slurm/test_sbatch_scripts.py runs on every shell script.
 if ! command -v shellcheck >/dev/null; then
   apt-get update -qq
