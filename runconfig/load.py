@@ -105,7 +105,8 @@ def set_key(raw: dict, key: str, value: Any, *, what: str) -> None:
     secret = find_secret({key: value})
     if secret or key_is_secret(parts[-1]):
         why = secret[1] if secret else "its name says it holds a credential"
-        raise ConfigError(f"{what}: key {key!r} is refused: {why}; {WHERE_CREDENTIALS_GO}.")
+        origin = what.split(" ", 1)[0]  # not ``what`` itself: it may quote the value
+        raise ConfigError(f"{origin} of key {key!r}: key {key!r} is refused: {why}; {WHERE_CREDENTIALS_GO}.")
     _check_path(parts, what)
     node = raw
     for part in parts[:-1]:

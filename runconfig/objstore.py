@@ -13,7 +13,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from runconfig.ioretry import RetryPolicy, is_transient, retry
@@ -57,9 +57,11 @@ class StoreError(Exception):
 
 @dataclass(frozen=True)
 class Store:
-    """fsspec filesystems for the URLs of one run, opened with ``cfg``'s endpoint, region and profile."""
+    """fsspec filesystems for the URLs of one run, opened with ``cfg``'s endpoint, region and profile; each Store
+    opens its own (credentials are read when one is made, so a new Store sees changed ones)."""
 
     cfg: StorageConfig
+    _opened: dict = field(default_factory=dict, compare=False, repr=False)
 
     def endpoint(self, url: str) -> str:
         if not url.startswith("s3://"):
@@ -84,8 +86,12 @@ class Store:
             }
             if self.cfg.profile:
                 options["profile"] = self.cfg.profile
+        protocol = _URL.match(url).group(1) if is_url(url) else "file"
         with _LOCK:
-            return fsspec.core.url_to_fs(url, **options)
+            fs = self._opened.get(protocol)
+            if fs is None:
+                fs = self._opened[protocol] = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)[0]
+        return fs, fs._strip_protocol(url)
 
     def policy(self) -> RetryPolicy:
         return RetryPolicy(self.cfg.retries, self.cfg.retry_backoff_s, "storage.retries")
@@ -155,7 +161,7 @@ class Store:
         self.call(lambda fs, p: fs.get_file(p, dest), url, what=what, key=key)
 
 
-_LOCK = threading.Lock()  # fsspec's instance cache is not safe to fill from several threads at once
+_LOCK = threading.Lock()  # threads of one Store open its filesystems once
 
 
 def _is_transient(exc: BaseException) -> bool:

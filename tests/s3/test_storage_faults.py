@@ -1,0 +1,179 @@
+"""Object storage that is wrong or failing, against the real server: each fault is one message naming the URL, key,
+shard or rank, or a retry that outlives a server restart; nothing half-downloaded is ever taken for a shard."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from runconfig.objstore import Store, StoreError, StoreUnavailable
+from runconfig.schema import StorageConfig
+from tests.conftest import PY, ROOT
+from tests.s3.conftest import BUCKET
+from trainer.data.resolve import remote_manifest
+from trainer.data.stream import FETCHES, ShardCache
+from trainer.errors import UserError
+
+FAST = StorageConfig(retries=2, retry_backoff_s=0.05)
+
+
+def cache_of(url: str, folder: Path, **kw) -> ShardCache:
+    store = Store(FAST)
+    manifest, sizes = remote_manifest(store, url)
+    return ShardCache(store, url, manifest, folder, max_bytes=kw.pop("max_bytes", 0), threads=2, rank=0,
+                      sizes=sizes, **kw)  # fmt: skip
+
+
+def train_files(url: str) -> list[str]:
+    return [s["file"] for s in remote_manifest(Store(FAST), url)[0]["splits"]["train"]]
+
+
+def test_an_unreachable_endpoint_is_named(s3_small):
+    store = Store(StorageConfig(endpoint_url="http://127.0.0.1:9", retries=1, retry_backoff_s=0.01))
+    with pytest.raises(UserError, match=r"data.path s3://hpc-test/small: the object store cannot be reached .*"
+                                        r"http://127.0.0.1:9 unavailable.* check storage.endpoint_url"):  # fmt: skip
+        remote_manifest(store, s3_small)
+
+
+def test_wrong_or_missing_credentials_are_named(s3_small, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "WRONG")
+    with pytest.raises(UserError, match=r"s3://hpc-test/small/manifest.json \(data.path\): access denied by "
+                                        r"http://127.0.0.1:\d+ .*credentials in the environment"):  # fmt: skip
+        remote_manifest(Store(FAST), s3_small)
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(UserError, match="no credentials were found for http://127.0.0.1:.* set AWS_ACCESS_KEY_ID"):
+        remote_manifest(Store(FAST), s3_small)
+
+
+def test_a_missing_bucket_or_prefix_is_named(s3):
+    with pytest.raises(UserError, match="bucket 'no-such-bucket' does not exist at http://127.0.0.1"):
+        remote_manifest(Store(FAST), "s3://no-such-bucket/data")
+    with pytest.raises(UserError, match="data.path s3://hpc-test/nothing has no manifest.json: it is not a prepared"):
+        remote_manifest(Store(FAST), f"s3://{BUCKET}/nothing")
+
+
+def test_a_missing_shard_or_a_manifest_unlike_the_shards_is_named(s3, small_dataset):
+    url = s3.upload(small_dataset, "missing-shard")
+    victim = train_files(url)[1]
+    s3.fs().rm_file(f"{BUCKET}/missing-shard/{victim}")
+    with pytest.raises(UserError, match=f"data shard {url}/{victim}, listed in {url}/manifest.json, is missing"):
+        remote_manifest(Store(FAST), url)
+    url = s3.upload(small_dataset, "wrong-size")
+    manifest = json.loads((small_dataset / "manifest.json").read_text())
+    manifest["splits"]["train"][0]["bytes"] += 1
+    s3.fs().pipe_file(f"{BUCKET}/wrong-size/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(UserError, match=f"holds {manifest['splits']['train'][0]['bytes'] - 1} bytes, but "
+                                        f"{url}/manifest.json says"):  # fmt: skip
+        remote_manifest(Store(FAST), url)
+
+
+def test_a_corrupt_shard_in_the_bucket_is_never_cached(s3, small_dataset, tmp_path):
+    url = s3.upload(small_dataset, "corrupt")
+    victim = train_files(url)[0]
+    data = bytearray((small_dataset / victim).read_bytes())
+    data[-100] ^= 0xFF
+    s3.fs().pipe_file(f"{BUCKET}/corrupt/{victim}", bytes(data))
+    cache = cache_of(url, tmp_path / "cache")
+    with pytest.raises(UserError, match=f"rank 0: data shard {url}/{victim} failed its checksum after download"):
+        cache.local(victim)
+    assert not (tmp_path / "cache" / victim).exists() and not list((tmp_path / "cache").glob(".part-*"))
+    cache.close()
+
+
+def test_a_server_restart_mid_fetch_is_retried(s3, s3_small, tmp_path):
+    store = Store(StorageConfig(retries=8, retry_backoff_s=0.2))
+    manifest, sizes = remote_manifest(store, s3_small)
+    cache = ShardCache(store, s3_small, manifest, tmp_path / "cache", max_bytes=0, threads=1, rank=0, sizes=sizes)
+    name = manifest["splits"]["train"][0]["file"]
+    s3.script("stop")
+    restarted = threading.Timer(1.5, s3.script, ["start"])
+    restarted.start()
+    try:
+        started = time.monotonic()
+        path = cache.local(name)  # refused connections, retried with back-off until the server is back
+        assert time.monotonic() - started > 1.0
+        assert path.stat().st_size == sizes[name]
+    finally:
+        restarted.join()
+        cache.close()
+    # ... and with too few retries it is a transient error: the launch crashes and the launcher restarts it
+    s3.script("stop")
+    try:
+        with pytest.raises(StoreUnavailable):
+            Store(StorageConfig(retries=1, retry_backoff_s=0.01)).read_bytes(f"{s3_small}/manifest.json", what="x")
+    finally:
+        s3.script("start")
+
+
+def test_the_node_cache_evicts_least_recently_used_and_names_a_full_disk(s3_small, tmp_path):
+    files = train_files(s3_small)
+    store = Store(FAST)
+    manifest, sizes = remote_manifest(store, s3_small)
+    bound = sizes[files[0]] + sizes[files[1]] + sizes[files[2]] // 2  # two shards fit, not three
+    cache = ShardCache(store, s3_small, manifest, tmp_path / "c", max_bytes=bound, threads=1, rank=0, sizes=sizes)
+    cache.local(files[0])
+    time.sleep(0.01)
+    cache.local(files[1])
+    time.sleep(0.01)
+    cache.local(files[0])  # used again: files[1] is now the least recently used
+    cache.local(files[2])
+    present = {p.name for p in (tmp_path / "c").iterdir() if p.name.startswith("train_")}
+    assert present == {files[0], files[2]}, present
+    cache.close()
+    # a disk smaller than one shard: one message naming the cache folder and what to do
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        cache = ShardCache(store, s3_small, manifest, small / "c", max_bytes=0, threads=1, rank=0, sizes=sizes)
+        with pytest.raises(UserError, match=r"the node cache .*small/c \(data.cache_dir\) is full: data shard"):
+            cache.local(files[0])
+        assert not list((small / "c").glob(".part-*"))
+        cache.close()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+FETCH_ALL = """
+import sys
+from runconfig.objstore import Store
+from runconfig.schema import StorageConfig
+from trainer.data.resolve import remote_manifest
+from trainer.data.stream import ShardCache
+url, folder = sys.argv[1], sys.argv[2]
+store = Store(StorageConfig())
+manifest, sizes = remote_manifest(store, url)
+cache = ShardCache(store, url, manifest, folder, max_bytes=0, threads=3, rank=0, sizes=sizes)
+names = [s["file"] for s in manifest["splits"]["train"]]
+cache.will_need(names)
+print(sum(cache.local(n).stat().st_size for n in names))
+cache.close()
+"""
+
+
+def test_two_runs_sharing_a_cache_folder_download_each_shard_once(s3_small, tmp_path):
+    folder = tmp_path / "shared"
+    procs = [
+        subprocess.Popen([PY, "-c", FETCH_ALL, s3_small, str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    totals = [int(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs) and len(set(totals)) == 1
+    fetched = [json.loads(line)["file"] for line in (folder / FETCHES).read_text().splitlines()]
+    assert sorted(fetched) == sorted(train_files(s3_small)), fetched  # each once, whoever fetched it
+
+
+def test_store_errors_name_the_url(s3):
+    with pytest.raises(StoreError, match=f"checkpoint s3://{BUCKET}/none/x \\(checkpoint.storage\\): no such object"):
+        Store(FAST).read_bytes(f"s3://{BUCKET}/none/x", what="checkpoint", key="checkpoint.storage")
