@@ -48,6 +48,12 @@ class DataConfig(Section):
         bounds=Range(ge=1),
     )
     val_fraction: float = doc("Fraction of source files held out for the eval loss.", 0.05, bounds=Range(gt=0, lt=1))
+    prepare_workers: int = doc(
+        "Processes that prepare data.source on first use (rank 0's node; the output is the same for any number); "
+        "0 = every CPU the rank may use.",
+        0,
+        bounds=Range(ge=0),
+    )
     shard_tokens: int = doc("Tokens per HDF5 shard when preparing.", 4_000_000, bounds=Range(ge=MIN_SHARD_TOKENS))
     seed: int = doc("Seed of the global sample order (with the epoch).", 1234)
     order: str = doc(

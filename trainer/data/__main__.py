@@ -1,17 +1,27 @@
-"""``python -m trainer.data prepare --source DIR --out OUT [--tokenizer tokenizer.json]``: text files -> sharded
-HDF5 tokens + manifest (bytes, or the ids of a ``tokenizers`` tokenizer)."""
+"""``python -m trainer.data prepare --source DIR --out OUT [--tokenizer tokenizer.json] [--workers N]``: text
+files -> sharded HDF5 tokens + manifest (bytes, or the ids of a ``tokenizers`` tokenizer), over N processes; OUT
+may be an object-storage URL. Under ``srun`` (one task per node) the tasks share the work; a killed preparation
+run again continues where it stopped."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runconfig.schema import MIN_SHARD_TOKENS
-from trainer.data.prepare import STDLIB, PrepareSpec, TokenizerError, prepare
+from runconfig.contract import INJECT_VAR
+from runconfig.objstore import Store, StoreError, is_url, local_path
+from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
+from trainer.data.prepare import PART_BYTES, STDLIB, PrepareSpec, TokenizerError, prepare
+from trainer.observe.inject import parse
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -45,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize a folder of text files into HDF5 shards")
     p.add_argument("--source", required=True, help=f"folder of text files, or '{STDLIB}' for Python's stdlib")
-    p.add_argument("--out", required=True, type=Path, help="output folder (must not hold a dataset yet)")
+    p.add_argument("--out", required=True, help="output folder or URL, e.g. s3://bucket/prefix (no dataset there yet)")
     p.add_argument("--include", action="append", help="glob of files to take (repeatable; default: *.py *.txt *.md)")
     p.add_argument("--max-bytes", type=int_at_least(0), default=0, help="stop after this many source bytes (0: all)")
     p.add_argument("--val-fraction", type=open_fraction, default=0.05, help="fraction of files held out, in (0, 1)")
@@ -60,7 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="a `tokenizers` tokenizer.json to encode the text with (default: bytes, vocabulary 257)",
     )
+    p.add_argument(
+        "--workers", type=int_at_least(1), default=default_workers(), help="processes (default: the CPUs this may use)"
+    )
+    p.add_argument("--part-mb", type=int_at_least(1), default=PART_BYTES >> 20, help="source MB per unit of work")
+    p.add_argument("--work", type=Path, help="work folder (default: beside OUT, or under $HPC_DATA_CACHE for a URL); "
+                   "with several tasks it must be on a file system they all see")  # fmt: skip
+    p.add_argument("--endpoint-url", help="S3 endpoint for an s3:// --out (default: $AWS_ENDPOINT_URL, else AWS)")
+    p.add_argument("--task", type=int, default=None, help="this task's index (default: $SLURM_PROCID, else 0)")
+    p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: $SLURM_NTASKS, else 1)")
     args = parser.parse_args(argv)
+    task = args.task if args.task is not None else int(os.environ.get("SLURM_PROCID", 0))
+    tasks = args.tasks if args.tasks is not None else int(os.environ.get("SLURM_NTASKS", 1))
+    if not 0 <= task < tasks:
+        print(f"error: --task {task} must be in [0, --tasks {tasks}).", file=sys.stderr)
+        return 2
     try:
         spec = PrepareSpec(
             source=args.source,
@@ -73,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # the argument types above already refuse these; kept for the spec's own checks
         print(f"error: bad prepare arguments: {exc}.", file=sys.stderr)
         return 2
-    if (args.out / "manifest.json").exists():
+    if not is_url(args.out) and (Path(local_path(args.out)) / "manifest.json").exists():
         print(
             f"error: {args.out} already holds a prepared dataset (manifest.json); choose another --out.",
             file=sys.stderr,
@@ -81,13 +105,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     start = time.perf_counter()
     try:
-        manifest = prepare(spec, args.out, progress=True)
+        manifest = prepare(
+            spec, args.out, progress=True, workers=args.workers, part_bytes=args.part_mb << 20, task=task,
+            tasks=tasks, work=args.work, store=Store(StorageConfig(endpoint_url=args.endpoint_url)),
+            part_delay_s=sum(f.value for f in parse(os.environ.get(INJECT_VAR, "")) if f.kind == "slow_part"
+                             and f.rank == task),
+        )  # fmt: skip
     except TokenizerError as exc:
         print(f"error: --tokenizer: {exc}.", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as exc:
-        print(f"error: cannot prepare {args.source}: {exc}.", file=sys.stderr)
+    except (OSError, ValueError, StoreError) as exc:
+        print(f"error: cannot prepare {args.source} into {args.out}: {str(exc).rstrip('.')}.", file=sys.stderr)
         return 2
+    if manifest is None:
+        print(
+            f"task {task} of {tasks}: its share is done ({time.perf_counter() - start:.1f} s); task 0 writes {args.out}"
+        )
+        return 0
     shards = sum(len(s) for s in manifest["splits"].values())
     print(
         f"prepared {manifest['source_files']} files ({manifest['source_bytes'] / 1e6:.1f} MB) into {shards} shards "

@@ -23,17 +23,19 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from runconfig.digest import sha256_file
-from runconfig.schema import MIN_SHARD_TOKENS
+from runconfig.objstore import Store, StoreError, is_url, join, local_path
+from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
+from trainer.data.passes import FORMAT, Plan, cut_parts, parts_done, run_passes
 
-FORMAT = 1
 TOKENIZER = "bytes"
 EOS = 256
 VOCAB_SIZE = 257
@@ -42,9 +44,8 @@ DTYPE = "uint16"
 EOS_TOKENS = ("<|eos|>", "<|endoftext|>")
 #: Name of the tokenizer's copy in a prepared dataset folder.
 TOKENIZER_FILE = "tokenizer.json"
-#: Documents (or source bytes) encoded per batch when a tokenizer is used.
-ENCODE_BATCH_FILES = 256
-ENCODE_BATCH_BYTES = 8 << 20
+#: Source bytes per part of the parallel preparation (trainer/data/passes.py).
+PART_BYTES = 16 << 20
 STDLIB = "stdlib"
 #: Folders never taken from the standard library: installed packages differ between machines.
 STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__")
@@ -184,84 +185,141 @@ def is_val(rel: str, val_fraction: float) -> bool:
     return h / 2**64 < val_fraction
 
 
-class _ShardWriter:
-    def __init__(self, folder: Path, split: str, shard_tokens: int, dtype: str = DTYPE) -> None:
-        self.folder, self.split, self.shard_tokens, self.dtype = folder, split, shard_tokens, dtype
-        self.pending: list[np.ndarray] = []
-        self.pending_len = 0
-        self.shards: list[dict] = []
-
-    def add(self, tokens: np.ndarray) -> None:
-        self.pending.append(tokens)
-        self.pending_len += len(tokens)
-        while self.pending_len >= self.shard_tokens:
-            self._flush(self.shard_tokens)
-
-    def close(self) -> list[dict]:
-        if self.pending_len:
-            self._flush(self.pending_len)
-        return self.shards
-
-    def _flush(self, count: int) -> None:
-        joined = np.concatenate(self.pending)
-        head, rest = joined[:count], joined[count:]
-        self.pending, self.pending_len = ([rest] if len(rest) else []), len(rest)
-        name = f"{self.split}_{len(self.shards):05d}.h5"
-        path = self.folder / name
-        with h5py.File(path, "w") as f:
-            f.create_dataset("tokens", data=head, dtype=self.dtype)
-            f.attrs["format"] = FORMAT
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno())
-        shard = {"file": name, "tokens": int(len(head)), "sha256": sha256_file(path), "bytes": path.stat().st_size}
-        self.shards.append(shard)
+def select_files(spec: PrepareSpec) -> list[tuple[str, Path]]:
+    """The source files taken, in order: all of them, or the leading ones within max_source_bytes (at least one)."""
+    files = list_files(spec)
+    if not spec.max_source_bytes:
+        return files
+    taken, total = [], 0
+    for rel, path in files:
+        size = path.stat().st_size
+        if total + size > spec.max_source_bytes and taken:
+            break
+        taken.append((rel, path))
+        total += size
+    return taken
 
 
-def prepare(spec: PrepareSpec, out: Path, *, progress: bool = False) -> dict:
-    """Prepare ``spec`` into ``out`` atomically (a temporary sibling folder renamed into place) and return the
-    manifest. An existing complete dataset at ``out`` is left alone and its manifest returned. Raises
-    TokenizerError (a ValueError) for a tokenizer file that is missing or unusable, before any other work."""
-    out = Path(out)
-    if (out / "manifest.json").is_file():
-        return json.loads((out / "manifest.json").read_text())
+def work_folder(out: str | Path, spec: PrepareSpec, cache: Path | None = None) -> Path:
+    """Where the passes keep their results until the dataset is complete: beside a local ``out`` (so the shards
+    move into it without a copy), else under the data cache; the same for the same preparation, so that a killed
+    one resumes there."""
+    if not is_url(str(out)):
+        out = Path(local_path(str(out)))
+        return out.parent / f".{out.name}.prepare-{spec.key()}"
+    base = cache or Path(os.environ.get("HPC_DATA_CACHE") or Path.home() / ".cache" / "hpc-trainer" / "data")
+    return base / "prepare" / spec.key()
+
+
+def prepare(
+    spec: PrepareSpec,
+    out: str | Path,
+    *,
+    progress: bool = False,
+    workers: int = 1,
+    part_bytes: int = PART_BYTES,
+    task: int = 0,
+    tasks: int = 1,
+    work: Path | None = None,
+    store: Store | None = None,
+    on_part: Callable[[int], None] | None = None,
+    part_delay_s: float = 0.0,
+) -> dict:
+    """Prepare ``spec`` into ``out`` (a folder, or an object-storage URL) and return the manifest. The folder
+    appears complete or not at all (its manifest is written last; for a URL, uploaded last). An existing complete
+    dataset at ``out`` is left alone and its manifest returned. ``workers`` processes (and ``tasks`` Slurm tasks)
+    share the work, with the same result whatever their number; a preparation killed part-way continues where it
+    stopped when run again (trainer/data/passes.py). Raises TokenizerError (a ValueError) for a tokenizer file that
+    is missing or unusable, before any other work. With ``tasks`` > 1 only task 0 writes the dataset; the others
+    return None once their share is done."""
+    remote = is_url(str(out))
+    store = store or Store(StorageConfig())
+    existing = _existing_manifest(out, store)
+    if existing is not None:
+        return existing
     tok_path = spec.tokenizer_path()
     tokenizer = None if tok_path is None else load_tokenizer(tok_path)
     root = spec.source_dir()
     if not root.is_dir():
         raise FileNotFoundError(f"data source folder {root} does not exist")
-    files = list_files(spec)
+    files = select_files(spec)
     if not files:
         raise FileNotFoundError(f"data source folder {root} has no files matching {list(spec.include)}")
     dtype = DTYPE if tokenizer is None else tokenizer.dtype
+    plan = Plan(
+        files=tuple((rel, str(path)) for rel, path in files),
+        parts=tuple(cut_parts([path.stat().st_size for _, path in files], part_bytes)),
+        val=tuple(is_val(rel, spec.val_fraction) for rel, _ in files),
+        shard_tokens=spec.shard_tokens,
+        dtype=dtype,
+        tokenizer=None if tokenizer is None else str(tokenizer.path),
+        eos=EOS if tokenizer is None else tokenizer.eos_id,
+    )
+    work = work or work_folder(out, spec)
+    if progress:
+        done = parts_done(work, plan)
+        again = f", {done} done by an earlier attempt" if done else ""
+        print(f"preparing {len(files)} files in {len(plan.parts)} parts{again} with {workers} worker(s) (work "
+              f"folder {work})", file=sys.stderr)  # fmt: skip
+    splits, read = run_passes(
+        plan, work, workers=workers, task=task, tasks=tasks, on_part=on_part, part_delay_s=part_delay_s
+    )
+    if task != 0:
+        return None  # type: ignore[return-value]
+    for split, shards in splits.items():
+        if not shards:
+            raise ValueError(
+                f"the {split} split of {root} came out empty ({read['source_files']} files); use more files or "
+                "change data.val_fraction"
+            )
+    manifest = {
+        "format": FORMAT,
+        "tokenizer": TOKENIZER if tokenizer is None else TOKENIZER_FILE,
+        "vocab_size": VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size,
+        "eos": plan.eos,
+        "eos_id": plan.eos,
+        "dtype": dtype,
+    }
+    if tokenizer is not None:
+        manifest["tokenizer_sha256"] = tokenizer.sha256
+        manifest["tokenizer_source"] = str(tokenizer.path.resolve())
+    manifest |= {
+        "source": str(root),
+        **read,
+        "key": spec.key(),
+        "splits": splits,
+        "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()},
+    }
+    names = [sh["file"] for shards in splits.values() for sh in shards]
+    if remote:
+        _publish_remote(str(out), work, names, manifest, tokenizer, store)
+    else:
+        _publish_local(Path(local_path(str(out))), work, names, manifest, tokenizer)
+    shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _existing_manifest(out: str | Path, store: Store) -> dict | None:
+    if not is_url(str(out)):
+        path = Path(local_path(str(out))) / "manifest.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+    try:
+        return json.loads(store.read_bytes(join(str(out), "manifest.json"), what="prepared manifest"))
+    except StoreError as exc:
+        if "no such object" in str(exc):
+            return None
+        raise
+
+
+def _publish_local(out: Path, work: Path, names: list[str], manifest: dict, tokenizer: Tokenizer | None) -> None:
+    """The shards moved into a fresh sibling folder with the manifest written last, then renamed into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        splits, read = _write_shards(spec, files, tokenizer, dtype, tmp, progress)
-        for split, shards in splits.items():
-            if not shards:
-                raise ValueError(
-                    f"the {split} split of {root} came out empty ({read['source_files']} files); use more files or "
-                    "change data.val_fraction"
-                )
-        manifest = {
-            "format": FORMAT,
-            "tokenizer": TOKENIZER if tokenizer is None else TOKENIZER_FILE,
-            "vocab_size": VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size,
-            "eos": EOS if tokenizer is None else tokenizer.eos_id,
-            "eos_id": EOS if tokenizer is None else tokenizer.eos_id,
-            "dtype": dtype,
-        }
+        for name in names:
+            os.replace(work / "shards" / name, tmp / name)
         if tokenizer is not None:
             shutil.copyfile(tokenizer.path, tmp / TOKENIZER_FILE)
-            manifest["tokenizer_sha256"] = tokenizer.sha256
-            manifest["tokenizer_source"] = str(tokenizer.path.resolve())
-        manifest |= {
-            "source": str(root),
-            **read,
-            "key": spec.key(),
-            "splits": splits,
-            "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()},
-        }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         os.chmod(tmp, 0o755)
         try:
@@ -272,72 +330,30 @@ def prepare(spec: PrepareSpec, out: Path, *, progress: bool = False) -> dict:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return json.loads((out / "manifest.json").read_text())
 
 
-def _write_shards(
-    spec: PrepareSpec, files: list, tokenizer: Tokenizer | None, dtype: str, tmp: Path, progress: bool
-) -> tuple[dict, dict]:
-    """Read the source files in order (up to max_source_bytes), tokenize them in batches and write each into the
-    train or val shards of ``tmp``: ({split: shards}, the manifest's source_files, source_bytes, source_sha256)."""
-    writers = {s: _ShardWriter(tmp, s, spec.shard_tokens, dtype) for s in ("train", "val")}
-    source_hash = hashlib.sha256()
-    total_bytes = 0
-    bar = _progress(len(files), progress)
-    taken = 0
-    batch: list[tuple[str, bytes]] = []
-    batch_bytes = 0
+def _publish_remote(
+    url: str, work: Path, names: list[str], manifest: dict, tokenizer: Tokenizer | None, store: Store
+) -> None:
+    """Every shard uploaded (those already there at their size skipped: a resumed upload), the manifest last."""
+    present = store.sizes(url, what="prepared dataset listing of") if _prefix_exists(store, url) else {}
 
-    def flush() -> None:
-        nonlocal batch_bytes
-        for (rel, _), tokens in zip(batch, _tokenize([data for _, data in batch], tokenizer, dtype), strict=True):
-            writers["val" if is_val(rel, spec.val_fraction) else "train"].add(tokens)
-        bar.update(len(batch))
-        batch.clear()
-        batch_bytes = 0
+    def upload(name: str) -> None:
+        local = work / "shards" / name
+        if present.get(name) != local.stat().st_size:
+            store.call(lambda fs, p: fs.put_file(str(local), p), join(url, name), what="upload of data shard")
 
-    for rel, path in files:
-        data = path.read_bytes()
-        if spec.max_source_bytes and total_bytes + len(data) > spec.max_source_bytes and taken:
-            break
-        source_hash.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
-        batch.append((rel, data))
-        batch_bytes += len(data)
-        total_bytes += len(data)
-        taken += 1
-        if len(batch) >= ENCODE_BATCH_FILES or batch_bytes >= ENCODE_BATCH_BYTES:
-            flush()
-    flush()
-    bar.close()
-    splits = {s: w.close() for s, w in writers.items()}
-    return splits, {"source_files": taken, "source_bytes": total_bytes, "source_sha256": source_hash.hexdigest()}
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(upload, names))
+    if tokenizer is not None:
+        store.write_bytes(join(url, TOKENIZER_FILE), tokenizer.path.read_bytes(), what="upload of tokenizer")
+    store.write_bytes(join(url, "manifest.json"), (json.dumps(manifest, indent=2) + "\n").encode(),
+                      what="upload of manifest")  # fmt: skip
 
 
-def _tokenize(documents: list[bytes], tokenizer: Tokenizer | None, dtype: str) -> list[np.ndarray]:
-    """Each document's tokens followed by the end-of-document token."""
-    if tokenizer is None:
-        out = []
-        for data in documents:
-            tokens = np.empty(len(data) + 1, dtype=np.uint16)
-            tokens[:-1] = np.frombuffer(data, dtype=np.uint8)
-            tokens[-1] = EOS
-            out.append(tokens)
-        return out
-    texts = [data.decode("utf-8", errors="replace") for data in documents]
-    return [np.array([*ids, tokenizer.eos_id], dtype=dtype) for ids in tokenizer.encode(texts)]
-
-
-class _Silent:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _Silent()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="file", desc="tokenizing", file=sys.stderr, disable=not sys.stderr.isatty())
+def _prefix_exists(store: Store, url: str) -> bool:
+    try:
+        store.sizes(url, what="listing of")
+        return True
+    except StoreError:
+        return False

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +17,14 @@ from runconfig.ioretry import RetryPolicy
 from runconfig.objstore import Store, StoreError, StoreUnavailable, is_url
 from runconfig.schema import DataConfig, StorageConfig
 from trainer.data.dataset import TokenShards, read_manifest
-from trainer.data.prepare import STDLIB, PrepareSpec, TokenizerError, prepare, tokenizer_sha256
+from trainer.data.prepare import (
+    STDLIB,
+    PrepareSpec,
+    TokenizerError,
+    load_tokenizer,
+    prepare,
+    tokenizer_sha256,
+)
 from trainer.data.stream import ShardCache, dataset_key
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.env import RuntimeEnv, agree
@@ -192,7 +202,13 @@ def _prepare_and_check(cfg: DataConfig, folder: Path, seq_len: int, vocab_size: 
             f", tokenizer {cfg.tokenizer}" if cfg.tokenizer else "",
         )
         try:
-            prepare(spec, folder)
+            workers = cfg.prepare_workers or len(os.sched_getaffinity(0))
+            if workers > 1:
+                if spec.tokenizer_path() is not None:
+                    load_tokenizer(spec.tokenizer_path())  # its problems named here, as data.tokenizer's
+                _prepare_in_child(spec, folder, workers)
+            else:
+                prepare(spec, folder)
         except TokenizerError as exc:
             raise UserError(_tokenizer_problem(exc)) from None
         except (OSError, ValueError) as exc:
@@ -208,6 +224,29 @@ def _prepare_and_check(cfg: DataConfig, folder: Path, seq_len: int, vocab_size: 
             reader.verify()
         finally:
             reader.close()
+
+
+def _prepare_in_child(spec: PrepareSpec, folder: Path, workers: int) -> None:
+    """``python -m trainer.data prepare`` in a child process with ``workers`` processes of its own: a worker
+    process started from a rank would import the rank's main module, which starts a rank. The child gets no MPI
+    environment (it must not join the job)."""
+    args = [sys.executable, "-m", "trainer.data", "prepare", "--source", spec.source, "--out", str(folder)]
+    for pattern in spec.include:
+        args += ["--include", pattern]
+    args += ["--max-bytes", str(spec.max_source_bytes), "--val-fraction", repr(spec.val_fraction)]
+    args += ["--shard-tokens", str(spec.shard_tokens), "--workers", str(workers), "--tasks", "1", "--task", "0"]
+    if spec.tokenizer:
+        args += ["--tokenizer", spec.tokenizer]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)}
+    done = subprocess.run(args, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        detail = done.stderr.strip().removeprefix("error: ") or f"exit status {done.returncode}"
+        raise UserError(f"data.source {spec.source!r} cannot be prepared into {folder}: {detail}")
+    log.info("%s", done.stdout.strip())
+
+
+#: The environment of an MPI job's ranks (MPICH's hydra, PMI, PMIx, Open MPI, Slurm's step): not for a helper.
+MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "PMI", "HYDRA_", "MPIR_", "MPICH_", "OMPI_", "SLURM_STEP", "I_MPI_")
 
 
 def _check_tokenizer_matches(cfg: DataConfig, folder: Path, manifest: dict) -> None:

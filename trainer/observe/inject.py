@@ -7,7 +7,9 @@
 - ``exit:RANK:STEP``: that rank's process ends at once, status 0, when it reaches STEP (a rank that vanishes);
 - ``slowlink:RANK:SECONDS``: that rank waits SECONDS before each of its preflight collectives (a slow link or NIC);
 - ``eio_save:RANK:N``: the first N checkpoint file writes of that rank fail with EIO (a flaky network file system);
-- ``eio_read:RANK:N``: the first N data reads of that rank fail with EIO.
+- ``eio_read:RANK:N``: the first N data reads of that rank fail with EIO;
+- ``slow_part:TASK:SECONDS``: each part that task of ``python -m trainer.data prepare`` tokenizes takes SECONDS
+  longer (a preparation slow enough to be killed part-way).
 
 Nothing is injected when the variable is unset; a malformed value is a user error naming the variable.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
 
-KINDS = ("slow", "hang", "exit", "slowlink", "eio_save", "eio_read")
+KINDS = ("slow", "hang", "exit", "slowlink", "eio_save", "eio_read", "slow_part")
 _EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
 
