@@ -20,6 +20,12 @@ class ModelConfig(Section):
     n_heads: int = doc("Attention heads; must divide d_model.", 4, bounds=Range(ge=1))
     mlp_ratio: int = doc("Hidden width of the MLP as a multiple of d_model.", 4, bounds=Range(ge=1))
     dropout: float = doc("Dropout probability (0 disables dropout).", 0.0, bounds=Range(ge=0, lt=1))
+    doc_mask: bool = doc(
+        "Keep attention and positions inside each document of a packed window: a token attends only to earlier "
+        "tokens of its own document (the EOS that ends the previous one starts it), and positions restart at 0 "
+        "with each document. Off: windows cut across documents are attended whole, as in GPT-2 and nanoGPT.",
+        False,
+    )
 
     def relations(self) -> Problems:
         if self.n_heads >= 1 and self.d_model % self.n_heads:

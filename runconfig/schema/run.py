@@ -72,6 +72,9 @@ class RunConfig:
                 )
             )
         out += layout_problems(self)
+        if self.model.doc_mask and self.parallel.pp > 1:
+            out.append(("model.doc_mask", "is not available with pipeline parallelism (parallel.pp > 1) yet: a later "
+                        "stage sees hidden states, not the tokens whose documents the mask is made from"))  # fmt: skip
         if self.monitor.preflight == "exclude" and self.job.nodes == 1:
             out.append(
                 (

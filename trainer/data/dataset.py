@@ -85,6 +85,7 @@ class TokenShards:
         self.paths = [self.folder / s["file"] if cache is None else join(cache.url, s["file"]) for s in self.shards]
         self.split = split
         self.vocab_size = int(manifest["vocab_size"])
+        self.eos = int(manifest.get("eos_id", manifest.get("eos", 256)))  # ends every document of the windows
         self.dtype = np.dtype(manifest.get("dtype", "uint16"))
         self.rank = rank
         self.check_range = check_range

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runconfig.schema import ModelConfig
+from trainer.data.documents import document_ids, document_mask, document_positions
 
 
 class Attention(nn.Module):
@@ -27,7 +28,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         if _is_dtensor(self.q.weight):  # tensor-parallel: each layer's hooks hand back this rank's heads
             q, k, v = self.q(x), self.k(x), self.v(x)
@@ -35,7 +36,11 @@ class Attention(nn.Module):
             weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])
             q, k, v = F.linear(x, weight, torch.cat([self.q.bias, self.k.bias, self.v.bias])).chunk(3, dim=-1)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if doc is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:  # model.doc_mask: causal within each document only
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc), dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -58,15 +63,18 @@ class Block(nn.Module):
         )
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), doc=doc))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """With ``eos`` (model.doc_mask: the dataset's end-of-document id), attention and positions stay inside each
+    document of a packed window (trainer/data/documents.py)."""
+
+    def __init__(self, cfg: ModelConfig, eos: int | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.eos = cfg, eos
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -102,10 +110,13 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
+        if self.eos is None:
+            doc, positions = None, torch.arange(idx.shape[1], device=idx.device)
+        else:
+            doc, positions = document_ids(idx, self.eos), document_positions(idx, self.eos)
+        x = self.drop(self.tok(idx) + self.pos(positions))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if doc is None else block(x, doc=doc)
         return self.head(self.ln_f(x))
 
 

@@ -19,8 +19,8 @@ def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def recipe(ctx: RecipeContext) -> Recipe:
     cfg = ctx.config.model
-    model = GPT(cfg)
     train, val = ctx.token_data(cfg.seq_len, vocab_size=cfg.vocab_size)
+    model = GPT(cfg, eos=train.eos if cfg.doc_mask else None)
     return Recipe(
         model=model,
         train_data=train,
