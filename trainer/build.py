@@ -118,7 +118,7 @@ def build_parts(
         recipe.train_data,
         collate=recipe.collate,
         seed=cfg.data.seed,
-        order=chosen_order(cfg.data.order, cfg.data.shuffle_window, None, resumed=False),
+        order=chosen_order(cfg.data.order, cfg.data.shuffle_window, None, False, *bucketing(cfg)),
         global_batch=t.global_batch_size,
         micro_batch=t.micro_batch_size,
         world_size=wrapped.layout.dp,
@@ -438,11 +438,18 @@ def _plan_from(source: str, wanted: dict) -> dict:
     return plan
 
 
+def bucketing(cfg: RunConfig) -> tuple[int, int]:
+    """(micro-batch, window in samples) of data.bucket_by_length, or (0, 0)."""
+    if not cfg.data.bucket_by_length:
+        return 0, 0
+    return cfg.train.micro_batch_size, cfg.data.bucket_window * cfg.train.global_batch_size
+
+
 def restore_or_start(p: Parts) -> bool:
     """Resume from the newest valid checkpoint when there is one (and checkpoint.resume); True if resumed."""
     resumed = bool(p.cfg.checkpoint.resume) and p.checkpoints.restore(p.state)
     data = p.cfg.data
-    spec = chosen_order(data.order, data.shuffle_window, p.state.data_order, resumed)
+    spec = chosen_order(data.order, data.shuffle_window, p.state.data_order, resumed, *bucketing(p.cfg))
     p.state.data_order = spec.as_dict()
     p.loader.use_order(spec)
     return resumed

@@ -85,6 +85,18 @@ class DataConfig(Section):
         "same HDF5 shards; the vocabulary size comes from it). Unset: bytes (vocabulary 257).",
         None,
     )
+    bucket_by_length: bool = doc(
+        "For a recipe's dataset of variable-length items (with a `lengths` attribute): group items of similar length "
+        "into micro-batches, so that each pads only to its own longest item. The order stays a pure function of "
+        "(data.seed, position), independent of the world size; metrics.jsonl reports pad_fraction.",
+        False,
+    )
+    bucket_window: int = doc(
+        "Global batches per window within which data.bucket_by_length sorts items by length (larger: less padding, "
+        "batches less mixed in length order).",
+        16,
+        bounds=Range(ge=1),
+    )
     prefetch: int = doc(
         "Micro-batches fetched and collated ahead of the step by as many background threads (hides a dataset slower "
         "than a step when its items can be fetched in parallel, e.g. file reads); 0 = fetch in the training thread.",

@@ -175,3 +175,20 @@ def test_a_resumed_launch_runs_the_submitted_code(tmp_path):
     refreshed = submit(run_dir, None, "train.steps=8", "--refresh-code", resume=True)
     assert refreshed.returncode == EXIT_USER_ERROR, refreshed.stdout + refreshed.stderr
     assert "RuntimeError: edited after submit" in refreshed.stderr
+
+
+def test_length_buckets_cut_the_padding_of_a_variable_length_recipe(tmp_path):
+    """The same variable-length recipe with and without data.bucket_by_length: the padding (metrics.jsonl
+    pad_fraction) falls by more than half, and the checkpoints record the bucketed order (kept on resume)."""
+    config = make_project(tmp_path, "recipes:varlen", train={"steps": 12, "log_every": 1})
+    runs = {}
+    for name, sets in {"plain": [], "buckets": ["data.bucket_by_length=true", "data.bucket_window=4"]}.items():
+        proc = submit(config, tmp_path / name, *sets)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[name] = [r["pad_fraction"] for r in records(tmp_path / name)]
+    plain, buckets = (sum(v) / len(v) for v in (runs["plain"], runs["buckets"]))
+    assert plain > 0.4 and buckets < plain / 2, (plain, buckets)
+    print(f"pad_fraction: {plain:.3f} plain, {buckets:.3f} with length buckets")
+    order = json.loads((tmp_path / "buckets" / "checkpoints" / read_latest(tmp_path / "buckets" / "checkpoints")
+                        / "train_state.json").read_text())["data_order"]  # fmt: skip
+    assert order["bucket"] == 4 and order["bucket_window"] == 4 * 16, order

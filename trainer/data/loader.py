@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import default_collate
 
 from runconfig.ioretry import is_transient
+from trainer.data.buckets import lengths_of, padding_fraction
 from trainer.data.order import Order, OrderSpec, make_order, rank_slice, shard_sizes_of
 from trainer.errors import UserError, first_line
 
@@ -94,7 +95,9 @@ class BatchLoader:
         self.dataset, self.collate = dataset, collate or default_collate
         self.seed, self.what = seed, what
         self.sizes = shard_sizes_of(dataset, what)
-        self.order: Order = make_order(order, len(dataset), seed, self.sizes)
+        # the items' lengths (a dataset of variable-length items): the padding measure, and data.bucket_by_length's
+        self.lengths = lengths_of(dataset, what) if getattr(dataset, "lengths", None) is not None else None
+        self.order: Order = self._make(order)
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.world_size, self.rank, self.device = world_size, rank, device
         self.accum = global_batch // (micro_batch * world_size)
@@ -121,7 +124,19 @@ class BatchLoader:
         """Consume the stream in ``spec``'s order from now on (a resumed run keeps the order it started with)."""
         if spec != self.order.spec:
             self._drop_pending()
-            self.order = make_order(spec, len(self.dataset), self.seed, self.sizes)
+            self.order = self._make(spec)
+
+    def _make(self, spec: OrderSpec) -> Order:
+        if spec.bucket and self.lengths is None:
+            self.lengths = lengths_of(self.dataset, self.what)
+        return make_order(spec, len(self.dataset), self.seed, self.sizes, self.lengths)
+
+    def pad_fraction(self, position: int) -> float | None:
+        """The share of padding in the step that starts at ``position`` (all ranks' micro-batches, each padded to
+        its longest item), for a dataset with lengths; None without."""
+        if self.lengths is None:
+            return None
+        return padding_fraction(self.lengths, self.order.take(position, self.global_batch), self.micro_batch)
 
     def start(self, position: int) -> None:
         """The next batch is micro-batch 0 of the step that starts at stream ``position``."""

@@ -32,23 +32,36 @@ _M64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class OrderSpec:
-    """Which order a run uses; ``window`` (shards per shuffle window) only matters for the windowed one."""
+    """Which order a run uses; ``window`` (shards per shuffle window) only matters for the windowed one; with
+    ``bucket`` (the micro-batch) the stream is regrouped by length in windows of ``bucket_window`` samples
+    (trainer/data/buckets.py)."""
 
     name: str
     window: int = 0
+    bucket: int = 0
+    bucket_window: int = 0
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "window": self.window}
+        out = {"name": self.name, "window": self.window}
+        return out | ({"bucket": self.bucket, "bucket_window": self.bucket_window} if self.bucket else {})
 
     @classmethod
     def of(cls, record: dict | None) -> OrderSpec:
         """The order a checkpoint records; a checkpoint that records none was written with the permutation."""
         if not record:
             return cls(PERMUTATION)
-        return cls(str(record["name"]), int(record.get("window", 0)))
+        return cls(
+            str(record["name"]),
+            int(record.get("window", 0)),
+            int(record.get("bucket", 0)),
+            int(record.get("bucket_window", 0)),
+        )
 
     def describe(self) -> str:
-        return f"windowed (window of {self.window} shards)" if self.name == WINDOWED else self.name
+        text = f"windowed (window of {self.window} shards)" if self.name == WINDOWED else self.name
+        if self.bucket:
+            text += f", bucketed by length ({self.bucket} per micro-batch, windows of {self.bucket_window} samples)"
+        return text
 
 
 class Order(Protocol):
@@ -59,26 +72,48 @@ class Order(Protocol):
     def blocks_ahead(self, position: int, count: int, windows_after: int = 0) -> list[int]: ...
 
 
-def chosen_order(configured: str, window: int, recorded: dict | None, resumed: bool) -> OrderSpec:
-    """The order a launch uses: data.order for a new run ('auto': windowed); a resumed run keeps its checkpoint's,
-    and a data.order naming another is refused (the stream would repeat some samples and skip others)."""
-    fresh = OrderSpec(WINDOWED, window) if configured in ("auto", WINDOWED) else OrderSpec(PERMUTATION)
+def chosen_order(
+    configured: str, window: int, recorded: dict | None, resumed: bool, bucket: int = 0, bucket_window: int = 0
+) -> OrderSpec:
+    """The order a launch uses: data.order for a new run ('auto': windowed), bucketed by length with ``bucket``
+    (the micro-batch); a resumed run keeps its checkpoint's, and a config naming another is refused (the stream
+    would repeat some samples and skip others)."""
+    base = OrderSpec(WINDOWED, window) if configured in ("auto", WINDOWED) else OrderSpec(PERMUTATION)
+    fresh = OrderSpec(base.name, base.window, bucket, bucket_window if bucket else 0)
     if not resumed:
         return fresh
     kept = OrderSpec.of(recorded)
-    if configured == "auto" or kept == fresh:
+    if kept == fresh or (
+        configured == "auto" and (kept.bucket, kept.bucket_window) == (fresh.bucket, fresh.bucket_window)
+    ):
         return kept
     raise UserError(
-        f"data.order={configured} (data.shuffle_window={window}) is not the order this run's checkpoint was "
-        f"trained in: {kept.describe()}. Changing the order mid-run would repeat some samples and skip others; "
-        "set data.order=auto to keep the run's own order, or start a new run."
+        f"data.order={configured} (data.shuffle_window={window}"
+        + (f", bucketed by length, {bucket} per micro-batch" if bucket else "")
+        + f") is not the order this run's checkpoint was trained in: {kept.describe()}. Changing the order mid-run "
+        "would repeat some samples and skip others; set data.order=auto (and data.bucket_by_length, "
+        "train.micro_batch_size as they were) to keep the run's own order, or start a new run."
     )
 
 
-def make_order(spec: OrderSpec, num_samples: int, seed: int, shard_sizes: Sequence[int] | None) -> Order:
+def make_order(
+    spec: OrderSpec,
+    num_samples: int,
+    seed: int,
+    shard_sizes: Sequence[int] | None,
+    lengths: np.ndarray | None = None,
+) -> Order:
+    base: Order
     if spec.name == PERMUTATION:
-        return PermutationOrder(num_samples, seed)
-    return WindowedOrder(shard_sizes if shard_sizes is not None else [num_samples], seed, spec.window)
+        base = PermutationOrder(num_samples, seed)
+    else:
+        base = WindowedOrder(shard_sizes if shard_sizes is not None else [num_samples], seed, spec.window)
+    if not spec.bucket:
+        return base
+    from trainer.data.buckets import BucketedOrder
+
+    assert lengths is not None
+    return BucketedOrder(base, lengths, chunk=spec.bucket, window=spec.bucket_window, seed=seed)
 
 
 def shard_sizes_of(dataset: object, what: str) -> list[int] | None:

@@ -59,6 +59,9 @@ class Publisher:
             "launch": p.env.launch_id,
             **evals,
         }
+        pad = p.loader.pad_fraction(p.state.data_position - t.global_batch_size)
+        if pad is not None:  # data.bucket_by_length's measure: the share of padding in this step's batch
+            record["pad_fraction"] = pad
         busy = self.dispatch.take_busy() if self.dispatch is not None else None
         if busy is not None:  # the reduction's whole time where the trainer's hook ran it; time_comm_s: the part
             record["comm_busy_s"] = busy / steps  # backward waited for

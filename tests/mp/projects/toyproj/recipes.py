@@ -151,3 +151,39 @@ def vector_pipeline_loss(ctx: RecipeContext) -> Recipe:
             loss=lambda out, y: F.cross_entropy(out, y, reduction="none"),
         ),
     )
+
+
+class Sequences(torch.utils.data.Dataset):
+    """Token sequences of lengths from 4 to 200 (long-tailed, as text is), with their ``lengths`` declared."""
+
+    def __init__(self, n: int) -> None:
+        self.lengths = (4 + np.random.default_rng(7).pareto(1.5, size=n) * 20).clip(max=200).astype(int)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int):
+        tokens = np.random.default_rng(i).integers(1, 50, size=int(self.lengths[i]))
+        return {"tokens": torch.from_numpy(tokens), "label": int(tokens.sum() % 2)}
+
+
+def varlen(ctx: RecipeContext, n: int = 512) -> Recipe:
+    """Variable-length items padded per micro-batch (trainer.data.buckets.pad_collate): data.bucket_by_length."""
+    from trainer.data.buckets import pad_collate
+
+    def loss(model, batch):
+        return F.cross_entropy(model(batch["tokens"], batch["attention_mask"]), batch["label"])
+
+    return Recipe(
+        model=MeanPool(), train_data=Sequences(n), loss=loss, collate=pad_collate(0, key="tokens"), unit="seq"
+    )
+
+
+class MeanPool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(50, 16), nn.Linear(16, 2)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keep = mask.unsqueeze(-1).float()
+        return self.out((self.emb(tokens) * keep).sum(1) / keep.sum(1))
