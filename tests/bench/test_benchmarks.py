@@ -368,3 +368,25 @@ def test_recovery_local(tmp_path):
     assert "goodput" not in res
     header, row = table_lines(out, "interruption", "local-kill")
     assert "first_new_step_s" in header and len(row.split()) == 4
+
+
+def test_data(tmp_path):
+    """bench/data.py at a toy size: every part but training (tests/s3/test_stream.py trains from S3), its own S3
+    server."""
+    result, stdout = run_bench(
+        "data",
+        ["--prepare-mb", "2", "--rounds", "1", "--loader-samples", "200", "--order-max", "1e6", "--train-steps", "0",
+         "--max-workers", "2"],
+        tmp_path,
+        timeout=600,
+    )  # fmt: skip
+    prep = result["prepare"]
+    assert prep["identical_shards"] and positive(prep["encode_batch_tokens_per_s"])
+    assert set(prep["prepare_tokens_per_s"]) == {"1", "2"} and all(map(positive, prep["prepare_tokens_per_s"].values()))
+    loader = result["loader"]
+    assert set(loader["samples_per_s"]) == {"local disk", "s3, cold cache", "s3, warm cache"}
+    assert 0 < loader["bytes_fetched_per_node"] <= loader["train_bytes"]
+    order = result["order"]
+    assert order["windowed"]["1000000"]["peak_bytes"] < order["permutation"]["1000000"]["peak_bytes"]
+    assert "training" not in result
+    assert "| encode_batch, one core |" in stdout and "| s3, warm cache |" in stdout and "| 1e+06 |" in stdout
