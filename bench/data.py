@@ -86,7 +86,7 @@ def prepare_run(max_bytes: int, workers: int, work: Path) -> dict:
     out = work / f"prep-{workers}-{time.monotonic_ns()}"
     args = [sys.executable, "-m", "trainer.data", "prepare", "--source", "stdlib", "--include", "*.py", "--out",
             str(out), "--max-bytes", str(max_bytes), "--tokenizer", str(TOKENIZER), "--workers", str(workers),
-            "--part-mb", "1", "--val-fraction", "0.1"]  # fmt: skip
+            "--val-fraction", "0.1"]  # fmt: skip
     one_core = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}  # per worker: one core
     t = time.perf_counter()
     subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True, env=one_core)

@@ -17,6 +17,7 @@ work folder must then be on a file system every task sees.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -242,7 +243,11 @@ def _tokens(documents: list[bytes], plan: Plan) -> list[np.ndarray]:
     encoder = _encoder(plan.tokenizer)
     texts = [data.decode("utf-8", errors="replace") for data in documents]
     encode = getattr(encoder, "encode_batch_fast", None) or encoder.encode_batch
-    return [np.array([*e.ids, plan.eos], dtype=plan.dtype) for e in encode(texts, add_special_tokens=False)]
+    out = []
+    for e in encode(texts, add_special_tokens=False):
+        ids = e.ids
+        out.append(np.fromiter(itertools.chain(ids, (plan.eos,)), dtype=plan.dtype, count=len(ids) + 1))
+    return out
 
 
 def _write_shard(plan: Plan, work: Path, records: list[dict], split: str, k: int, n: int) -> None:

@@ -19,6 +19,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -167,16 +168,19 @@ def _not_int(value: object) -> bool:
 def list_files(spec: PrepareSpec) -> list[tuple[str, Path]]:
     """(relative path, path) of every source file, sorted by relative path."""
     root = spec.source_dir()
+    top = str(root)
+    matchers = [re.compile(fnmatch.translate(pat)).match for pat in spec.include]
     found: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         if spec.source == STDLIB:
             dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDE]
         dirnames.sort()
+        prefix = os.path.relpath(dirpath, top).replace(os.sep, "/")
+        prefix = "" if prefix == "." else prefix + "/"
         for name in filenames:
-            path = Path(dirpath) / name
-            rel = path.relative_to(root).as_posix()
-            if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(name, pat) for pat in spec.include):
-                found[rel] = path
+            rel = prefix + name
+            if any(match(rel) or match(name) for match in matchers):
+                found[rel] = Path(dirpath, name)
     return sorted(found.items())
 
 

@@ -3,18 +3,23 @@ check it against its manifest before any training."""
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
+import hashlib
 import json
 import logging
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from mpi4py import MPI
 
 from runconfig.ioretry import RetryPolicy
-from runconfig.objstore import Store, StoreError, StoreUnavailable, is_url
+from runconfig.objstore import Store, StoreError, StoreUnavailable, is_url, join
 from runconfig.schema import DataConfig, StorageConfig
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.prepare import (
@@ -31,6 +36,7 @@ from trainer.env import RuntimeEnv, agree
 from trainer.errors import UserError
 from trainer.observe.inject import Injector
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -74,8 +80,10 @@ def open_splits(
     on the outcome before any training, so a bad shard stops the job with its file and finder named.
     ``vocab_size=None`` skips the vocabulary check (a model sized from the manifest's ``vocab_size``).
     """
+    store = store or Store(StorageConfig())
     if cfg.path and is_url(cfg.path):
-        return _open_remote(cfg, seq_len, vocab_size, env, comm, store or Store(StorageConfig()))
+        return _open_remote(cfg, seq_len, vocab_size, env, comm, store)
+    cfg = _localized(cfg, env, comm, store)
     folder: Path | None = None
 
     def find() -> None:
@@ -137,6 +145,76 @@ def _open_remote(
     }
     train = TokenShards(folder, manifest, "train", seq_len, **reads)
     return train, TokenShards(folder, manifest, "val", seq_len, **reads)
+
+
+def _localized(cfg: DataConfig, env: RuntimeEnv, comm: MPI.Comm, store: Store) -> DataConfig:
+    """``cfg`` with a data.tokenizer URL fetched (by every rank) and a data.source URL mirrored (by rank 0, the rank
+    that prepares) into the data cache, as local paths. Collective."""
+    changes = {}
+    if cfg.tokenizer and is_url(cfg.tokenizer):
+        local = env.data_cache / "remote" / _digest(cfg.tokenizer) / "tokenizer.json"
+
+        def fetch() -> None:
+            if not local.is_file():
+                local.parent.mkdir(parents=True, exist_ok=True)
+                data = _user_error(lambda: store.read_bytes(cfg.tokenizer, what="tokenizer", key="data.tokenizer"))
+                tmp = local.with_name(f".{local.name}.{os.getpid()}")
+                tmp.write_bytes(data)
+                os.replace(tmp, local)
+
+        agree(comm, _error_of(fetch))
+        changes["tokenizer"] = str(local)
+    if cfg.source != STDLIB and is_url(cfg.source):
+        local = env.data_cache / "sources" / _digest(cfg.source)
+        agree(comm, _error_of(lambda: mirror(store, cfg.source, local, cfg.include)) if env.rank == 0 else None)
+        changes["source"] = str(local)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def mirror(store: Store, url: str, folder: Path, include: list[str]) -> int:
+    """Copy the objects under ``url`` that match ``include`` (as data.include matches files: the relative path or
+    the name) into ``folder``, keeping their relative paths; objects already there at their size are skipped.
+    Returns how many were fetched."""
+    listing = _user_error(lambda: store.call(lambda fs, p: fs.find(p, detail=True), url, what="data.source listing of"))
+    base = url.split("://", 1)[1].rstrip("/") + "/"
+    wanted = {}
+    for name, info in listing.items():
+        rel = name[len(base) :] if name.startswith(base) else name.rsplit("/", 1)[-1]
+        if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pat) for pat in include):
+            wanted[rel] = int(info.get("size") or 0)
+    if not wanted:
+        raise UserError(f"data.source {url}: no objects under it match data.include {list(include)}.")
+    todo = [
+        rel for rel, size in wanted.items() if not ((folder / rel).is_file() and (folder / rel).stat().st_size == size)
+    ]
+
+    def get(rel: str) -> None:
+        dest = folder / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.part")
+        store.download(join(url, rel), str(tmp), what="data.source object", key="data.source")
+        os.replace(tmp, dest)
+
+    with ThreadPoolExecutor(8) as pool:
+        _user_error(lambda: list(pool.map(get, todo)))
+    log.info("data.source %s: %d object(s) fetched into %s (%d already there)", url, len(todo), folder,
+             len(wanted) - len(todo))  # fmt: skip
+    return len(todo)
+
+
+def _user_error(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+    except StoreUnavailable as exc:
+        raise UserError(
+            f"{exc.filename}: the object store cannot be reached ({exc.strerror}) after storage.retries."
+        ) from None
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def remote_manifest(store: Store, url: str) -> tuple[dict, dict[str, int]]:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.errors import UserError
+
 #: (model, batch) -> the mean loss of the batch, a scalar tensor. ``model`` is the DDP-wrapped model: call it.
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 #: (model, batch) -> named per-batch means, e.g. {"accuracy": ...}; reported as eval_<name> (sample-weighted).
@@ -145,6 +147,20 @@ class RecipeContext:
         finally:
             if self.rank == 0:
                 self._barrier()
+
+    def open(self, path: str, mode: str = "rb") -> Any:
+        """A file of the recipe's, by path or object-storage URL (``s3://bucket/key``, any fsspec URL), opened
+        through the run's ``storage:`` section (endpoint; credentials from the environment): a file object for
+        ``with``. A missing object, denied access or an unreachable store is a UserError naming the URL."""
+        from runconfig.objstore import Store, StoreError, StoreUnavailable
+
+        store = Store(self.config.storage)
+        try:
+            return store.call(lambda fs, p: fs.open(p, mode), path, what=f"rank {self.rank}: recipe file")
+        except StoreUnavailable as exc:
+            raise UserError(f"rank {self.rank}: recipe file {path}: {exc.strerror} (after storage.retries).") from None
+        except StoreError as exc:
+            raise UserError(str(exc)) from None
 
     def token_data(self, seq_len: int, *, vocab_size: int | None = None) -> tuple[Any, Any]:
         """(train, val) windows of ``seq_len + 1`` tokens from the prepared HDF5 token dataset of the ``data:``
