@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trainer.data.order import Order, OrderSpec
+from trainer.data.order import Order, OrderSpec, stitched
 from trainer.errors import UserError
 
 
@@ -55,14 +55,7 @@ class BucketedOrder:
         return self._cache[1]
 
     def take(self, position: int, count: int) -> np.ndarray:
-        out = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            k, offset = divmod(position + done, self.window)
-            n = min(count - done, self.window - offset)
-            out[done : done + n] = self.regrouped(k)[offset : offset + n]
-            done += n
-        return out
+        return stitched(position, count, self.window, self.regrouped)
 
     def blocks_ahead(self, position: int, count: int, windows_after: int = 0) -> list[int]:
         k = position // self.window

@@ -17,7 +17,7 @@ A step covers stream positions [p, p + global_batch) whatever the world size; mi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -148,17 +148,23 @@ class PermutationOrder:
 
     def take(self, position: int, count: int) -> np.ndarray:
         """Sample indices at stream positions [position, position + count)."""
-        out = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            epoch, offset = divmod(position + done, self.num_samples)
-            n = min(count - done, self.num_samples - offset)
-            out[done : done + n] = self.permutation(epoch)[offset : offset + n]
-            done += n
-        return out
+        return stitched(position, count, self.num_samples, self.permutation)
 
     def blocks_ahead(self, position: int, count: int, windows_after: int = 0) -> list[int]:
         return []  # every sample anywhere: nothing to stream ahead
+
+
+def stitched(position: int, count: int, period: int, block: Callable[[int], np.ndarray]) -> np.ndarray:
+    """Stream positions [position, position + count) of a stream made of consecutive blocks of ``period`` indices,
+    block k being ``block(k)``."""
+    out = np.empty(count, dtype=np.int64)
+    done = 0
+    while done < count:
+        k, offset = divmod(position + done, period)
+        n = min(count - done, period - offset)
+        out[done : done + n] = block(k)[offset : offset + n]
+        done += n
+    return out
 
 
 class WindowedOrder:
