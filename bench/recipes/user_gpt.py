@@ -32,6 +32,7 @@ def recipe(
     vocab_size: int = 257,
     mlp_ratio: int = 4,
     dropout: float = 0.0,
+    doc_mask: bool = False,
 ) -> Recipe:
     shape = ModelConfig(
         vocab_size=vocab_size,
@@ -41,13 +42,14 @@ def recipe(
         n_heads=n_heads,
         mlp_ratio=mlp_ratio,
         dropout=dropout,
+        doc_mask=doc_mask,
     )
     problems = shape.check()
     if problems:
         raise ValueError("; ".join(f"{key}: {why}" for key, why in problems))
     train, val = ctx.token_data(seq_len, vocab_size=vocab_size)
     return Recipe(
-        model=GPT(shape),
+        model=GPT(shape, eos=train.eos if doc_mask else None),
         train_data=train,
         eval_data=val,
         loss=next_token_loss,

@@ -37,7 +37,7 @@ cmd_install() {
 
 pid_of() { [ -f "$STATE/s3rver.pid" ] && kill -0 "$(cat "$STATE/s3rver.pid")" 2>/dev/null && cat "$STATE/s3rver.pid"; }
 
-answers() { curl -s -o /dev/null "http://127.0.0.1:$PORT/" 2>/dev/null; }
+answers() { (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; }
 
 cmd_start() {
   [ -x "$BIN" ] || die "s3rver is not installed: run \`bash envs/s3/server.sh install\` first"
@@ -62,6 +62,8 @@ EOF
     sleep 0.1
     waited=$((waited + 1))
   done
+  sleep 0.3
+  pid_of >/dev/null || die "port $PORT answers, but not this s3rver (it exited: see $STATE/s3rver.log): another server holds it"
 }
 
 cmd_stop() {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from runconfig.schema.fields import Problems, Range, Section, doc
@@ -20,6 +21,19 @@ class CheckpointConfig(Section):
         "Committed generations kept (>= 2); older ones are pruned after a newer commit.",
         2,
         bounds=Range(ge=2, text=">= 2 (never keep only one generation)"),
+    )
+    storage: str | None = doc(
+        "Object storage for the checkpoints, e.g. s3://bucket/runs/NAME (storage: for the endpoint; credentials from "
+        "the environment): every generation is committed in the run directory first, then uploaded, each rank its "
+        "share, its manifest last; the run directory keeps checkpoint.keep_local of them. A start with no newer "
+        "local generation downloads the newest one from there. Unset: the run directory only.",
+        None,
+    )
+    keep_local: int = doc(
+        "With checkpoint.storage: committed generations kept in the run directory once uploaded (the bucket keeps "
+        "checkpoint.keep_last).",
+        1,
+        bounds=Range(ge=1),
     )
     keep_every: int = doc(
         "Also keep forever every checkpoint whose step is a multiple of this; 0 = none.", 0, bounds=Range(ge=0)
@@ -54,8 +68,12 @@ class CheckpointConfig(Section):
     )
 
     def relations(self) -> Problems:
-        return [
+        out: Problems = [
             ("stop_signals", f"{name!r} is not one of {', '.join(SIGNAL_NAMES)}")
             for name in self.stop_signals
             if name not in SIGNAL_NAMES
         ]
+        if self.storage is not None and not re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^/]", self.storage):
+            out.append(("storage", f"must be an object-storage URL such as s3://bucket/prefix, got {self.storage!r} "
+                        "(unset it to keep the checkpoints in the run directory)"))  # fmt: skip
+        return out

@@ -86,7 +86,7 @@ def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, f
 def test_example_trains_sharded_like_ddp(tmp_path, example_reference, name, layout):
     """A user's recipe under FSDP2 (digits: an MLP without blocks, sharded whole) and HSDP (lm_bpe: its own
     transformer, sharded block by block): the same losses as its DDP run within float tolerance (the same per-rank
-    dropout streams and data; only the order of the gradient sums differs)."""
+    dropout streams and data; only the order of the gradient sums differs, whose rounding grows with the loss)."""
     reference = example_reference(name)
     run_dir = tmp_path / "run"
     proc = start(example_args(name, run_dir, "--local", *(a for s in layout for a in ("--set", s))), slow=False)
@@ -98,7 +98,7 @@ def test_example_trains_sharded_like_ddp(tmp_path, example_reference, name, layo
     for a, b in zip(got, want, strict=True):
         for key in ("loss", "eval_loss", "eval_accuracy"):
             if b[key] is not None:
-                assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
+                assert abs(a[key] - b[key]) < 1e-4 + 3e-5 * abs(b[key]), (key, a, b)
 
 
 def test_user_recipe_trains_tensor_parallel_like_ddp(tmp_path):

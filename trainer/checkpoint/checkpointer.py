@@ -14,6 +14,7 @@ state (``train_state.json``).
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,16 +26,20 @@ from torch.distributed.tensor import DTensor
 from runconfig import RunConfig, RunDir
 from runconfig.checkpoints import step_name
 from runconfig.ioretry import BUDGET_S, RetryPolicy
-from trainer.checkpoint.agreement import Agreement
+from runconfig.objstore import Store
+from trainer.checkpoint.agreement import Agreement, Failed
 from trainer.checkpoint.compat import FORMAT, options
 from trainer.checkpoint.fingerprint import params_sha256
 from trainer.checkpoint.provenance import manifest_fields
 from trainer.checkpoint.reader import GenerationReader
+from trainer.checkpoint.remote import RemoteGenerations
 from trainer.checkpoint.rng import rng_state
 from trainer.checkpoint.state import TrainState
 from trainer.checkpoint.writer import CheckpointError, GenerationWriter, json_bytes, stage, torch_bytes
 from trainer.env import RuntimeEnv
 from trainer.observe.inject import Injector
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "Checkpointer"]
 
@@ -87,10 +92,18 @@ class Checkpointer:
         group = dist.new_group(backend="gloo") if own else None
         self.agreement = Agreement(env.rank, env.world_size, group, policy)
         verified: set[str] = set()  # generations this process committed or fully verified (rank 0)
+        # checkpoint.storage: every generation also uploaded there (remote.py); the local copies are the staging
+        self.remote = None
+        if self.ccfg.storage:
+            self.remote = RemoteGenerations(
+                store=Store(cfg.storage), url=self.ccfg.storage, agreement=self.agreement, root=self.root,
+                keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every,
+                before_upload=injector.before_upload if injector and injector.injects("slow_upload") else None,
+            )  # fmt: skip
         self.writer = GenerationWriter(
             root=self.root,
             agreement=self.agreement,
-            keep_last=self.ccfg.keep_last,
+            keep_last=self.ccfg.keep_local if self.remote else self.ccfg.keep_last,
             keep_every=self.ccfg.keep_every,
             param_names=[name for name, _ in model.named_parameters() if name not in (aliases or {})],
             verified=verified,
@@ -168,9 +181,18 @@ class Checkpointer:
         self, state_dict: dict, files: dict[str, bytes], name: str, meta: dict, step: int, start: float
     ) -> None:
         self.writer.write_and_commit(state_dict, files, name, meta, step)
+        if self.remote is not None:
+            try:
+                self.remote.upload(self.root / name, step)
+            except Failed as failed:  # the local generation stays committed; the bucket's newest is the previous
+                raise self.writer.save_failed(failed, step) from failed.cause
         self.last_commit_time = time.monotonic()
         self.last_save_s = time.perf_counter() - start
         self.writer.after_commit(name)
+        if self.remote is not None and self.env.rank == 0:
+            pruned = self.remote.prune()
+            if pruned:
+                log.info("pruned %s from %s", pruned, self.ccfg.storage)
 
     def wait(self) -> None:
         """Wait for a background save to be committed (re-raising its error)."""
@@ -189,6 +211,9 @@ class Checkpointer:
     def restore(self, state: TrainState) -> bool:
         """Load the newest valid generation into the model, optimizer, RNGs and ``state``; False when the run
         directory has no checkpoint yet. Collective."""
+        self.reader.skipped = []
+        if self.remote is not None:
+            self.remote.fetch_newest(self.reader.warn)
         restored = self.reader.restore(state)
         if restored:
             self.last_commit_time = time.monotonic()

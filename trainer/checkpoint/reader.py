@@ -91,20 +91,19 @@ class GenerationReader:
                 crash = read_failed(exc, f"the checkpoints in {self.root}")
         gens, crash = self.agreement.from_rank0((gens, crash))  # rank 0 listed them alone
         raise_crash(crash)
-        self.skipped = []
-
-        def warn(message: str) -> None:  # rank 0: logged, and kept for the resume event
-            if self.rank == 0:
-                log.warning("%s", message)
-                self.skipped.append(message)
-
         try:
-            found = newest_valid(self.root, warn, check=self._check, paths=[Path(p) for p in gens])
+            found = newest_valid(self.root, self.warn, check=self._check, paths=[Path(p) for p in gens])
         except CheckpointInvalid as exc:
             raise UserError(str(exc), collective=True) from None
         if found is not None and self.rank == 0:
             self.verified.add(found[0].name)
         return found
+
+    def warn(self, message: str) -> None:
+        """Rank 0: a generation passed over, logged and kept for the resume event."""
+        if self.rank == 0:
+            log.warning("%s", message)
+            self.skipped.append(message)
 
     def _generations(self) -> list[Path]:
         """Rank 0: the generations, oldest first, after removing the partial writes of a crashed save."""

@@ -73,7 +73,7 @@ class GenerationWriter:
         except Failed as failed:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # never committed: free the space it took
-            raise self._save_failed(failed, step) from failed.cause
+            raise self.save_failed(failed, step) from failed.cause
 
     def after_commit(self, name: str) -> None:
         """Rank 0, once ``name`` is committed: count it as valid, then prune the generations it makes old."""
@@ -170,7 +170,7 @@ class GenerationWriter:
             log.warning("pruning old checkpoints in %s failed (%s); they stay until the next commit", self.root, exc)
             return []
 
-    def _save_failed(self, failed: Failed, step: int) -> Exception:
+    def save_failed(self, failed: Failed, step: int) -> Exception:
         """A save that failed on some rank, as every rank raises it: bad input or a full disk (a user error: not
         retried), or transient storage errors that outlived checkpoint.io_retries (a crash: restarted)."""
         first = next((r for r in failed.reports if not r["transient"]), failed.reports[0])

@@ -8,6 +8,8 @@
 - ``slowlink:RANK:SECONDS``: that rank waits SECONDS before each of its preflight collectives (a slow link or NIC);
 - ``eio_save:RANK:N``: the first N checkpoint file writes of that rank fail with EIO (a flaky network file system);
 - ``eio_read:RANK:N``: the first N data reads of that rank fail with EIO;
+- ``slow_upload:RANK:SECONDS``: that rank waits SECONDS before each checkpoint file it uploads to
+  checkpoint.storage (an upload slow enough to be killed part-way);
 - ``slow_part:TASK:SECONDS``: each part that task of ``python -m trainer.data prepare`` tokenizes takes SECONDS
   longer (a preparation slow enough to be killed part-way).
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
 
-KINDS = ("slow", "hang", "exit", "slowlink", "eio_save", "eio_read", "slow_part")
+KINDS = ("slow", "hang", "exit", "slowlink", "eio_save", "eio_read", "slow_part", "slow_upload")
 _EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
 
@@ -75,6 +77,12 @@ class Injector:
 
     def injects(self, kind: str) -> bool:
         return any(f.kind == kind for f in self.faults)
+
+    def before_upload(self) -> None:
+        """Called before each checkpoint file this rank uploads to checkpoint.storage (``slow_upload``)."""
+        for f in self.faults:
+            if f.kind == "slow_upload":
+                time.sleep(f.value)
 
     def checkpoint_write(self, path: object) -> None:
         """Called before each checkpoint file this rank writes (``eio_save``)."""

@@ -1,0 +1,126 @@
+"""Checkpoints in object storage (checkpoint.storage): committed locally, uploaded with the manifest last, pruned
+only after an upload; a run whose run directory lost its checkpoints resumes from the bucket bit-identical; an upload
+that is killed leaves the previous generation the bucket's newest; a server restart mid-run is retried."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from runconfig.checkpoints import generations
+from runconfig.contract import EXIT_STOPPED
+from tests.conftest import history, rank_pids, summary, wait_for_step
+from tests.mp.test_checkpoint import run, start
+from tests.s3.conftest import BUCKET
+from tests.s3.test_stream import sets
+
+pytestmark = pytest.mark.mp
+UNIQUE = f"ckpt-{uuid.uuid4().hex[:8]}"  # this session's prefixes: a bucket may hold an earlier session's
+
+
+def remote(s3, prefix: str) -> dict[str, bool]:
+    """step name -> whether its manifest is there."""
+    fs = s3.fs()
+    root = f"{BUCKET}/{prefix}"
+    if not fs.exists(root):
+        return {}
+    names = [e["name"].rsplit("/", 1)[-1] for e in fs.ls(root, detail=True) if e["type"] == "directory"]
+    return {n: fs.exists(f"{root}/{n}/manifest.json") for n in sorted(names)}
+
+
+@pytest.fixture(scope="module")
+def disk_reference(tmp_path_factory, small_dataset):
+    run_dir = tmp_path_factory.mktemp("disk") / "run"
+    proc = run(run_dir, sets(str(small_dataset), tmp_path_factory.mktemp("unused")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir
+
+
+def test_checkpoints_in_a_bucket_resume_bitwise_without_the_run_directorys(tmp_path, s3, small_dataset, disk_reference):
+    run_dir, url = tmp_path / "run", f"s3://{BUCKET}/{UNIQUE}/a"
+    args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage={url}", "checkpoint.keep_last=2"]
+    proc = start(run_dir, args)
+    wait_for_step(run_dir, 9, proc)
+    os.kill(rank_pids(run_dir)[0], signal.SIGUSR2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    stopped = history(run_dir)[-1]["step"]
+    there = remote(s3, f"{UNIQUE}/a")
+    saved = sorted({s for s in range(4, stopped + 1, 4)} | {stopped})
+    assert there == {f"step_{s:08d}": True for s in saved[-2:]}, there  # keep_last=2, each committed
+    assert [s for s, _ in generations(run_dir / "checkpoints")] == [stopped]  # keep_local=1
+    shutil.rmtree(run_dir / "checkpoints")  # the run directory lost them: the bucket has them
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert f"checkpoint step_{stopped:08d} downloaded from {url}/step_{stopped:08d}" in log, log
+    assert summary(run_dir)["params_sha256"] == summary(disk_reference)["params_sha256"]
+    final = remote(s3, f"{UNIQUE}/a")
+    assert len(final) == 2 and all(final.values()) and "step_00000016" in final, final
+
+
+def test_a_corrupt_object_in_the_bucket_falls_back_to_an_older_generation(tmp_path, s3, small_dataset):
+    run_dir, url = tmp_path / "run", f"s3://{BUCKET}/{UNIQUE}/b"
+    args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage={url}", "train.steps=8",
+            "checkpoint.keep_last=3"]  # fmt: skip
+    done = run(run_dir, args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    fs = s3.fs()
+    newest = f"{BUCKET}/{UNIQUE}/b/step_00000008"
+    victim = next(f for f in fs.find(newest) if f.endswith(".distcp"))
+    data = bytearray(fs.cat_file(victim))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(victim, bytes(data))
+    shutil.rmtree(run_dir / "checkpoints")
+    again = run(run_dir, ["train.steps=10"], resume=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    log = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert f"skipping checkpoint s3://{BUCKET}/{UNIQUE}/b/step_00000008:" in log and "(corrupt)" in log, log
+    assert "checkpoint step_00000004 downloaded" in log, log
+    assert fs.exists(f"{newest}/manifest.json")  # nothing was deleted from the bucket
+
+
+def test_a_server_restart_mid_run_is_retried_and_a_missing_bucket_is_named(tmp_path, s3, small_dataset):
+    run_dir = tmp_path / "run"
+    args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage=s3://{BUCKET}/{UNIQUE}/c",
+            "checkpoint.every_steps=1", "storage.retries=10", "storage.retry_backoff_s=0.2"]  # fmt: skip
+    proc = start(run_dir, args)
+    wait_for_step(run_dir, 3, proc)
+    s3.script("stop")
+    threading.Timer(2.0, s3.script, ["start"]).start()
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out + err
+    assert all(remote(s3, f"{UNIQUE}/c").values()) and "step_00000016" in remote(s3, f"{UNIQUE}/c")
+    bad = run(tmp_path / "bad", [*sets(str(small_dataset), tmp_path / "cache2"),
+                                 "checkpoint.storage=s3://no-such-bucket/x", "train.steps=4"])  # fmt: skip
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "no-such-bucket" in bad.stderr and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_sigkill_during_an_upload_leaves_the_previous_generation_the_newest(tmp_path, s3, small_dataset,
+                                                                             disk_reference):  # fmt: skip
+    run_dir, prefix = tmp_path / "run", f"{UNIQUE}/d"
+    args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage=s3://{BUCKET}/{prefix}"]
+    proc = start(run_dir, args, inject="slow_upload:0:0.5,slow_upload:1:0.5,slow_upload:2:0.5,slow_upload:3:0.5")
+    deadline = time.monotonic() + 120
+    while not any(not committed for committed in remote(s3, prefix).values()):  # an upload under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    for pid in rank_pids(run_dir).values():
+        os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.communicate(timeout=60)
+    there = remote(s3, prefix)
+    partial = [n for n, committed in there.items() if not committed]
+    assert partial and all(there[n] for n in there if n < partial[0]), there  # older ones committed, it not
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(run_dir)["params_sha256"] == summary(disk_reference)["params_sha256"]
+    after = remote(s3, prefix)
+    assert all(after.values()) and partial[0] not in after or after[partial[0]], after  # pruned or completed

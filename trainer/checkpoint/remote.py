@@ -1,0 +1,259 @@
+"""Checkpoint generations in object storage (``checkpoint.storage: s3://bucket/prefix``), with the guarantees of the
+run directory's: each generation is written and committed locally first (checkpoints/, writer.py), then uploaded,
+every rank its share of the files, and its ``manifest.json`` last: a prefix without one is never a generation, so
+an upload that is killed or fails leaves the previous generation the newest one. Retention prunes only after an
+upload (manifest first, so a half-deleted generation is never taken for one); the local copies are pruned to
+``checkpoint.keep_local``. At start a remote generation newer than every local one is downloaded into checkpoints/
+(every rank its share, each file checked against the manifest's SHA-256), committed there, and restored from as
+any local one: resharding included.
+
+Layout under the prefix: ``step_00000120/manifest.json`` and the files it lists, at the same relative paths.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runconfig.checkpoints import (
+    MANIFEST,
+    STEP_RE,
+    TMP_PREFIX,
+    CheckpointInvalid,
+    commit,
+    generations,
+    manifest_digest,
+    validate,
+)
+from runconfig.ioretry import GaveUp
+from runconfig.objstore import Store, StoreError, StoreUnavailable, join
+from trainer.checkpoint.agreement import Agreement, Failed
+from trainer.checkpoint.reader import shares
+from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+_CHUNK = 8 << 20
+
+
+class RemoteGenerations:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        url: str,
+        agreement: Agreement,
+        root: Path,
+        keep_last: int,
+        keep_every: int,
+        before_upload: Callable[[], None] | None = None,
+    ) -> None:
+        self.store, self.url, self.agreement, self.root = store, url.rstrip("/"), agreement, root
+        self.before_upload = before_upload  # tests: HPC_INJECT slow_upload
+        self.rank, self.world_size = agreement.rank, agreement.world_size
+        self.keep_last, self.keep_every = keep_last, keep_every
+
+    # -- save -------------------------------------------------------------------------------------------------
+    def upload(self, final: Path, step: int) -> None:
+        """Upload the committed local generation ``final``: every rank its share, then rank 0 the manifest.
+        Collective; raises Failed (transient, or not) as a save does."""
+        manifest = self.agreement.from_rank0(json.loads((final / MANIFEST).read_text()) if self.rank == 0 else None)
+        sizes = {rel: int(meta["size"]) for rel, meta in manifest["files"].items()}
+        mine = shares(sizes, self.world_size)[self.rank]
+
+        def attempt(began: float) -> None:
+            error = None
+            for rel in mine:
+                try:
+                    self._put(final / rel, join(self.url, final.name, rel))
+                except (OSError, StoreError) as exc:
+                    error = (exc, f"uploading {final / rel} to {join(self.url, final.name, rel)}: {exc}")
+                    break
+            self.agreement.agree(error, began)
+
+        self.agreement.retrying(f"upload of checkpoint {final.name}", attempt)
+        error = None
+        if self.rank == 0:
+            try:
+                self._put(final / MANIFEST, join(self.url, final.name, MANIFEST))  # the remote commit
+            except (OSError, StoreError) as exc:
+                error = (exc, f"uploading {final / MANIFEST}: {exc}")
+        self.agreement.agree(error, time.monotonic(), final=True)
+        if self.rank == 0:
+            log.info("checkpoint %s uploaded to %s", final.name, join(self.url, final.name))
+
+    def prune(self) -> list[str]:
+        """Rank 0, after an upload: delete the generations beyond the newest ``keep_last`` (not multiples of
+        ``keep_every``), manifest first, and the prefixes of uploads that never committed and are older than the
+        newest committed generation. A failure is logged and left to the next upload."""
+        try:
+            committed, partial = self._listing()
+            doomed = [n for s, n in committed[: -self.keep_last] if not (self.keep_every and s % self.keep_every == 0)]
+            newest = committed[-1][0] if committed else -1
+            doomed_partial = [n for s, n in partial if s < newest]
+            for name in doomed:
+                self._delete(name, manifest_first=True)
+            for name in doomed_partial:
+                self._delete(name, manifest_first=False)
+            return doomed + doomed_partial
+        except (OSError, StoreError) as exc:
+            log.warning("pruning the checkpoints in %s failed (%s); they stay until the next upload", self.url, exc)
+            return []
+
+    # -- restore ------------------------------------------------------------------------------------------------
+    def fetch_newest(self, warn) -> str | None:
+        """Before a restore: download the newest remote generation that is newer than every local one and verifies,
+        into checkpoints/, and commit it there; its name, or None. Collective."""
+        plan = None
+        if self.rank == 0:
+            plan = self._remote_newer_than_local()
+        candidates = self.agreement.from_rank0(plan)
+        if isinstance(candidates, str):
+            raise UserError(candidates, collective=True)
+        for name, manifest in candidates or []:
+            problem = self._download(name, manifest)
+            if problem is None:
+                if self.rank == 0:
+                    log.info("checkpoint %s downloaded from %s", name, join(self.url, name))
+                return name
+            warn(f"skipping checkpoint {join(self.url, name)}: {problem}")
+        return None
+
+    def _remote_newer_than_local(self) -> list[tuple[str, dict]] | str:
+        """Rank 0: the committed remote generations newer than the newest local one, newest first, with their
+        manifests (self-checksum checked); or the message of an error that stops the run."""
+        try:
+            return self._newer(self._listing()[0])
+        except (StoreError, OSError) as exc:
+            return f"checkpoint.storage {self.url}: {exc}"
+
+    def _newer(self, committed: list[tuple[int, str]]) -> list[tuple[str, dict]]:
+        local = -1
+        for step, path in reversed(generations(self.root)):
+            try:
+                validate(path, verify_hashes=False)
+                local = step
+                break
+            except (CheckpointInvalid, OSError):
+                continue
+        out = []
+        for step, name in reversed(committed):
+            if step <= local:
+                break
+            raw = self.store.read_bytes(join(self.url, name, MANIFEST), what="checkpoint manifest")
+            try:
+                manifest = json.loads(raw)
+                if manifest.get("manifest_sha256") != manifest_digest(manifest):
+                    raise ValueError("its self-checksum does not match")
+            except (ValueError, AttributeError) as exc:
+                log.warning("skipping checkpoint %s: its manifest is damaged (%s)", join(self.url, name), exc)
+                continue
+            out.append((name, manifest))
+        return out
+
+    def _download(self, name: str, manifest: dict) -> str | None:
+        """Every rank downloads and checks its share into checkpoints/.tmp-NAME; rank 0 commits it. The problem
+        that makes the generation unusable (a corrupt or missing object), or None. Collective."""
+        tmp = self.root / f"{TMP_PREFIX}{name}"
+        error = None
+        if self.rank == 0:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True, mode=0o700)
+            except OSError as exc:
+                error = (exc, f"cannot create {tmp}: {exc}")
+        self.agreement.agree(error, time.monotonic(), final=True)
+        sizes = {rel: int(meta["size"]) for rel, meta in manifest["files"].items()}
+        problem = crash = fatal = None
+        for rel in shares(sizes, self.world_size)[self.rank]:
+            url = join(self.url, name, rel)
+            dest = tmp / rel
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.store.download(url, str(dest), what="checkpoint file")
+                if _sha256(dest) != manifest["files"][rel]["sha256"]:
+                    problem = f"{url} does not match its SHA-256 in the manifest (corrupt)"
+            except StoreError as exc:  # a missing object: this generation is unusable
+                problem = str(exc)
+            except StoreUnavailable as exc:  # says nothing about the generation: a crash, restarted
+                crash = f"rank {self.rank}: downloading {url}: {exc.strerror} (after storage.retries)"
+            except OSError as exc:  # the local disk's
+                fatal = f"rank {self.rank}: downloading {url} into {dest}: {exc.strerror or exc}"
+            if problem or crash or fatal:
+                break
+        reports = self.agreement.gather((problem, crash, fatal))
+        if any(f for _, _, f in reports):
+            raise UserError(next(f for _, _, f in reports if f), collective=True)
+        if any(c for _, c, _ in reports):
+            raise GaveUp(errno.ECONNRESET, next(c for _, c, _ in reports if c))
+        problems = [p for p, _, _ in reports if p]
+        if problems:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return problems[0]
+        error = None
+        if self.rank == 0:
+            body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+            try:
+                commit(tmp, self.root / name, body)
+            except OSError as exc:
+                error = (exc, f"committing the downloaded {self.root / name}: {exc}")
+        try:
+            self.agreement.agree(error, time.monotonic(), final=True)
+        except Failed as failed:
+            raise UserError(failed.reports[0]["message"], collective=True) from None
+        return None
+
+    # -- the store ------------------------------------------------------------------------------------------------
+    def _listing(self) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+        """(committed, uncommitted) generations under the prefix, oldest first: step_* prefixes with and without
+        a manifest.json."""
+
+        def walk(fs, path):
+            if not fs.exists(path):
+                return []
+            return [e["name"] for e in fs.ls(path, detail=True) if e.get("type") == "directory"]
+
+        names = self.store.call(walk, self.url, what="checkpoint listing of", key="checkpoint.storage")
+        committed, partial = [], []
+        for full in names:
+            name = full.rstrip("/").rsplit("/", 1)[-1]
+            m = STEP_RE.match(name)
+            if not m:
+                continue
+            has = self.store.call(lambda fs, p: fs.exists(p), join(self.url, name, MANIFEST), what="checkpoint")
+            (committed if has else partial).append((int(m.group(1)), name))
+        return sorted(committed), sorted(partial)
+
+    def _delete(self, name: str, *, manifest_first: bool) -> None:
+        """Every object under the generation's prefix, its manifest first (then it is no generation any more)."""
+        prefix = join(self.url, name)
+
+        def delete(fs, p):
+            objects = fs.find(p)
+            manifest = [o for o in objects if o.endswith(f"/{MANIFEST}") and o.count("/") == p.count("/") + 1]
+            if manifest_first and manifest:
+                fs.rm_file(manifest[0])
+            rest = [o for o in objects if o not in manifest] if manifest_first else objects
+            if rest:
+                fs.rm(rest)
+
+        self.store.call(delete, prefix, what="pruning of")
+
+    def _put(self, local: Path, url: str) -> None:
+        if self.before_upload is not None:
+            self.before_upload()
+        self.store.call(lambda fs, p: fs.put_file(str(local), p), url, what="checkpoint upload of")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
