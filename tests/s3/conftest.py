@@ -65,3 +65,22 @@ def s3():
 def s3_small(s3, small_dataset) -> str:
     """tests/conftest.py's small dataset, uploaded once: its URL."""
     return s3.upload(small_dataset, "small")
+
+
+def sets(data: str, cache: Path) -> list[str]:
+    return [
+        f"data.path={data}", f"data.cache_dir={cache}", "train.steps=16", "train.warmup_steps=2",
+        "train.eval_every=8", "model.d_model=64", "model.n_layers=2", "model.seq_len=64",
+        "checkpoint.every_steps=4", "model.dropout=0.1", "comm.allreduce=flat", "data.shuffle_window=2",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def disk_reference(tmp_path_factory, small_dataset):
+    """The runs of ``sets`` from the small dataset on disk: what every run from the bucket must end as."""
+    from tests.mp.test_checkpoint import run
+
+    run_dir = tmp_path_factory.mktemp("disk") / "run"
+    proc = run(run_dir, sets(str(small_dataset), tmp_path_factory.mktemp("unused-cache")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir

@@ -17,8 +17,7 @@ from runconfig.checkpoints import generations
 from runconfig.contract import EXIT_STOPPED
 from tests.conftest import history, rank_pids, summary, wait_for_step
 from tests.mp.test_checkpoint import run, start
-from tests.s3.conftest import BUCKET
-from tests.s3.test_stream import sets
+from tests.s3.conftest import BUCKET, sets
 
 pytestmark = pytest.mark.mp
 UNIQUE = f"ckpt-{uuid.uuid4().hex[:8]}"  # this session's prefixes: a bucket may hold an earlier session's
@@ -32,14 +31,6 @@ def remote(s3, prefix: str) -> dict[str, bool]:
         return {}
     names = [e["name"].rsplit("/", 1)[-1] for e in fs.ls(root, detail=True) if e["type"] == "directory"]
     return {n: fs.exists(f"{root}/{n}/manifest.json") for n in sorted(names)}
-
-
-@pytest.fixture(scope="module")
-def disk_reference(tmp_path_factory, small_dataset):
-    run_dir = tmp_path_factory.mktemp("disk") / "run"
-    proc = run(run_dir, sets(str(small_dataset), tmp_path_factory.mktemp("unused")))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return run_dir
 
 
 def test_checkpoints_in_a_bucket_resume_bitwise_without_the_run_directorys(tmp_path, s3, small_dataset, disk_reference):

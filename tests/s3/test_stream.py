@@ -15,16 +15,9 @@ import pytest
 from runconfig.contract import EXIT_STOPPED
 from tests.conftest import history, rank_pids, summary, wait_for_step
 from tests.mp.test_checkpoint import run, start
+from tests.s3.conftest import sets
 
 pytestmark = pytest.mark.mp
-
-
-def sets(data: str, cache: Path) -> list[str]:
-    return [
-        f"data.path={data}", f"data.cache_dir={cache}", "train.steps=16", "train.warmup_steps=2",
-        "train.eval_every=8", "model.d_model=64", "model.n_layers=2", "model.seq_len=64",
-        "checkpoint.every_steps=4", "model.dropout=0.1", "comm.allreduce=flat", "data.shuffle_window=2",
-    ]  # fmt: skip
 
 
 def fetches(cache: Path) -> dict[str, Counter]:
@@ -33,14 +26,6 @@ def fetches(cache: Path) -> dict[str, Counter]:
     for log in cache.glob("*/*/fetches.jsonl"):
         out[log.parent.parent.name] = Counter(json.loads(line)["file"] for line in log.read_text().splitlines())
     return out
-
-
-@pytest.fixture(scope="module")
-def disk_reference(tmp_path_factory, small_dataset):
-    run_dir = tmp_path_factory.mktemp("disk") / "run"
-    proc = run(run_dir, sets(str(small_dataset), tmp_path_factory.mktemp("unused-cache")))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return run_dir
 
 
 def test_training_from_s3_matches_disk_with_one_download_per_shard_per_node(tmp_path, s3_small, disk_reference):
