@@ -54,8 +54,10 @@ def metrics(run_dir) -> list[dict]:
 def test_tiny_example_trains_and_loss_falls(tmp_path, tiny_data):
     run_dir = tmp_path / "tiny"
     # comm.allreduce pinned: the pins below were taken with the hierarchical algorithm (auto may choose another);
-    # train.optimizer_impl too: with AdamW's per-parameter loop, whose bits foreach's equal (tests/unit/test_optim.py)
-    sets = ("train.steps=60", "train.warmup_steps=6", "train.eval_every=30", "comm.allreduce=hierarchical")
+    # train.optimizer_impl too: with AdamW's per-parameter loop, whose bits foreach's equal (tests/unit/test_optim.py);
+    # data.order too: the pins were taken with the full permutation, the order of runs before the windowed one
+    sets = ("train.steps=60", "train.warmup_steps=6", "train.eval_every=30", "comm.allreduce=hierarchical",
+            "data.order=permutation")  # fmt: skip
     proc = submit(run_dir, *sets, "train.optimizer_impl=for-loop")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The run found the session's copy of its dataset (tiny_data) instead of preparing its own inside this run.
