@@ -28,6 +28,8 @@ TINY_60_SHA256 = {
     "AMD EPYC/AVX512": "0ce1c2b18305d3097a8afa7d16edcc2a9c5c743a33cdbf04c71db7935f9108a9",
     # taken at a10dada (foreach AdamW), before the carried agreement and the per-parameter loop; the same after both
     "Intel(R) Xeon(R) Processor/AVX512": "eccbbda9f192d2a456fa77eb81c608d739b94cabd4aa66c049b5012b05e16be4",
+    # 2026-12-02, this session's machine: the same bits as the Xeon above
+    "Intel(R) Xeon(R) Processor @ 2.00GHz/AVX512": "eccbbda9f192d2a456fa77eb81c608d739b94cabd4aa66c049b5012b05e16be4",
 }
 
 
