@@ -72,26 +72,31 @@ class Store:
         """(filesystem, path in it) for ``url``; a plain path gives the local filesystem."""
         import fsspec.core
 
-        options: dict[str, Any] = {}
-        if url.startswith("s3://"):
-            client: dict[str, Any] = {}
-            if self.cfg.endpoint_url:
-                client["endpoint_url"] = self.cfg.endpoint_url
-            if self.cfg.region:
-                client["region_name"] = self.cfg.region
-            options = {
-                "client_kwargs": client,
-                "use_listings_cache": False,  # generations and shards appear while a run reads the prefix
-                "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
-            }
-            if self.cfg.profile:
-                options["profile"] = self.cfg.profile
         protocol = _URL.match(url).group(1) if is_url(url) else "file"
         with _LOCK:
             fs = self._opened.get(protocol)
-            if fs is None:
-                fs = self._opened[protocol] = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)[0]
+            if fs is None:  # made once per protocol: the options are the same for every URL of it
+                fs = self._opened[protocol] = fsspec.core.url_to_fs(
+                    url, skip_instance_cache=True, **self._options(url)
+                )[0]
         return fs, fs._strip_protocol(url)
+
+    def _options(self, url: str) -> dict[str, Any]:
+        if not url.startswith("s3://"):
+            return {}
+        client: dict[str, Any] = {}
+        if self.cfg.endpoint_url:
+            client["endpoint_url"] = self.cfg.endpoint_url
+        if self.cfg.region:
+            client["region_name"] = self.cfg.region
+        options: dict[str, Any] = {
+            "client_kwargs": client,
+            "use_listings_cache": False,  # generations and shards appear while a run reads the prefix
+            "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
+        }
+        if self.cfg.profile:
+            options["profile"] = self.cfg.profile
+        return options
 
     def policy(self) -> RetryPolicy:
         return RetryPolicy(self.cfg.retries, self.cfg.retry_backoff_s, "storage.retries")

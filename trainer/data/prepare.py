@@ -340,7 +340,7 @@ def _publish_remote(
     url: str, work: Path, names: list[str], manifest: dict, tokenizer: Tokenizer | None, store: Store
 ) -> None:
     """Every shard uploaded (those already there at their size skipped: a resumed upload), the manifest last."""
-    present = store.sizes(url, what="prepared dataset listing of") if _prefix_exists(store, url) else {}
+    present = _listing(store, url)
 
     def upload(name: str) -> None:
         local = work / "shards" / name
@@ -355,9 +355,9 @@ def _publish_remote(
                       what="upload of manifest")  # fmt: skip
 
 
-def _prefix_exists(store: Store, url: str) -> bool:
+def _listing(store: Store, url: str) -> dict[str, int]:
+    """{name: bytes} of what an earlier upload left under ``url`` (one listing); empty when nothing is there."""
     try:
-        store.sizes(url, what="listing of")
-        return True
+        return store.sizes(url, what="prepared dataset listing of")
     except StoreError:
-        return False
+        return {}

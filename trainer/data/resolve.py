@@ -99,14 +99,8 @@ def open_splits(
         agree(comm, _error_of(lambda: _check_my_shards(folder, manifest, env)))
     # Shards that matched their checksum hold what prepare wrote: no need to range-check every window read.
     injector = Injector(env.inject, env.rank)
-    reads = {
-        "rank": env.rank,
-        "check_range": not checksummed,
-        "retry": RetryPolicy(cfg.read_retries, cfg.read_retry_backoff_s, "data.read_retries"),
-        "before_read": injector.data_read if injector.injects("eio_read") else None,  # tests: HPC_INJECT
-    }
-    train = TokenShards(folder, manifest, "train", seq_len, **reads)
-    return train, TokenShards(folder, manifest, "val", seq_len, **reads)
+    before_read = injector.data_read if injector.injects("eio_read") else None  # tests: HPC_INJECT
+    return _splits(cfg, folder, manifest, seq_len, env, check_range=not checksummed, before_read=before_read)
 
 
 def _open_remote(
@@ -137,14 +131,17 @@ def _open_remote(
     except OSError as exc:
         raise UserError(f"rank {env.rank}: data.cache_dir {folder} cannot be used: {exc}.", collective=False) from None
     checksummed = all(s.get("sha256") for split in manifest["splits"].values() for s in split)
-    reads = {
-        "rank": env.rank,
-        "check_range": not checksummed,  # every download is checked against its SHA-256
-        "retry": RetryPolicy(cfg.read_retries, cfg.read_retry_backoff_s, "data.read_retries"),
-        "cache": cache,
-    }
-    train = TokenShards(folder, manifest, "train", seq_len, **reads)
-    return train, TokenShards(folder, manifest, "val", seq_len, **reads)
+    # every download is checked against its SHA-256: no range check then
+    return _splits(cfg, folder, manifest, seq_len, env, check_range=not checksummed, cache=cache)
+
+
+def _splits(
+    cfg: DataConfig, folder: Path, manifest: dict, seq_len: int, env: RuntimeEnv, **reads
+) -> tuple[TokenShards, TokenShards]:
+    """The (train, val) readers of a dataset, with data.read_retries."""
+    retry = RetryPolicy(cfg.read_retries, cfg.read_retry_backoff_s, "data.read_retries")
+    train = TokenShards(folder, manifest, "train", seq_len, rank=env.rank, retry=retry, **reads)
+    return train, TokenShards(folder, manifest, "val", seq_len, rank=env.rank, retry=retry, **reads)
 
 
 def _localized(cfg: DataConfig, env: RuntimeEnv, comm: MPI.Comm, store: Store) -> DataConfig:
