@@ -323,11 +323,22 @@ def test_a_hung_rank_is_restarted_in_the_job_and_ends_bitwise(tmp_path, small_da
     assert_same_as(reference_2x1, run_dir)
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for the signal (its SigCgt mask); an ended process counts as catching."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        return True
+    return False
+
+
 def test_a_stop_signal_at_any_moment_of_start_up_is_a_clean_stop(tmp_path, small_dataset, reference):
     """SIGUSR2 to every rank during the imports and MPI_Init (delays after the ranks' processes appear), during the
     checkpoint restore and right after it: each launch ends as a clean stop (75) or completes, never as a failure;
-    the run then ends bit-identical. (The interpreter's own first ~30 ms, before any Python line runs, are not
-    covered.)
+    the run then ends bit-identical. (The interpreter's own start-up, before the trainer's first lines install the
+    handlers, is not covered: the moments count from when every rank catches the signal.)
 
     Two launches carry all these moments, each signalled at several in turn: a fresh one (imports, MPI_Init) and a
     resumed one (MPI_Init, restore). The handlers record the first signal and nothing in start-up looks at the flag,
@@ -340,6 +351,11 @@ def test_a_stop_signal_at_any_moment_of_start_up_is_a_clean_stop(tmp_path, small
         deadline = time.monotonic() + 60
         while len(pids := rank_pids(run_dir)) < 4 and time.monotonic() < deadline:
             time.sleep(0.005)
+        # From the moment every rank catches SIGUSR2: on a loaded host the interpreter's own start-up, before the
+        # trainer's first line installs the handler, has been seen to take longer than the first moment.
+        while not all(catches(pid, signal.SIGUSR2) for pid in pids.values()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
         appeared = time.monotonic()
         before = log.read_text() if log.exists() else ""  # the earlier launches' lines
         for moment in moments:
@@ -358,7 +374,7 @@ def test_a_stop_signal_at_any_moment_of_start_up_is_a_clean_stop(tmp_path, small
         if proc.returncode == 0:
             break
     events = [e["event"] for e in history(run_dir)]
-    assert "restart" not in events and "stopped" in events, events
+    assert "restart" not in events and "stopped" in events, history(run_dir)
     done = run(run_dir, resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_as(reference, run_dir)
