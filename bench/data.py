@@ -15,6 +15,15 @@
   and 10^7 and modelled (8 bytes and the measured time per sample) beyond.
 - training: the tiny model on 2 simulated nodes x 2 ranks (--train-steps steps) from local disk and from the S3
   server with a cold cache: median time_data_s and step time, and the downloads per node.
+- checkpoint: a committed generation of --ckpt-mb MB (a DCP save of random tensors, as the trainer writes one)
+  uploaded by the trainer's own code (trainer/checkpoint/remote.py: the shares, then the manifest) and restored
+  from the bucket (listing, download, SHA-256 of every file, local commit), against a raw s3fs upload and download
+  of the same files; and torch's DCP writing to and reading from the bucket itself (FsspecWriter/FsspecReader, 4
+  threads). One process. Rounds alternate; medians.
+- litdata: litdata's ``StreamingDataset`` (envs/requirements-bench.txt) on the loader part's tokens, converted by
+  its ``optimize`` into chunks of the same size and dtype and uploaded to the same server: samples/s reading the
+  same number of windows of 257 tokens (its own shuffle, one process, as the loader part) with a cold and a warm
+  cache, and the bytes it fetched. Skipped, with the reason, where litdata does not import.
 
 Prints a table per part and a JSON object.
 """
@@ -51,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loader-samples", type=int, default=4000, help="windows read per loader measurement")
     p.add_argument("--order-max", type=float, default=1e9, help="largest order size measured (samples)")
     p.add_argument("--train-steps", type=int, default=40, help="steps of each training run (0: skip)")
-    p.add_argument("--parts", default="prepare,loader,order,training", help="comma-separated parts to run")
+    p.add_argument("--ckpt-mb", type=float, default=128, help="MB of the checkpoint part's generation")
+    p.add_argument("--parts", default="prepare,loader,order,training,checkpoint,litdata", help="comma-separated parts")
     p.add_argument("--json", type=Path, help="also write the JSON object here")
     return p.parse_args(argv)
 
@@ -246,6 +256,152 @@ def part_order(args) -> dict:
     return {"windowed": windowed, "permutation": permutation}
 
 
+# -------------------------------------------------------------------------------------------------- checkpoint
+def generation(root: Path, mb: float) -> tuple[Path, dict]:
+    """A committed generation under ``root``: a DCP save of random tensors and its manifest (sizes, SHA-256)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from runconfig.checkpoints import commit
+    from trainer.checkpoint.remote import _sha256
+
+    n = max(1, int(mb * 2**20 / 4 / 8))
+    state = {f"layer{i}": torch.randn(n) for i in range(8)}
+    tmp = root / ".tmp-step_00000001"
+    dcp.save(state, checkpoint_id=str(tmp))
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+    commit(tmp, root / "step_00000001", {"step": 1, "world_size": 1, "files": files})
+    return root / "step_00000001", state
+
+
+def part_checkpoint(args, work: Path) -> dict:
+    import s3fs
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from runconfig.ioretry import RetryPolicy
+    from runconfig.objstore import Store
+    from runconfig.schema import StorageConfig
+    from trainer.checkpoint.agreement import Agreement
+    from trainer.checkpoint.remote import RemoteGenerations
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        final, state = generation(work / "ckpt-src", args.ckpt_mb)
+        nbytes = sum(p.stat().st_size for p in final.iterdir() if p.name != "manifest.json")
+        agreement = Agreement(0, 1, None, RetryPolicy(3, 0.5, "checkpoint.io_retries"))
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        store = Store(StorageConfig())
+        store.call(lambda f, p: f.exists(p), "s3://bench/warm", what="warm-up")  # both clients connected first
+        fs.exists("bench/warm")
+        files = sorted(p for p in final.iterdir() if p.name != "manifest.json")
+        times: dict[str, list[float]] = {k: [] for k in
+                                         ("save, trainer", "save, raw", "restore, trainer", "restore, raw",
+                                          "save, DCP fsspec", "restore, DCP fsspec")}  # fmt: skip
+        for r in range(args.rounds):
+            url = f"s3://bench/ckpt-{r}"
+            remote = RemoteGenerations(store=store, url=url, agreement=agreement,
+                                       root=work / f"ckpt-dst-{r}", keep_last=3, keep_every=0)  # fmt: skip
+            t = time.perf_counter()
+            remote.upload(final, 1)
+            times["save, trainer"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for p in files:
+                fs.put_file(str(p), f"bench/raw-{r}/{p.name}")
+            times["save, raw"].append(time.perf_counter() - t)
+            (work / f"ckpt-dst-{r}").mkdir()
+            t = time.perf_counter()
+            assert remote.fetch_newest(print) == final.name
+            times["restore, trainer"].append(time.perf_counter() - t)
+            raw = work / f"raw-{r}"
+            raw.mkdir()
+            t = time.perf_counter()
+            for p in files:
+                fs.get_file(f"bench/raw-{r}/{p.name}", str(raw / p.name))
+            times["restore, raw"].append(time.perf_counter() - t)
+            opts = {"thread_count": 4, "sync_files": False, "overwrite": True}
+            t = time.perf_counter()
+            dcp.save(state, storage_writer=FsspecWriter(f"s3://bench/dcp-{r}", **opts))
+            times["save, DCP fsspec"].append(time.perf_counter() - t)
+            back = {k: torch.empty_like(v) for k, v in state.items()}
+            t = time.perf_counter()
+            dcp.load(back, storage_reader=FsspecReader(f"s3://bench/dcp-{r}"))
+            times["restore, DCP fsspec"].append(time.perf_counter() - t)
+            assert all(torch.equal(back[k], state[k]) for k in state)
+            for path in (raw, work / f"ckpt-dst-{r}"):
+                subprocess.run(["rm", "-rf", str(path)], check=True)
+    finally:
+        dist.destroy_process_group()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bytes": nbytes,
+        "seconds": med,
+        "mb_per_s": {k: nbytes / v / 1e6 for k, v in med.items()},
+        "save_vs_raw": med["save, raw"] / med["save, trainer"],
+        "restore_vs_raw": med["restore, raw"] / med["restore, trainer"],
+    }
+
+
+# ----------------------------------------------------------------------------------------------------- litdata
+def _lit_items(path: str):
+    """litdata's optimize: one shard's tokens (the dtype kept) as one item of its TokensLoader."""
+    import h5py
+    import torch
+
+    with h5py.File(path, "r") as f:
+        yield torch.from_numpy(f["tokens"][:])
+
+
+def part_litdata(args, work: Path, data: Path) -> dict:
+    try:
+        import litdata
+        import litdata.streaming.downloader as downloader
+        from litdata import StreamingDataset, optimize
+        from litdata.streaming.item_loader import TokensLoader
+    except ImportError as exc:
+        return {"skipped": f"litdata does not import ({exc}); pip install --no-deps -r envs/requirements-bench.txt"}
+    import s3fs
+
+    from trainer.data.dataset import read_manifest
+
+    manifest = read_manifest(data)
+    shards = manifest["splits"]["train"]
+    chunk = max(s["tokens"] for s in shards)
+    local = work / "litdata"
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines
+        optimize(fn=_lit_items, inputs=[str(data / s["file"]) for s in shards], output_dir=str(local),
+                 chunk_size=chunk, item_loader=TokensLoader(), num_workers=1, start_method="fork")  # fmt: skip
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    for path in sorted(local.iterdir()):
+        fs.put_file(str(path), f"bench/litdata/{path.name}")
+    # Its fast download path (obstore) refuses a plain-http endpoint; this private option of litdata 0.2.76 allows
+    # one (a real deployment's endpoint is https).
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+    options = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+    rates: dict[str, list[float]] = {"litdata, cold cache": [], "litdata, warm cache": []}
+    fetched = []
+    for r in range(args.rounds):
+        cache = work / f"litcache-{r}"
+        for kind in rates:
+            dataset = StreamingDataset("s3://bench/litdata", cache_dir=str(cache), item_loader=TokensLoader(
+                block_size=257), shuffle=True, drop_last=True, seed=r, storage_options=options)  # fmt: skip
+            count = min(args.loader_samples, len(dataset))
+            t = time.perf_counter()
+            for n, _ in enumerate(dataset, 1):
+                if n >= count:
+                    break
+            rates[kind].append(count / (time.perf_counter() - t))
+        fetched.append(sum(p.stat().st_size for p in cache.rglob("*.bin")))
+    return {
+        "version": litdata.__version__,
+        "samples": count,
+        "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
+        "bytes_in_cache": statistics.median(fetched),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------- training
 def train_run(work: Path, name: str, sets: list[str]) -> Path:
     run_dir = work / name
@@ -287,14 +443,18 @@ def main(argv: list[str] | None = None) -> int:
             result["prepare"] = part_prepare(args, work)
         if "order" in parts:
             result["order"] = part_order(args)
-        if parts & {"loader", "training"}:
-            data = small_dataset(work)
+        if parts & {"loader", "training", "checkpoint", "litdata"}:
+            data = small_dataset(work) if parts & {"loader", "training", "litdata"} else None
             with s3_server():
-                url = upload(data, "small")
+                url = upload(data, "small") if data is not None else ""
                 if "loader" in parts:
                     result["loader"] = part_loader(args, work, data, url)
                 if "training" in parts and args.train_steps:
                     result["training"] = part_training(args, work, data, url)
+                if "litdata" in parts:
+                    result["litdata"] = part_litdata(args, work, data)
+                if "checkpoint" in parts:
+                    result["checkpoint"] = part_checkpoint(args, work)
     show(result)
     print(json.dumps(result))
     if args.json:
@@ -338,6 +498,27 @@ def show(result: dict) -> None:
         print("| data | time_data_s | step_time_s | downloads per node |\n|---|---:|---:|---|")
         for k, v in result["training"].items():
             print(f"| {k} | {v['time_data_s']:.4f} | {v['step_time_s']:.3f} | {v['downloads_per_node'] or '-'} |")
+    if "litdata" in result:
+        li = result["litdata"]
+        if "skipped" in li:
+            print(f"litdata: skipped: {li['skipped']}")
+        else:
+            print(f"litdata {li['version']} StreamingDataset ({li['samples']} windows of 257 tokens), medians:")
+            print("| source | samples/s |\n|---|---:|")
+            ours = result.get("loader", {}).get("samples_per_s", {})
+            for k in ("s3, cold cache", "s3, warm cache"):
+                if k in ours:
+                    print(f"| this package, {k} | {ours[k]:,.0f} |")
+            for k, v in li["samples_per_s"].items():
+                print(f"| {k} | {v:,.0f} |")
+            print(f"bytes in litdata's cache after the cold read: {li['bytes_in_cache']:,.0f}")
+    if "checkpoint" in result:
+        c = result["checkpoint"]
+        print(f"checkpoint ({c['bytes'] / 1e6:,.0f} MB, one process), medians:")
+        print("| | s | MB/s |\n|---|---:|---:|")
+        for k, v in c["seconds"].items():
+            print(f"| {k} | {v:.2f} | {c['mb_per_s'][k]:,.0f} |")
+        print(f"trainer vs raw: save {c['save_vs_raw']:.2f}x, restore {c['restore_vs_raw']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/pip install --quiet --disable-pip-version-check -r envs/requirements-cpu.txt -e .
+# bench/data.py's litdata comparison (its smoke test runs it): without the dependencies litdata does not need.
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps -r envs/requirements-bench.txt
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Two workers (pytest-xdist): the Slurm tests on one, every other test module on either (tests/conftest.py, WorkUnits).

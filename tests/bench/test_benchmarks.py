@@ -372,11 +372,11 @@ def test_recovery_local(tmp_path):
 
 def test_data(tmp_path):
     """bench/data.py at a toy size: every part but training (tests/s3/test_stream.py trains from S3), its own S3
-    server."""
+    server, litdata included."""
     result, stdout = run_bench(
         "data",
         ["--prepare-mb", "2", "--rounds", "1", "--loader-samples", "200", "--order-max", "1e6", "--train-steps", "0",
-         "--max-workers", "2"],
+         "--max-workers", "2", "--ckpt-mb", "2"],
         tmp_path,
         timeout=600,
     )  # fmt: skip
@@ -389,4 +389,10 @@ def test_data(tmp_path):
     order = result["order"]
     assert order["windowed"]["1000000"]["peak_bytes"] < order["permutation"]["1000000"]["peak_bytes"]
     assert "training" not in result
+    ckpt = result["checkpoint"]
+    assert ckpt["bytes"] > 2e6 and all(map(positive, ckpt["seconds"].values())) and positive(ckpt["save_vs_raw"])
+    lit = result["litdata"]  # tests/run.sh installs envs/requirements-bench.txt
+    assert "skipped" not in lit, lit
+    assert set(lit["samples_per_s"]) == {"litdata, cold cache", "litdata, warm cache"} and lit["bytes_in_cache"] > 0
     assert "| encode_batch, one core |" in stdout and "| s3, warm cache |" in stdout and "| 1e+06 |" in stdout
+    assert "| save, trainer |" in stdout and "| litdata, cold cache |" in stdout

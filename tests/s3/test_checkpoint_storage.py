@@ -56,12 +56,15 @@ def test_checkpoints_in_a_bucket_resume_bitwise_without_the_run_directorys(tmp_p
     assert len(final) == 2 and all(final.values()) and "step_00000016" in final, final
 
 
-def test_a_corrupt_object_in_the_bucket_falls_back_to_an_older_generation(tmp_path, s3, small_dataset):
+def test_a_corrupt_object_in_the_bucket_falls_back_and_the_older_generation_reshards(tmp_path, s3, small_dataset):
+    """Saved in the background (checkpoint.async_save) by 4 ranks; the newest generation in the bucket damaged and
+    the run directory's copies gone: the resume on 2 ranks skips it, downloads the one before and reshards it."""
     run_dir, url = tmp_path / "run", f"s3://{BUCKET}/{UNIQUE}/b"
     args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage={url}", "train.steps=8",
-            "checkpoint.keep_last=3"]  # fmt: skip
+            "checkpoint.keep_last=3", "checkpoint.async_save=true"]  # fmt: skip
     done = run(run_dir, args)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert remote(s3, f"{UNIQUE}/b") == {"step_00000004": True, "step_00000008": True}
     fs = s3.fs()
     newest = f"{BUCKET}/{UNIQUE}/b/step_00000008"
     victim = next(f for f in fs.find(newest) if f.endswith(".distcp"))
@@ -69,11 +72,13 @@ def test_a_corrupt_object_in_the_bucket_falls_back_to_an_older_generation(tmp_pa
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(victim, bytes(data))
     shutil.rmtree(run_dir / "checkpoints")
-    again = run(run_dir, ["train.steps=10"], resume=True)
+    again = run(run_dir, ["train.steps=10", "job.nodes=1"], resume=True)
     assert again.returncode == 0, again.stdout + again.stderr
     log = (run_dir / "logs" / "rank_00000.log").read_text()
     assert f"skipping checkpoint s3://{BUCKET}/{UNIQUE}/b/step_00000008:" in log and "(corrupt)" in log, log
     assert "checkpoint step_00000004 downloaded" in log, log
+    assert "resumed from step_00000004 (step 4, saved by 4 ranks)" in log, log
+    assert history(run_dir)[-2]["world_size"] == 2 and summary(run_dir)["final_step"] == 10
     assert fs.exists(f"{newest}/manifest.json")  # nothing was deleted from the bucket
 
 

@@ -213,8 +213,10 @@ class Checkpointer:
         directory has no checkpoint yet. Collective."""
         self.reader.skipped = []
         if self.remote is not None:
-            self.remote.fetch_newest(self.reader.warn)
+            # Each rank hashed its share of a downloaded generation as it arrived (the reader's shares, again).
+            self.reader.downloaded = self.remote.fetch_newest(self.reader.warn)
         restored = self.reader.restore(state)
+        self.reader.downloaded = None
         if restored:
             self.last_commit_time = time.monotonic()
         return restored

@@ -109,6 +109,11 @@ class TokenShards:
         """Windows per shard, in index order: the blocks the windowed order shuffles (trainer/data/order.py)."""
         return np.diff(self.starts).tolist()
 
+    @property
+    def streams(self) -> bool:
+        """Whether shards come through the node cache (the loader then says which it will need)."""
+        return self.cache is not None
+
     def will_need(self, shards: list[int]) -> None:
         """The shards the next stretch of training reads (trainer/data/order.py, ``blocks_ahead``): fetched ahead
         into the node cache; open shards outside them are closed, so that their copies can be evicted."""

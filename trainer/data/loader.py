@@ -106,7 +106,8 @@ class BatchLoader:
         self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="prefetch") if prefetch else None
         self._pending: deque[Future] = deque()
         self._next_key = (0, 0)  # (stream position of the step, micro-batch) of the next batch to fetch
-        self._will_need = getattr(dataset, "will_need", None)  # a streaming dataset: told the shards ahead
+        # A streaming dataset is told the shards ahead; one read in place (no cache) is not, nor pays for the hint.
+        self._will_need = getattr(dataset, "will_need", None) if getattr(dataset, "streams", False) else None
         self._hinted: list[int] | None = None
 
     def ids(self, position: int, micro: int) -> np.ndarray:

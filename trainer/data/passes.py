@@ -17,10 +17,10 @@ work folder must then be on a file system every task sees.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import multiprocessing
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -198,28 +198,13 @@ def _tokenize_part(plan: Plan, work: Path, p: int, delay_s: float = 0.0) -> int:
     start, end = plan.parts[p]
     out = {s: open(work / "parts" / f".{p:05d}.{s}.bin.tmp", "wb") for s in SPLITS}  # noqa: SIM115
     counts = dict.fromkeys(SPLITS, 0)
-    digests, nbytes = [], 0
-    batch: list[tuple[str, bytes]] = []
-    batch_bytes = 0
-
-    def flush() -> None:
-        nonlocal batch_bytes
-        for (split, _), tokens in zip(batch, _tokens([d for _, d in batch], plan), strict=True):
+    digests: list[tuple[str, str]] = []
+    nbytes = 0
+    for batch in _read_ahead(_batches(plan, start, end, digests)):
+        for (split, data), tokens in zip(batch, _tokens([d for _, d in batch], plan), strict=True):
             out[split].write(tokens.tobytes())
             counts[split] += len(tokens)
-        batch.clear()
-        batch_bytes = 0
-
-    for i in range(start, end):
-        rel, path = plan.files[i]
-        data = Path(path).read_bytes()
-        digests.append((rel, hashlib.sha256(data).hexdigest()))
-        nbytes += len(data)
-        batch.append(("val" if plan.val[i] else "train", data))
-        batch_bytes += len(data)
-        if len(batch) >= ENCODE_BATCH_FILES or batch_bytes >= ENCODE_BATCH_BYTES:
-            flush()
-    flush()
+            nbytes += len(data)
     for split, f in out.items():
         f.flush()
         os.fsync(f.fileno())
@@ -228,6 +213,47 @@ def _tokenize_part(plan: Plan, work: Path, p: int, delay_s: float = 0.0) -> int:
     record = {"part": p, "tokens": counts, "bytes": nbytes, "digests": digests}
     _write_atomic(work / "parts" / f"{p:05d}.json", json.dumps(record).encode())
     return p
+
+
+def _batches(plan: Plan, start: int, end: int, digests: list) -> Iterable[list[tuple[str, bytes]]]:
+    """Files [start, end) read and hashed (into ``digests``), in batches of ENCODE_BATCH_FILES / _BYTES."""
+    batch: list[tuple[str, bytes]] = []
+    batch_bytes = 0
+    for i in range(start, end):
+        rel, path = plan.files[i]
+        with open(path, "rb") as f:
+            data = f.read()
+        digests.append((rel, hashlib.sha256(data).hexdigest()))
+        batch.append(("val" if plan.val[i] else "train", data))
+        batch_bytes += len(data)
+        if len(batch) >= ENCODE_BATCH_FILES or batch_bytes >= ENCODE_BATCH_BYTES:
+            yield batch
+            batch, batch_bytes = [], 0
+    if batch:
+        yield batch
+
+
+def _read_ahead(batches: Iterable[list]) -> Iterable[list]:
+    """The next batch read (a thread) while the current one is encoded: the tokenizer releases the GIL, and on a
+    parallel file system the reads are mostly waits. An error reading is raised here, in order."""
+    ahead: queue.Queue = queue.Queue(maxsize=1)
+    done = object()
+
+    def reader() -> None:
+        try:
+            for batch in batches:
+                ahead.put(batch)
+            ahead.put(done)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the consumer)
+            ahead.put(exc)
+
+    thread = threading.Thread(target=reader, name="prepare-read", daemon=True)
+    thread.start()
+    while (item := ahead.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    thread.join()
 
 
 def _tokens(documents: list[bytes], plan: Plan) -> list[np.ndarray]:
@@ -243,11 +269,7 @@ def _tokens(documents: list[bytes], plan: Plan) -> list[np.ndarray]:
     encoder = _encoder(plan.tokenizer)
     texts = [data.decode("utf-8", errors="replace") for data in documents]
     encode = getattr(encoder, "encode_batch_fast", None) or encoder.encode_batch
-    out = []
-    for e in encode(texts, add_special_tokens=False):
-        ids = e.ids
-        out.append(np.fromiter(itertools.chain(ids, (plan.eos,)), dtype=plan.dtype, count=len(ids) + 1))
-    return out
+    return [np.array(e.ids + [plan.eos], dtype=plan.dtype) for e in encode(texts, add_special_tokens=False)]
 
 
 def _write_shard(plan: Plan, work: Path, records: list[dict], split: str, k: int, n: int) -> None:
