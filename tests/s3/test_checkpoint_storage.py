@@ -14,9 +14,8 @@ import uuid
 import pytest
 
 from runconfig.checkpoints import generations
-from runconfig.contract import EXIT_STOPPED
 from tests.conftest import history, rank_pids, summary, wait_for_step
-from tests.mp.test_checkpoint import run, start
+from tests.mp.test_checkpoint import run, start, stopped_by_a_signal
 from tests.s3.conftest import BUCKET, sets
 
 pytestmark = pytest.mark.mp
@@ -36,12 +35,7 @@ def remote(s3, prefix: str) -> dict[str, bool]:
 def test_checkpoints_in_a_bucket_resume_bitwise_without_the_run_directorys(tmp_path, s3, small_dataset, disk_reference):
     run_dir, url = tmp_path / "run", f"s3://{BUCKET}/{UNIQUE}/a"
     args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage={url}", "checkpoint.keep_last=2"]
-    proc = start(run_dir, args)
-    wait_for_step(run_dir, 9, proc)
-    os.kill(rank_pids(run_dir)[0], signal.SIGUSR2)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED, out + err
-    stopped = history(run_dir)[-1]["step"]
+    stopped = stopped_by_a_signal(run_dir, args, at_step=9, rank=0)
     there = remote(s3, f"{UNIQUE}/a")
     saved = sorted({s for s in range(4, stopped + 1, 4)} | {stopped})
     assert there == {f"step_{s:08d}": True for s in saved[-2:]}, there  # keep_last=2, each committed

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.contract import EXIT_STOPPED
 from tests.conftest import history, rank_pids, summary, wait_for_step
-from tests.mp.test_checkpoint import run, start
+from tests.mp.test_checkpoint import run, start, stopped_by_a_signal
 from tests.s3.conftest import sets
 
 pytestmark = pytest.mark.mp
@@ -47,12 +46,7 @@ def test_training_from_s3_matches_disk_with_one_download_per_shard_per_node(tmp_
 def test_a_stop_and_a_sigkill_from_s3_resume_bitwise(tmp_path, s3_small, disk_reference):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     args = sets(s3_small, cache)
-    proc = start(run_dir, args)
-    wait_for_step(run_dir, 5, proc)
-    os.kill(rank_pids(run_dir)[1], signal.SIGUSR2)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED, out + err
-    stopped = history(run_dir)[-1]["step"]
+    stopped = stopped_by_a_signal(run_dir, args, at_step=5, rank=1)
     # resumed: a SIGKILL of one rank mid-run is restarted in the job from the newest checkpoint
     proc = start(run_dir, ["job.max_failures=2"], resume=True)
     wait_for_step(run_dir, stopped + 6, proc)
