@@ -22,6 +22,8 @@ HELP = {
     "logs": "print or follow a rank's log (or every rank's)",
     "sweep": "submit a grid of configs as one job array",
     "report": "plots and report.md: loss, speed, step time, goodput",
+    "runs": "the runs under some folders, a row each: state, loss, speed, goodput",
+    "compare": "runs side by side: their rows, the config keys that differ, the loss curves in one PNG",
     "sbatch-args": "the job section as options for sbatch/*.sbatch",
     "selftest": "does the stop signal reach every rank in time?",
 }
@@ -56,6 +58,15 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--run-dir", type=Path, help="sweep directory (default runs/sweep-NAME-YYYYmmdd-HHMMSS)")
     add_set_option(sp)
     sp.add_argument("--local", action="store_true", help="run the elements one after the other on this machine")
+    sp = verb("runs", description="The runs under some folders (default runs/), one row each (hpc/runs.py)")
+    sp.add_argument("folders", nargs="*", help="run directories, or folders holding them (a runs folder, a sweep)")
+    sp.add_argument("--sort", help="a column to sort by, ascending (e.g. --sort eval_loss; --sort=-goodput descends)")
+    sp.add_argument("--desc", action="store_true", help="sort descending")
+    sp.add_argument("--filter", action="append", default=[], help="KEY<OP>VALUE, e.g. 'state=completed', 'loss<2.5'")
+    sp.add_argument("--json", action="store_true", help="print the rows as JSON")
+    sp = verb("compare")
+    sp.add_argument("run_dirs", nargs="+", help="two or more run directories")
+    sp.add_argument("--out", help="the PNG of the loss curves (default compare.png)")
     sp = verb("report", description="PNG plots and report.md with goodput, restarts and stragglers")
     sp.add_argument("run_dir")
     sp.add_argument("--out", help="output folder (default RUN_DIR/report/)")
@@ -92,6 +103,15 @@ def run_verb(args: argparse.Namespace) -> int:
     if args.verb == "sbatch-args":
         print(" ".join(verbs.sbatch_args(args.config, args.overrides)))
         return 0
+    if args.verb == "runs":
+        from hpc.runs import main as runs_main
+
+        sort = f"-{args.sort.lstrip('-')}" if args.sort and args.desc else args.sort
+        return runs_main(args.folders, sort=sort, filters=args.filter, as_json=args.json)
+    if args.verb == "compare":
+        from hpc.compare import main as compare_main
+
+        return compare_main(args.run_dirs, out=args.out)
     if args.verb == "report":
         from hpc.report import main as report_main
 

@@ -26,7 +26,7 @@ from hpc.mpi import LauncherError, MpiLauncher, find_launcher
 from hpc.options import add_set_option
 from hpc.restarts import until_settled
 from hpc.slurm import sbatch_script
-from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, load_config
+from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, load_config, record
 from runconfig import code as codesnap
 from runconfig.badnodes import bad_nodes
 from runconfig.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
@@ -154,13 +154,14 @@ def check_resumed_code(rundir: RunDir, recipe: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
         planned = plan(args)
         if args.dry_run:
             dry_run(planned)
             return 0
-        rundir = write_run_dir(planned, args)
+        rundir = write_run_dir(planned, args, argv)
     except (ConfigError, SubmitError, LauncherError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -212,11 +213,11 @@ def dry_run(planned: Planned) -> None:
         print(f"# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
 
 
-def write_run_dir(planned: Planned, args: argparse.Namespace) -> RunDir:
-    """The run directory with its code snapshot and resolved config; a new one is removed again when it cannot be
-    completed."""
+def write_run_dir(planned: Planned, args: argparse.Namespace, argv: list[str]) -> RunDir:
+    """The run directory with its code snapshot, resolved config and the record of this submission
+    (runconfig/record.py); a new one is removed again when it cannot be completed."""
     cfg, run_path = planned.cfg, planned.run_path
-    created = None
+    created = snap = None
     try:
         if planned.resume:
             rundir = RunDir(run_path)
@@ -227,11 +228,13 @@ def write_run_dir(planned: Planned, args: argparse.Namespace) -> RunDir:
         if problem:
             raise SubmitError(problem + "; nothing was changed.")
         if planned.resume and args.refresh_code:
-            refresh_code(rundir, cfg.recipe)
+            snap = refresh_code(rundir, cfg.recipe)
         elif not planned.resume:
-            snapshot_new_run(rundir, cfg.recipe, planned.search)
+            snap = snapshot_new_run(rundir, cfg.recipe, planned.search)
             created = None  # the run directory is complete once its config is written below
         rundir.config.write_text(dump_yaml(cfg))
+        record.write_submission(rundir.record, record.command_line("hpc.submit", argv), resumed=planned.resume,
+                                project_source=snap.source if snap else None)  # fmt: skip
     except (ConfigError, SubmitError, LauncherError):
         if created is not None:  # a new run directory left without its code snapshot: remove what was made
             shutil.rmtree(created, ignore_errors=True)

@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import yaml
 from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, from_dict, yamlread
 from runconfig.contract import append_jsonl
 from runconfig.load import load_raw, set_key
+from runconfig.record import command_line, write_submission
 
 SLUG_RE = re.compile(r"[^A-Za-z0-9._=-]+")
 
@@ -87,6 +89,7 @@ def create(sweep_dir: Path, elements: list[tuple[dict, RunConfig]]) -> list[RunD
         rundir = RunDir(sweep_dir / element_name(i, point))
         rundir.create()
         rundir.config.write_text(dump_yaml(cfg))
+        write_submission(rundir.record, command_line("hpc", sys.argv[1:]), resumed=False, project_source=None)
         dirs.append(rundir)
     return dirs
 

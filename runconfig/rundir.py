@@ -79,6 +79,11 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
+    @property
+    def record(self) -> Path:
+        """What each submission was and what each launch ran on (runconfig/record.py)."""
+        return self.root / "record"
+
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank:05d}.log"
 

@@ -34,6 +34,7 @@ from trainer.loop.train import train
 from trainer.observe.memory import state_bytes
 from trainer.observe.metrics import truncate_metrics
 from trainer.observe.preflight import run_preflight
+from trainer.observe.record import gather_launch_record, write_launch_record
 from trainer.observe.startup import StartupClock
 from trainer.observe.stragglers import NodeEvicted
 from trainer.observe.timing import peak_memory_mb
@@ -55,8 +56,13 @@ def start(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, clock: StartupClo
     _release_startup_groups(p)
     clock.note_memory("startup", peak_memory_mb(b.d.device))  # the throw-away step and the restore included
     memory = largest(comm, clock.memory_mb, float)
+    launch_record = gather_launch_record(b.env, b.d.device, comm)  # rank 0's, None on the others
     if b.env.rank == 0:
         _record_start(p, b, rundir, clock, resumed, memory)
+        try:
+            write_launch_record(rundir, launch_record, p.state.step)
+        except OSError as exc:  # the record is for people; training goes on without it
+            log.warning("could not write the launch record into %s: %s", rundir.record, exc)
     log.info(
         "recipe %s: %s with %d parameters; train %d samples, eval %s",
         b.cfg.recipe,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -156,14 +158,32 @@ def test_prefetch_hides_a_dataset_slower_than_a_step(tmp_path):
     assert summary(tmp_path / "prefetch0")["params_sha256"] == summary(tmp_path / "prefetch4")["params_sha256"]
 
 
-def test_a_resumed_launch_runs_the_submitted_code(tmp_path):
-    """Editing the project after submit changes nothing for the run; --refresh-code takes the edit on purpose."""
+def test_a_resumed_launch_runs_the_submitted_code(tmp_path, monkeypatch):
+    """Editing the project after submit changes nothing for the run; --refresh-code takes the edit on purpose. The
+    record (RUN_DIR/record/) holds each submission with the project's commit and, once edited, its diff, and each
+    launch's software, nodes and behaviour variables, a credential among them left out."""
     config = make_project(tmp_path, "recipes:recipe", train={"steps": 4})
+    project = tmp_path / "proj"
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "toy"]):
+        subprocess.run(["git", "-C", str(project), "-c", "user.email=t@example.org", "-c", "user.name=t", *args],
+                       check=True, capture_output=True)  # fmt: skip
+    head = subprocess.run(["git", "-C", str(project), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.setenv("HPC_TEST_TOKEN", "not-to-be-recorded")
     run_dir = tmp_path / "run"
     first = submit(config, run_dir)
     assert first.returncode == 0, first.stdout + first.stderr
     taken = summary(run_dir)["code_sha256"]
     assert taken and len(taken) == 64 and "code snapshot: toyproj" in first.stdout
+    submitted = json.loads((run_dir / "record" / "submit-000.json").read_text())
+    assert submitted["project"]["commit"] == head.strip() and not submitted["project"]["dirty"], submitted
+    assert f"hpc.submit {config} --local --run-dir {run_dir}" in submitted["command"]
+    launch = json.loads((run_dir / "record" / "launch-000.json").read_text())
+    assert launch["software"]["torch"] == metadata.version("torch") and launch["software"]["mpi"].startswith("MPICH")
+    assert [n["ranks"] for n in launch["nodes"].values()] == [[0, 1]] and launch["nodes"]["node0"]["cpu"]
+    assert f"torch=={metadata.version('torch')}" in launch["packages"]
+    assert launch["environment"]["NCCL_DEBUG"] == "WARN" and "HPC_TEST_TOKEN" not in json.dumps(launch)
+    assert "not-to-be-recorded" not in "".join(p.read_text() for p in (run_dir / "record").iterdir())
     edited = tmp_path / "proj" / "toyproj" / "recipes.py"
     edited.write_text(edited.read_text() + "\nraise RuntimeError('edited after submit')\n")
 
@@ -175,6 +195,10 @@ def test_a_resumed_launch_runs_the_submitted_code(tmp_path):
     refreshed = submit(run_dir, None, "train.steps=8", "--refresh-code", resume=True)
     assert refreshed.returncode == EXIT_USER_ERROR, refreshed.stdout + refreshed.stderr
     assert "RuntimeError: edited after submit" in refreshed.stderr
+    assert json.loads((run_dir / "record" / "submit-001.json").read_text())["project"] is None  # snapshot kept
+    assert json.loads((run_dir / "record" / "submit-002.json").read_text())["project"]["dirty"]
+    assert "+raise RuntimeError('edited after submit')" in (run_dir / "record" / "submit-002.diff").read_text()
+    assert sorted(p.name for p in (run_dir / "record").glob("launch-*.json")) == ["launch-000.json", "launch-001.json"]
 
 
 def test_length_buckets_cut_the_padding_of_a_variable_length_recipe(tmp_path):
@@ -188,6 +212,19 @@ def test_length_buckets_cut_the_padding_of_a_variable_length_recipe(tmp_path):
         runs[name] = [r["pad_fraction"] for r in records(tmp_path / name)]
     plain, buckets = (sum(v) / len(v) for v in (runs["plain"], runs["buckets"]))
     assert plain > 0.4 and buckets < plain / 2, (plain, buckets)
+    listed = run_cli(["-m", "hpc", "runs", str(tmp_path), "--json", "--sort", "name", "--filter", "state=completed"])
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    rows = json.loads(listed.stdout)  # the runs of this test, not the project's folders or a code snapshot
+    assert [(r["name"], r["step"], r["restarts"]) for r in rows] == [("buckets", 12, 0), ("plain", 12, 0)], rows
+    assert all(0 < r["goodput"] <= 1 and r["tokens_per_s"] > 0 and r["loss"] == records(tmp_path / r["name"])[-1][
+        "loss"] for r in rows)  # fmt: skip
+    png = tmp_path / "compare.png"
+    compared = run_cli(["-m", "hpc", "compare", str(tmp_path / "plain"), str(tmp_path / "buckets"), "--out", str(png)])
+    assert compared.returncode == 0, compared.stdout + compared.stderr
+    assert "| data.bucket_by_length | false | true |" in compared.stdout and "| data.bucket_window |" in compared.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = run_cli(["-m", "hpc", "runs", str(tmp_path), "--sort", "mfu"])
+    assert bad.returncode == EXIT_USER_ERROR and "--sort 'mfu': sort by one of" in bad.stderr
     print(f"pad_fraction: {plain:.3f} plain, {buckets:.3f} with length buckets")
     order = json.loads((tmp_path / "buckets" / "checkpoints" / read_latest(tmp_path / "buckets" / "checkpoints")
                         / "train_state.json").read_text())["data_order"]  # fmt: skip

@@ -1,0 +1,115 @@
+"""What a launch ran on, for RUN_DIR/record/launch-ID.json (runconfig/record.py): the software (Python, torch,
+CUDA, NCCL, the MPI library, every installed distribution), each node with its ranks, CPU, memory and GPUs, the
+Slurm allocation and the environment variables that change behaviour (credentials left out)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from runconfig.record import next_number, recorded_environment, write_json
+from runconfig.rundir import RunDir
+
+SLURM_ALLOCATION = (
+    "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_JOB_ACCOUNT", "SLURM_JOB_QOS",
+    "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE", "SLURM_CPUS_PER_TASK",
+    "SLURM_GPUS_PER_NODE", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_CLUSTER_NAME",
+)  # fmt: skip
+
+
+def _first(path: str, key: str) -> str | None:
+    try:
+        for line in Path(path).read_text(errors="replace").splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def host_facts(device: torch.device) -> dict:
+    """This rank's view of its host: CPU model, cores it may use, memory, and its GPU with the driver."""
+    facts = {
+        "host": platform.node(),
+        "cpu": _first("/proc/cpuinfo", "model name") or platform.processor() or None,
+        "cpus_per_rank": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_kb": int((_first("/proc/meminfo", "MemTotal") or "0 kB").split()[0]),
+        "kernel": platform.release(),
+        "gpu": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        driver = (_first("/proc/driver/nvidia/version", "NVRM version") or "").split("  ")[-1].strip() or None
+        facts["gpu"] = {"name": props.name, "memory_mb": props.total_memory >> 20,
+                        "capability": f"{props.major}.{props.minor}", "driver": driver}  # fmt: skip
+    return facts
+
+
+def software() -> dict:
+    nccl = None
+    if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except (RuntimeError, AttributeError):
+            nccl = None
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "nccl": nccl,
+        "mpi": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_standard": ".".join(map(str, MPI.Get_version())),
+    }
+
+
+def packages() -> list[str]:
+    """``pip freeze``'s content, read from the installed distributions' metadata (no subprocess)."""
+    seen = {}
+    for dist in metadata.distributions():
+        name = dist.metadata.get("Name")
+        if name:
+            seen.setdefault(name.lower(), f"{name}=={dist.version}")
+    return sorted(seen.values(), key=str.lower)
+
+
+def gather_launch_record(env, device: torch.device, comm: MPI.Comm) -> dict | None:
+    """Every rank's host facts, on rank 0 (None elsewhere) with the rest of the launch's record. Collective."""
+    facts = comm.gather({"rank": env.rank, "node": env.node_names[env.rank], **host_facts(device)}, root=0)
+    if env.rank != 0:
+        return None
+    nodes: dict[str, dict] = {}
+    for f in facts:
+        rank, node = f.pop("rank"), f.pop("node")
+        gpu = f.pop("gpu")
+        entry = nodes.setdefault(node, {**f, "ranks": [], "gpus": []})
+        entry["ranks"].append(rank)
+        if gpu is not None:
+            entry["gpus"].append({"rank": rank, **gpu})
+    environ = recorded_environment(os.environ)
+    return {
+        "time": time.time(),
+        "launch": env.launch_id,
+        "world_size": env.world_size,
+        "software": software(),
+        "packages": packages(),
+        "nodes": nodes,
+        "slurm": {k: os.environ[k] for k in SLURM_ALLOCATION if k in os.environ},
+        "environment": environ,
+        "argv": sys.argv,
+    }
+
+
+def write_launch_record(rundir: RunDir, record: dict, step: int) -> Path:
+    """Rank 0: record/launch-NNN.json, numbered in launch order (the launcher's id is inside)."""
+    number = next_number(rundir.record, "launch")
+    path = rundir.record / f"launch-{number:03d}.json"
+    write_json(path, {**record, "step": step})
+    return path
