@@ -462,21 +462,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def table(header: list[str], rows: list[list[str]]) -> None:
+    """A markdown table: the first column left-aligned, the others right-aligned."""
+    print("| " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * (len(header) - 1))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
 def show(result: dict) -> None:
     if "prepare" in result:
         p = result["prepare"]
+        base = p["encode_batch_tokens_per_s"]
         print(f"prepare ({p['source_mb']:g} MB of stdlib, BPE tokenizer, {p['tokens']:,} tokens), median tokens/s:")
-        print("| | tokens/s | ratio |\n|---|---:|---:|")
-        print(f"| encode_batch, one core | {p['encode_batch_tokens_per_s']:,.0f} | 1.00 |")
-        for w, rate in p["prepare_tokens_per_s"].items():
-            print(f"| prepare, {w} worker(s) | {rate:,.0f} | {rate / p['encode_batch_tokens_per_s']:.2f} |")
+        table(["", "tokens/s", "ratio"], [["encode_batch, one core", f"{base:,.0f}", "1.00"]] + [
+            [f"prepare, {w} worker(s)", f"{rate:,.0f}", f"{rate / base:.2f}"]
+            for w, rate in p["prepare_tokens_per_s"].items()])  # fmt: skip
         print(f"shards identical for every worker count: {p['identical_shards']}")
     if "loader" in result:
         lo = result["loader"]
         print(f"loader ({lo['samples']} windows of 257 tokens, windowed order, 4 fetch threads), median samples/s:")
-        print("| source | samples/s |\n|---|---:|")
-        for k, v in lo["samples_per_s"].items():
-            print(f"| {k} | {v:,.0f} |")
+        table(["source", "samples/s"], [[k, f"{v:,.0f}"] for k, v in lo["samples_per_s"].items()])
         print(
             f"bytes fetched per node: {lo['bytes_fetched_per_node']:,.0f} of a {lo['train_bytes']:,} B train split "
             f"({lo['fetched_vs_dataset']:.2f}x; the read covered {lo['epoch_share_read']:.2f} of an epoch)"
@@ -484,40 +490,35 @@ def show(result: dict) -> None:
     if "order" in result:
         o = result["order"]
         print("order (shards of 4,096 samples; the permutation modelled where marked):")
-        print("| samples | windowed MB | windowed epoch s | step take ms | permutation MB | permutation epoch s |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        rows = []
         for n, w in o["windowed"].items():
             perm = o["permutation"][n]
             mark = " (model)" if perm["modelled"] else ""
-            print(
-                f"| {int(n):.0e} | {w['peak_bytes'] / 1e6:.2f} | {w['epoch_s']:.3f} | {w['step_take_s'] * 1e3:.2f} "
-                f"| {perm['peak_bytes'] / 1e6:,.0f}{mark} | {perm['epoch_s']:.2f}{mark} |"
-            )
+            rows.append([f"{int(n):.0e}", f"{w['peak_bytes'] / 1e6:.2f}", f"{w['epoch_s']:.3f}",
+                         f"{w['step_take_s'] * 1e3:.2f}", f"{perm['peak_bytes'] / 1e6:,.0f}{mark}",
+                         f"{perm['epoch_s']:.2f}{mark}"])  # fmt: skip
+        table(["samples", "windowed MB", "windowed epoch s", "step take ms", "permutation MB", "permutation epoch s"],
+              rows)  # fmt: skip
     if "training" in result:
         print("training (tiny, 2 x 2 ranks), medians:")
-        print("| data | time_data_s | step_time_s | downloads per node |\n|---|---:|---:|---|")
-        for k, v in result["training"].items():
-            print(f"| {k} | {v['time_data_s']:.4f} | {v['step_time_s']:.3f} | {v['downloads_per_node'] or '-'} |")
+        table(["data", "time_data_s", "step_time_s", "downloads per node"], [
+            [k, f"{v['time_data_s']:.4f}", f"{v['step_time_s']:.3f}", str(v["downloads_per_node"] or "-")]
+            for k, v in result["training"].items()])  # fmt: skip
     if "litdata" in result:
         li = result["litdata"]
         if "skipped" in li:
             print(f"litdata: skipped: {li['skipped']}")
         else:
             print(f"litdata {li['version']} StreamingDataset ({li['samples']} windows of 257 tokens), medians:")
-            print("| source | samples/s |\n|---|---:|")
             ours = result.get("loader", {}).get("samples_per_s", {})
-            for k in ("s3, cold cache", "s3, warm cache"):
-                if k in ours:
-                    print(f"| this package, {k} | {ours[k]:,.0f} |")
-            for k, v in li["samples_per_s"].items():
-                print(f"| {k} | {v:,.0f} |")
+            rows = [[f"this package, {k}", f"{ours[k]:,.0f}"] for k in ("s3, cold cache", "s3, warm cache")
+                    if k in ours]  # fmt: skip
+            table(["source", "samples/s"], rows + [[k, f"{v:,.0f}"] for k, v in li["samples_per_s"].items()])
             print(f"bytes in litdata's cache after the cold read: {li['bytes_in_cache']:,.0f}")
     if "checkpoint" in result:
         c = result["checkpoint"]
         print(f"checkpoint ({c['bytes'] / 1e6:,.0f} MB, one process), medians:")
-        print("| | s | MB/s |\n|---|---:|---:|")
-        for k, v in c["seconds"].items():
-            print(f"| {k} | {v:.2f} | {c['mb_per_s'][k]:,.0f} |")
+        table(["", "s", "MB/s"], [[k, f"{v:.2f}", f"{c['mb_per_s'][k]:,.0f}"] for k, v in c["seconds"].items()])
         print(f"trainer vs raw: save {c['save_vs_raw']:.2f}x, restore {c['restore_vs_raw']:.2f}x")
 
 
