@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 import time
 from importlib import metadata
@@ -46,7 +47,9 @@ def host_facts(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        driver = (_first("/proc/driver/nvidia/version", "NVRM version") or "").split("  ")[-1].strip() or None
+        # "NVRM version: NVIDIA UNIX [Open] Kernel Module [for x86_64]  550.54.15  Release Build ...": the version
+        found = re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", _first("/proc/driver/nvidia/version", "NVRM version") or "")
+        driver = found.group(1) if found else None
         facts["gpu"] = {"name": props.name, "memory_mb": props.total_memory >> 20,
                         "capability": f"{props.major}.{props.minor}", "driver": driver}  # fmt: skip
     return facts
