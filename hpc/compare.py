@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from hpc.plots import DPI, _finish, _series
-from hpc.runlog import analyze
+from hpc.runlog import RunLog, analyze
 from hpc.runs import RunsError, row, table
 from runconfig import RunDir
 
@@ -48,14 +48,13 @@ def labels(rundirs: list[RunDir]) -> list[str]:
     return [f"{d.root.parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(rundirs, names, strict=True)]
 
 
-def plot(rundirs: list[RunDir], out: Path) -> Path:
+def plot(names: list[str], logs: list[RunLog], out: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 5), layout="constrained")
     ax = fig.subplots()
-    for i, (rundir, name) in enumerate(zip(rundirs, labels(rundirs), strict=True)):
-        log = analyze(rundir)
+    for i, (name, log) in enumerate(zip(names, logs, strict=True)):
         color = f"C{i % 10}"
         ax.plot(*_series(log.kept, "loss"), color=color, linewidth=1.2, label=f"{name} (train)")
         ev = _series(log.kept, "eval_loss")
@@ -75,14 +74,14 @@ def main(paths: list[str], *, out: str | None) -> int:
         rundirs.append(RunDir(Path(p)))
     if len(rundirs) < 2:
         raise RunsError("compare needs at least two run directories.")
-    names = labels(rundirs)
-    print(table([{**row(d), "name": n} for d, n in zip(rundirs, names, strict=True)]))
+    names, logs = labels(rundirs), [analyze(d) for d in rundirs]
+    print(table([{**row(d, log), "name": n} for d, log, n in zip(rundirs, logs, names, strict=True)]))
     diff = differences(rundirs)
     print(f"\nconfig keys that differ ({len(diff)}):" if diff else "\nthe configs are the same")
     if diff:
         print("| key | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
         for key, values in diff.items():
             print(f"| {key} | " + " | ".join(json.dumps(v, default=str) if v != MISSING else v for v in values) + " |")
-    png = plot(rundirs, Path(out or "compare.png"))
+    png = plot(names, logs, Path(out or "compare.png"))
     print(f"\nloss curves: {png}")
     return 0

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from hpc import verbs
-from hpc.runlog import analyze
+from hpc.runlog import RunLog, analyze
 from runconfig import RunDir
 
 COLUMNS = ("name", "state", "step", "steps", "loss", "eval_loss", "tokens_per_s", "goodput", "restarts", "wall_s")
@@ -45,9 +45,10 @@ def find_runs(folders: list[Path]) -> list[RunDir]:
     return out
 
 
-def row(rundir: RunDir) -> dict:
+def row(rundir: RunDir, log: RunLog | None = None) -> dict:
+    """``log``: the run's analysis where the caller has it already."""
     info = verbs.status(rundir)
-    log = analyze(rundir)
+    log = log or analyze(rundir)
     kept = [s.raw for s in log.kept]
     evals = [r["eval_loss"] for r in kept if isinstance(r.get("eval_loss"), (int, float))]
     speeds = [r["tokens_per_s"] for r in kept[1:] if isinstance(r.get("tokens_per_s"), (int, float))]

@@ -58,20 +58,21 @@ def project_repository(source: str | Path | None) -> tuple[dict | None, str]:
     if source is None:
         return None, ""
     folder = Path(source) if Path(source).is_dir() else Path(source).parent
-    root = _git(folder, "rev-parse", "--show-toplevel")
-    if root is None:
+    top = _git(folder, "rev-parse", "--show-toplevel")
+    if top is None:
         return None, ""
-    root = root.strip()
-    commit = (_git(folder, "rev-parse", "--verify", "-q", "HEAD") or "").strip() or None
-    status = _git(folder, "status", "--porcelain") or ""
-    untracked = [line[3:] for line in status.splitlines() if line.startswith("?? ")]
-    diff = (_git(folder, "diff", "HEAD", "--no-color") or "") if commit else ""
+    root = Path(top.strip())  # paths below are the root's
+    status = (_git(root, "status", "--porcelain=v2", "--branch") or "").splitlines()  # commit, branch, changes
+    head = dict(line[2:].split(" ", 1) for line in status if line.startswith("# branch.") and " " in line[2:])
+    commit = head.get("branch.oid") if head.get("branch.oid") != "(initial)" else None
+    changes = [line for line in status if not line.startswith("#")]
+    diff = (_git(root, "diff", "HEAD", "--no-color") or "") if commit else ""
     facts = {
-        "root": root,
+        "root": str(root),
         "commit": commit,
-        "branch": ((_git(folder, "rev-parse", "--abbrev-ref", "HEAD") or "").strip() or None) if commit else None,
-        "dirty": bool(status.strip()),
-        "untracked": untracked[:200],
+        "branch": head.get("branch.head") if head.get("branch.head") != "(detached)" else None,
+        "dirty": bool(changes),
+        "untracked": [line[2:] for line in changes if line.startswith("? ")][:200],
         "diff_bytes": len(diff.encode()),
     }
     if len(diff.encode()) > DIFF_LIMIT:
@@ -115,10 +116,10 @@ def write_submission(folder: Path, command: str, *, resumed: bool, project_sourc
         "project": project,
         "environment": recorded_environment(os.environ),
     }
-    path = folder / f"submit-{number:03d}.json"
-    if diff:
-        (folder / f"submit-{number:03d}.diff").parent.mkdir(mode=0o700, exist_ok=True)
+    if diff:  # before the record that announces it
+        folder.mkdir(mode=0o700, exist_ok=True)
         (folder / f"submit-{number:03d}.diff").write_text(diff)
+    path = folder / f"submit-{number:03d}.json"
     write_json(path, record)
     return path
 

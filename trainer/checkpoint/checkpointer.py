@@ -212,11 +212,8 @@ class Checkpointer:
         """Load the newest valid generation into the model, optimizer, RNGs and ``state``; False when the run
         directory has no checkpoint yet. Collective."""
         self.reader.skipped = []
-        if self.remote is not None:
-            # Each rank hashed its share of a downloaded generation as it arrived (the reader's shares, again).
-            self.reader.downloaded = self.remote.fetch_newest(self.reader.warn)
-        restored = self.reader.restore(state)
-        self.reader.downloaded = None
+        downloaded = self.remote.fetch_newest(self.reader.warn) if self.remote is not None else None
+        restored = self.reader.restore(state, downloaded)
         if restored:
             self.last_commit_time = time.monotonic()
         return restored

