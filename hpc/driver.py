@@ -165,8 +165,10 @@ class Driver:
     def __call__(self) -> dict:
         # submitit's own handlers would checkpoint and requeue from inside a handler: the ranks handle the
         # stop themselves, and a stray signal to the batch step must neither requeue nor kill the driver.
+        # The driver notes the signal: a rank it kills before the rank's handler is in place ends the launch as a
+        # stop, not as evidence against the rank's node.
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _note_stop_signal)
         # SIGTERM to the batch step: Slurm is ending the job (scancel, the time limit, a preemption that requeues
         # it itself). The ranks get it too; the driver only notes it, so that it neither restarts nor resubmits.
         signal.signal(signal.SIGTERM, _note_job_ending)
@@ -197,6 +199,7 @@ class Driver:
                 launch_nodes=launched.nodes,
                 ranks_per_node=cfg.job.ranks_per_node,
                 first_ended=launched.first_ended,
+                stop_signal=STOP_SIGNAL.is_set(),
             ),
         )
         if decision.action != "restart" and launched.ended.how == "failed":
@@ -269,6 +272,11 @@ class Driver:
 
 
 JOB_ENDING = threading.Event()
+STOP_SIGNAL = threading.Event()
+
+
+def _note_stop_signal(signum: int, frame: object) -> None:
+    STOP_SIGNAL.set()
 
 
 def _note_job_ending(signum: int, frame: object) -> None:

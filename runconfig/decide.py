@@ -59,6 +59,7 @@ class Situation:
     launch_nodes: tuple[str, ...] = ()  # the nodes the launch that ended ran on, in node order
     first_ended: int | None = None  # the rank whose process the launcher saw end first (its own evidence)
     ranks_per_node: int = 1  # of the launch that ended (maps first_ended to its node)
+    stop_signal: bool = False  # the launcher got the job's stop signal (SIGUSR1/USR2) while the ranks ran
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,10 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
     cause, user = failure_cause(ended, failure)
     if user:
         return Decision("end", EXIT_USER_ERROR, f"error: {cause}", error=True, cause=cause)
+    if not suspects_of(failure) and stopped_by_signal(ended, situation):
+        # The stop signal killed a rank before its handler was installed (interpreter start-up) or after it was
+        # restored: a stop without a checkpoint at it, not evidence against the rank's node.
+        return _after_stop(rundir, job, ended, situation, committed=False)
     if situation.ending:  # the ranks were ended with the job (scancel, time limit): no node to blame
         message = (
             f"error: the ranks failed with exit status {ended.status} while Slurm was ending the job; not restarted. "
@@ -182,24 +187,37 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
     return Decision("end", EXIT_FAILED, message, error=True, cause=cause, new_bad=new_bad, exclude=exclude)
 
 
-def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -> Decision:
+def stopped_by_signal(ended: Ended, situation: Situation) -> bool:
+    """A failed launch that a stop signal ended: the launcher got one, or the exit status is a stop signal's."""
+    status = ended.status
+    number = -status if status < 0 else status - 128 if 128 < status < 128 + 65 else 0
+    return situation.stop_signal or number in (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, committed: bool = True) -> Decision:
+    done = (
+        "with a committed checkpoint"
+        if committed
+        else "before a rank could handle it (no checkpoint at this stop: the newest valid one is resumed)"
+    )
+    head = "checkpoint committed" if committed else f"stopped by a signal {done}"
     if not situation.slurm:
         return Decision(
             "end",
             EXIT_STOPPED,
-            f"stopped by a signal with a committed checkpoint; continue with: python -m hpc resume {rundir.root}",
+            f"stopped by a signal {done}; continue with: python -m hpc resume {rundir.root}",
         )
     if not situation.last_in_chain:
-        return Decision("end", EXIT_DONE, "stopped with a committed checkpoint; the next job of the chain continues")
+        return Decision("end", EXIT_DONE, f"stopped by a signal {done}; the next job of the chain continues")
     if ended.signal == signal.SIGTERM:
         return Decision(
             "end",
             EXIT_STOPPED,
-            "stopped by SIGTERM with a committed checkpoint; not requeued (scancel ends the job; scontrol requeue "
+            f"stopped by SIGTERM {done}; not requeued (scancel ends the job; scontrol requeue "
             f"and preemption requeue it themselves). Continue a cancelled run with: python -m hpc resume {rundir.root}",
         )
     if rundir.pause_marker.exists():
-        return Decision("requeuehold", EXIT_STOPPED, "checkpoint committed; the run is paused (held until released)")
+        return Decision("requeuehold", EXIT_STOPPED, f"{head}; the run is paused (held until released)")
     limit = job.max_restarts if situation.max_requeues is None else situation.max_requeues
     if situation.requeues >= limit:
         return Decision(
@@ -214,10 +232,10 @@ def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situati
         return Decision(
             "resubmit",
             EXIT_STOPPED,
-            f"checkpoint committed; the run continues in a new job that excludes its bad node(s) {', '.join(exclude)}",
+            f"{head}; the run continues in a new job that excludes its bad node(s) {', '.join(exclude)}",
             exclude=exclude,
         )
-    return Decision("requeue", EXIT_STOPPED, "checkpoint committed")
+    return Decision("requeue", EXIT_STOPPED, head)
 
 
 def record_decision(rundir: RunDir, decision: Decision, *, failed_launch: str, status: int) -> None:
@@ -257,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-nodes", default="", help="the nodes the launch ran on, in node order")
     parser.add_argument("--ranks-per-node", type=int, default=1)
     parser.add_argument("--first-ended", type=int, default=None, help="the rank whose task ended first")
+    parser.add_argument("--stop-signal", action="store_true", help="the launcher got the job's stop signal")
     args = parser.parse_args(argv)
     rundir = RunDir(args.run_dir)
     cfg = load_config(str(rundir.config))
@@ -269,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         launch_nodes=split_nodes(args.launch_nodes),
         ranks_per_node=args.ranks_per_node,
         first_ended=args.first_ended,
+        stop_signal=args.stop_signal,
     )
     decision = decide(rundir, cfg.job, ended, situation)
     record_decision(rundir, decision, failed_launch=args.launch_id, status=args.status)

@@ -196,8 +196,10 @@ hpc_main() {
   # Files and folders the job writes are private, like the run directory (it may hold pickles and configs).
   umask 077
   # A stray USR1/USR2 to the batch shell (scancel --full, --signal=B:...) must not kill it: the ranks handle the
-  # stop themselves. A trap (not `trap ''`) so that srun and the ranks do not inherit an ignored signal.
-  trap ':' USR1 USR2
+  # stop themselves. A trap (not `trap ''`) so that srun and the ranks do not inherit an ignored signal. It notes
+  # the signal: a rank it killed before the rank's handler was in place ended the launch as a stop.
+  local hpc_stop_seen=""
+  trap 'hpc_stop_seen=1' USR1 USR2
 
   if [ -n "${HPC_SETUP:-}" ]; then
     [ -f "$HPC_SETUP" ] || hpc_die 2 "HPC_SETUP=$HPC_SETUP is not a file"
@@ -269,7 +271,7 @@ hpc_main() {
     { read -r action exit_status delay && IFS= read -r message && read -r use_next && read -r hpc_exclude; } < <(
       "$PYTHON" -m runconfig.decide "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" "${decide_args[@]}" \
         --nodes "$hpc_alloc" --launch-nodes "${hpc_use:-$hpc_alloc}" --ranks-per-node "$hpc_rpn" \
-        ${first:+--first-ended "$first"} ||
+        ${first:+--first-ended "$first"} ${hpc_stop_seen:+--stop-signal} ||
         printf 'end 1 0\nerror: deciding after the launch failed (exit status %s)\n-\n-\n' "$status")
     if [ "$action" = "done" ] || [ "$action" = "end" ]; then
       if [ "$status" != 0 ] && [ "$status" != "$hpc_exit_stopped" ] && [ -n "${SLURM_JOB_ID:-}" ]; then

@@ -192,6 +192,29 @@ def test_ranks_ended_with_the_job_are_not_restarted_and_name_no_node(rundir):
     assert decision.action == "end" and not decision.new_bad and "while Slurm was ending the job" in decision.message
 
 
+@pytest.mark.parametrize(
+    "status,seen",
+    [(128 + signal.SIGUSR2, False), (-signal.SIGUSR1, False), (137, True)],
+)
+def test_a_rank_the_stop_signal_killed_before_its_handler_is_a_stop_not_a_bad_node(rundir, status, seen):
+    """Slurm's time-limit signal reaches a rank still starting Python (default action: exit): its process ends
+    first, but the node did nothing wrong. Known from the exit status, or from the launcher's own receipt."""
+    alloc = ("n1", "n2", "n3", "n4")
+    situation = Situation(
+        slurm=True, nodes=alloc, launch_nodes=alloc, ranks_per_node=1, first_ended=2, stop_signal=seen
+    )
+    decision = decide(rundir, job(nodes=4), Ended("failed", status), situation)
+    assert decision.action == "requeue" and not decision.new_bad and not decision.exclude, decision
+    assert "before a rank could handle it" in decision.message
+    chain = dataclasses.replace(situation, last_in_chain=False)
+    decision = decide(rundir, job(nodes=4), Ended("failed", status), chain)
+    assert decision.action == "end" and decision.status == EXIT_DONE and not decision.new_bad, decision
+    # Without either sign, the same failure names the node of the rank that ended first.
+    other = dataclasses.replace(situation, stop_signal=False)
+    decision = decide(rundir, job(nodes=4), Ended("failed", 137), other)
+    assert decision.new_bad and decision.new_bad[0][0] == "n3", decision
+
+
 def test_the_first_failure_record_stays_whole_and_a_new_launch_clears_it(tmp_path):
     """Several ranks may report at once and one may be killed mid-write (the job aborted): the launcher reads the
     old record or a new one, never a torn one; what a killed writer left is removed with the record."""
