@@ -407,4 +407,22 @@ def main(run_dir: str, out: str | None = None) -> int:
     print(f"report: {md} ({time.perf_counter() - started:.1f} s)")
     for line in summary_lines(log, f):
         print(f"  {line}")
+    _send_to_tracker(RunDir(Path(run_dir).absolute()), md.parent)
     return 0
+
+
+def _send_to_tracker(rundir: RunDir, folder: Path) -> None:
+    """The report's markdown and figures to the run's tracker, and the steps it lacks once no launch runs."""
+    from hpc.tracksync import sync
+    from hpc.verbs import status
+
+    files = [(p, "report") for p in sorted(folder.iterdir()) if p.suffix in (".md", ".png")]
+    try:
+        idle = status(rundir)["state"] in ("completed", "stopped", "failed", "paused", "not started")
+        line = sync(rundir, files, idle=idle)
+    except Exception as exc:  # the report is written; the tracker is an extra
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        print(f"warning: the report was not sent to the tracker: {first}", file=sys.stderr)
+        return
+    if line:
+        print(line)

@@ -84,6 +84,11 @@ class RunDir:
         """What each submission was and what each launch ran on (runconfig/record.py)."""
         return self.root / "record"
 
+    @property
+    def tracking(self) -> Path:
+        """The tracker run's id and how far the tracker has the metrics (runconfig/tracking.py)."""
+        return self.root / "tracking.json"
+
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank:05d}.log"
 

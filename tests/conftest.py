@@ -13,6 +13,7 @@ import pytest
 
 from runconfig.contract import DATA_CACHE_VAR
 from runconfig.rundir import read_jsonl
+from runconfig.tracking import TRACKING_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -85,6 +86,19 @@ def run_cli(args: list[str], *, timeout: float = 600, cwd: Path = ROOT) -> subpr
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return subprocess.run([PY, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tracking_off_by_default():
+    """Runs track nothing (tracking.backend auto) unless a test asks for a tracker: each new MLflow store costs rank
+    0 seconds of CPU; tests/*/test_tracking*.py set tracking.backend themselves."""
+    old = os.environ.get(TRACKING_VAR)
+    os.environ[TRACKING_VAR] = "off"
+    yield
+    if old is None:
+        os.environ.pop(TRACKING_VAR, None)
+    else:
+        os.environ[TRACKING_VAR] = old
 
 
 @pytest.fixture(scope="session", autouse=True)

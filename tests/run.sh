@@ -18,7 +18,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check -r envs/requirements-cpu.txt -e .
+.venv/bin/pip install --quiet --disable-pip-version-check -r envs/requirements-cpu.txt -r envs/requirements-test.txt -e .
 # bench/data.py's litdata comparison (its smoke test runs it): without the dependencies litdata does not need.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps -r envs/requirements-bench.txt
 .venv/bin/ruff check .

@@ -38,6 +38,7 @@ from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.startup import StartupClock
 from trainer.observe.timing import peak_memory_mb, peak_tflops
+from trainer.observe.tracking import open_tracker
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
 from trainer.parallel.buckets import ddp_bucket_bytes
 from trainer.parallel.comm import check_overlapped
@@ -140,7 +141,8 @@ def build_parts(
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
     seed_rank(t.seed, env.rank)
     optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
-    mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh)
+    tracker = open_tracker(cfg, env, rundir, comm)  # rank 0's; its thread opens the tracker run meanwhile
+    mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
     stack.callback(mon.close)
     checkpoints = Checkpointer(
         cfg=cfg,
@@ -156,6 +158,9 @@ def build_parts(
         injector=mon.injector,
     )
     stack.callback(checkpoints.close)
+    if tracker is not None:  # a step's metrics go to the tracker once a committed checkpoint covers it
+        checkpoints.on_commit = tracker.committed
+        checkpoints.tracking_run = lambda: tracker.state.run_id
     metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
     stack.callback(metrics.close)
     return Parts(

@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from runconfig.contract import DATA_CACHE_VAR, INJECT_VAR, LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR
 from runconfig.slurmvars import slurm_job_id, slurm_restart_count
+from runconfig.tracking import MLFLOW_URI_VAR, TRACKING_VAR
 from trainer.errors import UserError
 from trainer.observe import inject
 from trainer.observe.inject import Fault
@@ -45,6 +46,7 @@ class RuntimeEnv:
     data_cache: Path  # where datasets prepared on first use are kept ($HPC_DATA_CACHE)
     launch_id: str = ""  # the launcher's id for this start of the ranks ($HPC_LAUNCH_ID), in history events
     inject: tuple[Fault, ...] = ()  # faults injected on purpose by tests ($HPC_INJECT, trainer/observe/inject.py)
+    tracking_vars: tuple[tuple[str, str], ...] = ()  # HPC_TRACKING, MLFLOW_TRACKING_URI (runconfig/tracking.py)
 
     @property
     def node(self) -> int:
@@ -137,6 +139,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         data_cache=Path(environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data"),
         launch_id=environ.get(LAUNCH_VAR, ""),
         inject=inject.parse(environ.get(INJECT_VAR, "")),
+        tracking_vars=tuple((k, environ[k]) for k in (TRACKING_VAR, MLFLOW_URI_VAR) if k in environ),
     )
 
 

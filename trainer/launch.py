@@ -38,6 +38,7 @@ from trainer.observe.record import gather_launch_record, write_launch_record
 from trainer.observe.startup import StartupClock
 from trainer.observe.stragglers import NodeEvicted
 from trainer.observe.timing import peak_memory_mb
+from trainer.observe.tracking import launch_tags
 from trainer.parallel.distributed import gloo_threads
 
 log = logging.getLogger("trainer")
@@ -63,6 +64,10 @@ def start(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, clock: StartupClo
             write_launch_record(rundir, launch_record, p.state.step)
         except OSError as exc:  # the record is for people; training goes on without it
             log.warning("could not write the launch record into %s: %s", rundir.record, exc)
+        if p.mon.tracker is not None:
+            tags = launch_tags(b.cfg, b.env, p.wrapped.layout.sizes(), launch_record, rundir, b.code_sha256)
+            files = [(f, "record") for f in sorted(rundir.record.glob("*")) if f.is_file() and f.name[0] != "."]
+            p.mon.tracker.begin(p.state.step, tags, files)
     log.info(
         "recipe %s: %s with %d parameters; train %d samples, eval %s",
         b.cfg.recipe,
@@ -165,11 +170,16 @@ def finish(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, stopped) -> int:
         fields = stopped_fields(comm, env, b.stop, stopped, b.cfg.job.signal_lead_s)  # collective
         if env.rank == 0:
             append_event(rundir.history, EVENT_STOPPED, step=state.step, launch=env.launch_id, **fields)
+            if p.mon.tracker is not None:
+                p.mon.tracker.finish("stopped")
         return EXIT_STOPPED
     summary = _summary(p, b, comm)
     if env.rank == 0:
         write_json_atomic(rundir.summary, summary)
         append_event(rundir.history, EVENT_DONE, step=state.step, launch=env.launch_id)
+        if p.mon.tracker is not None:
+            p.mon.tracker.file(rundir.summary)
+            p.mon.tracker.finish("done")
         log.info("done: step %d loss %.4f params_sha256 %s", state.step, state.last_loss, summary["params_sha256"][:16])
     return EXIT_DONE
     # The stop handlers stay (they only set a flag) until the process ends: a stop signal arriving during the

@@ -18,6 +18,7 @@ from runconfig.schema.recipe import BUILTIN_RECIPE, RECIPE_RE
 from runconfig.schema.run import RunConfig
 from runconfig.schema.slurm_syntax import SIGNAL_NAMES, SLURM_NAMES_RE, slurm_minutes
 from runconfig.schema.storage import StorageConfig
+from runconfig.schema.tracking import TrackingConfig
 from runconfig.schema.train import TrainConfig
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "RunConfig",
     "Section",
     "StorageConfig",
+    "TrackingConfig",
     "TrainConfig",
     "doc",
     "field_problems",

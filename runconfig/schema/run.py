@@ -17,6 +17,7 @@ from runconfig.schema.monitor import MonitorConfig
 from runconfig.schema.parallel import ParallelConfig
 from runconfig.schema.recipe import BUILTIN_RECIPE, RECIPE_RE
 from runconfig.schema.storage import StorageConfig
+from runconfig.schema.tracking import TrackingConfig
 from runconfig.schema.train import TrainConfig
 
 
@@ -48,6 +49,10 @@ class RunConfig:
         factory=StorageConfig,
     )
     monitor: MonitorConfig = doc("Metrics, TensorBoard, stragglers and the hang watchdog.", factory=MonitorConfig)
+    tracking: TrackingConfig = doc(
+        "Experiment tracking (MLflow by default, W&B offline): one tracker run per run directory.",
+        factory=TrackingConfig,
+    )
 
     def check(self) -> Problems:
         """Checks that span sections."""

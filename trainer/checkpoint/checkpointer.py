@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -127,6 +128,8 @@ class Checkpointer:
         self.last_commit_time = time.monotonic()
         self.blocking_s: list[float] = []  # time the training loop waited per save
         self.last_save_s: float | None = None  # the newest committed save's seconds, save() -> committed
+        self.on_commit: Callable[[int], None] | None = None  # told each committed step (rank 0's tracker)
+        self.tracking_run: Callable[[], str | None] | None = None  # the tracker run's id, in the manifest
 
     @property
     def skipped(self) -> list[str]:
@@ -164,6 +167,8 @@ class Checkpointer:
             optimizer_type=type(self.optimizer).__name__,
             fmt=FORMAT,
         )
+        if self.tracking_run is not None:
+            meta["tracking_run_id"] = self.tracking_run()
         if self.sharded:  # gathering whole parameters is collective: here, not in a background save's thread
             meta["params_sha256"] = params_sha256(self.model, skip=self.aliases)
         if self.pool is None:
@@ -189,6 +194,8 @@ class Checkpointer:
         self.last_commit_time = time.monotonic()
         self.last_save_s = time.perf_counter() - start
         self.writer.after_commit(name)
+        if self.on_commit is not None:
+            self.on_commit(step)
         if self.remote is not None and self.env.rank == 0:
             pruned = self.remote.prune()
             if pruned:

@@ -89,6 +89,8 @@ class Publisher:
         with p.mon.clock.part("sync"):
             p.metrics.write(record)
             p.mon.tensorboard.write(record)
+            if p.mon.tracker is not None:
+                p.mon.tracker.write(record)
             if p.mon.progress is not None:
                 p.mon.progress.update(record)
             self._line(step, record, step_time, force_line)

@@ -15,6 +15,7 @@ from trainer.observe.inject import Injector
 from trainer.observe.stragglers import StragglerCheck
 from trainer.observe.tboard import TensorBoard
 from trainer.observe.timing import StepClock, peak_tflops
+from trainer.observe.tracking import Tracker
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import Distributed
 
@@ -32,11 +33,14 @@ class Monitors:
     injector: Injector
     flops_per_sample: float | None  # training FLOPs of one sample (the recipe's, or counted); None without MFU
     peak_flops: float | None  # per device, FLOP/s; None: no MFU (CPU or unknown GPU)
+    tracker: Tracker | None = None  # rank 0's MLflow or W&B run (tracking.*), None elsewhere or when off
 
     def close(self) -> None:
         self.watchdog.close()
         self.clock.close()
         self.tensorboard.close()
+        if self.tracker is not None:
+            self.tracker.close()
         if self.progress is not None:
             self.progress.close()
 
@@ -50,6 +54,7 @@ def build_monitors(
     flops_per_sample: float | None,
     *,
     ddp: bool,
+    tracker: Tracker | None = None,
 ) -> Monitors:
     """``flops_per_sample``: the training FLOPs of one sample where MFU is reported (a known peak: GPU, or
     monitor.peak_tflops), else None. ``ddp``: the model is DDP's (its exposed communication is the data-parallel
@@ -76,4 +81,5 @@ def build_monitors(
         injector=Injector(env.inject, env.rank),
         flops_per_sample=flops_per_sample if tflops else None,
         peak_flops=tflops * 1e12 if tflops else None,
+        tracker=tracker,
     )

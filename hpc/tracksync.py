@@ -1,0 +1,74 @@
+"""The tracker caught up from the login node (``python -m hpc report`` calls it; torch-free).
+
+What the trainer could not send (a tracker that was down when a launch ended) is in metrics.jsonl: the steps a
+committed checkpoint covers, or every step of a completed run, after the tracker's ``sent_through``. They are sent
+only while no launch sends (the run's tracking lock, and no job of the run active), so that no step goes twice;
+the report's files are sent in any case (a file sent again replaces itself).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from runconfig import RunDir, load_config
+from runconfig.checkpoints import latest_committed
+from runconfig.rundir import read_jsonl
+from runconfig.tracking import (
+    TrackingState,
+    client_environment,
+    flat_params,
+    hold_lock,
+    open_backend,
+    pick,
+    reconcile,
+    resolve,
+    send,
+)
+
+BATCH_RECORDS = 2000
+
+
+def sync(rundir: RunDir, files: list[tuple[Path, str | None]], *, idle: bool) -> str | None:
+    """Send the report's ``files`` and, when ``idle`` (no job of the run is active), the steps the tracker lacks.
+    One line saying what was sent, or None when the run is not tracked (MLflow only: W&B offline files are the
+    trainer's). Raises what the tracker's client raises."""
+    cfg = load_config(str(rundir.config))
+    target = resolve(cfg.tracking, rundir, os.environ)
+    if target is None or target.backend != "mlflow":
+        return None
+    lock = hold_lock(rundir, wait=False) if idle else None
+    try:
+        state = TrackingState.load(rundir.tracking, target)
+        client_environment(target)
+        backend = open_backend(target)
+        done = rundir.summary.is_file()
+        backend.open(state, {"hpc.run_dir": str(rundir.root)}, running=False)
+        state.save(rundir.tracking)
+        sent = 0
+        if lock is not None:
+            if reconcile(backend, state):
+                state.save(rundir.tracking)
+            if not state.params_logged:
+                from runconfig.load import to_dict
+
+                backend.params(state.run_id, flat_params(to_dict(cfg)))
+                state.params_logged = True
+            newest = latest_committed(rundir.checkpoints)
+            through = 1 << 62 if done else int((newest or {}).get("step", 0))
+            records = [r for r in read_jsonl(rundir.metrics) if isinstance(r.get("step"), int) and r["step"] <= through]
+            while batch := pick(records, state.sent_through, BATCH_RECORDS):
+                send(backend, state, batch, lambda: state.save(rundir.tracking))
+                sent += len(batch)
+            state.unsent = []
+            state.save(rundir.tracking)
+            if done:
+                backend.end(state.run_id, "FINISHED")
+        for path, folder in files:
+            backend.artifact(state.run_id, path, folder)
+        caught = f", {sent} step record(s) it lacked" if sent else ""
+        busy = "" if lock is not None else " (steps left to the running launch)"
+        return f"tracker: {target.uri} run {state.run_id}: the report's {len(files)} file(s){caught}{busy}"
+    finally:
+        if lock is not None:
+            lock.close()

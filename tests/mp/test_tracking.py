@@ -1,0 +1,169 @@
+"""Experiment tracking with real launches: one MLflow run per run directory across an in-job restart, a stop by
+signal and a resume, its history equal to metrics.jsonl (one value per step); a real `mlflow server`
+(envs/mlflow/server.sh) that goes down mid-run and comes back; a tracker unreachable for a whole run, caught up by
+`hpc report`; a store that cannot be written, named before training."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from runconfig.checkpoints import read_latest, validate
+from runconfig.contract import EXIT_STOPPED, EXIT_USER_ERROR
+from runconfig.rundir import read_jsonl
+from tests.conftest import PY, ROOT, rank_pids, wait_for_step
+from tests.mp.test_checkpoint import TWO_NODES, common, run, start, wait_for_event
+
+pytestmark = pytest.mark.mp
+
+# rank 0 sleeps 30 ms per step: the launches last long enough to be interrupted where the test means to
+SLOW = "slow:0:0.03"
+
+
+def tracked(data, *more) -> list[str]:
+    return [*common(data), *TWO_NODES, "train.steps=40", "tracking.backend=mlflow", "train.log_every=1", *more]
+
+
+def client_and_run(run_dir):
+    from mlflow.tracking import MlflowClient
+
+    state = json.loads((Path(run_dir) / "tracking.json").read_text())
+    return MlflowClient(state["uri"]), state["run_id"], state
+
+
+def assert_history_is_metrics_jsonl(client, run_id, run_dir) -> None:
+    """For each metric, the tracker holds exactly metrics.jsonl's (step, value) pairs: no step twice, none lost."""
+    records = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    for key in ("loss", "step_time_s", "eval_loss"):
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        want = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        assert got == want, (key, got[:5], want[:5])
+    assert [r["step"] for r in records] == list(range(1, 41))
+
+
+def test_one_tracker_run_across_a_restart_a_stop_and_a_resume(tmp_path, small_dataset):
+    run_dir = tmp_path / "runs" / "run"
+    sets = tracked(small_dataset, "job.max_failures=2", "job.restart_backoff_s=0.2")
+    proc = start(run_dir, sets, inject=SLOW)
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # the launch fails after step 6: restarted from step 4
+    resumed = wait_for_event(run_dir, "resume", 1, proc)
+    wait_for_step(run_dir, resumed["step"] + 6, proc)
+    os.kill(rank_pids(run_dir)[0], signal.SIGUSR2)  # a stop with a committed checkpoint
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    client, run_id, _ = client_and_run(run_dir)
+    assert client.get_run(run_id).info.status == "KILLED"  # stopped, to be continued
+    done = run(run_dir, sets, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    client, again, state = client_and_run(run_dir)
+    assert again == run_id and state["sent_through"] == 40
+    assert state["uri"] == f"sqlite:///{tmp_path}/runs/mlflow.db"  # the embedded store, beside the run directory
+    runs = client.search_runs([client.get_experiment_by_name("hpc-trainer").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]  # one run for the three launches
+    assert_history_is_metrics_jsonl(client, run_id, run_dir)
+    assert (run_dir / "metrics.discarded.jsonl").exists()  # steps were recomputed: none of them went twice
+    run_ = client.get_run(run_id)
+    tags, params = run_.data.tags, run_.data.params
+    assert run_.info.status == "FINISHED" and tags["hpc.state"] == "done"
+    assert tags["hpc.launches"] == "3" and tags["hpc.restarts"] == "1" and tags["hpc.world_size"] == "2"
+    assert tags["hpc.hosts"] == "node0,node1" and json.loads(tags["hpc.layout"])["dp_replicate"] == 2
+    assert tags["hpc.torch"].startswith("2.13.0") and tags["hpc.mpi"].startswith("MPICH")
+    assert params["train.steps"] == "40" and params["model.d_model"] == "64" and params["tracking.backend"] == "mlflow"
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"config.yaml", "summary.json", "record"} <= artifacts, artifacts
+    launches = {a.path for a in client.list_artifacts(run_id, "record")}
+    assert {"record/launch-000.json", "record/launch-002.json", "record/submit-001.json"} <= launches, launches
+    manifest = validate(run_dir / "checkpoints" / read_latest(run_dir / "checkpoints"))
+    assert manifest["tracking_run_id"] == run_id
+    text = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "tracking:" not in text and "mlflow.store" not in text, text[-2000:]  # nothing to warn of, no noise
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """envs/mlflow/server.sh on a free port, its store in a temporary folder."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.state = Path(tempfile.mkdtemp(prefix="hpc-mlflow-test-", dir="/tmp"))
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def script(self, verb: str) -> None:
+        env = {**os.environ, "PYTHON": PY, "HPC_MLFLOW_PORT": str(self.port)}
+        subprocess.run(["bash", "envs/mlflow/server.sh", verb, str(self.state)], check=True, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One server for the module, started by the tests that need it up (the first one finds it down)."""
+    s = Server()
+    yield s
+    s.script("wipe")
+
+
+def test_an_unreachable_tracker_costs_a_warning_and_the_report_catches_up(tmp_path, small_dataset, server):
+    run_dir = tmp_path / "run"
+    sets = tracked(small_dataset, f"tracking.uri={server.uri}", "tracking.flush_timeout_s=1")
+    server.script("stop")
+    done = run(run_dir, sets)  # nothing listens on the port
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert f"tracking: mlflow {server.uri} failed" in log and "steps 1..40 not sent" in log, log
+    state = json.loads((run_dir / "tracking.json").read_text()) if (run_dir / "tracking.json").exists() else {}
+    assert state.get("sent_through", 0) == 0
+    server.script("start")
+    report = subprocess.run(
+        [PY, "-m", "hpc", "report", str(run_dir)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert report.returncode == 0 and "40 step record(s) it lacked" in report.stdout, report.stdout + report.stderr
+    client, run_id, state = client_and_run(run_dir)
+    assert state["sent_through"] == 40 and state["unsent"] == []
+    assert_history_is_metrics_jsonl(client, run_id, run_dir)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert "report/report.md" in {a.path for a in client.list_artifacts(run_id, "report")}
+
+
+def test_a_server_that_goes_down_mid_run_and_comes_back(tmp_path, small_dataset, server):
+    """The run trains on while the server is down (a warning, metrics kept), and the tracker catches up when it is
+    back: the history is still metrics.jsonl's, one value per step."""
+    server.script("start")  # already up after the test before
+    run_dir = tmp_path / "run"
+    sets = tracked(small_dataset, f"tracking.uri={server.uri}", "tracking.flush_timeout_s=120")
+    proc = start(run_dir, sets, inject="slow:0:0.15")
+    wait_for_step(run_dir, 5, proc)
+    server.script("stop")
+    wait_for_step(run_dir, 16, proc)  # checkpoints at 8, 12, 16 committed while it was down
+    server.script("start")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    client, run_id, state = client_and_run(run_dir)
+    assert state["uri"] == server.uri and state["sent_through"] == 40
+    assert_history_is_metrics_jsonl(client, run_id, run_dir)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    log = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert log.count(f"tracking: mlflow {server.uri} failed") == 1, log  # warned once for the outage
+    assert "reachable again" in log
+
+
+def test_a_store_that_cannot_be_written_is_named_before_training(tmp_path, small_dataset):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    run_dir = tmp_path / "run"
+    proc = run(run_dir, [*tracked(small_dataset), f"tracking.uri={blocker}/m.db"])
+    assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert "tracking: the store" in failure["message"] and "cannot be made" in failure["message"], failure
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert not any(e["event"] == "start" for e in read_jsonl(run_dir / "history.jsonl"))

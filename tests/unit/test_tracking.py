@@ -1,0 +1,120 @@
+"""Tracking (runconfig/tracking.py, trainer/observe/tracking.py) against a real embedded MLflow store: where a run
+is tracked, and rank 0's sink sending each step once across a failed launch, a resume and a kill mid-send."""
+
+import json
+
+import pytest
+
+from runconfig import ConfigError, RunDir, dump_yaml, load_config
+from runconfig.schema import TrackingConfig
+from runconfig.tracking import TrackingState, metric_points, resolve, store_problem
+from trainer.observe.tracking import Tracker
+
+
+def test_where_a_run_is_tracked(tmp_path):
+    rundir = RunDir(tmp_path / "runs" / "r1")
+    embedded = resolve(TrackingConfig(), rundir, {})
+    assert embedded.uri == f"sqlite:///{tmp_path}/runs/mlflow.db" and embedded.run_name == "r1"
+    assert embedded.artifact_location == f"{tmp_path}/runs/mlartifacts"
+    assert resolve(TrackingConfig(), rundir, {"HPC_TRACKING": "off"}) is None
+    assert resolve(TrackingConfig(backend="mlflow"), rundir, {"HPC_TRACKING": "off"}) is not None  # asked for
+    server = resolve(TrackingConfig(), rundir, {"MLFLOW_TRACKING_URI": "http://mlflow:5000"})
+    assert server.uri == "http://mlflow:5000" and server.artifact_location is None
+    assert resolve(TrackingConfig(uri="/data/t.db"), rundir, {}).uri == "sqlite:////data/t.db"
+    assert resolve(TrackingConfig(backend="wandb"), rundir, {}).uri == str(rundir.root)
+
+
+@pytest.mark.parametrize(
+    "uri,why",
+    [
+        ("http://alice:pw@mlflow:5000", "credentials"),
+        ("mlflow:5000", "must be an http"),
+        ("/data/runs", "must end in .db"),
+    ],
+)
+def test_a_bad_tracking_uri_is_named(uri, why):
+    with pytest.raises(ConfigError, match=why) as caught:
+        load_config("tiny", [f"tracking.uri={uri}"])
+    assert "tracking.uri" in str(caught.value) and "pw" not in str(caught.value)
+
+
+def test_an_unwritable_store_is_found_before_training(tmp_path):
+    file_in_the_way = tmp_path / "file"
+    file_in_the_way.write_text("x")
+    target = resolve(TrackingConfig(uri=str(file_in_the_way / "m.db")), RunDir(tmp_path / "r"), {})
+    assert "cannot be made" in store_problem(target)
+    target = resolve(TrackingConfig(uri="/proc/m.db"), RunDir(tmp_path / "r"), {})
+    assert "not writable" in store_problem(target)
+
+
+def test_a_record_becomes_metrics_at_its_step():
+    record = {"step": 7, "loss": 2.5, "lr": 1e-3, "time": 1.5, "unit": "tokens", "launch": "L", "grad_norm": None,
+              "comm_by_dim": {"dp_replicate": 0.01}, "mfu": float("nan"), "tokens_seen": 640}  # fmt: skip
+    points = {k: (v, s, ms) for k, v, s, ms in metric_points(record)}
+    assert points == {
+        "loss": (2.5, 7, 1500),
+        "lr": (1e-3, 7, 1500),
+        "tokens_seen": (640.0, 7, 1500),
+        "comm_dp_replicate_s": (0.01, 7, 1500),
+    }
+
+
+def records(steps, loss_offset=0.0):
+    return [{"step": s, "loss": 3.0 - s / 100 + loss_offset, "step_time_s": 0.1, "time": 1000.0 + s} for s in steps]
+
+
+def history(rundir, key="loss"):
+    from mlflow.tracking import MlflowClient
+
+    state = json.loads(rundir.tracking.read_text())
+    client = MlflowClient(state["uri"])
+    return client, state["run_id"], [(m.step, m.value) for m in client.get_metric_history(state["run_id"], key)]
+
+
+def test_each_step_reaches_the_tracker_once_across_a_failure_a_resume_and_a_kill_mid_send(tmp_path):
+    rundir = RunDir(tmp_path / "runs" / "run")
+    rundir.create()
+    rundir.config.write_text(dump_yaml(load_config("tiny")))
+    target = resolve(TrackingConfig(backend="mlflow"), rundir, {})
+    params = {"train.lr": "0.001"}
+
+    # Launch 1: steps 1-9 logged, a checkpoint commits step 5, then the launch fails. Only 1-5 go.
+    first = Tracker(target, rundir, params, flush_timeout_s=30)
+    first.begin(0, {"hpc.launches": "1"}, [])
+    for r in records(range(1, 10)):
+        first.write(r)
+        if r["step"] == 5:
+            first.committed(5)
+    first.close()  # no finish(): a failed launch
+    _, run_id, got = history(rundir)
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5]
+    rundir.metrics.write_text("".join(json.dumps(r) + "\n" for r in records(range(1, 6))))  # truncate_metrics' work
+
+    # Launch 2 resumes at 5 and recomputes 6-12 with other values (another world size); killed while sending 6-10:
+    # the tracker took them, tracking.json still says 5 with 10 in flight.
+    state = TrackingState.load(rundir.tracking, target)
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(target.uri)
+    client.log_batch(run_id, metrics=[Metric(k, v, int(r["time"] * 1000), r["step"]) for r in records(range(6, 11), 0.5)
+                                      for k, v in r.items() if k in ("loss", "step_time_s")])  # fmt: skip
+    state.in_flight_through = 10
+    state.save(rundir.tracking)
+    rundir.metrics.write_text("".join(json.dumps(r) + "\n" for r in records(range(1, 11), 0.5)))
+
+    # Launch 3 resumes at 10 (metrics.jsonl holds 1-10), recomputes nothing it has, logs 11-14 and is done.
+    third = Tracker(target, rundir, params, flush_timeout_s=30)
+    third.begin(10, {"hpc.launches": "3"}, [(rundir.config, None)])
+    for r in records(range(11, 15), 0.5):
+        third.write(r)
+    third.finish("done")
+    third.close()
+    client, again, got = history(rundir)
+    assert again == run_id
+    assert [s for s, _ in got] == list(range(1, 15))  # every step once
+    assert [v for s, v in got if s > 5] == [r["loss"] for r in records(range(6, 15), 0.5)]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["hpc.launches"] == "3" and run.data.params == params
+    assert json.loads(rundir.tracking.read_text())["sent_through"] == 14
+    assert [a.path for a in client.list_artifacts(run_id)] == ["config.yaml"]
