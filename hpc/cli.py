@@ -20,7 +20,7 @@ HELP = {
     "cancel": "cancel the run's unfinished Slurm jobs",
     "resume": "resubmit a stopped, failed or cancelled run from its checkpoint",
     "logs": "print or follow a rank's log (or every rank's)",
-    "sweep": "submit a grid of configs as one job array",
+    "sweep": "submit a grid or a random search of configs as one job array, pruning poor elements",
     "report": "plots and report.md: loss, speed, step time, goodput",
     "runs": "the runs under some folders, a row each: state, loss, speed, goodput",
     "compare": "runs side by side: their rows, the config keys that differ, the loss curves in one PNG",
@@ -54,10 +54,11 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")
     sp = verb("sweep")
     sp.add_argument("config", help="base config file or example name")
-    sp.add_argument("grid", type=Path, help="YAML file with grid: {KEY: [VALUES]}")
+    sp.add_argument("grid", type=Path, help="YAML sweep file: grid: {KEY: [VALUES]} or random: {n: N, KEY: ...}")
     sp.add_argument("--run-dir", type=Path, help="sweep directory (default runs/sweep-NAME-YYYYmmdd-HHMMSS)")
     add_set_option(sp)
     sp.add_argument("--local", action="store_true", help="run the elements one after the other on this machine")
+    sp.add_argument("--parallel", type=int, default=None, help="at most N elements at once (the job array's %%N)")
     sp = verb("runs", description="The runs under some folders (default runs/), one row each (hpc/runs.py)")
     sp.add_argument("folders", nargs="*", help="run directories, or folders holding them (a runs folder, a sweep)")
     sp.add_argument("--sort", help="a column to sort by, ascending (e.g. --sort eval_loss; --sort=-goodput descends)")

@@ -214,6 +214,7 @@ class Driver:
             subprocess.call(["scontrol", decision.action, job.job_id])
             return {"status": decision.action}
         print(decision.message, flush=True)
+        _sweep_results(rundir)
         if decision.error:
             raise RuntimeError(decision.message.removeprefix("error: "))
         return {"status": launched.ended.how}
@@ -269,6 +270,19 @@ class Driver:
             subprocess.run(sweep_command(job.num_nodes), env=trainer_environment(cfg, simulate_nodes=False), timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
+
+
+def _sweep_results(rundir: RunDir) -> None:
+    """A sweep element that ended: the sweep's results rewritten; the table printed once every element ended."""
+    from hpc.sweep import element_ended
+
+    try:
+        table = element_ended(rundir)
+    except Exception as exc:  # the run's own outcome is decided: the table is an extra
+        print(f"warning: the sweep's results were not written: {exc}", flush=True)
+        return
+    if table:
+        print(table, flush=True)
 
 
 JOB_ENDING = threading.Event()

@@ -11,6 +11,7 @@ hpc/runlog.py implements them.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -127,7 +128,26 @@ def facts(log: RunLog, cfg: dict) -> dict:
         "topology": _topology(summary.get("topology")),
         "trainer_wall_s": summary.get("wall_time_s"),
         "stop_lead": newest_budget(log.rundir, (cfg.get("job") or {}).get("signal_lead_s")),
+        "tracking": _tracking(log.rundir),
     }
+
+
+def _tracking(rundir: RunDir) -> dict | None:
+    """tracking.json: the tracker run and how far it has the metrics (None when the run is not tracked)."""
+    try:
+        return json.loads(rundir.tracking.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tracking_line(f: dict) -> str | None:
+    t = f.get("tracking")
+    if not t:
+        return None
+    where = f"{t.get('backend')} {t.get('uri')} run {t.get('run_id') or '(not made yet: the tracker was unreachable)'}"
+    unsent = t.get("unsent") or []
+    gap = f"; steps {unsent[0]}..{unsent[1]} not sent when a launch ended" if len(unsent) == 2 else ""
+    return f"tracker: {where}, steps sent through {t.get('sent_through', 0)}{gap}"
 
 
 def _world(event: dict) -> str:
@@ -202,6 +222,9 @@ def _summary_lines(log: RunLog, f: dict, goodput: str) -> list[str]:
     mem = [s.get("peak_mem_mb") for s in log.kept if s.get("peak_mem_mb") is not None]
     if mem:
         lines.append(f"| peak memory (rank 0) | {max(mem):,.0f} MB |")
+    tracked = tracking_line(f)
+    if tracked:
+        lines.append(f"| tracking | {_cell(tracked.removeprefix('tracker: '))} |")
     if lead is not None and not lead.ok:
         lines += ["", f"**Warning:** {_cell(lead.describe())}."]
     return lines
@@ -362,6 +385,7 @@ def summary_lines(log: RunLog, f: dict) -> list[str]:
         f"restarts {log.restarts} ({len(log.launches)} launch{'es' if len(log.launches) != 1 else ''}"
         + (f", {killed} killed without an end event" if killed else "")
         + f"); {log.stragglers.detections} straggler detection{'s' if log.stragglers.detections != 1 else ''}",
+        *([tracking_line(f)] if tracking_line(f) else []),
         *warning,
     ]
 
@@ -418,7 +442,7 @@ def _send_to_tracker(rundir: RunDir, folder: Path) -> None:
 
     files = [(p, "report") for p in sorted(folder.iterdir()) if p.suffix in (".md", ".png")]
     try:
-        idle = status(rundir)["state"] in ("completed", "stopped", "failed", "paused", "not started")
+        idle = status(rundir)["state"] in ("completed", "pruned", "stopped", "failed", "paused", "not started")
         line = sync(rundir, files, idle=idle)
     except Exception as exc:  # the report is written; the tracker is an extra
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__

@@ -20,7 +20,7 @@ from hpc.progress import resume_notes
 from runconfig import RunDir, load_config
 from runconfig.badnodes import bad_node_events
 from runconfig.checkpoints import latest_committed
-from runconfig.contract import EVENT_CODE, EVENT_RESUME
+from runconfig.contract import EVENT_CODE, EVENT_PRUNED, EVENT_RESUME
 from runconfig.rundir import read_jsonl
 from runconfig.stopsignal import newest_budget
 
@@ -65,7 +65,8 @@ def status(rundir: RunDir) -> dict:
     history = read_jsonl(rundir.history)
     done = rundir.summary.is_file()
     active = [j for j in jobs if not j.finished]
-    state = "completed" if done else ("paused" if rundir.pause_marker.exists() else "")
+    pruned = any(e.get("event") == EVENT_PRUNED for e in history)
+    state = "pruned" if pruned and done else "completed" if done else ("paused" if rundir.pause_marker.exists() else "")
     failure = _failure(rundir, history)
     budget = newest_budget(rundir, cfg.job.signal_lead_s)  # a stop's cost, measured or estimated, vs the lead
     if not state:
@@ -199,7 +200,7 @@ def logs(rundir: RunDir, *, rank: int, all_ranks: bool, follow: bool) -> None:
             offsets[p] += len(chunk)
             sys.stdout.write(chunk.decode(errors="replace"))
         sys.stdout.flush()
-        if status(rundir)["state"] in ("completed",):
+        if status(rundir)["state"] in ("completed", "pruned"):
             break
 
 
@@ -211,21 +212,32 @@ def sweep(args: argparse.Namespace) -> int:
     from hpc.submit import main as submit_main
     from runconfig.code import locate
 
-    elements = sw.expand(args.config, args.grid, args.overrides)
-    name = elements[0][1].job.name
+    name = load_config(args.config, args.overrides).job.name
     sweep_dir = (args.run_dir or Path("runs") / f"sweep-{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    spec, elements = sw.expand(args.config, args.grid, args.overrides, sweep_dir)
     search = config_search(args.config)
     for _, cfg in elements:  # every element's recipe module is found before anything is made
         locate(cfg.recipe, search)
     dirs = sw.create(sweep_dir, elements)
+    sw.write_spec(sweep_dir, spec)
     for d, (_, cfg) in zip(dirs, elements, strict=True):  # each element runs the code of submit time
         snapshot_new_run(d, cfg.recipe, search)
+    from hpc.sweeptrack import open_parent
+
+    open_parent(sweep_dir, elements[0][1], spec.summary(), list(spec.points[0]))
     if args.local or not slurm_available():
         sw.record(sweep_dir, elements, dirs, [""] * len(dirs))
-        statuses = [submit_main(["--resume", str(d.root), "--local"]) for d in dirs]
+        statuses = []
+        for d in dirs:
+            statuses.append(submit_main(["--resume", str(d.root), "--local"]))
+            table = sw.element_ended(d)
+            if table:
+                print(table)
         return max(statuses)
     os.umask(0o077)
     executor = make_executor(elements[0][1], RunDir(sweep_dir))
+    if args.parallel:
+        executor.update_parameters(array_parallelism=args.parallel)
     jobs = executor.submit_array([Driver(str(d.root)) for d in dirs])
     ids = [str(j.job_id) for j in jobs]
     sw.record(sweep_dir, elements, dirs, ids)

@@ -25,6 +25,7 @@ EVENT_START = "start"  # a launch began training from step 0
 EVENT_RESUME = "resume"  # a launch restored a checkpoint
 EVENT_STOPPED = "stopped"  # stopped by a signal with a committed checkpoint
 EVENT_DONE = "done"  # training complete, summary.json written
+EVENT_PRUNED = "pruned"  # a sweep element stopped at a rung (prune.*), its checkpoint committed: ended for good
 EVENT_HANG = "hang"  # the hang watchdog ended the job
 EVENT_CODE = "code"  # the recipe's code snapshot was taken or refreshed (login node)
 EVENT_RESTART = "restart"  # a launch failed (not the user's fault): the launcher restarts the ranks in the job

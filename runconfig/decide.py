@@ -29,6 +29,7 @@ from typing import Literal
 
 from runconfig.badnodes import bad_nodes, record_bad_node, suspects_of
 from runconfig.contract import (
+    EVENT_PRUNED,
     EVENT_RESTART,
     EXIT_DONE,
     EXIT_FAILED,
@@ -124,6 +125,10 @@ def _excluding(job: JobConfig, situation: Situation) -> bool:
 
 def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -> Decision:
     if ended.how == "done":
+        pruned = [e for e in read_jsonl(rundir.history) if e.get("event") == EVENT_PRUNED]
+        if pruned:  # a sweep element judged at a rung: ended for good, its checkpoint kept
+            return Decision("done", EXIT_DONE, f"pruned: run {rundir.root} at step {pruned[-1].get('step')} "
+                            f"({pruned[-1].get('why', 'prune.*')})")  # fmt: skip
         return Decision("done", EXIT_DONE, f"done: run {rundir.root} complete")
     if ended.how == "stopped":
         return _after_stop(rundir, job, ended, situation)

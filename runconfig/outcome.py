@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runconfig.checkpoints import latest_committed
-from runconfig.contract import EVENT_DONE, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED
+from runconfig.contract import EVENT_DONE, EVENT_PRUNED, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED
 from runconfig.rundir import RunDir, read_jsonl
 
 Outcome = Literal["done", "stopped"]
@@ -40,8 +40,8 @@ def launch_events(rundir: RunDir, launch_id: str) -> list[dict]:
 
 
 def _recorded(rundir: RunDir, events: list[dict]) -> Outcome | None:
-    if any(e.get("event") == EVENT_DONE for e in events) and rundir.summary.exists():
-        return "done"
+    if any(e.get("event") in (EVENT_DONE, EVENT_PRUNED) for e in events) and rundir.summary.exists():
+        return "done"  # a pruned sweep element ended for good too
     stops = [e for e in events if e.get("event") == EVENT_STOPPED]
     if stops:
         manifest = latest_committed(rundir.checkpoints)

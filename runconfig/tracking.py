@@ -55,7 +55,7 @@ class Target:
 
 
 def resolve(cfg: TrackingConfig, rundir: RunDir, environ: Mapping[str, str]) -> Target | None:
-    backend = cfg.backend
+    backend = cfg.backend or "off"  # YAML's bare off is False
     if backend == "auto":
         backend = "off" if environ.get(TRACKING_VAR, "").strip().lower() in ("off", "0", "false", "no") else "mlflow"
     if backend == "off":
@@ -105,6 +105,7 @@ class TrackingState:
     in_flight_through: int = 0  # a batch up to this step was being sent (> sent_through: look it up first)
     params_logged: bool = False
     unsent: list[int] = field(default_factory=list)  # [first, last] steps committed but not sent at the last end
+    cost: dict = field(default_factory=dict)  # the last launch's: write() per record, the thread's CPU seconds
 
     @classmethod
     def load(cls, path: Path, target: Target) -> TrackingState:
@@ -123,6 +124,16 @@ class TrackingState:
         tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
         os.replace(tmp, path)
+
+
+def parent_of(rundir: RunDir, target: Target) -> str | None:
+    """The parent run of a sweep element (SWEEP_DIR/tracking.json, made by `hpc sweep`) in the same store."""
+    try:
+        data = json.loads(RunDir(rundir.root.parent).tracking.read_text())
+    except (OSError, ValueError):
+        return None
+    same = (data.get("backend"), data.get("uri")) == (target.backend, target.uri)
+    return data.get("run_id") if same and (rundir.root.parent / "sweep.json").exists() else None
 
 
 def hold_lock(rundir: RunDir, wait: bool):
@@ -286,7 +297,9 @@ class WandbBackend:
         self.wandb, self.target, self.run = wandb, target, None
 
     def open(self, state: TrackingState, tags: dict[str, str], running: bool = True) -> None:
-        run_id = state.run_id or self.wandb.util.generate_id()
+        import uuid
+
+        run_id = state.run_id or uuid.uuid4().hex[:12]  # W&B's ids: letters and digits; offline, ours
         self.run = self.wandb.init(
             project=self.target.experiment,
             name=self.target.run_name,

@@ -12,6 +12,7 @@ from mpi4py import MPI
 from runconfig import RunDir
 from runconfig.contract import (
     EVENT_DONE,
+    EVENT_PRUNED,
     EVENT_RESUME,
     EVENT_START,
     EVENT_STOPPED,
@@ -29,6 +30,7 @@ from trainer.build import check_overlap, plan_allreduce, restore_or_start
 from trainer.checkpoint.fingerprint import params_sha256
 from trainer.failure import report_failure
 from trainer.loop.parts import Parts
+from trainer.loop.prune import Pruned, Pruner
 from trainer.loop.stopreport import LeadCheck, stopped_fields
 from trainer.loop.train import train
 from trainer.observe.memory import state_bytes
@@ -128,9 +130,12 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
     checkpoint. A collective that failed (a peer's connection closed) is diagnosed, reported and raised."""
     env, cfg, state = b.env, b.cfg, p.state
     relaxed = progress.relaxed() if progress is not None else contextlib.nullcontext()
+    pruner = Pruner(cfg, rundir, env.rank) if cfg.prune.metric else None
     try:
         with relaxed:  # no MPI message while the loop trains: its progress thread wakes less often
-            return train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(b, rundir)), None
+            return train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(b, rundir), pruner), None
+    except Pruned as pruned:  # every rank, at a rung, its checkpoint saved: ends like a completed run
+        return pruned, None
     except NodeEvicted as evicted:  # every rank, after a committed checkpoint: leave the slow node out
         p.mon.watchdog.close()
         p.checkpoints.close()
@@ -166,6 +171,18 @@ def finish(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, stopped) -> int:
     env, state = b.env, p.state
     p.mon.watchdog.close()
     p.checkpoints.close()
+    if isinstance(stopped, Pruned):
+        summary = {**_summary(p, b, comm), "pruned": stopped.info}
+        if env.rank == 0:
+            write_json_atomic(rundir.summary, summary)
+            fields = {k: v for k, v in stopped.info.items() if k != "step"}  # the rung's step is the state's
+            append_event(rundir.history, EVENT_PRUNED, step=state.step, launch=env.launch_id, **fields)
+            log.info("pruned at step %d: %s", state.step, stopped.info["why"])
+            if p.mon.tracker is not None:
+                p.mon.tracker.tags({f"hpc.pruned.{k}": str(stopped.info[k]) for k in ("step", "value", "why")})
+                p.mon.tracker.file(rundir.summary)
+                p.mon.tracker.finish("pruned")
+        return EXIT_DONE
     if stopped is not None:
         fields = stopped_fields(comm, env, b.stop, stopped, b.cfg.job.signal_lead_s)  # collective
         if env.rank == 0:

@@ -14,6 +14,7 @@ from runconfig.schema.job import JobConfig
 from runconfig.schema.model import ModelConfig
 from runconfig.schema.monitor import MonitorConfig
 from runconfig.schema.parallel import ParallelConfig
+from runconfig.schema.prune import PruneConfig
 from runconfig.schema.recipe import BUILTIN_RECIPE, RECIPE_RE
 from runconfig.schema.run import RunConfig
 from runconfig.schema.slurm_syntax import SIGNAL_NAMES, SLURM_NAMES_RE, slurm_minutes
@@ -34,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "MonitorConfig",
     "ParallelConfig",
+    "PruneConfig",
     "Problems",
     "Range",
     "RunConfig",

@@ -15,6 +15,7 @@ from runconfig.schema.job import JobConfig
 from runconfig.schema.model import ModelConfig
 from runconfig.schema.monitor import MonitorConfig
 from runconfig.schema.parallel import ParallelConfig
+from runconfig.schema.prune import PruneConfig
 from runconfig.schema.recipe import BUILTIN_RECIPE, RECIPE_RE
 from runconfig.schema.storage import StorageConfig
 from runconfig.schema.tracking import TrackingConfig
@@ -53,6 +54,9 @@ class RunConfig:
         "Experiment tracking (MLflow by default, W&B offline): one tracker run per run directory.",
         factory=TrackingConfig,
     )
+    prune: PruneConfig = doc(
+        "Early stopping of a sweep's poor elements (ASHA), set by `python -m hpc sweep`.", factory=PruneConfig
+    )
 
     def check(self) -> Problems:
         """Checks that span sections."""
@@ -77,6 +81,9 @@ class RunConfig:
                 )
             )
         out += layout_problems(self)
+        late = [s for s in self.prune.at_steps if s >= self.train.steps]
+        if self.prune.metric is not None and late:
+            out.append(("prune.at_steps", f"{late} are not before train.steps={self.train.steps}: nothing to prune"))
         if self.model.doc_mask and self.parallel.pp > 1:
             out.append(("model.doc_mask", "is not available with pipeline parallelism (parallel.pp > 1) yet: a later "
                         "stage sees hidden states, not the tokens whose documents the mask is made from"))  # fmt: skip

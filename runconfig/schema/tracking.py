@@ -13,10 +13,11 @@ URI_RE = re.compile(r"^(https?://[A-Za-z0-9.\-\[\]:]+(/[^\s@]*)?|sqlite:///.+|/.
 
 @dataclass(frozen=True, kw_only=True)
 class TrackingConfig(Section):
-    backend: Literal["auto", "mlflow", "wandb", "off"] = doc(
+    backend: Literal["auto", "mlflow", "wandb", "off", False] = doc(
         "Where rank 0 tracks the run: 'mlflow', 'wandb' (W&B in offline mode, files under RUN_DIR/wandb for `wandb "
         "sync`), 'off', or 'auto': mlflow, unless the environment says HPC_TRACKING=off (CI, test suites). One "
-        "tracker run per run directory, kept across requeues, restarts, chains and resumes (RUN_DIR/tracking.json).",
+        "tracker run per run directory, kept across requeues, restarts, chains and resumes (RUN_DIR/tracking.json). "
+        "(YAML reads a bare off as false: the same.)",
         "auto",
     )
     uri: str | None = doc(

@@ -396,3 +396,23 @@ def test_data(tmp_path):
     assert set(lit["samples_per_s"]) == {"litdata, cold cache", "litdata, warm cache"} and lit["bytes_in_cache"] > 0
     assert "| encode_batch, one core |" in stdout and "| s3, warm cache |" in stdout and "| 1e+06 |" in stdout
     assert "| save, trainer |" in stdout and "| litdata, cold cache |" in stdout
+
+
+@pytest.mark.mp
+def test_tracking(tmp_path):
+    """Tracking off and to the embedded store, 1 node x 2 ranks, 8 steps, one round (the server's variant is
+    tests/mp/test_tracking.py's)."""
+    res, out = run_bench(
+        "tracking",
+        ["--steps", "8", "--skip", "2", "--rounds", "1", "--ckpt-every", "4", "--variants", "off,embedded"],
+        tmp_path,
+    )
+    assert res["benchmark"] == "tracking" and set(res["variants"]) == {"off", "embedded"}
+    off, embedded = res["variants"]["off"], res["variants"]["embedded"]
+    assert positive(off["median_step_s"]) and positive(embedded["median_step_s"])
+    assert embedded["every_step_once"] is True
+    assert math.isclose(embedded["ratio_step_over_off"], embedded["median_step_s"] / off["median_step_s"])
+    assert positive(embedded["open_cpu_s"]) and embedded["send_cpu_ms_per_step"] >= 0
+    assert 0 < embedded["write_us_per_record"] < 10_000 and 0 <= embedded["bound_share_of_step"] < 1
+    header, row = table_lines(out, "| tracking | write()", "| embedded |")[:2]
+    assert "send CPU ms/step" in header and row.startswith("| embedded |")

@@ -16,6 +16,7 @@ from runconfig import RunDir, dump_yaml, load_config
 from runconfig.checkpoints import read_latest, validate
 from runconfig.contract import EVENT_RESTART, EVENT_RESUME, EVENT_STOPPED, INJECT_VAR
 from tests.conftest import PY, ROOT, history, rank_pids, run_cli, summary
+from tests.mp.test_tracking import assert_history_is_metrics_jsonl, client_and_run
 from tests.slurm.conftest import TWO_NODES, job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
@@ -49,13 +50,21 @@ def resumed_bitwise(run_dir, job_id, reference) -> dict:
 
 
 def test_preempted_by_the_job_signal(slurm, small_dataset, reference_2x1, tmp_path):
+    """The requeued job resumes bit-identical, and continues the same MLflow run (embedded, beside the run
+    directory): one run, one value per step, tagged with the job and its restart count."""
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, [*sets_for(small_dataset), *TWO_NODES])
+    job_id = submit(run_dir, [*sets_for(small_dataset), *TWO_NODES, "tracking.backend=mlflow"])
     wait_step(run_dir, 10)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # to the job's steps: every rank
     resumed_bitwise(run_dir, job_id, reference_2x1)
     stopped = [e for e in history(run_dir) if e["event"] == EVENT_STOPPED]
     assert len(stopped) == 1 and stopped[0]["step"] >= 10
+    client, run_id, _ = client_and_run(run_dir)
+    assert len(client.search_runs([client.get_experiment_by_name("hpc-trainer").experiment_id])) == 1
+    assert_history_is_metrics_jsonl(client, run_id, run_dir, steps=60)
+    tags = client.get_run(run_id).data.tags
+    assert tags["hpc.slurm_job_id"] == job_id and int(tags["hpc.slurm_restart_count"]) >= 1
+    assert tags["hpc.launches"] == "2"
 
 
 def test_requeued_by_scontrol_under_hsdp(slurm, small_dataset, tmp_path):

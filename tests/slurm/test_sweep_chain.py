@@ -43,6 +43,57 @@ def test_sweep_is_one_job_array_with_a_run_directory_per_element(slurm, small_da
         assert summary["final_step"] == 8 and summary["world_size"] == 1
 
 
+def test_a_random_sweep_prunes_poor_elements_and_ranks_the_rest(slurm, small_dataset, tmp_path):
+    """Four elements drawn from a log range of learning rates, one at a time (--parallel 1, so the verdicts do not
+    depend on which job Slurm starts first), judged at step 4 with eta 2: an element worse than the best half of
+    those that reached step 4 before it ends as pruned, its job COMPLETED, its step-4 checkpoint kept. The sweep's
+    results rank every element; MLflow holds the sweep as a parent run with the four as children."""
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(yaml.safe_dump({
+        "random": {"n": 4, "seed": 7, "train.lr": {"log": [1.0e-4, 3.0e-1]}},
+        "metric": "eval_loss", "prune": {"at_steps": [4], "eta": 2},
+    }))  # fmt: skip
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "hpc", "sweep", "tiny", str(spec), "--run-dir", str(sweep_dir), "--parallel", "1"]
+    sets = [*sets_for(small_dataset), "job.nodes=1", "job.ranks_per_node=1", "train.steps=8", "train.eval_every=8",
+            "checkpoint.every_steps=0", "train.min_lr=0", "tracking.backend=mlflow"]  # fmt: skip
+    for s in sets:
+        args += ["--set", s]
+    proc = run_cli(args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((sweep_dir / "sweep.json").read_text())
+    lrs = [r["overrides"]["train.lr"] for r in rows]
+    assert len(set(lrs)) == 4 and all(1.0e-4 <= lr <= 3.0e-1 for lr in lrs)
+    for row in rows:
+        assert wait_state(row["job_id"], DONE, timeout=240)["JobState"] == "COMPLETED"
+    states = {}
+    for row in rows:
+        run_dir = Path(row["run_dir"])
+        pruned = [e for e in history(run_dir) if e["event"] == "pruned"]
+        states[run_dir.name] = "pruned" if pruned else "completed"
+        final = json.loads((run_dir / "summary.json").read_text())["final_step"]
+        assert final == (4 if pruned else 8), (run_dir, final)
+        if pruned:
+            assert pruned[0]["step"] == 4 and pruned[0]["reports"] >= 2
+            assert (run_dir / "checkpoints" / "step_00000004").is_dir()
+    assert "pruned" in states.values() and states[Path(rows[0]["run_dir"]).name] == "completed", states
+    rungs = [json.loads(x) for x in (sweep_dir / "rungs.jsonl").read_text().splitlines()]
+    assert sorted(r["run"] for r in rungs) == sorted(states) and {r["step"] for r in rungs} == {4}
+    results = json.loads((sweep_dir / "results.json").read_text())
+    assert {r["name"]: r["state"] for r in results} == states
+    ranked = [r["eval_loss"] for r in results if r["eval_loss"] is not None]
+    assert ranked == sorted(ranked) and len(ranked) == 4  # every element evaluated (at its rung, or at its end)
+    assert "best first by eval_loss" in (sweep_dir / "results.md").read_text()
+    from mlflow.tracking import MlflowClient
+
+    parent = json.loads((sweep_dir / "tracking.json").read_text())
+    client = MlflowClient(parent["uri"])
+    children = client.search_runs([parent["experiment_id"]], f"tags.mlflow.parentRunId = '{parent['run_id']}'")
+    assert len(children) == 4 and client.get_run(parent["run_id"]).info.status == "FINISHED"
+    assert {c.data.tags["hpc.state"] for c in children} == {"done" if s == "completed" else s for s in states.values()}
+    assert "results.md" in {a.path for a in client.list_artifacts(parent["run_id"])}
+
+
 def test_sweep_refuses_job_keys(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"grid": {"job.nodes": [1, 2]}}))

@@ -118,3 +118,66 @@ def test_each_step_reaches_the_tracker_once_across_a_failure_a_resume_and_a_kill
     assert run.info.status == "FINISHED" and run.data.tags["hpc.launches"] == "3" and run.data.params == params
     assert json.loads(rundir.tracking.read_text())["sent_through"] == 14
     assert [a.path for a in client.list_artifacts(run_id)] == ["config.yaml"]
+
+
+def wandb_history(folder) -> list[tuple[int, float]]:
+    """(step, loss) of every history record in W&B's offline files under ``folder`` (their transaction logs: 32 KiB
+    blocks of chunks, each a 7-byte header of CRC, length and kind (full, first, middle, last), the chunks
+    protobuf Records)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    out = []
+    for path in sorted(folder.glob("offline-run-*/run-*.wandb")):
+        data, pos, chunks, part = path.read_bytes(), 7, [], b""
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            space = 32768 - pos % 32768
+            if space < 7:
+                pos += space
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+            if kind == 1:
+                chunks.append(chunk)
+            elif kind in (2, 3):
+                part = (part if kind == 3 else b"") + chunk
+            elif kind == 4:
+                chunks.append(part + chunk)
+        for chunk in chunks:
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            if record.WhichOneof("record_type") == "history":
+                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+                if "loss" in items:
+                    out.append((int(items["_step"]), items["loss"]))
+    return out
+
+
+def test_wandb_offline_is_the_same_interface_and_each_step_goes_once(tmp_path):
+    rundir = RunDir(tmp_path / "runs" / "run")
+    rundir.create()
+    rundir.config.write_text(dump_yaml(load_config("tiny")))
+    target = resolve(TrackingConfig(backend="wandb"), rundir, {})
+    first = Tracker(target, rundir, {"train.lr": "0.001"}, flush_timeout_s=60)
+    first.begin(0, {"hpc.launches": "1"}, [])
+    for r in records(range(1, 10)):
+        first.write(r)
+        if r["step"] == 5:
+            first.committed(5)
+    first.close()  # failed after step 9: 6-9 are recomputed by the next launch
+    rundir.metrics.write_text("".join(json.dumps(r) + "\n" for r in records(range(1, 6))))
+    second = Tracker(target, rundir, {"train.lr": "0.001"}, flush_timeout_s=60)
+    second.begin(5, {"hpc.launches": "2"}, [(rundir.config, None)])
+    for r in records(range(6, 13), 0.5):
+        second.write(r)
+    second.finish("done")
+    second.close()
+    state = json.loads(rundir.tracking.read_text())
+    assert state["backend"] == "wandb" and state["sent_through"] == 12
+    got = wandb_history(rundir.root / "wandb")
+    assert [s for s, _ in got] == list(range(1, 13)), got  # two offline folders, one run id, every step once
+    assert [v for s, v in got if s > 5] == [r["loss"] for r in records(range(6, 13), 0.5)]
+    folders = sorted((rundir.root / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(f.name.endswith(state["run_id"]) for f in folders)

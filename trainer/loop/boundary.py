@@ -40,6 +40,7 @@ class Decision:
     eval: bool
     last: bool  # the final step of training
     earlier: Earlier | None = None  # the previous step's figures, read at this boundary (deferred); else None
+    rung: bool = False  # a rung step of prune.*: checkpointed, evaluated when the metric is an eval one, judged
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,10 @@ class Boundary:
         p, t = self.p, self.p.cfg.train
         last = step == t.steps
         earlier = self._collect()
-        checkpoint = p.checkpoints.due_by_steps(step, last)
+        prune = p.cfg.prune
+        rung = prune.metric is not None and step in prune.at_steps and not last
+        # a rung's checkpoint is the one a pruned element keeps (its loss is agreed now: the record is complete)
+        checkpoint = p.checkpoints.due_by_steps(step, last) or rung
         stop = loss = None
         if earlier is not None:
             checkpoint = checkpoint or earlier.stop or earlier.due_by_time
@@ -128,9 +132,11 @@ class Boundary:
             loss=loss,
             stop=bool(stop) and not last,
             checkpoint=checkpoint,
-            eval=p.recipe.eval_data is not None and bool(t.eval_every) and (step % t.eval_every == 0 or last),
+            eval=p.recipe.eval_data is not None
+            and (bool(t.eval_every) and (step % t.eval_every == 0 or last) or rung and prune.metric.startswith("eval")),
             last=last,
             earlier=_earlier(earlier),
+            rung=rung,
         )
 
     def settle(self) -> Earlier | None:

@@ -23,12 +23,13 @@ class Publisher:
         self.last_line = time.monotonic()
         self.run_start, self.first_step = time.time(), p.state.step
         self.waiting: tuple[int, dict, float, bool] | None = None  # a record whose loss is not agreed yet
+        self.last_record: dict | None = None  # the newest record written (a rung judges its metric)
         self.dispatch = p.wrapped.dispatch  # DDP's hook: how long the gradient reduction ran (comm_busy_s)
         if self.dispatch is not None:
             self.dispatch.take_busy()  # the throw-away step's
 
     def due(self, step: int, decision: Decision, evaluated: bool, extra: dict | None) -> bool:
-        return step % self.p.cfg.train.log_every == 0 or decision.last or evaluated or bool(extra)
+        return step % self.p.cfg.train.log_every == 0 or decision.last or evaluated or bool(extra) or decision.rung
 
     def publish(self, step: int, result: StepResult, decision: Decision, evals: dict, extra: dict | None) -> None:
         """Write the record of ``step`` (covering the steps since the last record). Its publishing is timed as
@@ -86,6 +87,7 @@ class Publisher:
 
     def _write(self, step: int, record: dict, step_time: float, force_line: bool) -> None:
         p = self.p
+        self.last_record = record
         with p.mon.clock.part("sync"):
             p.metrics.write(record)
             p.mon.tensorboard.write(record)

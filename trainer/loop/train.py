@@ -9,6 +9,7 @@ import time
 from trainer.loop.boundary import Boundary, Earlier
 from trainer.loop.evaluate import evaluate
 from trainer.loop.parts import Parts
+from trainer.loop.prune import Pruner
 from trainer.loop.publish import Publisher
 from trainer.loop.step import train_step
 from trainer.loop.stopreport import LeadCheck, StopTimes
@@ -18,12 +19,15 @@ from trainer.observe.stragglers import NodeEvicted
 log = logging.getLogger(__name__)
 
 
-def train(p: Parts, lead: LeadCheck | None = None, profiler: StepProfiler | None = None) -> StopTimes | None:
+def train(
+    p: Parts, lead: LeadCheck | None = None, profiler: StepProfiler | None = None, pruner: Pruner | None = None
+) -> StopTimes | None:
     """Train until ``train.steps``. A stop signal ends it early with a committed checkpoint: then the stop's clock
     readings (trainer/loop/stopreport.py), else None. ``lead`` checks the signal's lead time after each save;
-    ``profiler`` records the steps of ``monitor.profile_steps`` (written however the loop ends)."""
+    ``profiler`` records the steps of ``monitor.profile_steps`` (written however the loop ends); ``pruner`` judges
+    the rung steps of prune.* (raising Pruned on every rank after the rung's checkpoint)."""
     try:
-        return _train(p, lead, profiler)
+        return _train(p, lead, profiler, pruner)
     finally:
         if profiler is not None:
             profiler.close()
@@ -49,7 +53,7 @@ def _checks_and_eval(p: Parts, step: int, due_eval: bool, publisher: Publisher) 
     return extra, evals
 
 
-def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None) -> StopTimes | None:
+def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, pruner: Pruner | None) -> StopTimes | None:
     state, mon, t = p.state, p.mon, p.cfg.train
     log.info(
         "training steps %d..%d: world %d (%d nodes x %d), grad accumulation %d, %s all-reduce, device %s",
@@ -106,6 +110,9 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None) -> S
                 lead.after_save(step, step_s, p.checkpoints.last_save_s)
         if profiler is not None:
             profiler.after(step)
+        if decision.rung and pruner is not None and pruner.due(step):
+            mon.watchdog.enter("rung", step)
+            pruner.judge(step, publisher.last_record)
         if extra and "evict" in extra and not decision.last:
             agreed_later(boundary.settle())  # every rank is here (the straggler check is collective)
             if not decision.checkpoint:  # the launch ends here: nothing computed so far is lost

@@ -1,0 +1,193 @@
+"""What experiment tracking costs a step: the same run with tracking off, to the embedded MLflow store (SQLite
+beside the run directory) and to a real `mlflow server` (envs/mlflow/server.sh on a local port), side by side.
+
+Each round runs the three variants one after the other (``python -m hpc.submit tiny --local``, N simulated nodes x
+R ranks, every step logged, a checkpoint every ``--ckpt-every`` steps, which is when the tracker is sent the steps
+it covers), in a rotated order, so that machine noise hits every variant alike. The figures are the median and the
+mean of ``step_time_s`` over the steps after ``--skip`` of all rounds: the mean counts the steps after a commit,
+while the tracker sends. The tracker's client is imported and its store made in rank 0's background thread during
+start-up and the first steps: that one-off cost shows in the run's wall time, also reported. The tracker's history
+is read back after each tracked run: every step once. The server shares this host's cores with the ranks (on a
+cluster it runs elsewhere). Prints a table and a JSON object (``--json FILE`` writes it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import lines  # noqa: E402
+
+VARIANTS = ("off", "embedded", "server")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python bench/tracking.py", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--skip", type=int, default=60, help="warm-up steps left out of the median")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], help="more config overrides (KEY=VALUE)")
+    p.add_argument("--work", type=Path, default=None, help="folder for the runs (default: a temporary one)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="a subset, comma-separated (off is always run)")
+    args = p.parse_args(argv)
+    args.variants = tuple(v for v in VARIANTS if v == "off" or v in args.variants.split(","))
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_script(verb: str, state: Path, port: int) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "HPC_MLFLOW_PORT": str(port)}
+    subprocess.run(["bash", str(ROOT / "envs/mlflow/server.sh"), verb, str(state)], check=True, env=env)
+
+
+def run_variant(variant: str, args: argparse.Namespace, run_dir: Path, uri: str) -> dict:
+    sets = [
+        f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0", f"job.nodes={args.nodes}",
+        f"job.ranks_per_node={args.ranks}", f"checkpoint.every_steps={args.ckpt_every}", "checkpoint.keep_last=2",
+        f"tracking.backend={'off' if variant == 'off' else 'mlflow'}", *args.set,
+    ]  # fmt: skip
+    if variant == "server":
+        sets.append(f"tracking.uri={uri}")
+    cmd = [sys.executable, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
+    cmd += [a for kv in sets for a in ("--set", kv)]
+    env = {k: v for k, v in os.environ.items() if k not in ("HPC_TRACKING", "MLFLOW_TRACKING_URI")}
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{variant} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = lines(run_dir / "metrics.jsonl")
+    out = {
+        "wall_s": wall,
+        "step_time_s": [r["step_time_s"] for r in records if r["step"] > args.skip],
+        "sync_s": [r.get("time_sync_s", 0.0) for r in records if r["step"] > args.skip],
+    }
+    if variant != "off":
+        out["tracker_steps"] = tracker_steps(run_dir)
+        out["every_step_once"] = out["tracker_steps"] == [r["step"] for r in records]
+        out["cost"] = json.loads((run_dir / "tracking.json").read_text())["cost"]
+    return out
+
+
+def tracker_steps(run_dir: Path) -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    state = json.loads((run_dir / "tracking.json").read_text())
+    history = MlflowClient(state["uri"]).get_metric_history(state["run_id"], "step_time_s")
+    return sorted(m.step for m in history)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-tracking-"))
+    work.mkdir(parents=True, exist_ok=True)
+    port, state = free_port(), work / "mlflow-server"
+    server = "server" in args.variants
+    if server:
+        server_script("start", state, port)
+    uri = f"http://127.0.0.1:{port}"
+    chosen = args.variants
+    runs: dict[str, list[dict]] = {v: [] for v in chosen}
+    try:
+        for i in range(args.rounds):
+            order = chosen[i % len(chosen) :] + chosen[: i % len(chosen)]
+            for variant in order:
+                runs[variant].append(run_variant(variant, args, work / f"r{i}" / variant / "run", uri))
+    finally:
+        if server:
+            server_script("wipe", state, port)
+    result = summarize(args, runs)
+    show(result)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+def summarize(args: argparse.Namespace, runs: dict[str, list[dict]]) -> dict:
+    rows = {}
+    for variant, found in runs.items():
+        steps = [t for r in found for t in r["step_time_s"]]
+        rows[variant] = {
+            "median_step_s": statistics.median(steps),
+            "mean_step_s": statistics.fmean(steps),
+            "median_sync_s": statistics.median(t for r in found for t in r["sync_s"]),
+            "median_wall_s": statistics.median(r["wall_s"] for r in found),
+            "runs": len(found),
+        }
+        if variant != "off":
+            rows[variant]["every_step_once"] = all(r["every_step_once"] for r in found)
+            costs = [r["cost"] for r in found]
+            per_step = statistics.median(c["send_cpu_s"] / c["records"] for c in costs)
+            rows[variant]["write_us_per_record"] = statistics.median(c["write_us_per_record"] for c in costs)
+            rows[variant]["open_cpu_s"] = statistics.median(c["open_cpu_s"] for c in costs)
+            rows[variant]["send_cpu_ms_per_step"] = 1000 * per_step
+            # the most the tracker can cost a step where the ranks leave no core idle: its thread's CPU time
+            rows[variant]["bound_share_of_step"] = (
+                per_step + 1e-6 * rows[variant]["write_us_per_record"]
+            ) / statistics.median(t for r in runs["off"] for t in r["step_time_s"])
+    base, mean = rows["off"]["median_step_s"], rows["off"]["mean_step_s"]
+    for variant in [v for v in rows if v != "off"]:
+        rows[variant]["ratio_step_over_off"] = rows[variant]["median_step_s"] / base
+        rows[variant]["ratio_mean_over_off"] = rows[variant]["mean_step_s"] / mean
+    return {
+        "benchmark": "tracking",
+        "setup": {
+            "steps": args.steps,
+            "skip": args.skip,
+            "rounds": args.rounds,
+            "ckpt_every": args.ckpt_every,
+            "nodes": args.nodes,
+            "ranks_per_node": args.ranks,
+        },  # fmt: skip
+        "variants": rows,
+    }
+
+
+def show(result: dict) -> None:
+    s, rows = result["setup"], result["variants"]
+    print(
+        f"tracking cost: {s['nodes']} node(s) x {s['ranks_per_node']} rank(s), {s['steps']} steps (median of steps "
+        f"after {s['skip']}, {s['rounds']} rounds), a checkpoint and a tracker send every {s['ckpt_every']} steps"
+    )
+    print("| tracking | median step ms | ratio | mean step ms | ratio | sync ms | wall s | every step once |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for variant, r in rows.items():
+        ratio = f"{r.get('ratio_step_over_off', 1.0):.3f}"
+        mean_ratio = f"{r.get('ratio_mean_over_off', 1.0):.3f}"
+        once = str(r.get("every_step_once", "-"))
+        print(f"| {variant} | {1000 * r['median_step_s']:.2f} | {ratio} | {1000 * r['mean_step_s']:.2f} | "
+              f"{mean_ratio} | {1000 * r['median_sync_s']:.3f} | {r['median_wall_s']:.1f} | {once} |")  # fmt: skip
+    print()
+    print("what the tracker itself costs rank 0 (per logged step; its thread runs at the lowest CPU priority):")
+    print("| tracking | write() us | open CPU s (once) | send CPU ms/step | bound, share of a step |")
+    print("|---|---:|---:|---:|---:|")
+    for variant, r in rows.items():
+        if "write_us_per_record" in r:
+            print(f"| {variant} | {r['write_us_per_record']:.1f} | {r['open_cpu_s']:.2f} | "
+                  f"{r['send_cpu_ms_per_step']:.3f} | {100 * r['bound_share_of_step']:.2f}% |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
