@@ -140,8 +140,10 @@ def sweep_command(num_nodes: int) -> list[str]:
 
 
 def run_complete(rundir: RunDir, cfg: RunConfig) -> bool:
+    """Trained to the end, or pruned at a rung (a sweep element that ended for good)."""
     try:
-        return json.loads(rundir.summary.read_text())["final_step"] >= cfg.train.steps
+        summary = json.loads(rundir.summary.read_text())
+        return summary["final_step"] >= cfg.train.steps or bool(summary.get("pruned"))
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -169,12 +171,14 @@ class Driver:
         # stop, not as evidence against the rank's node.
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, _note_stop_signal)
+        rundir = RunDir(Path(self.run_dir))
+        cfg = load_config(str(rundir.config))
+        if cfg.job.signal not in ("SIGUSR1", "SIGUSR2", "SIGTERM"):  # the job's own stop signal too
+            signal.signal(getattr(signal, cfg.job.signal), _note_stop_signal)
         # SIGTERM to the batch step: Slurm is ending the job (scancel, the time limit, a preemption that requeues
         # it itself). The ranks get it too; the driver only notes it, so that it neither restarts nor resubmits.
         signal.signal(signal.SIGTERM, _note_job_ending)
         os.umask(0o077)
-        rundir = RunDir(Path(self.run_dir))
-        cfg = load_config(str(rundir.config))
         job = SlurmJob.from_environ()
         if run_complete(rundir, cfg):
             print(f"run {rundir.root} is already complete; job {job.job_id} ends without work", flush=True)
@@ -214,7 +218,7 @@ class Driver:
             subprocess.call(["scontrol", decision.action, job.job_id])
             return {"status": decision.action}
         print(decision.message, flush=True)
-        _sweep_results(rundir)
+        _sweep_results(rundir, "failed" if decision.error else None)
         if decision.error:
             raise RuntimeError(decision.message.removeprefix("error: "))
         return {"status": launched.ended.how}
@@ -231,6 +235,7 @@ class Driver:
         print(f"job {job.job_id} (restart {job.restart_count}, launch {launch_id}): {' '.join(command)}", flush=True)
         env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
         rundir.clear_failure()  # an earlier launch's diagnosis is not this one's
+        STOP_SIGNAL.clear()  # a signal before this launch is not what ends it
         status, first_failed = run_step(command, env)
         # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks were
         # killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
@@ -272,12 +277,12 @@ class Driver:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
 
 
-def _sweep_results(rundir: RunDir) -> None:
+def _sweep_results(rundir: RunDir, state: str | None) -> None:
     """A sweep element that ended: the sweep's results rewritten; the table printed once every element ended."""
     from hpc.sweep import element_ended
 
     try:
-        table = element_ended(rundir)
+        table = element_ended(rundir, state)
     except Exception as exc:  # the run's own outcome is decided: the table is an extra
         print(f"warning: the sweep's results were not written: {exc}", flush=True)
         return

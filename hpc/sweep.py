@@ -142,6 +142,8 @@ def _check_distribution(path: Path, key: str, dist: object) -> None:
     if not numbers or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds):
         raise ConfigError(f"{where}: {form} needs [low, high], two numbers; got {bounds!r}.")
     low, high = bounds
+    if not all(math.isfinite(b) for b in bounds):
+        raise ConfigError(f"{where}: {form} needs finite bounds, got {bounds!r}.")
     if form == "int" and not all(isinstance(b, int) for b in bounds):
         raise ConfigError(f"{where}: int needs whole-number bounds, got {bounds!r}.")
     if (form == "int" and low > high) or (form != "int" and low >= high):
@@ -158,7 +160,8 @@ def _draw(rng: random.Random, dist: list | dict) -> object:
     if form == "int":
         return rng.randint(low, high)
     value = math.exp(rng.uniform(math.log(low), math.log(high))) if form == "log" else rng.uniform(low, high)
-    return float(f"{value:.4g}")  # 4 significant digits: readable names, values a person can type again
+    # 4 significant digits: readable names, values a person can type again; kept inside the range
+    return min(max(float(f"{value:.4g}"), low), high)
 
 
 def read_spec(path: Path) -> SweepSpec:
@@ -258,9 +261,10 @@ def _last_value(rundir: RunDir, key: str) -> float | None:
     return values[-1] if values else None
 
 
-def results(sweep_dir: Path) -> tuple[list[dict], str]:
+def results(sweep_dir: Path, own: tuple[str, str | None] = ("", None)) -> tuple[list[dict], str]:
     """Every element's `hpc runs` row with its overrides, best first by the sweep's metric (elements without it
-    last), and the markdown table of them."""
+    last), and the markdown table of them. ``own``: (an element's name, its state) said by its launcher, whose job
+    Slurm still shows running while it ends."""
     from hpc.runs import row
 
     spec = json.loads((sweep_dir / SPEC_FILE).read_text()) if (sweep_dir / SPEC_FILE).exists() else {}
@@ -269,6 +273,8 @@ def results(sweep_dir: Path) -> tuple[list[dict], str]:
     for entry in json.loads((sweep_dir / "sweep.json").read_text()):
         rundir = RunDir(Path(entry["run_dir"]))
         r = {**row(rundir), "overrides": entry["overrides"]}
+        if rundir.root.name == own[0] and own[1] and r["state"] not in FINAL:
+            r["state"] = own[1]
         if metric not in r:
             r[metric] = _last_value(rundir, metric)
         rows.append(r)
@@ -287,7 +293,7 @@ def results(sweep_dir: Path) -> tuple[list[dict], str]:
     return rows, title + "\n\n" + "\n".join(lines)
 
 
-def element_ended(rundir: RunDir) -> str | None:
+def element_ended(rundir: RunDir, state: str | None = None) -> str | None:
     """After an element's launcher is done with it: rewrite the sweep's results (under a lock: elements end on
     several nodes at once); once every element has ended, the table (to print) and the parent tracker run is
     finished with it. None for a run that is no sweep's element, or while others still run."""
@@ -296,7 +302,7 @@ def element_ended(rundir: RunDir) -> str | None:
         return None
     with open(sweep_dir / LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        rows, text = results(sweep_dir)
+        rows, text = results(sweep_dir, own=(rundir.root.name, state))
         _write_atomic(sweep_dir / RESULTS_MD, text + "\n")
         _write_atomic(sweep_dir / RESULTS_JSON, json.dumps(rows, indent=1, default=str) + "\n")
         if not all(r["state"] in FINAL for r in rows):

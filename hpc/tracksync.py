@@ -8,6 +8,8 @@ the report's files are sent in any case (a file sent again replaces itself).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from runconfig import RunDir, load_config
 from runconfig.checkpoints import latest_committed
 from runconfig.rundir import read_jsonl
 from runconfig.tracking import (
+    ARTIFACTS_NAME,
     TrackingState,
     client_environment,
     flat_params,
@@ -30,23 +33,36 @@ BATCH_RECORDS = 2000
 
 
 def sync(rundir: RunDir, files: list[tuple[Path, str | None]], *, idle: bool) -> str | None:
-    """Send the report's ``files`` and, when ``idle`` (no job of the run is active), the steps the tracker lacks.
-    One line saying what was sent, or None when the run is not tracked (MLflow only: W&B offline files are the
-    trainer's). Raises what the tracker's client raises."""
+    """Send the report's ``files`` and, when ``idle`` (no job of the run is active) and no launch holds the run's
+    tracking lock, the steps the tracker lacks. The store is the one tracking.json names (the run's own, whatever
+    this login node's environment says); a run without tracking.json was never tracked: None. One line saying what
+    was sent; MLflow only (W&B offline files are the trainer's). Raises what the tracker's client raises."""
+    if not rundir.tracking.is_file():
+        return None
     cfg = load_config(str(rundir.config))
     target = resolve(cfg.tracking, rundir, os.environ)
-    if target is None or target.backend != "mlflow":
-        return None
     lock = hold_lock(rundir, wait=False) if idle else None
     try:
+        if target is None:
+            target = resolve(dataclasses.replace(cfg.tracking, backend="mlflow"), rundir, os.environ)
+        data = json.loads(rundir.tracking.read_text())
+        if data.get("backend") != "mlflow":
+            return None
+        target = dataclasses.replace(target, uri=data["uri"])
+        if target.store_path is not None:
+            target = dataclasses.replace(target, artifact_location=str(target.store_path.parent / ARTIFACTS_NAME))
         state = TrackingState.load(rundir.tracking, target)
+        if lock is None and state.run_id is None:
+            return f"tracker: {target.uri}: the run is being tracked by its running launch; nothing sent"
         client_environment(target)
         backend = open_backend(target)
         done = rundir.summary.is_file()
-        backend.open(state, {"hpc.run_dir": str(rundir.root)}, running=False)
-        state.save(rundir.tracking)
         sent = 0
-        if lock is not None:
+        if lock is None:  # a launch sends: only the report's files go, and tracking.json is the launch's
+            backend.open(dataclasses.replace(state), {}, running=False)
+        else:
+            backend.open(state, {"hpc.run_dir": str(rundir.root)}, running=False)
+            state.save(rundir.tracking)
             if reconcile(backend, state):
                 state.save(rundir.tracking)
             if not state.params_logged:

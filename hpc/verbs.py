@@ -212,6 +212,8 @@ def sweep(args: argparse.Namespace) -> int:
     from hpc.submit import main as submit_main
     from runconfig.code import locate
 
+    if args.parallel is not None and args.parallel < 1:
+        raise VerbError(f"--parallel {args.parallel}: at least 1 element at once.")
     name = load_config(args.config, args.overrides).job.name
     sweep_dir = (args.run_dir or Path("runs") / f"sweep-{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     spec, elements = sw.expand(args.config, args.grid, args.overrides, sweep_dir)
@@ -230,7 +232,7 @@ def sweep(args: argparse.Namespace) -> int:
         statuses = []
         for d in dirs:
             statuses.append(submit_main(["--resume", str(d.root), "--local"]))
-            table = sw.element_ended(d)
+            table = sw.element_ended(d, "failed" if statuses[-1] not in (0, 75) else None)
             if table:
                 print(table)
         return max(statuses)
@@ -238,6 +240,7 @@ def sweep(args: argparse.Namespace) -> int:
     executor = make_executor(elements[0][1], RunDir(sweep_dir))
     if args.parallel:
         executor.update_parameters(array_parallelism=args.parallel)
+    sw.record(sweep_dir, elements, dirs, [""] * len(dirs))  # before the array: an element that starts at once reads it
     jobs = executor.submit_array([Driver(str(d.root)) for d in dirs])
     ids = [str(j.job_id) for j in jobs]
     sw.record(sweep_dir, elements, dirs, ids)

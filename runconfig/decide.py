@@ -136,7 +136,7 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
     cause, user = failure_cause(ended, failure)
     if user:
         return Decision("end", EXIT_USER_ERROR, f"error: {cause}", error=True, cause=cause)
-    if not suspects_of(failure) and stopped_by_signal(ended, situation):
+    if not suspects_of(failure) and stopped_by_signal(ended, situation, job):
         # The stop signal killed a rank before its handler was installed (interpreter start-up) or after it was
         # restored: a stop without a checkpoint at it, not evidence against the rank's node.
         return _after_stop(rundir, job, ended, situation, committed=False)
@@ -192,11 +192,13 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
     return Decision("end", EXIT_FAILED, message, error=True, cause=cause, new_bad=new_bad, exclude=exclude)
 
 
-def stopped_by_signal(ended: Ended, situation: Situation) -> bool:
-    """A failed launch that a stop signal ended: the launcher got one, or the exit status is a stop signal's."""
+def stopped_by_signal(ended: Ended, situation: Situation, job: JobConfig) -> bool:
+    """A failed launch that the job's stop signal ended: the launcher got it during the launch, or the exit status
+    is that signal's (SIGTERM is Slurm ending the job: ``situation.ending``)."""
     status = ended.status
     number = -status if status < 0 else status - 128 if 128 < status < 128 + 65 else 0
-    return situation.stop_signal or number in (signal.SIGUSR1, signal.SIGUSR2)
+    signals = {signal.SIGUSR1, signal.SIGUSR2, getattr(signal, job.signal, signal.SIGUSR2)} - {signal.SIGTERM}
+    return situation.stop_signal or number in signals
 
 
 def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, committed: bool = True) -> Decision:

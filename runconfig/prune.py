@@ -53,7 +53,9 @@ def judge(values: list[float], mine: float, eta: float, mode: str) -> tuple[bool
 
 def report(path: Path, run: str, step: int, value: float, cfg: PruneConfig) -> Verdict:
     """Record this element's value at the rung ``step`` (a relaunched element that reported there before keeps its
-    first report) and judge it against every report at that step so far."""
+    first report) and judge it against every report at that step so far. A value that is not finite (a diverged
+    element) is pruned and recorded as null, which no verdict counts."""
+    finite = math.isfinite(value)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -62,14 +64,17 @@ def report(path: Path, run: str, step: int, value: float, cfg: PruneConfig) -> V
         for line in f.read().splitlines():
             try:
                 r = json.loads(line)
-                if r["step"] == step and isinstance(r["value"], (int, float)):
+                if r["step"] == step and isinstance(r["value"], (int, float)) and math.isfinite(r["value"]):
                     at_step.setdefault(r["run"], float(r["value"]))
             except (ValueError, KeyError, TypeError):
                 continue  # a torn line of a killed writer
         if run not in at_step:
-            at_step[run] = float(value)
-            f.write(json.dumps({"run": run, "step": step, "value": float(value), "time": time.time()}) + "\n")
+            shown = float(value) if finite else None
+            f.write(json.dumps({"run": run, "step": step, "value": shown, "time": time.time()}) + "\n")
             f.flush()
+            if not finite:
+                return Verdict(True, step, value, len(at_step), len(at_step) + 1, len(at_step))
+            at_step[run] = float(value)
     mine = at_step[run]
     pruned, rank, keep = judge(list(at_step.values()), mine, cfg.eta, cfg.mode)
     return Verdict(pruned, step, mine, rank, len(at_step), keep)

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ ARTIFACTS_NAME = "mlartifacts"
 NOT_METRICS = frozenset({"step", "time", "launch", "unit", "comm_by_dim", "stragglers"})
 PARAMS_PER_BATCH, TAGS_PER_BATCH, METRICS_PER_BATCH = 100, 100, 1000  # MLflow's log_batch limits
 PARAM_CHARS = 6000  # MLflow's longest parameter value
+LAST_KEY = "step_time_s"  # in every record, sent last of each
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +116,14 @@ class TrackingState:
         try:
             data = json.loads(Path(path).read_text())
             state = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, AttributeError):  # missing, torn, or not an object
             return cls(target.backend, target.uri)
         if (state.backend, state.uri) != (target.backend, target.uri):
             return cls(target.backend, target.uri)
         return state
 
     def save(self, path: Path) -> None:
-        tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}")
+        tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}-{threading.get_native_id()}")
         tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
         os.replace(tmp, path)
 
@@ -161,6 +163,8 @@ def metric_points(record: dict) -> list[tuple[str, float, int, int]]:
     for key, value in items:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out.append((key, float(value), step, ms))
+    # step_time_s last: a record whose step_time_s the tracker holds was sent whole (reconcile looks it up)
+    out.sort(key=lambda p: p[0] == LAST_KEY)
     return out
 
 
@@ -189,7 +193,7 @@ def reconcile(backend, state: TrackingState) -> bool:
     """After a process was killed while sending: ``sent_through`` from what the tracker holds. Whether it changed."""
     if state.in_flight_through <= state.sent_through:
         return False
-    held = backend.last_step(state.run_id, "step_time_s")  # in every record
+    held = backend.last_step(state.run_id, LAST_KEY)
     state.sent_through = max(state.sent_through, min(held, state.in_flight_through))
     state.in_flight_through = state.sent_through
     return True
@@ -294,7 +298,7 @@ class WandbBackend:
     def __init__(self, target: Target) -> None:
         import wandb
 
-        self.wandb, self.target, self.run = wandb, target, None
+        self.wandb, self.target, self.run, self.all_tags = wandb, target, None, {}
 
     def open(self, state: TrackingState, tags: dict[str, str], running: bool = True) -> None:
         import uuid
@@ -307,17 +311,19 @@ class WandbBackend:
             resume="allow",
             dir=self.target.uri,
             mode="offline",
-            config={"tags": tags},
+            config={"tags": dict(tags)},
             settings=self.wandb.Settings(console="off", x_disable_stats=True),
         )
         state.run_id, state.experiment_id = run_id, self.target.experiment
+        self.all_tags.update(tags)
 
     def params(self, run_id: str, params: dict[str, str]) -> dict[str, str]:
         self.run.config.update({"config": params}, allow_val_change=True)
         return {}
 
     def tags(self, run_id: str, tags: dict[str, str]) -> None:
-        self.run.config.update({"tags": tags}, allow_val_change=True)
+        self.all_tags.update(tags)  # W&B's config holds one value per key: the launch's tags and later ones
+        self.run.config.update({"tags": dict(self.all_tags)}, allow_val_change=True)
 
     def metrics(self, run_id: str, points: list[tuple[str, float, int, int]]) -> None:
         by_step: dict[int, dict[str, float]] = {}

@@ -257,6 +257,7 @@ hpc_main() {
     shown=("${command[0]}" "${placement[@]}" "${command[@]:1}")
     echo "job ${SLURM_JOB_ID:-?} (restart $restarts, launch $HPC_LAUNCH_ID): ${shown[*]}"
     rm -f -- "$RUN_DIR/failure.json" "$RUN_DIR"/.failure.json.tmp-*  # an earlier launch's diagnosis is not this one's
+    hpc_stop_seen=""  # a signal before this launch is not what ends it
     # srun's stderr is copied through and kept: its first "task N: Killed/Exited" line names who failed first.
     errfile="$RUN_DIR/logs/srun-$HPC_LAUNCH_ID.err"
     { env "${hpc_env[@]}" "${command[0]}" "${placement[@]}" "${command[@]:1}" 2>&1 1>&3 3>&- |

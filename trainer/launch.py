@@ -28,6 +28,7 @@ from runconfig.load import config_hash
 from trainer.boot import Booted
 from trainer.build import check_overlap, plan_allreduce, restore_or_start
 from trainer.checkpoint.fingerprint import params_sha256
+from trainer.errors import UserError
 from trainer.failure import report_failure
 from trainer.loop.parts import Parts
 from trainer.loop.prune import Pruned, Pruner
@@ -67,9 +68,12 @@ def start(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, clock: StartupClo
         except OSError as exc:  # the record is for people; training goes on without it
             log.warning("could not write the launch record into %s: %s", rundir.record, exc)
         if p.mon.tracker is not None:
-            tags = launch_tags(b.cfg, b.env, p.wrapped.layout.sizes(), launch_record, rundir, b.code_sha256)
-            files = [(f, "record") for f in sorted(rundir.record.glob("*")) if f.is_file() and f.name[0] != "."]
-            p.mon.tracker.begin(p.state.step, tags, files)
+            try:  # rank 0 alone: nothing here may end the run while the others wait in the next collective
+                tags = launch_tags(b.cfg, b.env, p.wrapped.layout.sizes(), launch_record, rundir, b.code_sha256)
+                files = [(f, "record") for f in sorted(rundir.record.glob("*")) if f.is_file() and f.name[0] != "."]
+                p.mon.tracker.begin(p.state.step, tags, files)
+            except Exception as exc:
+                log.warning("tracking: this launch's tags and record were not queued: %s", exc)
     log.info(
         "recipe %s: %s with %d parameters; train %d samples, eval %s",
         b.cfg.recipe,
@@ -131,6 +135,12 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
     env, cfg, state = b.env, b.cfg, p.state
     relaxed = progress.relaxed() if progress is not None else contextlib.nullcontext()
     pruner = Pruner(cfg, rundir, env.rank) if cfg.prune.metric else None
+    if pruner is not None and cfg.prune.metric.startswith("eval") and p.recipe.eval_data is None:
+        raise UserError(  # every rank: the same recipe
+            f"prune.metric {cfg.prune.metric!r} is an evaluation's, but recipe {cfg.recipe!r} has no eval_data: prune "
+            "by a training metric (prune.metric: loss) or give the recipe eval_data",
+            collective=True,
+        )
     try:
         with relaxed:  # no MPI message while the loop trains: its progress thread wakes less often
             return train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(b, rundir), pruner), None

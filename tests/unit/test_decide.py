@@ -192,6 +192,10 @@ def test_ranks_ended_with_the_job_are_not_restarted_and_name_no_node(rundir):
     assert decision.action == "end" and not decision.new_bad and "while Slurm was ending the job" in decision.message
 
 
+def other_sign(situation):
+    return dataclasses.replace(situation, stop_signal=False)
+
+
 @pytest.mark.parametrize(
     "status,seen",
     [(128 + signal.SIGUSR2, False), (-signal.SIGUSR1, False), (137, True)],
@@ -209,6 +213,11 @@ def test_a_rank_the_stop_signal_killed_before_its_handler_is_a_stop_not_a_bad_no
     chain = dataclasses.replace(situation, last_in_chain=False)
     decision = decide(rundir, job(nodes=4), Ended("failed", status), chain)
     assert decision.action == "end" and decision.status == EXIT_DONE and not decision.new_bad, decision
+    # The job's own stop signal, when it is another one (job.signal: SIGHUP), is known from the status too.
+    decision = decide(
+        rundir, job(nodes=4, signal="SIGHUP"), Ended("failed", 128 + signal.SIGHUP), other_sign(situation)
+    )
+    assert decision.action == "requeue" and not decision.new_bad, decision
     # Without either sign, the same failure names the node of the rank that ended first.
     other = dataclasses.replace(situation, stop_signal=False)
     decision = decide(rundir, job(nodes=4), Ended("failed", 137), other)

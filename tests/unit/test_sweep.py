@@ -100,3 +100,11 @@ def test_rung_reports_from_many_processes_are_each_counted_once(tmp_path):
     again = report(path, "run7", 10, -1.0, cfg)
     assert (again.value, again.reports, again.keep, again.prune) == (7.0, 8, 4, True)
     assert not report(path, "run9", 10, 0.5, cfg).prune  # among the best 4 of 9
+
+
+def test_a_diverged_element_is_pruned_and_never_a_peers_cutoff(tmp_path):
+    path, cfg = tmp_path / "rungs.jsonl", PruneConfig(metric="eval_loss", at_steps=[10], eta=2)
+    assert not report(path, "a", 10, 3.0, cfg).prune
+    assert report(path, "b", 10, float("nan"), cfg).prune
+    assert json.loads(path.read_text().splitlines()[1])["value"] is None
+    assert not report(path, "c", 10, 2.5, cfg).prune  # judged against a's report alone: 2 reports, the best goes on

@@ -150,6 +150,8 @@ class Tracker:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         lock = hold_lock(self.rundir, wait=True)  # a report sending from the login node finishes first
+        with self._cond:  # what that report sent, read under the lock
+            self.state = TrackingState.load(self.rundir.tracking, self.target)
         try:
             self._loop()
         finally:
@@ -250,8 +252,9 @@ class Tracker:
 
     def _send_metrics(self) -> None:
         while True:
-            with self._cond:
-                batch = pick(self._ready, self.state.sent_through, BATCH_RECORDS)
+            with self._cond:  # a copy of the references; the sort runs outside the lock the loop's write() takes
+                queued, through = list(self._ready), self.state.sent_through
+            batch = pick(queued, through, BATCH_RECORDS)
             if not batch:
                 return
             send(self._backend, self.state, batch, self._save)
