@@ -160,7 +160,7 @@ def build_parts(
     stack.callback(checkpoints.close)
     if tracker is not None:  # a step's metrics go to the tracker once a committed checkpoint covers it
         checkpoints.on_commit = tracker.committed
-        checkpoints.tracking_run = lambda: tracker.state.run_id
+        checkpoints.tracking_run = lambda: tracker.run_id
     metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
     stack.callback(metrics.close)
     return Parts(
