@@ -16,17 +16,9 @@ from hpc.plots import DPI, _finish, _series
 from hpc.runlog import RunLog, analyze
 from hpc.runs import RunsError, row, table
 from runconfig import RunDir
+from runconfig.load import flatten
 
 MISSING = "(not set)"
-
-
-def flatten(data: object, prefix: str = "") -> dict[str, object]:
-    if isinstance(data, dict) and data:
-        out: dict[str, object] = {}
-        for key, value in data.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): data}
 
 
 def differences(rundirs: list[RunDir]) -> dict[str, list[object]]:

@@ -242,6 +242,16 @@ def _kind(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def flatten(data: object, prefix: str = "") -> dict[str, object]:
+    """A nested mapping as dotted keys (``train.lr``); an empty mapping is a value of its own."""
+    if isinstance(data, dict) and data:
+        out: dict[str, object] = {}
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
 def to_dict(cfg: RunConfig) -> dict:
     return dataclasses.asdict(cfg)
 

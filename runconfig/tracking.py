@@ -199,15 +199,15 @@ def reconcile(backend, state: TrackingState) -> bool:
     return True
 
 
-def flat_params(data: object, prefix: str = "") -> dict[str, str]:
+def flat_params(data: object) -> dict[str, str]:
     """A config as MLflow parameters: dotted keys, JSON values (cut at MLflow's length)."""
-    if isinstance(data, dict) and data:
-        out: dict[str, str] = {}
-        for key, value in data.items():
-            out.update(flat_params(value, f"{prefix}{key}."))
-        return out
-    text = data if isinstance(data, str) else json.dumps(data, default=str)
-    return {prefix.rstrip("."): text[:PARAM_CHARS]}
+    from runconfig.load import flatten
+
+    out = {}
+    for key, value in flatten(data).items():
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        out[key] = text[:PARAM_CHARS]
+    return out
 
 
 def _quiet(*names: str) -> None:
