@@ -52,7 +52,7 @@ class Sender:
 
     def __init__(self, target: Target, rundir: RunDir, params: dict[str, str]) -> None:
         self.target, self.rundir, self.params = target, rundir, params
-        self.state = TrackingState.load(rundir.tracking, target)
+        self.state = TrackingState(target.backend, target.uri)  # read by the thread, under the tracking lock
         self._cond = threading.Condition()
         self._pending: list[dict] = []  # records no committed checkpoint covers yet
         self._ready: list[dict] = []  # records to send, in step order
@@ -62,7 +62,6 @@ class Sender:
         self._closing = False
         self._backend = None
         self._down_since: float | None = None
-        self._failures = 0
         # this process's CPU seconds (opening: the client's import and the run; sending: the rest), and the records
         # it was given, in tracking.json's "cost" at the end
         self._written, self._open_cpu_s = 0, None
@@ -171,7 +170,6 @@ class Sender:
                     self._down_since = None
                 backoff = 1.0
             except Exception as exc:  # a tracker that is down or refuses: warn, keep the queue, retry
-                self._failures += 1
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     log.warning(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ class Tracker:
         self._lock = threading.Lock()  # write() from the loop, committed() from an async save's thread
         self._buffer = bytearray()  # what the pipe could not take yet
         self._write_s, self._written, self._last_step = 0.0, 0, 0
+        self._gone = False  # the pipe to the sender failed: nothing more is queued
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, (str(TRAINER_ROOT), os.environ.get("PYTHONPATH")))),
@@ -64,6 +64,8 @@ class Tracker:
     def _send(self, op: dict, flush: bool = True) -> None:
         """Queue ``op``; with ``flush`` (or a full buffer) hand the queue to the pipe. Records are not flushed one
         by one: the sender needs them only once a checkpoint commits, and each write to the pipe wakes it."""
+        if self._gone:
+            return
         line = (json.dumps(op, separators=(",", ":"), default=str) + "\n").encode()
         with self._lock:
             self._buffer += line
@@ -74,11 +76,12 @@ class Tracker:
                     done = os.write(self._fd, self._buffer)
                 except BlockingIOError:
                     return  # the pipe is full (the sender is busy): the next operation tries again
-                except OSError as exc:  # the sender is gone: tracking ends, training goes on
-                    if exc.errno == errno.EPIPE:
-                        self._buffer.clear()
-                        return
-                    raise
+                except OSError as exc:  # the sender is gone (EPIPE) or its pipe is: tracking ends, training goes on
+                    self._buffer.clear()
+                    if not self._gone:
+                        self._gone = True
+                        log.warning("tracking: the tracker's sender is gone (%s); the run goes on untracked", exc)
+                    return
                 del self._buffer[:done]
 
     def begin(self, step: int, tags: dict[str, str], files: list[tuple[Path, str | None]]) -> None:
@@ -207,4 +210,8 @@ def open_tracker(cfg, env, rundir: RunDir, comm) -> Tracker | None:
     agree(comm, problem)
     if target is None or env.rank != 0:
         return None
-    return Tracker(target, rundir, flat_params(to_dict(cfg)), cfg.tracking.flush_timeout_s, rundir.rank_log(0))
+    try:
+        return Tracker(target, rundir, flat_params(to_dict(cfg)), cfg.tracking.flush_timeout_s, rundir.rank_log(0))
+    except OSError as exc:  # rank 0 alone: the others are past the agreement, so this must not end the run
+        log.warning("tracking: the tracker's sender did not start (%s); the run goes on untracked", exc)
+        return None
