@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm, munge,
-# slurmdbd, MariaDB, shellcheck and nodejs from Debian's packages, s3rver from npm; Python packages into .venv),
-# then lints and runs the whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local
+# slurmdbd, MariaDB, shellcheck, Prometheus and nodejs from Debian's packages, s3rver from npm; Python packages into
+# .venv), then lints and runs the whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local
 # clusters and servers that the tests start and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,8 @@ PYTHON=${PYTHON:-python3}
 HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh install >/dev/null
 # The S3-compatible server the object-storage tests start (envs/s3/server.sh: nodejs and npm from Debian, s3rver).
 bash envs/s3/server.sh install
+# Prometheus and its Pushgateway (Debian's), which tests/mp/test_live.py starts with envs/prometheus/server.sh.
+bash envs/prometheus/server.sh install
 # Debian's shellcheck, which tests/slurm/test_sbatch_scripts.py runs on every shell script.
 if ! command -v shellcheck >/dev/null; then
   apt-get update -qq

@@ -34,6 +34,7 @@ from trainer.errors import UserError, first_line
 from trainer.loop.optim import build_optimizer, lr_at
 from trainer.loop.parts import Parts, autocast
 from trainer.loop.stop import StopFlag
+from trainer.observe.live import open_live
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.startup import StartupClock
@@ -144,6 +145,7 @@ def build_parts(
     tracker = open_tracker(cfg, env, rundir, comm)  # rank 0's; its thread opens the tracker run meanwhile
     mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
     stack.callback(mon.close)
+    mon.live = open_live(cfg.live, env, rundir, mon.watchdog.reader() if mon.watchdog.enabled else None, comm)
     checkpoints = Checkpointer(
         cfg=cfg,
         env=env,

@@ -11,6 +11,7 @@ from runconfig.schema.comm import CommConfig
 from runconfig.schema.data import MIN_SHARD_TOKENS, DataConfig
 from runconfig.schema.fields import Problems, Range, Section, doc, field_problems
 from runconfig.schema.job import JobConfig
+from runconfig.schema.live import LiveConfig
 from runconfig.schema.model import ModelConfig
 from runconfig.schema.monitor import MonitorConfig
 from runconfig.schema.parallel import ParallelConfig
@@ -32,6 +33,7 @@ __all__ = [
     "CommConfig",
     "DataConfig",
     "JobConfig",
+    "LiveConfig",
     "ModelConfig",
     "MonitorConfig",
     "ParallelConfig",

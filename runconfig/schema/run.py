@@ -12,6 +12,7 @@ from runconfig.schema.data import DataConfig
 from runconfig.schema.feasible import layout_problems
 from runconfig.schema.fields import Problems, doc
 from runconfig.schema.job import JobConfig
+from runconfig.schema.live import LiveConfig
 from runconfig.schema.model import ModelConfig
 from runconfig.schema.monitor import MonitorConfig
 from runconfig.schema.parallel import ParallelConfig
@@ -53,6 +54,9 @@ class RunConfig:
     tracking: TrackingConfig = doc(
         "Experiment tracking (MLflow by default, W&B offline): one tracker run per run directory.",
         factory=TrackingConfig,
+    )
+    live: LiveConfig = doc(
+        "Live metrics for Prometheus: an endpoint per node, or pushes to a Pushgateway.", factory=LiveConfig
     )
     prune: PruneConfig = doc(
         "Early stopping of a sweep's poor elements (ASHA), set by `python -m hpc sweep`.", factory=PruneConfig

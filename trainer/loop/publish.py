@@ -1,6 +1,7 @@
 """The record of a step: built from the step clock and the boundary decision, then published to metrics.jsonl,
-TensorBoard, rank 0's progress bar and, at most every ``monitor.log_every_s``, a plain log line. A record whose
-loss is still being agreed on (comm.defer_agreement) waits for the next boundary (``complete``)."""
+TensorBoard, the tracker, the live metrics, rank 0's progress bar and, at most every ``monitor.log_every_s``, a
+plain log line. A record whose loss is still being agreed on (comm.defer_agreement) waits for the next boundary
+(``complete``)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ class Publisher:
             p.mon.tensorboard.write(record)
             if p.mon.tracker is not None:
                 p.mon.tracker.write(record)
+            if p.mon.live is not None:
+                p.mon.live.update(record)
             if p.mon.progress is not None:
                 p.mon.progress.update(record)
             self._line(step, record, step_time, force_line)

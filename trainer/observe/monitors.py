@@ -1,5 +1,6 @@
 """What watches the training loop, built in one place: the step clock, the hang watchdog, straggler checks,
-TensorBoard, rank 0's terminal progress bar, injected faults (tests) and the MFU constants."""
+TensorBoard, rank 0's terminal progress bar, injected faults (tests) and the MFU constants; the tracker and the
+live metrics are opened beside them (collectively) and kept here."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from runconfig import RunConfig, RunDir
 from runconfig.progress import Progress
 from trainer.env import RuntimeEnv
 from trainer.observe.inject import Injector
+from trainer.observe.live import LiveMetrics
 from trainer.observe.stragglers import StragglerCheck
 from trainer.observe.tboard import TensorBoard
-from trainer.observe.timing import StepClock, peak_tflops
+from trainer.observe.timing import StepClock, memory_now_mb, peak_tflops
 from trainer.observe.tracking import Tracker
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import Distributed
@@ -34,8 +36,11 @@ class Monitors:
     flops_per_sample: float | None  # training FLOPs of one sample (the recipe's, or counted); None without MFU
     peak_flops: float | None  # per device, FLOP/s; None: no MFU (CPU or unknown GPU)
     tracker: Tracker | None = None  # rank 0's MLflow or W&B run (tracking.*), None elsewhere or when off
+    live: LiveMetrics | None = None  # each node's first rank's Prometheus metrics (live.*), None elsewhere or off
 
     def close(self) -> None:
+        if self.live is not None:  # its last push shows the last record
+            self.live.close()
         self.watchdog.close()
         self.clock.close()
         self.tensorboard.close()
@@ -59,7 +64,15 @@ def build_monitors(
     """``flops_per_sample``: the training FLOPs of one sample where MFU is reported (a known peak: GPU, or
     monitor.peak_tflops), else None. ``ddp``: the model is DDP's (its exposed communication is the data-parallel
     all-reduce's)."""
-    watchdog = Watchdog(env, cfg.monitor, rundir, d.store_addr, d.store_port)
+    watchdog = Watchdog(
+        env,
+        cfg.monitor,
+        rundir,
+        d.store_addr,
+        d.store_port,
+        heartbeats=cfg.live.enabled,  # live metrics show each rank's heartbeat
+        memory=lambda: memory_now_mb(d.device),
+    )
     watchdog.start()
     d.groups.blocked.on_block = watchdog.block
     params = [p for p in model.parameters() if p.requires_grad]

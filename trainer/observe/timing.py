@@ -23,6 +23,7 @@ DDP's is its data-parallel dimension's (``dp_replicate``).
 from __future__ import annotations
 
 import functools
+import os
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -243,6 +244,23 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_now_mb(device: torch.device) -> dict[str, float]:
+    """This rank's memory now, for heartbeats: resident set (MiB, from /proc), its peak, and on CUDA the device
+    memory allocated by torch now. Cheap enough for a heartbeat thread (no device synchronization)."""
+    out = {"peak_mb": round(peak_memory_mb(device), 1)}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_mb"] = round(int(f.read().split()[1]) * _PAGE / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    if device.type == "cuda":
+        out["device_mb"] = round(torch.cuda.memory_allocated(device) / 2**20, 1)
+    return out
 
 
 # Dense bf16 peak TFLOP/s (no sparsity) by device name fragment, from the vendors' data sheets.

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -50,8 +51,21 @@ def answer_window(cfg: MonitorConfig) -> float:
 
 
 class Watchdog:
-    def __init__(self, env: RuntimeEnv, cfg: MonitorConfig, rundir: RunDir, store_addr: str, store_port: int) -> None:
+    def __init__(
+        self,
+        env: RuntimeEnv,
+        cfg: MonitorConfig,
+        rundir: RunDir,
+        store_addr: str,
+        store_port: int,
+        *,
+        heartbeats: bool = False,
+        memory: Callable[[], dict] | None = None,
+    ) -> None:
+        """``heartbeats``: publish heartbeats even with the hang watchdog off (live metrics read them);
+        ``memory``: this rank's memory now, published with each heartbeat."""
         self.env, self.cfg, self.rundir = env, cfg, rundir
+        self._memory = memory
         self._addr, self._port = store_addr, store_port
         self.seq = 0
         self.phase = "start-up"
@@ -61,7 +75,8 @@ class Watchdog:
         self._store: dist.TCPStore | None = None
         self._thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
         self._answerer = threading.Thread(target=self._answer_roll_call, name="hpc-roll-call", daemon=True)
-        self.enabled = cfg.hang_timeout_s > 0
+        self.watching = cfg.hang_timeout_s > 0  # hangs are claimed; else only heartbeats are published
+        self.enabled = self.watching or heartbeats
 
     # -- main thread ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,9 +180,15 @@ class Watchdog:
         return self._store
 
     def _beat(self) -> str:
-        return json.dumps(
-            {"seq": self.seq, "phase": self.phase, "step": self.step, "since": self.since, "beat": time.time()}
-        )
+        beat = {"seq": self.seq, "phase": self.phase, "step": self.step, "since": self.since, "beat": time.time()}
+        if self._memory is not None:
+            with contextlib.suppress(Exception):
+                beat.update(self._memory())
+        return json.dumps(beat)
+
+    def reader(self) -> BeatReader:
+        """Reads ranks' latest heartbeats on a store connection of its own (for another thread)."""
+        return BeatReader(lambda: self._connect(timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s))), self._key)
 
     def _run(self) -> None:
         unreachable_since: float | None = None
@@ -180,13 +201,14 @@ class Watchdog:
                     self._follow(store)
                     return
                 seq = self.seq  # before `since`: enter() sets seq first, so a phase that begins now is not claimed
-                late = self.phase != "finished" and time.time() - self.since > self.cfg.hang_timeout_s
+                late = self.watching and self.phase != "finished" and time.time() - self.since > self.cfg.hang_timeout_s
                 if late and self._claim(store, seq):
                     return
             except Exception as exc:  # the store went away with rank 0
                 self._store = None
                 unreachable_since = unreachable_since or time.time()
-                if time.time() - unreachable_since > self.cfg.hang_timeout_s and self.phase != "finished":
+                lost = time.time() - unreachable_since > self.cfg.hang_timeout_s
+                if self.watching and lost and self.phase != "finished":
                     self._dump()
                     self._fail(f"rank {self.env.rank} lost the rendezvous store on rank 0's host ({exc}) for "
                                f"{self.cfg.hang_timeout_s:g} s while in {self._where()}",
@@ -296,6 +318,30 @@ class Watchdog:
                 store.set(REPORTED_KEY, str(self.env.rank))  # the other ranks may end now
         print(f"error: {message}", flush=True)
         os._exit(EXIT_HANG)
+
+
+class BeatReader:
+    """The latest heartbeat of given ranks, read from the rendezvous store on a connection opened at first use (and
+    again after a failure). Safe for several threads (a lock); an unreachable store reads as no beats."""
+
+    def __init__(self, connect: Callable[[], dist.TCPStore], key: Callable[[int], str]) -> None:
+        self._connect, self._key = connect, key
+        self._store: dist.TCPStore | None = None
+        self._lock = threading.Lock()
+
+    def read(self, ranks: Iterable[int]) -> dict[int, dict]:
+        with self._lock:
+            try:
+                if self._store is None:
+                    self._store = self._connect()
+                beats = {}
+                for rank in ranks:
+                    if self._store.check([self._key(rank)]):
+                        beats[rank] = json.loads(self._store.get(self._key(rank)))
+                return beats
+            except Exception:
+                self._store = None
+                return {}
 
 
 def _ranks(ranks: list[int]) -> str:
