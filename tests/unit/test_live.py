@@ -4,6 +4,7 @@ real runs is tests/mp/test_live.py."""
 
 import logging
 import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from runconfig.load import ConfigError, load_config
 from trainer.env import RuntimeEnv
 from trainer.observe.live import LiveMetrics
 from trainer.parallel.topology import Topology
+
 
 def node1_env(rank: int = 2) -> RuntimeEnv:
     """Rank ``rank`` of 2 nodes x 2 ranks."""
@@ -73,7 +75,7 @@ def test_a_node_shows_its_first_ranks_record_and_its_own_ranks_heartbeats(tmp_pa
     append_event(run.history, "start", step=0)
     append_event(run.history, "restart", step=4)
     append_event(run.history, "resume", step=4)
-    now = __import__("time").time()
+    now = time.time()
     beats = Beats({
         2: {"seq": 9, "phase": "forward/backward", "step": 12, "since": now - 1.5, "beat": now - 0.5,
             "rss_mb": 100.0, "peak_mb": 120.0},
@@ -140,7 +142,7 @@ def test_a_gateway_that_is_down_warns_once_and_is_retried(tmp_path, caplog):
     live = LiveMetrics(cfg, node1_env(), run, None)
     with caplog.at_level(logging.WARNING):
         live.start_pushing()
-        __import__("time").sleep(0.3)
+        time.sleep(0.3)
         live.close()
     warnings = [r for r in caplog.records if "cannot push" in r.getMessage()]
     assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage() and live.pushes == 0
