@@ -1,5 +1,7 @@
 """What experiment tracking costs a step: the same run with tracking off, to the embedded MLflow store (SQLite
-beside the run directory) and to a real `mlflow server` (envs/mlflow/server.sh on a local port), side by side.
+beside the run directory), to a real `mlflow server` (envs/mlflow/server.sh on a local port), and with live metrics
+(tracking off, ``live.serve`` scraped every second by a real Prometheus and pushes every second to a real
+Pushgateway: envs/prometheus/server.sh), side by side.
 
 Each round runs the three variants one after the other (``python -m hpc.submit tiny --local``, N simulated nodes x
 R ranks, every step logged, a checkpoint every ``--ckpt-every`` steps, which is when the tracker is sent the steps
@@ -29,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import lines  # noqa: E402
 
-VARIANTS = ("off", "embedded", "server")
+VARIANTS = ("off", "embedded", "server", "live")
+TRACKED = ("embedded", "server")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,14 +63,35 @@ def server_script(verb: str, state: Path, port: int) -> None:
     subprocess.run(["bash", str(ROOT / "envs/mlflow/server.sh"), verb, str(state)], check=True, env=env)
 
 
-def run_variant(variant: str, args: argparse.Namespace, run_dir: Path, uri: str) -> dict:
+def prometheus_script(verb: str, state: Path, ports: tuple[int, int], targets: Path) -> None:
+    env = {
+        **os.environ,
+        "HPC_PROMETHEUS_PORT": str(ports[0]),
+        "HPC_PUSHGATEWAY_PORT": str(ports[1]),
+        "HPC_PROMETHEUS_TARGETS": f"{targets}/prometheus/*.json",
+    }
+    subprocess.run(["bash", str(ROOT / "envs/prometheus/server.sh"), verb, str(state)], check=True, env=env)
+
+
+def prometheus_query(port: int, expr: str) -> list[dict]:
+    import urllib.parse
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)["data"]["result"]
+
+
+def run_variant(variant: str, args: argparse.Namespace, run_dir: Path, uri: str, ports=(0, 0)) -> dict:
     sets = [
         f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0", f"job.nodes={args.nodes}",
         f"job.ranks_per_node={args.ranks}", f"checkpoint.every_steps={args.ckpt_every}", "checkpoint.keep_last=2",
-        f"tracking.backend={'off' if variant == 'off' else 'mlflow'}", *args.set,
+        f"tracking.backend={'mlflow' if variant in TRACKED else 'off'}", *args.set,
     ]  # fmt: skip
     if variant == "server":
         sets.append(f"tracking.uri={uri}")
+    if variant == "live":
+        sets += ["live.serve=true", f"live.pushgateway=http://127.0.0.1:{ports[1]}", "live.push_every_s=1"]
     cmd = [sys.executable, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
     cmd += [a for kv in sets for a in ("--set", kv)]
     env = {k: v for k, v in os.environ.items() if k not in ("HPC_TRACKING", "MLFLOW_TRACKING_URI")}
@@ -82,7 +106,14 @@ def run_variant(variant: str, args: argparse.Namespace, run_dir: Path, uri: str)
         "step_time_s": [r["step_time_s"] for r in records if r["step"] > args.skip],
         "sync_s": [r.get("time_sync_s", 0.0) for r in records if r["step"] > args.skip],
     }
-    if variant != "off":
+    if variant == "live":  # how often Prometheus scraped the endpoints, and whether the last push is the last step
+        name = run_dir.name
+        scraped = prometheus_query(ports[0], f'count_over_time(hpc_step{{run="{name}",instance!=""}}[1h])')
+        out["scrapes"] = sum(int(s["value"][1]) for s in scraped)
+        time.sleep(2.5)  # Prometheus scrapes the gateway every second
+        pushed = prometheus_query(ports[0], f'hpc_step{{run="{name}",instance=""}}')
+        out["last_push_is_last_step"] = bool(pushed) and all(int(s["value"][1]) == records[-1]["step"] for s in pushed)
+    if variant in TRACKED:
         out["tracker_steps"] = tracker_steps(run_dir)
         out["every_step_once"] = out["tracker_steps"] == [r["step"] for r in records]
         out["cost"] = json.loads((run_dir / "tracking.json").read_text())["cost"]
@@ -102,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-tracking-"))
     work.mkdir(parents=True, exist_ok=True)
     port, state = free_port(), work / "mlflow-server"
-    server = "server" in args.variants
+    server, live = "server" in args.variants, "live" in args.variants
     if server:
         server_script("start", state, port)
+    ports = (free_port(), free_port())
+    if live:  # the live runs' folder holds their target files, which Prometheus watches
+        prometheus_script("start", work / "prometheus", ports, work / "live")
     uri = f"http://127.0.0.1:{port}"
     chosen = args.variants
     runs: dict[str, list[dict]] = {v: [] for v in chosen}
@@ -112,10 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             order = chosen[i % len(chosen) :] + chosen[: i % len(chosen)]
             for variant in order:
-                runs[variant].append(run_variant(variant, args, work / f"r{i}" / variant / "run", uri))
+                run_dir = work / "live" / f"r{i}" if variant == "live" else work / f"r{i}" / variant / "run"
+                runs[variant].append(run_variant(variant, args, run_dir, uri, ports))
     finally:
         if server:
             server_script("wipe", state, port)
+        if live:
+            prometheus_script("wipe", work / "prometheus", ports, work / "live")
     result = summarize(args, runs)
     show(result)
     text = json.dumps(result, indent=1)
@@ -136,7 +173,10 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]]) -> dict:
             "median_wall_s": statistics.median(r["wall_s"] for r in found),
             "runs": len(found),
         }
-        if variant != "off":
+        if variant == "live":
+            rows[variant]["scrapes_per_run"] = statistics.median(r["scrapes"] for r in found)
+            rows[variant]["last_push_is_last_step"] = all(r["last_push_is_last_step"] for r in found)
+        if variant in TRACKED:
             rows[variant]["every_step_once"] = all(r["every_step_once"] for r in found)
             costs = [r["cost"] for r in found]
             per_step = statistics.median(c["send_cpu_s"] / c["records"] for c in costs)
@@ -179,6 +219,10 @@ def show(result: dict) -> None:
         once = str(r.get("every_step_once", "-"))
         print(f"| {variant} | {1000 * r['median_step_s']:.2f} | {ratio} | {1000 * r['mean_step_s']:.2f} | "
               f"{mean_ratio} | {1000 * r['median_sync_s']:.3f} | {r['median_wall_s']:.1f} | {once} |")  # fmt: skip
+    if "live" in rows:
+        r = rows["live"]
+        print(f"live: {r['scrapes_per_run']:.0f} samples of hpc_step scraped per run (every node's endpoint, every "
+              f"second); the last push is the last step: {r['last_push_is_last_step']}")  # fmt: skip
     print()
     print("what the tracker itself costs rank 0 (per logged step; its thread runs at the lowest CPU priority):")
     print("| tracking | write() us | open CPU s (once) | send CPU ms/step | bound, share of a step |")

@@ -400,14 +400,17 @@ def test_data(tmp_path):
 
 @pytest.mark.mp
 def test_tracking(tmp_path):
-    """Tracking off and to the embedded store, 1 node x 2 ranks, 8 steps, one round (the server's variant is
-    tests/mp/test_tracking.py's)."""
+    """Tracking off, to the embedded store and live metrics (a real Prometheus and Pushgateway), 1 node x 2 ranks,
+    8 steps, one round (the server's variant is tests/mp/test_tracking.py's)."""
     res, out = run_bench(
         "tracking",
-        ["--steps", "8", "--skip", "2", "--rounds", "1", "--ckpt-every", "4", "--variants", "off,embedded"],
+        ["--steps", "8", "--skip", "2", "--rounds", "1", "--ckpt-every", "4", "--variants", "off,embedded,live"],
         tmp_path,
     )
-    assert res["benchmark"] == "tracking" and set(res["variants"]) == {"off", "embedded"}
+    assert res["benchmark"] == "tracking" and set(res["variants"]) == {"off", "embedded", "live"}
+    live = res["variants"]["live"]
+    assert live["last_push_is_last_step"] is True and live["scrapes_per_run"] >= 0 and positive(live["median_step_s"])
+    assert "live: " in out and "the last push is the last step: True" in out
     off, embedded = res["variants"]["off"], res["variants"]["embedded"]
     assert positive(off["median_step_s"]) and positive(embedded["median_step_s"])
     assert embedded["every_step_once"] is True
