@@ -35,11 +35,14 @@ cmd_install() {
     >/dev/null
 }
 
+# A start that fails stops what it started: nothing is left holding a port for the next start to mistake for its own.
+fail_start() { cmd_stop; die "$@"; }
+
 wait_for() { # NAME URL
   local waited=0
   until answers "$2"; do
-    pid_of "$1" >/dev/null || die "$1 exited at start; see $STATE/$1.log"
-    [ "$waited" -lt $((START_TIMEOUT * 5)) ] || die "$1 did not answer at $2 in ${START_TIMEOUT}s"
+    pid_of "$1" >/dev/null || fail_start "$1 exited at start; see $STATE/$1.log"
+    [ "$waited" -lt $((START_TIMEOUT * 5)) ] || fail_start "$1 did not answer at $2 in ${START_TIMEOUT}s"
     sleep 0.2
     waited=$((waited + 1))
   done
@@ -63,6 +66,13 @@ scrape_configs:
     static_configs:
       - targets: ['127.0.0.1:$GATEWAY_PORT']
 YAML
+  local port
+  for port in "$GATEWAY_PORT" "$PORT"; do
+    if ! pid_of pushgateway >/dev/null && ! pid_of prometheus >/dev/null && answers "http://127.0.0.1:$port/-/ready"
+    then
+      die "port $port already answers (another Prometheus or Pushgateway): set HPC_PROMETHEUS_PORT/HPC_PUSHGATEWAY_PORT"
+    fi
+  done
   if ! pid_of pushgateway >/dev/null; then
     setsid prometheus-pushgateway --web.listen-address="127.0.0.1:$GATEWAY_PORT" \
       >>"$STATE/pushgateway.log" 2>&1 < /dev/null &

@@ -32,9 +32,11 @@ def prometheus(tmp_path_factory):
         "HPC_PROMETHEUS_SCRAPE": "500ms",
     }
     script = [str(ROOT / "envs/prometheus/server.sh")]
-    subprocess.run(["bash", *script, "start", str(state)], env=env, check=True, timeout=120)
-    yield runs
-    subprocess.run(["bash", *script, "wipe", str(state)], env=env, timeout=60)
+    try:
+        subprocess.run(["bash", *script, "start", str(state)], env=env, check=True, timeout=120)
+        yield runs
+    finally:
+        subprocess.run(["bash", *script, "wipe", str(state)], env=env, timeout=60)
 
 
 def query(expr: str) -> list[dict]:
