@@ -224,7 +224,7 @@ def show(result: dict) -> None:
         print(f"live: {r['scrapes_per_run']:.0f} samples of hpc_step scraped per run (every node's endpoint, every "
               f"second); the last push is the last step: {r['last_push_is_last_step']}")  # fmt: skip
     print()
-    print("what the tracker itself costs rank 0 (per logged step; its thread runs at the lowest CPU priority):")
+    print("what the tracker itself costs rank 0 (per logged step; its process runs under SCHED_IDLE):")
     print("| tracking | write() us | open CPU s (once) | send CPU ms/step | bound, share of a step |")
     print("|---|---:|---:|---:|---:|")
     for variant, r in rows.items():

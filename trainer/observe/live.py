@@ -23,7 +23,7 @@ from runconfig import RunDir
 from runconfig.contract import write_json_atomic
 from runconfig.rundir import read_jsonl
 from runconfig.schema.live import LiveConfig
-from trainer.env import RuntimeEnv, patient_allgather
+from trainer.env import RuntimeEnv, agree, patient_allgather
 from trainer.observe.watchdog import BeatReader
 
 log = logging.getLogger("trainer.live")
@@ -227,10 +227,16 @@ _RUN_HELP = {
 
 def open_live(cfg: LiveConfig, env: RuntimeEnv, rundir: RunDir, beats: BeatReader | None, comm) -> LiveMetrics | None:
     """Every node's first rank: its live metrics, served and/or pushed (None elsewhere, or with live.* off). With
-    live.serve, rank 0 writes the endpoints into the run's Prometheus target file. Collective when serving."""
-    live = LiveMetrics(cfg, env, rundir, beats) if cfg.enabled and env.local_rank == 0 else None
+    live.serve, rank 0 writes the endpoints into the run's Prometheus target file. Collective when live.* is on."""
     if not cfg.enabled:
         return None
+    live, problem = None, None
+    if env.local_rank == 0:
+        try:
+            live = LiveMetrics(cfg, env, rundir, beats)
+        except ImportError as exc:  # every rank stops (not one rank alone while the others wait below)
+            problem = f"live.* needs the prometheus_client package ({exc}): pip install prometheus-client"
+    agree(comm, problem)
     if cfg.serve:
         address = live.serve() if live is not None else None
         addresses = [a for a in patient_allgather(comm, address) if a]
