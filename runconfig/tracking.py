@@ -45,6 +45,7 @@ class Target:
     experiment: str
     run_name: str
     artifact_location: str | None = None  # an embedded store's artifact folder (a server keeps its own)
+    group: str | None = None  # W&B: a sweep element's group, the sweep's folder name (MLflow: a parent run)
 
     @property
     def store_path(self) -> Path | None:
@@ -64,7 +65,8 @@ def resolve(cfg: TrackingConfig, rundir: RunDir, environ: Mapping[str, str]) -> 
         return None
     name = cfg.run_name or rundir.root.name
     if backend == "wandb":
-        return Target("wandb", str(rundir.root), cfg.experiment, name)
+        sweep = rundir.root.parent
+        return Target("wandb", str(rundir.root), cfg.experiment, name, group=sweep.name if is_sweep(sweep) else None)
     uri = cfg.uri or environ.get(MLFLOW_URI_VAR) or str(rundir.root.parent / STORE_NAME)
     if uri.startswith("file:///"):
         uri = uri.removeprefix("file://")
@@ -128,6 +130,11 @@ class TrackingState:
         os.replace(tmp, path)
 
 
+def is_sweep(folder: Path) -> bool:
+    """A folder `hpc sweep` made (its elements' run directories are inside)."""
+    return (folder / "sweep.json").exists()
+
+
 def parent_of(rundir: RunDir, target: Target) -> str | None:
     """The parent run of a sweep element (SWEEP_DIR/tracking.json, made by `hpc sweep`) in the same store."""
     try:
@@ -135,7 +142,7 @@ def parent_of(rundir: RunDir, target: Target) -> str | None:
     except (OSError, ValueError):
         return None
     same = (data.get("backend"), data.get("uri")) == (target.backend, target.uri)
-    return data.get("run_id") if same and (rundir.root.parent / "sweep.json").exists() else None
+    return data.get("run_id") if same and is_sweep(rundir.root.parent) else None
 
 
 def hold_lock(rundir: RunDir, wait: bool):
@@ -308,6 +315,7 @@ class WandbBackend:
             project=self.target.experiment,
             name=self.target.run_name,
             id=run_id,
+            group=self.target.group,  # a sweep's elements side by side in W&B's grouping
             resume="allow",
             dir=self.target.uri,
             mode="offline",

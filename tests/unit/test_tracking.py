@@ -120,10 +120,9 @@ def test_each_step_reaches_the_tracker_once_across_a_failure_a_resume_and_a_kill
     assert [a.path for a in client.list_artifacts(run_id)] == ["config.yaml"]
 
 
-def wandb_history(folder) -> list[tuple[int, float]]:
-    """(step, loss) of every history record in W&B's offline files under ``folder`` (their transaction logs: 32 KiB
-    blocks of chunks, each a 7-byte header of CRC, length and kind (full, first, middle, last), the chunks
-    protobuf Records)."""
+def wandb_records(folder) -> list:
+    """Every protobuf Record in W&B's offline files under ``folder`` (their transaction logs: 32 KiB blocks of
+    chunks, each a 7-byte header of CRC, length and kind (full, first, middle, last))."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -148,11 +147,37 @@ def wandb_history(folder) -> list[tuple[int, float]]:
         for chunk in chunks:
             record = pb.Record()
             record.ParseFromString(chunk)
-            if record.WhichOneof("record_type") == "history":
-                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
-                if "loss" in items:
-                    out.append((int(items["_step"]), items["loss"]))
+            out.append(record)
     return out
+
+
+def wandb_history(folder) -> list[tuple[int, float]]:
+    """(step, loss) of every history record in W&B's offline files under ``folder``."""
+    out = []
+    for record in wandb_records(folder):
+        if record.WhichOneof("record_type") == "history":
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            if "loss" in items:
+                out.append((int(items["_step"]), items["loss"]))
+    return out
+
+
+def test_a_sweep_element_is_grouped_by_its_sweep_in_wandb(tmp_path):
+    sweep = tmp_path / "sweep-lr"
+    rundir = RunDir(sweep / "000-lr=0.001")
+    rundir.create()
+    (sweep / "sweep.json").write_text("{}")
+    target = resolve(TrackingConfig(backend="wandb"), rundir, {})
+    assert target.group == "sweep-lr"
+    assert resolve(TrackingConfig(backend="wandb"), RunDir(tmp_path / "alone"), {}).group is None  # not in a sweep
+    tracker = Tracker(target, rundir, {"train.lr": "0.001"}, flush_timeout_s=60)
+    tracker.begin(0, {"hpc.launches": "1"}, [])
+    for r in records(range(1, 3)):
+        tracker.write(r)
+    tracker.finish("done")
+    tracker.close()
+    runs = [r.run for r in wandb_records(rundir.root / "wandb") if r.WhichOneof("record_type") == "run"]
+    assert runs and all(r.run_group == "sweep-lr" for r in runs)
 
 
 def test_wandb_offline_is_the_same_interface_and_each_step_goes_once(tmp_path):
