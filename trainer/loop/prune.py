@@ -4,6 +4,7 @@ completed one, with the rung's checkpoint committed and a "pruned" event: not fa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import asdict
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from runconfig import RunConfig, RunDir
 from runconfig.prune import report, rungs_path
+from runconfig.rundir import read_jsonl
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -32,9 +34,9 @@ class Pruner:
     def due(self, step: int) -> bool:
         return step in self.steps
 
-    def judge(self, step: int, record: dict | None) -> None:
+    def judge(self, step: int, record: dict | None, resumed: bool = False) -> None:
         """Collective, at a rung step once its record is written: raises Pruned on every rank when pruned."""
-        out = self._verdict(step, record) if self.rank == 0 else None
+        out = self._verdict(step, record, resumed) if self.rank == 0 else None
         shared = [out]
         dist.broadcast_object_list(shared, src=0)
         out = shared[0]
@@ -45,9 +47,21 @@ class Pruner:
         if out["prune"]:
             raise Pruned(out)
 
-    def _verdict(self, step: int, record: dict | None) -> dict:
+    def judge_resumed(self, step: int) -> None:
+        """Collective, before the first step of a launch that resumed from a rung step's checkpoint: the launch
+        before may have been killed between that checkpoint's commit and the verdict, so the rung is judged (again:
+        the rung file keeps the element's first report) from the step's record in metrics.jsonl."""
+        record = None
+        if self.rank == 0:
+            with contextlib.suppress(OSError, ValueError):
+                record = next((r for r in reversed(read_jsonl(self.rundir.metrics)) if r.get("step") == step), None)
+        self.judge(step, record, resumed=True)
+
+    def _verdict(self, step: int, record: dict | None, resumed: bool = False) -> dict:
         metric = self.cfg.metric
         value = record.get(metric) if record is not None and record.get("step") == step else None
+        if resumed and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            return {"prune": False, "why": f"rung step {step}: no {metric} in metrics.jsonl to judge again"}
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             keys = ", ".join(sorted(k for k, v in (record or {}).items() if isinstance(v, (int, float))))
             return {

@@ -75,6 +75,9 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
             state.last_loss = earlier.loss
             publisher.complete(earlier.loss, earlier.grad_norm)
 
+    if pruner is not None and state.step and pruner.due(state.step):  # resumed from a rung's checkpoint
+        mon.watchdog.enter("rung", state.step)
+        pruner.judge_resumed(state.step)
     run_start, elapsed_before = time.time(), state.elapsed_s
     p.loader.start(state.data_position)
     p.wrapped.module.train()
@@ -112,6 +115,9 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
             profiler.after(step)
         if decision.rung and pruner is not None and pruner.due(step):
             mon.watchdog.enter("rung", step)
+            if mon.injector.injects("exit_at_rung"):  # a test's kill between the rung's commit and its verdict
+                p.checkpoints.wait()
+                mon.injector.before_verdict(step)
             pruner.judge(step, publisher.last_record)
         if extra and "evict" in extra and not decision.last:
             agreed_later(boundary.settle())  # every rank is here (the straggler check is collective)

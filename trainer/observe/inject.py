@@ -10,6 +10,8 @@
 - ``eio_read:RANK:N``: the first N data reads of that rank fail with EIO;
 - ``slow_upload:RANK:SECONDS``: that rank waits SECONDS before each checkpoint file it uploads to
   checkpoint.storage (an upload slow enough to be killed part-way);
+- ``exit_at_rung:RANK:STEP``: that rank's process ends at once, status 0, after rung STEP's checkpoint committed and
+  before its verdict (prune.*: a kill between the two);
 - ``slow_part:TASK:SECONDS``: each part that task of ``python -m trainer.data prepare`` tokenizes takes SECONDS
   longer (a preparation slow enough to be killed part-way).
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
 
-KINDS = ("slow", "hang", "exit", "slowlink", "eio_save", "eio_read", "slow_part", "slow_upload")
+KINDS = ("slow", "hang", "exit", "exit_at_rung", "slowlink", "eio_save", "eio_read", "slow_part", "slow_upload")
 _EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
 
@@ -67,6 +69,12 @@ class Injector:
             elif f.kind == "hang" and step == int(f.value):
                 time.sleep(3600)
             elif f.kind == "exit" and step == int(f.value):
+                os._exit(0)
+
+    def before_verdict(self, step: int) -> None:
+        """Called at rung ``step`` after its checkpoint committed, before the verdict (``exit_at_rung``)."""
+        for f in self.faults:
+            if f.kind == "exit_at_rung" and step == int(f.value):
                 os._exit(0)
 
     def before_preflight_collective(self) -> None:
