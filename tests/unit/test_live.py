@@ -106,8 +106,10 @@ def test_a_node_shows_its_first_ranks_record_and_its_own_ranks_heartbeats(tmp_pa
     assert 29 < got[(*phase, ("run", "myrun"))] < 60
     assert got[("hpc_memory_rss_bytes", *rank3)] == 50 * 2**20 and got[("hpc_rank_step", *rank3)] == 12
     assert not any(k[0] == "hpc_memory_device_bytes" for k in got)  # CPU ranks: no device memory
-    live.update({"step": 13, "loss": 2.4, "lr": 1e-3})
-    assert samples(live)[("hpc_eval_loss", *base)] == 2.75  # the newest evaluation stays shown between evaluations
+    live.update({"step": 13, "loss": 2.4, "lr": 1e-3, "eval_top-1@5": 0.5})
+    got = samples(live)
+    assert got[("hpc_eval_loss", *base)] == 2.75  # the newest evaluation stays shown between evaluations
+    assert got[("hpc_eval_top_1_5", *base)] == 0.5  # a recipe's metric name, made a valid Prometheus name
 
 
 def test_the_endpoint_serves_and_a_taken_port_costs_a_warning(tmp_path, caplog):

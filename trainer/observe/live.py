@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -118,8 +119,8 @@ class LiveMetrics:
             for key, value in record.items():
                 if key.startswith("eval_") and isinstance(value, int | float):
                     self._evals[key] = value
-        for key, value in sorted(self._evals.items()):
-            yield gauge(f"hpc_{key}", f"The newest {key} (evaluation).", value)
+        for key, value in sorted(self._evals.items()):  # a recipe's own names: made valid metric names
+            yield gauge("hpc_" + re.sub(r"[^A-Za-z0-9_]", "_", key), f"The newest {key} (evaluation).", value)
         yield from self._rank_families(names, values)
 
     def _rank_families(self, names: list[str], values: list[str]):
