@@ -56,21 +56,23 @@ def test_a_real_prometheus_scrapes_every_node_and_the_gateway_keeps_the_end(prom
     target_file = prometheus / "prometheus" / "live.json"
     try:
         seen: dict = {}
+        steps: list = []
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and proc.poll() is None:
-            # scraped from the endpoints (an instance label of host:port), not from the gateway
+            # scraped from the endpoints (an instance label of host:port), not from the gateway; heartbeats come
+            # from start-up on, a step only once the first record is written
             beats = query('hpc_heartbeat_age_seconds{run="live",job="hpc-trainer",instance!=""}')
             seen = {(b["metric"]["node"], b["metric"]["rank"]): b["metric"]["instance"] for b in beats}
-            if len(seen) == 4:
+            steps = query('hpc_step{run="live",instance!=""}')
+            if len(seen) == 4 and len(steps) == 2:
                 break
             time.sleep(0.5)
-        assert proc.poll() is None, "the run ended before Prometheus scraped all of its ranks: " + str(seen)
+        assert proc.poll() is None, f"the run ended before Prometheus scraped all of it: {seen} {steps}"
         assert sorted(seen) == [("node0", "0"), ("node0", "1"), ("node1", "2"), ("node1", "3")]
         instances = {seen[("node0", "0")], seen[("node1", "2")]}
         assert len(instances) == 2 and seen[("node0", "1")] == seen[("node0", "0")]  # one endpoint per node
         targets = json.loads(target_file.read_text())[0]["targets"]
         assert sorted(targets) == sorted(instances)  # what the file announced is what Prometheus scraped
-        steps = query('hpc_step{run="live",instance!=""}')
         assert {s["metric"]["node"] for s in steps} == {"node0", "node1"} and all(
             float(s["value"][1]) >= 1 for s in steps
         )
