@@ -206,3 +206,29 @@ def test_wandb_offline_is_the_same_interface_and_each_step_goes_once(tmp_path):
     assert [v for s, v in got if s > 5] == [r["loss"] for r in records(range(6, 13), 0.5)]
     folders = sorted((rundir.root / "wandb").glob("offline-run-*"))
     assert len(folders) == 2 and all(f.name.endswith(state["run_id"]) for f in folders)
+
+
+def test_a_queue_past_its_bound_is_read_back_from_metrics_jsonl_and_each_step_goes_once(tmp_path, monkeypatch):
+    from runconfig.tracking import hold_lock
+    from trainer.observe import tracker_agent
+
+    monkeypatch.setattr(tracker_agent, "MAX_QUEUED", 5)
+    rundir = RunDir(tmp_path / "runs" / "run")
+    rundir.create()
+    target = resolve(TrackingConfig(backend="mlflow"), rundir, {})
+    lock = hold_lock(rundir, wait=True)  # the sender cannot send meanwhile: a tracker that is down
+    sender = tracker_agent.Sender(target, rundir, {"train.lr": "0.001"})
+    sender.begin(0, {"hpc.launches": "1"}, [])
+    with open(rundir.metrics, "a") as f:
+        for r in records(range(1, 31)):
+            f.write(json.dumps(r) + "\n")  # rank 0 writes a record before handing it over
+            f.flush()
+            sender.write(r)
+            if r["step"] % 4 == 0:
+                sender.committed(r["step"])
+    assert len(sender._ready) <= 5 and sender._spilled_through >= 20  # dropped from memory, not kept
+    lock.close()  # the tracker is reachable again
+    sender.finish("done")
+    sender.close()
+    assert [s for s, _ in history(rundir)[2]] == list(range(1, 31))  # every step once, in order
+    assert json.loads(rundir.tracking.read_text())["sent_through"] == 30

@@ -42,6 +42,9 @@ from runconfig.tracking import (
 
 log = logging.getLogger("trainer.tracking")
 BATCH_RECORDS = 500  # records per log_batch round (each ~25 metrics: MLflow's 1,000 per call, a few calls)
+# Records ready to send kept in memory at most (~30 MB): beyond, a tracker that is down long drops them from memory
+# and they are read back from metrics.jsonl (where every committed step's record is) once it is reachable again.
+MAX_QUEUED = 10_000
 MAX_BACKOFF_S = 30.0
 CLOSING_BACKOFF_S = 2.0
 PR_SET_PDEATHSIG = 1
@@ -59,6 +62,7 @@ class Sender:
         self._jobs: list[tuple] = []  # ("tags", dict) and ("file", path, folder), sent before the metrics
         self._end: str | None = None  # the run's status once the launch ends (FINISHED, KILLED, FAILED)
         self._covered = -1  # the newest committed checkpoint's step
+        self._spilled_through = -1  # ready records through this step were dropped from memory: in metrics.jsonl
         self._closing = False
         self._backend = None
         self._down_since: float | None = None
@@ -77,6 +81,7 @@ class Sender:
         with self._cond:
             self._covered = max(self._covered, step)
             self._ready[:0] = backlog  # filtered against sent_through when sent
+            self._bound()
             self._jobs.append(("tags", tags))
             self._jobs.extend(("file", path, folder) for path, folder in files)
             self._cond.notify()
@@ -86,6 +91,7 @@ class Sender:
         with self._cond:
             if record["step"] <= self._covered:  # its checkpoint committed before the record was complete
                 self._ready.append(record)
+                self._bound()
                 self._cond.notify()
             else:
                 self._pending.append(record)
@@ -98,7 +104,15 @@ class Sender:
             if ready:
                 self._pending = [r for r in self._pending if r["step"] > step]
                 self._ready.extend(ready)
+                self._bound()
                 self._cond.notify()
+
+    def _bound(self) -> None:
+        """Under the lock: a queue grown past MAX_QUEUED (a tracker down for long) is dropped from memory; its
+        records are read back from metrics.jsonl when they can be sent."""
+        if len(self._ready) > MAX_QUEUED:
+            self._spilled_through = max(self._spilled_through, *(r["step"] for r in self._ready))
+            self._ready = []
 
     def tags(self, tags: dict[str, str]) -> None:
         with self._cond:
@@ -191,7 +205,27 @@ class Sender:
             log.warning("tracking: %s: ending the run failed: %s", self.target.shown, _one_line(exc))
 
     def _ready_after(self) -> bool:
-        return any(r["step"] > self.state.sent_through for r in self._ready)
+        through = self.state.sent_through
+        return self._spilled_through > through or any(r["step"] > through for r in self._ready)
+
+    def _read_back(self, through: int) -> None:
+        """Records dropped from memory (``_bound``), after step ``through``: the next MAX_QUEUED of them, from
+        metrics.jsonl."""
+        with self._cond:
+            spilled = self._spilled_through
+            if spilled <= through or any(through < r["step"] <= spilled for r in self._ready):
+                return
+        back = []
+        for r in read_jsonl(self.rundir.metrics):
+            step = r.get("step")
+            if isinstance(step, int) and through < step <= spilled:
+                back.append(r)
+                if len(back) >= MAX_QUEUED:
+                    break
+        with self._cond:
+            self._ready[:0] = back
+            if not back:  # nothing left to read (a file moved away): what is in memory goes on
+                self._spilled_through = -1
 
     def _save(self) -> None:
         try:
@@ -240,8 +274,11 @@ class Sender:
 
     def _send_metrics(self) -> None:
         while True:
+            self._read_back(self.state.sent_through)
             with self._cond:  # a copy of the references; the sort runs outside the lock the loop's write() takes
-                queued, through = list(self._ready), self.state.sent_through
+                queued, through, spilled = list(self._ready), self.state.sent_through, self._spilled_through
+            if spilled > through:  # the records read back come first: none after them until they are all sent
+                queued = [r for r in queued if r["step"] <= spilled]
             batch = pick(queued, through, BATCH_RECORDS)
             if not batch:
                 return
