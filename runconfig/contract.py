@@ -37,6 +37,7 @@ FAILURE_USER = "user_error"  # bad input: never retried
 FAILURE_HANG = "hang"  # the hang watchdog ended the ranks
 FAILURE_CRASH = "failed"  # a collective failed, a rank went away, a bug
 FAILURE_STRAGGLER = "straggler"  # a node slower than its peers in monitor.straggler_exclude_after checks in a row
+FAILURE_CORRUPT = "corrupt"  # data-parallel replicas' weights differ (monitor.replica_check_every; suspects name it)
 FAILURE_PREFLIGHT = "preflight"  # the gang preflight before step 0 found a node unfit (suspects name it)
 
 # -- environment variables from the launchers to the ranks -----------------------------------------------------

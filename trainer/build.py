@@ -37,6 +37,7 @@ from trainer.loop.stop import StopFlag
 from trainer.observe.live import open_live
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
+from trainer.observe.replicas import ReplicaCheck
 from trainer.observe.startup import StartupClock
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.observe.tracking import open_tracker
@@ -145,6 +146,7 @@ def build_parts(
     tracker = open_tracker(cfg, env, rundir, comm)  # rank 0's; its thread opens the tracker run meanwhile
     mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
     stack.callback(mon.close)
+    mon.replicas = ReplicaCheck(cfg.monitor.replica_check_every, wrapped.layout, env)
     mon.live = open_live(cfg.live, env, rundir, mon.watchdog.reader() if mon.watchdog.enabled else None, comm)
     checkpoints = Checkpointer(
         cfg=cfg,

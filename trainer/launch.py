@@ -19,6 +19,7 @@ from runconfig.contract import (
     EXIT_DONE,
     EXIT_FAILED,
     EXIT_STOPPED,
+    FAILURE_CORRUPT,
     FAILURE_CRASH,
     FAILURE_STRAGGLER,
     append_event,
@@ -38,6 +39,7 @@ from trainer.observe.memory import state_bytes
 from trainer.observe.metrics import truncate_metrics
 from trainer.observe.preflight import run_preflight
 from trainer.observe.record import gather_launch_record, write_launch_record
+from trainer.observe.replicas import ReplicasDiverged
 from trainer.observe.startup import StartupClock
 from trainer.observe.stragglers import NodeEvicted
 from trainer.observe.timing import peak_memory_mb
@@ -146,6 +148,15 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
             return train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(b, rundir), pruner), None
     except Pruned as pruned:  # every rank, at a rung, its checkpoint saved: ends like a completed run
         return pruned, None
+    except ReplicasDiverged as diverged:  # every rank, no checkpoint: restart from the newest (checked) one
+        p.mon.watchdog.close()
+        p.checkpoints.close()
+        if env.rank == 0:
+            info = diverged.info
+            log.error("%s", info["message"])
+            why = f"its weights differ from the other replicas' at step {info['step']} (silent corruption)"
+            report_failure(rundir, 0, info["message"], FAILURE_CORRUPT, [env.suspect(r, why) for r in info["ranks"]])
+        return None, EXIT_FAILED
     except NodeEvicted as evicted:  # every rank, after a committed checkpoint: leave the slow node out
         p.mon.watchdog.close()
         p.checkpoints.close()

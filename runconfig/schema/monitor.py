@@ -30,6 +30,14 @@ class MonitorConfig(Section):
         0,
         bounds=Range(ge=0),
     )
+    replica_check_every: int = doc(
+        "Every N steps, and before every checkpoint is saved, the data-parallel replicas (DDP's ranks, HSDP's "
+        "replicas of each shard) compare a digest of their weights, which must be bit-identical: a replica that "
+        "differs from the majority is named with its node, the launch ends without a checkpoint and the run "
+        "restarts from the newest committed one (checked at its step) with that node left out. 0 = off.",
+        0,
+        bounds=Range(ge=0),
+    )
     hang_timeout_s: float = doc(
         "A collective or step phase that does not finish within this many seconds ends the job with the ranks "
         "that did not arrive named and a stack dump of every live rank; 0 = off.",

@@ -87,6 +87,7 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
             profiler.before(step)
         step_start = time.perf_counter()
         result = train_step(p, step)
+        mon.injector.after_optimizer(step, p.model)
         mon.watchdog.enter("metric all-reduce", step)
         decision = boundary.decide(step, result.loss, result.grad_norm)
         agreed, step_s = time.time(), time.perf_counter() - step_start
@@ -98,6 +99,10 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
             state.last_loss = decision.loss
         state.elapsed_s = elapsed_before + time.time() - run_start
         extra, evals = _checks_and_eval(p, step, decision.eval, publisher)
+        if mon.replicas is not None and mon.replicas.due(step, decision.checkpoint):  # before the checkpoint
+            mon.watchdog.enter("replica check", step)
+            with mon.clock.part("sync"):
+                mon.replicas.check(p.model, step)
         mon.clock.end_step()
         # The record is written before this step's checkpoint: a kill between a commit and its record would lose
         # the record for good (the resumed run starts after it). A checkpoint's blocking time is therefore counted

@@ -10,6 +10,8 @@
 - ``eio_read:RANK:N``: the first N data reads of that rank fail with EIO;
 - ``slow_upload:RANK:SECONDS``: that rank waits SECONDS before each checkpoint file it uploads to
   checkpoint.storage (an upload slow enough to be killed part-way);
+- ``bitflip:RANK:STEP``: after optimizer step STEP that rank flips one bit of its first parameter (silent
+  corruption of one replica);
 - ``exit_at_rung:RANK:STEP``: that rank's process ends at once, status 0, after rung STEP's checkpoint committed and
   before its verdict (prune.*: a kill between the two);
 - ``slow_part:TASK:SECONDS``: each part that task of ``python -m trainer.data prepare`` tokenizes takes SECONDS
@@ -29,7 +31,9 @@ from dataclasses import dataclass
 from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
 
-KINDS = ("slow", "hang", "exit", "exit_at_rung", "slowlink", "eio_save", "eio_read", "slow_part", "slow_upload")
+KINDS = (
+    "slow", "hang", "exit", "exit_at_rung", "bitflip", "slowlink", "eio_save", "eio_read", "slow_part", "slow_upload",
+)  # fmt: skip
 _EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
 
@@ -70,6 +74,19 @@ class Injector:
                 time.sleep(3600)
             elif f.kind == "exit" and step == int(f.value):
                 os._exit(0)
+
+    def after_optimizer(self, step: int, model) -> None:
+        """Called after optimizer step ``step`` (``bitflip``): one bit of this rank's first parameter flipped."""
+        for f in self.faults:
+            if f.kind == "bitflip" and step == int(f.value):
+                import torch
+
+                with torch.no_grad():
+                    p = next(model.parameters())
+                    t = p.to_local() if hasattr(p, "to_local") else p
+                    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+                    bit = 1 << (3 if t.element_size() == 2 else 20)  # a mantissa bit: a small, silent change
+                    t.view(-1)[:1].view(ints).bitwise_xor_(bit)
 
     def before_verdict(self, step: int) -> None:
         """Called at rung ``step`` after its checkpoint committed, before the verdict (``exit_at_rung``)."""

@@ -14,6 +14,7 @@ from runconfig.progress import Progress
 from trainer.env import RuntimeEnv
 from trainer.observe.inject import Injector
 from trainer.observe.live import LiveMetrics
+from trainer.observe.replicas import ReplicaCheck
 from trainer.observe.stragglers import StragglerCheck
 from trainer.observe.tboard import TensorBoard
 from trainer.observe.timing import StepClock, memory_now_mb, peak_tflops
@@ -37,6 +38,7 @@ class Monitors:
     peak_flops: float | None  # per device, FLOP/s; None: no MFU (CPU or unknown GPU)
     tracker: Tracker | None = None  # rank 0's MLflow or W&B run (tracking.*), None elsewhere or when off
     live: LiveMetrics | None = None  # each node's first rank's Prometheus metrics (live.*), None elsewhere or off
+    replicas: ReplicaCheck | None = None  # the replicas' weights compared (monitor.replica_check_every)
 
     def close(self) -> None:
         if self.live is not None:  # its last push shows the last record

@@ -1,0 +1,55 @@
+"""The replicas' verdict (monitor.replica_check_every): who differs from the majority of the replicas of the same
+part of the model, and when no node can be named; the digest sees one flipped bit. A real bit flip in a real run is
+tests/mp/test_replicas.py."""
+
+from pathlib import Path
+
+import torch
+
+from runconfig.layout import Layout
+from trainer.env import RuntimeEnv
+from trainer.observe.replicas import ReplicaCheck, digest, verdict
+from trainer.parallel.topology import Topology
+
+
+def env_of(world: int, per_node: int) -> RuntimeEnv:
+    return RuntimeEnv(
+        rank=0, world_size=world, host_local_rank=0, host_local_size=per_node, hostname="h", slurm_node=None,
+        hosts=("h",) * world, one_network=True, node_names=tuple(f"n{r // per_node}" for r in range(world)),
+        topology=Topology(world, per_node), simulated_nodes=True, cpus=1, slurm_job_id=None,
+        slurm_restart_count=None, data_cache=Path("/tmp"),
+    )  # fmt: skip
+
+
+def test_the_replica_that_differs_from_the_majority_is_named_with_its_node():
+    env = env_of(4, 2)
+    ddp = Layout(dp_replicate=4)
+    assert verdict(["a", "a", "a", "a"], ddp, env, 6) is None
+    found = verdict(["a", "a", "a", "b"], ddp, env, 6)
+    assert found["ranks"] == [3] and not found["unresolved"]
+    assert "rank 3 (n1)" in found["message"] and "step 6" in found["message"]
+
+
+def test_hsdp_compares_each_shard_with_its_own_replicas_only():
+    env = env_of(4, 2)
+    hsdp = Layout(dp_replicate=2, dp_shard=2)  # ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1
+    assert verdict(["a", "b", "a", "b"], hsdp, env, 4) is None  # different shards differ: as they should
+    found = verdict(["a", "b", "c", "b"], hsdp, env, 4)  # two replicas of shard 0 disagree: no majority
+    assert found["ranks"] == [] and found["unresolved"] == [[0, 2]] and "no node is named" in found["message"]
+
+
+def test_nothing_to_compare_without_replicas():
+    assert not ReplicaCheck(10, Layout(dp_shard=4), env_of(4, 2)).enabled  # FSDP: every shard held once
+    assert ReplicaCheck(10, Layout(dp_replicate=2, dp_shard=2), env_of(4, 2)).enabled
+    assert not ReplicaCheck(0, Layout(dp_replicate=4), env_of(4, 2)).enabled
+
+
+def test_the_digest_sees_one_flipped_bit():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    before = digest(model)
+    with torch.no_grad():
+        model[1].weight.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
+    assert digest(model) != before
+    with torch.no_grad():
+        model[1].weight.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
+    assert digest(model) == before
