@@ -25,6 +25,7 @@ EVENT_START = "start"  # a launch began training from step 0
 EVENT_RESUME = "resume"  # a launch restored a checkpoint
 EVENT_STOPPED = "stopped"  # stopped by a signal with a committed checkpoint
 EVENT_DONE = "done"  # training complete, summary.json written
+EVENT_SPIKE = "spike"  # a loss spike: its step, loss, the median it exceeded and what was done (train.spike_*)
 EVENT_PRUNED = "pruned"  # a sweep element stopped at a rung (prune.*), its checkpoint committed: ended for good
 EVENT_HANG = "hang"  # the hang watchdog ended the job
 EVENT_CODE = "code"  # the recipe's code snapshot was taken or refreshed (login node)
@@ -38,6 +39,7 @@ FAILURE_HANG = "hang"  # the hang watchdog ended the ranks
 FAILURE_CRASH = "failed"  # a collective failed, a rank went away, a bug
 FAILURE_STRAGGLER = "straggler"  # a node slower than its peers in monitor.straggler_exclude_after checks in a row
 FAILURE_CORRUPT = "corrupt"  # data-parallel replicas' weights differ (monitor.replica_check_every; suspects name it)
+FAILURE_SPIKE = "spike"  # a loss spike (train.spike_factor) rolled back: restart from before it, its data skipped
 FAILURE_PREFLIGHT = "preflight"  # the gang preflight before step 0 found a node unfit (suspects name it)
 
 # -- environment variables from the launchers to the ranks -----------------------------------------------------

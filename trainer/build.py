@@ -33,6 +33,7 @@ from trainer.env import RuntimeEnv, agree, patient_barrier
 from trainer.errors import UserError, first_line
 from trainer.loop.optim import build_optimizer, lr_at
 from trainer.loop.parts import Parts, autocast
+from trainer.loop.spikes import apply_skips
 from trainer.loop.stop import StopFlag
 from trainer.observe.live import open_live
 from trainer.observe.metrics import MetricsWriter
@@ -454,9 +455,15 @@ def bucketing(cfg: RunConfig) -> tuple[int, int]:
     return cfg.train.micro_batch_size, cfg.data.bucket_window * cfg.train.global_batch_size
 
 
-def restore_or_start(p: Parts) -> bool:
+def restore_or_start(p: Parts, rundir: RunDir) -> bool:
     """Resume from the newest valid checkpoint when there is one (and checkpoint.resume); True if resumed."""
     resumed = bool(p.cfg.checkpoint.resume) and p.checkpoints.restore(p.state)
+    if p.cfg.train.spike_factor:  # a loss spike rolled back to before it: its data is skipped (trainer/loop/spikes.py)
+        position, applied = apply_skips(rundir, p.state.step, p.state.data_position)
+        if applied:
+            log.info("restored step %d: skipping the data of a loss spike (positions %d..%d of the data order)",
+                     p.state.step, p.state.data_position, position)  # fmt: skip
+            p.state.data_position = position
     data = p.cfg.data
     spec = chosen_order(data.order, data.shuffle_window, p.state.data_order, resumed, *bucketing(p.cfg))
     p.state.data_order = spec.as_dict()

@@ -14,6 +14,7 @@ from runconfig.contract import (
     EVENT_DONE,
     EVENT_PRUNED,
     EVENT_RESUME,
+    EVENT_SPIKE,
     EVENT_START,
     EVENT_STOPPED,
     EXIT_DONE,
@@ -21,6 +22,7 @@ from runconfig.contract import (
     EXIT_STOPPED,
     FAILURE_CORRUPT,
     FAILURE_CRASH,
+    FAILURE_SPIKE,
     FAILURE_STRAGGLER,
     append_event,
     write_json_atomic,
@@ -33,6 +35,7 @@ from trainer.errors import UserError
 from trainer.failure import report_failure
 from trainer.loop.parts import Parts
 from trainer.loop.prune import Pruned, Pruner
+from trainer.loop.spikes import LossSpike, record_skip
 from trainer.loop.stopreport import LeadCheck, stopped_fields
 from trainer.loop.train import train
 from trainer.observe.memory import state_bytes
@@ -52,7 +55,7 @@ log = logging.getLogger("trainer")
 def start(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, clock: StartupClock) -> bool:
     """Restore or start, settle the all-reduce, run the preflight and record the launch's start or resume event.
     False when the preflight named a node (monitor.preflight: exclude; every rank, in failure.json). Collective."""
-    resumed = restore_or_start(p)
+    resumed = restore_or_start(p, rundir)
     plan_allreduce(p, rundir)  # comm.allreduce=auto: after the restore, which may hold the plan to reuse
     check_overlap(p)  # the overlapped reduction against the synchronous one, on the plan's sizes
     clock.mark("restore")
@@ -148,6 +151,17 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
             return train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(b, rundir), pruner), None
     except Pruned as pruned:  # every rank, at a rung, its checkpoint saved: ends like a completed run
         return pruned, None
+    except LossSpike as spike:  # every rank, before the spike's step is saved: back to the newest checkpoint
+        p.mon.watchdog.close()
+        p.checkpoints.close()
+        if env.rank == 0:
+            info = spike.info
+            log.error("%s", info["message"])
+            record_skip(rundir, info)
+            fields = {k: info[k] for k in ("step", "loss", "median", "skip_to_position")}
+            append_event(rundir.history, EVENT_SPIKE, **fields, action="rollback", launch=env.launch_id)
+            report_failure(rundir, 0, info["message"], FAILURE_SPIKE)
+        return None, EXIT_FAILED
     except ReplicasDiverged as diverged:  # every rank, no checkpoint: restart from the newest (checked) one
         p.mon.watchdog.close()
         p.checkpoints.close()

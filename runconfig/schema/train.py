@@ -26,6 +26,25 @@ class TrainConfig(Section):
     beta1: float = doc("AdamW beta1.", 0.9, bounds=Range(ge=0, lt=1))
     beta2: float = doc("AdamW beta2.", 0.95, bounds=Range(ge=0, lt=1))
     grad_clip: float = doc("Clip the global gradient norm to this value; 0 disables clipping.", 1.0, bounds=Range(ge=0))
+    spike_factor: float = doc(
+        "A step whose loss (the mean over ranks) exceeds this factor times the median loss of the launch's last "
+        "train.spike_window steps is a loss spike, handled by train.spike_action; 0 = off. The spike's step is "
+        "never checkpointed.",
+        0.0,
+        bounds=Range(ge=0),
+    )
+    spike_window: int = doc(
+        "The recent steps a loss spike is judged against (at least 8 of them seen in the launch first).",
+        50,
+        bounds=Range(ge=8),
+    )
+    spike_action: Literal["rollback", "stop"] = doc(
+        "rollback: the launch ends, the run restarts from the newest checkpoint (which predates the spike) and "
+        "skips the data from that checkpoint through the spike's batch (PaLM's remedy; the steps are trained on "
+        "the batches after it; a spike event and RUN_DIR/data_skips.json record it; needs job.max_failures >= 1 "
+        "for an in-job restart). stop: the run stops with an error naming the step, the newest checkpoint intact.",
+        "rollback",
+    )
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = doc(
         "AdamW's kernels (torchtitan's optimizer.implementation). fused: one kernel per parameter for the whole "
         "update, on CPU and CUDA (the fastest on CPU: docs/measurements/overhead.md). foreach: "

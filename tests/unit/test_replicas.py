@@ -53,3 +53,33 @@ def test_the_digest_sees_one_flipped_bit():
     with torch.no_grad():
         model[1].weight.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
     assert digest(model) == before
+
+
+def test_a_spike_is_judged_against_the_recent_median_and_stop_names_the_step(tmp_path):
+    import pytest
+
+    from runconfig import RunDir
+    from runconfig.load import load_config
+    from trainer.errors import UserError
+    from trainer.loop.spikes import LossSpike, SpikeWatch, apply_skips, record_skip
+
+    cfg = load_config("tiny", ["train.spike_factor=3", "train.spike_window=8"]).train
+    watch = SpikeWatch(cfg)
+    for step in range(1, 8):  # fewer than 8 seen: nothing is judged yet, however large
+        watch.see(step, 50.0 if step == 1 else 2.0, step * 32, lambda: None)
+    watch.see(8, 2.0, 8 * 32, lambda: None)
+    watch.see(9, 5.9, 9 * 32, lambda: None)  # below 3x the median of 2.0
+    with pytest.raises(LossSpike) as spike:
+        watch.see(10, 6.5, 10 * 32, lambda: "step_00000008")
+    assert spike.value.info["skip_to_position"] == 320 and "step_00000008" in spike.value.info["message"]
+    stop = SpikeWatch(load_config("tiny", ["train.spike_factor=3", "train.spike_action=stop"]).train)
+    for step in range(1, 9):
+        stop.see(step, 2.0, step * 32, lambda: None)
+    with pytest.raises(UserError, match="loss spike at step 9.*step_00000004, is intact"):
+        stop.see(9, 9.0, 9 * 32, lambda: "step_00000004")
+    rundir = RunDir(tmp_path / "run")
+    rundir.root.mkdir()
+    assert apply_skips(rundir, 8, 256) == (256, [])
+    record_skip(rundir, spike.value.info)
+    assert apply_skips(rundir, 8, 256)[0] == 320  # a checkpoint before the spike: its window is skipped
+    assert apply_skips(rundir, 12, 384)[0] == 384  # after it: nothing to skip

@@ -50,6 +50,8 @@ def forward_backward_step(
             with autocast(p.cfg, p.d.device):
                 loss = p.recipe.loss(p.wrapped.module, batch)
             check_loss(loss, recipe=p.cfg.recipe, rank=p.env.rank, step=step)
+            if mon.injector.faults:  # tests: a bad batch (HPC_INJECT spike), by its place in the data order
+                loss = loss * mon.injector.loss_factor(p.state.data_position // p.cfg.train.global_batch_size + 1)
             loss = loss / p.accum
             carrier = p.wrapped.carrier if synchronizing else None
             if carrier is None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import time
 
+from runconfig.checkpoints import read_latest
 from trainer.loop.boundary import Boundary, Earlier
 from trainer.loop.evaluate import evaluate
 from trainer.loop.parts import Parts
 from trainer.loop.prune import Pruner
 from trainer.loop.publish import Publisher
+from trainer.loop.spikes import SpikeWatch
 from trainer.loop.step import train_step
 from trainer.loop.stopreport import LeadCheck, StopTimes
 from trainer.observe.profile import StepProfiler
@@ -68,6 +70,10 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
     )
     publisher = Publisher(p)
     boundary = Boundary(p)
+    spikes = SpikeWatch(t)
+
+    def newest() -> str | None:
+        return read_latest(p.checkpoints.root)
 
     def agreed_later(earlier: Earlier | None) -> None:
         """A step's loss agreed after its boundary (comm.defer_agreement): its record can be written now."""
@@ -98,6 +104,11 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
         if decision.loss is not None:
             state.last_loss = decision.loss
         state.elapsed_s = elapsed_before + time.time() - run_start
+        if spikes.factor:  # before this step's checkpoint: a spike's step is never saved
+            if decision.earlier is not None:  # comm.defer_agreement: the previous step's loss, agreed now
+                spikes.see(step - 1, decision.earlier.loss, state.data_position - t.global_batch_size, newest)
+            if decision.loss is not None:
+                spikes.see(step, decision.loss, state.data_position, newest)
         extra, evals = _checks_and_eval(p, step, decision.eval, publisher)
         if mon.replicas is not None and mon.replicas.due(step, decision.checkpoint):  # before the checkpoint
             mon.watchdog.enter("replica check", step)

@@ -12,6 +12,8 @@
   checkpoint.storage (an upload slow enough to be killed part-way);
 - ``bitflip:RANK:STEP``: after optimizer step STEP that rank flips one bit of its first parameter (silent
   corruption of one replica);
+- ``spike:RANK:BATCH``: that rank's loss is 50 times larger on the BATCH-th batch of the data order (1-based: the
+  batch of step BATCH in a run that skipped nothing), a bad batch that makes the loss spike;
 - ``exit_at_rung:RANK:STEP``: that rank's process ends at once, status 0, after rung STEP's checkpoint committed and
   before its verdict (prune.*: a kill between the two);
 - ``slow_part:TASK:SECONDS``: each part that task of ``python -m trainer.data prepare`` tokenizes takes SECONDS
@@ -32,7 +34,8 @@ from runconfig.contract import INJECT_VAR
 from trainer.errors import UserError
 
 KINDS = (
-    "slow", "hang", "exit", "exit_at_rung", "bitflip", "slowlink", "eio_save", "eio_read", "slow_part", "slow_upload",
+    "slow", "hang", "exit", "exit_at_rung", "bitflip", "spike", "slowlink", "eio_save", "eio_read", "slow_part",
+    "slow_upload",
 )  # fmt: skip
 _EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
@@ -74,6 +77,10 @@ class Injector:
                 time.sleep(3600)
             elif f.kind == "exit" and step == int(f.value):
                 os._exit(0)
+
+    def loss_factor(self, batch: int) -> float:
+        """What this rank's loss of the ``batch``-th batch of the data order is multiplied by (``spike``)."""
+        return 50.0 if any(f.kind == "spike" and batch == int(f.value) for f in self.faults) else 1.0
 
     def after_optimizer(self, step: int, model) -> None:
         """Called after optimizer step ``step`` (``bitflip``): one bit of this rank's first parameter flipped."""

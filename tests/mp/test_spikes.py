@@ -1,0 +1,36 @@
+"""A loss spike with real launches (train.spike_*): a bad batch makes the loss spike; the launch ends before the
+spike's step is saved, the run goes back to the newest checkpoint, skips the data through the bad batch and trains
+to its end."""
+
+import json
+
+import pytest
+
+from runconfig.rundir import read_jsonl
+from tests.mp.test_checkpoint import TWO_NODES, common, run
+
+pytestmark = pytest.mark.mp
+
+
+def test_a_loss_spike_rolls_back_to_the_newest_checkpoint_and_skips_the_bad_batch(tmp_path, small_dataset):
+    run_dir = tmp_path / "run"
+    sets = [
+        *common(small_dataset), *TWO_NODES, "train.steps=16", "train.spike_factor=3", "train.spike_window=8",
+        "job.max_failures=1", "job.restart_backoff_s=0.2", "train.log_every=1",
+    ]  # fmt: skip
+    done = run(run_dir, sets, inject="spike:0:11")  # the 11th batch of the data order is bad
+    assert done.returncode == 0, done.stdout + done.stderr
+    events = read_jsonl(run_dir / "history.jsonl")
+    spike = next(e for e in events if e["event"] == "spike")
+    gbs = 32  # the tiny example's global batch
+    assert spike["step"] == 11 and spike["loss"] > 3 * spike["median"] and spike["skip_to_position"] == 11 * gbs
+    resume = next(e for e in events if e["event"] == "resume")
+    assert resume["step"] == 8  # the newest checkpoint: step 11 was never saved
+    assert events[-1]["event"] == "done" and [e["event"] for e in events].count("spike") == 1  # not again
+    skips = json.loads((run_dir / "data_skips.json").read_text())["skips"]
+    assert skips == [{"spike_step": 11, "skip_to_position": 11 * gbs}]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 17))  # every step once: 9-16 on the batches after it
+    assert max(r["loss"] for r in records if r["step"] > 8) < 3 * spike["median"]  # no spike in what was kept
+    # the spike's step ended the launch before its record: its loss is in the spike event only
+    assert not any(r["loss"] == spike["loss"] for r in records)
