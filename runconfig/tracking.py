@@ -222,6 +222,35 @@ def _quiet(*names: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def create_store(target: Target) -> None:
+    """Make a missing embedded store whole or not at all: its tables (alembic's migrations, seconds of CPU) are
+    made in a file of this process's own, then renamed into place, under a lock beside the store (several runs of a
+    sweep may start at once). A process killed part-way (its launch ended first) leaves only that file behind,
+    never a half-migrated store that no later opener can migrate."""
+    import fcntl
+
+    path = target.store_path
+    if path is None or (path.exists() and path.stat().st_size > 0):
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process is killed
+        if path.exists() and path.stat().st_size > 0:  # made by another run meanwhile
+            return
+        for stale in path.parent.glob(f".{path.name}.creating-*"):  # what killed creators left
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        tmp = path.with_name(f".{path.name}.creating-{os.getpid()}")
+        try:
+            store = SqlAlchemyStore(f"sqlite:///{tmp}", target.artifact_location or str(path.parent / ARTIFACTS_NAME))
+            store.engine.dispose()
+            os.replace(tmp, path)  # over nothing, or over an empty file (a write probe's, an older release's)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
 class MlflowBackend:
     """MLflow's client on ``target.uri``: one call per batch (log_batch), nothing global (no active run)."""
 
@@ -229,6 +258,7 @@ class MlflowBackend:
         _quiet("alembic")
         from mlflow.tracking import MlflowClient
 
+        create_store(target)
         self.target = target
         self.client = MlflowClient(tracking_uri=target.uri)
 

@@ -2,6 +2,7 @@
 is tracked, and rank 0's sink sending each step once across a failed launch, a resume and a kill mid-send."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -232,3 +233,36 @@ def test_a_queue_past_its_bound_is_read_back_from_metrics_jsonl_and_each_step_go
     sender.close()
     assert [s for s, _ in history(rundir)[2]] == list(range(1, 31))  # every step once, in order
     assert json.loads(rundir.tracking.read_text())["sent_through"] == 30
+
+
+def test_a_store_creation_killed_part_way_leaves_no_half_made_store(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from runconfig.tracking import create_store
+
+    rundir = RunDir(tmp_path / "runs" / "run")
+    rundir.create()
+    target = resolve(TrackingConfig(backend="mlflow"), rundir, {})
+    code = (
+        "import sys; from runconfig.tracking import Target, create_store; "
+        f"create_store(Target('mlflow', {target.uri!r}, 'e', 'r', {target.artifact_location!r}))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
+    store = target.store_path
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(store.parent.glob(".mlflow.db.creating-*")):
+        time.sleep(0.01)  # the migrations have begun in its own file
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)  # like a sender ended with its launch
+    proc.wait()
+    if list(store.parent.glob(".mlflow.db.creating-*")):  # killed part-way (else it had finished: whole)
+        assert not store.exists() or store.stat().st_size == 0  # no half-migrated store in place
+    create_store(target)  # the next opener makes it whole (or finds it whole)
+    assert not list(store.parent.glob(".mlflow.db.creating-*"))
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(target.uri)
+    assert client.create_experiment("x") and client.get_experiment_by_name("x") is not None
