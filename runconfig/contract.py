@@ -68,6 +68,12 @@ def append_event(path: Path, event: str, **fields) -> None:
     append_jsonl(path, {"event": event, "time": time.time(), **fields})
 
 
+def launches_and_restarts(events: list[dict]) -> tuple[int, int]:
+    """In a run's history events: its launches so far (start and resume events) and its in-job restarts."""
+    launches = sum(1 for e in events if e.get("event") in (EVENT_START, EVENT_RESUME))
+    return launches, sum(1 for e in events if e.get("event") == EVENT_RESTART)
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     """Replace ``path`` with ``data`` as JSON: written to a temporary file, fsynced, renamed; readers see the old
     file or the new one, never a partial one."""

@@ -458,12 +458,13 @@ def bucketing(cfg: RunConfig) -> tuple[int, int]:
 def restore_or_start(p: Parts, rundir: RunDir) -> bool:
     """Resume from the newest valid checkpoint when there is one (and checkpoint.resume); True if resumed."""
     resumed = bool(p.cfg.checkpoint.resume) and p.checkpoints.restore(p.state)
-    if p.cfg.train.spike_factor:  # a loss spike rolled back to before it: its data is skipped (trainer/loop/spikes.py)
-        position, applied = apply_skips(rundir, p.state.step, p.state.data_position)
-        if applied:
-            log.info("restored step %d: skipping the data of a loss spike (positions %d..%d of the data order)",
-                     p.state.step, p.state.data_position, position)  # fmt: skip
-            p.state.data_position = position
+    # a loss spike rolled back to before it: its data is skipped (trainer/loop/spikes.py), whatever train.spike_*
+    # says now
+    position, applied = apply_skips(rundir, p.state.step, p.state.data_position)
+    if applied:
+        log.info("restored step %d: skipping the data of a loss spike (positions %d..%d of the data order)",
+                 p.state.step, p.state.data_position, position)  # fmt: skip
+        p.state.data_position = position
     data = p.cfg.data
     spec = chosen_order(data.order, data.shuffle_window, p.state.data_order, resumed, *bucketing(p.cfg))
     p.state.data_order = spec.as_dict()

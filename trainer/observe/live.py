@@ -12,7 +12,6 @@ warning, never the run.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 import socket
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 from runconfig import RunDir
-from runconfig.contract import write_json_atomic
+from runconfig.contract import launches_and_restarts, write_json_atomic
 from runconfig.rundir import read_jsonl
 from runconfig.schema.live import LiveConfig
 from trainer.env import RuntimeEnv, agree, patient_allgather
@@ -54,17 +53,17 @@ class LiveMetrics:
     def __init__(self, cfg: LiveConfig, env: RuntimeEnv, rundir: RunDir, beats: BeatReader | None) -> None:
         from prometheus_client import CollectorRegistry
 
-        self.cfg, self.env = cfg, env
+        self.cfg = cfg
         self.labels = {"run": rundir.root.name, "node": env.node_names[env.rank]}
         self.ranks = env.topology.node_ranks(env.node)
         self._beats = beats
         self._record: dict | None = None
         self._evals: dict[str, float] = {}
         self._running = 1
-        events = read_jsonl(rundir.history) if rundir.history.exists() else []
+        launches, restarts = launches_and_restarts(read_jsonl(rundir.history) if rundir.history.exists() else [])
         self._run_counts = {
-            "hpc_launches": sum(1 for e in events if e.get("event") in ("start", "resume")) + 1,  # with this one
-            "hpc_restarts": sum(1 for e in events if e.get("event") == "restart"),
+            "hpc_launches": launches + 1,  # with this one (its start event comes later)
+            "hpc_restarts": restarts,
             "hpc_slurm_restart_count": env.slurm_restart_count or 0,
             "hpc_world_size": env.world_size,
         }
@@ -79,8 +78,12 @@ class LiveMetrics:
 
     # -- the loop's side -----------------------------------------------------------------------------------------
     def update(self, record: dict) -> None:
-        """The newest step record (main thread: no I/O, no locks)."""
+        """The newest step record (main thread: no I/O, no locks). Its evaluation's metrics are kept for the records
+        after it (a new dict: the server's thread may be reading the old one)."""
         self._record = record
+        evals = {k: v for k, v in record.items() if k.startswith("eval_") and isinstance(v, int | float)}
+        if evals:
+            self._evals = {**self._evals, **evals}
 
     # -- collector ------------------------------------------------------------------------------------------------
     def describe(self):
@@ -116,9 +119,6 @@ class LiveMetrics:
                 if key.startswith("time_") and key.endswith("_s") and key != "time_eval_s" and value is not None:
                     parts.add_metric([*values, key[5:-2]], value)
             yield parts
-            for key, value in record.items():
-                if key.startswith("eval_") and isinstance(value, int | float):
-                    self._evals[key] = value
         for key, value in sorted(self._evals.items()):  # a recipe's own names: made valid metric names
             yield gauge("hpc_" + re.sub(r"[^A-Za-z0-9_]", "_", key), f"The newest {key} (evaluation).", value)
         yield from self._rank_families(names, values)
@@ -259,8 +259,3 @@ def _announce(rundir: RunDir, addresses: list[str]) -> Path | None:
         log.warning("live.serve: could not write the Prometheus target file %s: %s", path, exc)
         return None
     return path
-
-
-def read_targets(path: Path) -> list[str]:
-    """The endpoints in a target file (for tests and tools)."""
-    return [t for group in json.loads(Path(path).read_text()) for t in group["targets"]]

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from runconfig.contract import launches_and_restarts
 from runconfig.rundir import RunDir, read_jsonl
 from runconfig.tracking import Target, TrackingState
 
@@ -149,12 +150,12 @@ def launch_tags(cfg, env, layout: dict, launch_record: dict | None, rundir: RunD
     """What identifies this launch in the tracker: Slurm ids, restarts, world and layout, hosts, code, versions."""
     from trainer.checkpoint.provenance import git_commit
 
-    events = read_jsonl(rundir.history)
+    launches, restarts = launches_and_restarts(read_jsonl(rundir.history))
     tags = {
         "hpc.state": "running",
         "hpc.launch": env.launch_id,
-        "hpc.launches": str(sum(1 for e in events if e.get("event") in ("start", "resume"))),
-        "hpc.restarts": str(sum(1 for e in events if e.get("event") == "restart")),
+        "hpc.launches": str(launches),
+        "hpc.restarts": str(restarts),
         "hpc.slurm_job_id": env.slurm_job_id or "",
         "hpc.slurm_restart_count": str(env.slurm_restart_count or 0),
         "hpc.world_size": str(env.world_size),

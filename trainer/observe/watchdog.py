@@ -218,12 +218,7 @@ class Watchdog:
         return f"'{self.phase}' of step {self.step}"
 
     def _read_beats(self) -> dict[int, dict]:
-        store = self._client()
-        beats = {}
-        for rank in range(self.env.world_size):
-            if store.check([self._key(rank)]):
-                beats[rank] = json.loads(store.get(self._key(rank)))
-        return beats
+        return read_beats(self._client(), self._key, range(self.env.world_size))
 
     def _silent(self, beats: dict[int, dict]) -> list[int]:
         now, limit = time.time(), 3 * self.cfg.heartbeat_s
@@ -320,6 +315,11 @@ class Watchdog:
         os._exit(EXIT_HANG)
 
 
+def read_beats(store: dist.TCPStore, key: Callable[[int], str], ranks: Iterable[int]) -> dict[int, dict]:
+    """The latest heartbeat of each of ``ranks`` that has published one."""
+    return {r: json.loads(store.get(key(r))) for r in ranks if store.check([key(r)])}
+
+
 class BeatReader:
     """The latest heartbeat of given ranks, read from the rendezvous store on a connection opened at first use (and
     again after a failure). Safe for several threads (a lock); an unreachable store reads as no beats."""
@@ -334,11 +334,7 @@ class BeatReader:
             try:
                 if self._store is None:
                     self._store = self._connect()
-                beats = {}
-                for rank in ranks:
-                    if self._store.check([self._key(rank)]):
-                        beats[rank] = json.loads(self._store.get(self._key(rank)))
-                return beats
+                return read_beats(self._store, self._key, ranks)
             except Exception:
                 self._store = None
                 return {}
