@@ -152,25 +152,17 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
     except Pruned as pruned:  # every rank, at a rung, its checkpoint saved: ends like a completed run
         return pruned, None
     except LossSpike as spike:  # every rank, before the spike's step is saved: back to the newest checkpoint
-        p.mon.watchdog.close()
-        p.checkpoints.close()
+        info = spike.info
         if env.rank == 0:
-            info = spike.info
-            log.error("%s", info["message"])
             record_skip(rundir, info)
             fields = {k: info[k] for k in ("step", "loss", "median", "skip_to_position")}
             append_event(rundir.history, EVENT_SPIKE, **fields, action="rollback", launch=env.launch_id)
-            report_failure(rundir, 0, info["message"], FAILURE_SPIKE)
-        return None, EXIT_FAILED
+        return _end_unsaved(p, b, rundir, info["message"], FAILURE_SPIKE, [])
     except ReplicasDiverged as diverged:  # every rank, no checkpoint: restart from the newest (checked) one
-        p.mon.watchdog.close()
-        p.checkpoints.close()
-        if env.rank == 0:
-            info = diverged.info
-            log.error("%s", info["message"])
-            why = f"its weights differ from the other replicas' at step {info['step']} (silent corruption)"
-            report_failure(rundir, 0, info["message"], FAILURE_CORRUPT, [env.suspect(r, why) for r in info["ranks"]])
-        return None, EXIT_FAILED
+        info = diverged.info
+        why = f"its weights differ from the other replicas' at step {info['step']} (silent corruption)"
+        suspects = [env.suspect(r, why) for r in info["ranks"]]
+        return _end_unsaved(p, b, rundir, info["message"], FAILURE_CORRUPT, suspects)
     except NodeEvicted as evicted:  # every rank, after a committed checkpoint: leave the slow node out
         p.mon.watchdog.close()
         p.checkpoints.close()
@@ -183,6 +175,17 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
         report_failure(rundir, env.rank, message, FAILURE_CRASH, suspects)  # first: see report_failure
         log.error("%s", message)
         raise
+
+
+def _end_unsaved(p: Parts, b: Booted, rundir: RunDir, message: str, kind: str, suspects: list[dict]):
+    """Every rank: the launch ends without saving this step (the launcher restarts from the newest checkpoint,
+    leaving the suspects' nodes out); rank 0 reports why."""
+    p.mon.watchdog.close()
+    p.checkpoints.close()
+    if b.env.rank == 0:
+        log.error("%s", message)
+        report_failure(rundir, 0, message, kind, suspects)
+    return None, EXIT_FAILED
 
 
 def _report_eviction(b: Booted, rundir: RunDir, info: dict, step: int) -> None:
