@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,16 +155,20 @@ class RunDir:
 def read_jsonl(path: Path) -> list[dict]:
     """The JSON objects of a JSON-lines file of a run directory (metrics, history, jobs), skipping unparsable
     lines (a line cut short by a kill or a full disk); [] when the file does not exist."""
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path) -> Iterator[dict]:
+    """``read_jsonl``'s objects one at a time, the file read as they are taken (a long metrics.jsonl)."""
     try:
-        text = path.read_text(errors="replace")
+        f = open(path, errors="replace")  # noqa: SIM115 (closed below, also when the caller stops early)
     except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
+        return
+    with f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                yield obj

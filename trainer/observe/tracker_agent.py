@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from runconfig.rundir import RunDir, read_jsonl
+from runconfig.rundir import RunDir, iter_jsonl, read_jsonl
 from runconfig.tracking import (
     Target,
     TrackingState,
@@ -216,7 +216,7 @@ class Sender:
             if spilled <= through or any(through < r["step"] <= spilled for r in self._ready):
                 return
         back = []
-        for r in read_jsonl(self.rundir.metrics):
+        for r in iter_jsonl(self.rundir.metrics):
             step = r.get("step")
             if isinstance(step, int) and through < step <= spilled:
                 back.append(r)
