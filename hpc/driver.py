@@ -35,10 +35,11 @@ from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from hpc.restarts import until_settled
 from runconfig import RunConfig, RunDir, load_config
-from runconfig.badnodes import bad_nodes
-from runconfig.contract import EXIT_DONE, EXIT_STOPPED
+from runconfig.badnodes import bad_nodes, record_bad_node
+from runconfig.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
 from runconfig.decide import Situation
 from runconfig.outcome import Ended, how_it_ended, new_launch_id
+from runconfig.rundir import read_jsonl
 from runconfig.slurmvars import slurm_job_id, slurm_restart_count
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
@@ -83,10 +84,14 @@ def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) ->
     # The job's SLURM_NTASKS would ask for every rank of the allocation: the step's task count is given too.
     count = len(nodes) * cfg.job.ranks_per_node
     placement = [f"--nodes={len(nodes)}", f"--ntasks={count}", f"--nodelist={','.join(nodes)}"] if nodes else []
+    # --overlap: a step whose node was lost can stay RUNNING in slurmctld, holding its CPUs on the live nodes long
+    # after its processes there ended; the restart's step must not queue behind it. The driver runs one step of
+    # ranks at a time, so nothing is shared in fact.
     return [
         "srun",
         f"--mpi={mpi_plugin(cfg)}",
         "--kill-on-bad-exit=1",
+        "--overlap",
         f"--ntasks-per-node={cfg.job.ranks_per_node}",
         *placement,
         *cfg.job.srun_args,
@@ -96,16 +101,30 @@ def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) ->
 
 #: srun's line for tasks that ended badly: "srun: error: n2: task 3: Killed", "... tasks 0-1: Exited with exit code 1"
 SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:[-,]\S*)?: (.+)$")
+#: srun's line when slurmctld declares one of the step's nodes failed (not responding for SlurmdTimeout)
+SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)$")
+#: seconds srun may go on after the ranks recorded their diagnosis: a lost node's tasks never report, and srun
+#: would wait for them until slurmctld declares the node failed (SlurmdTimeout)
+STEP_GRACE_S = 5.0
 
 
-def run_step(command: list[str], env: dict) -> tuple[int, int | None]:
-    """Run srun, copying its output through; (exit status, the rank of srun's first failed-task line).
+@dataclass(frozen=True)
+class StepEnd:
+    status: int  # srun's exit status (-9: the driver ended it after the grace)
+    first_failed: int | None = None  # the task of srun's first failed-task line
+    failed_nodes: tuple[str, ...] = ()  # nodes srun reported failed
+    ended_srun: bool = False  # the driver ended srun STEP_GRACE_S after the ranks' diagnosis
 
-    That first line comes within ~0.1 s of a rank's death. The other ranks, blocked in a collective with the dead
-    one, end only at Slurm's SIGKILL a KillWait after srun's SIGTERM (``scancel --signal=KILL`` of the step is
-    refused once srun is terminating it): ending them sooner is still to be done."""
+
+def run_step(command: list[str], env: dict, failure: Path | None = None) -> StepEnd:
+    """Run srun, copying its output through; how it ended.
+
+    srun's first failed-task line comes within ~0.1 s of a rank's death. Once the ranks have written their
+    diagnosis (``failure``: they ended the launch themselves, naming the ranks at fault), srun gets STEP_GRACE_S
+    more; then it is killed: it would wait for the tasks of a lost node, which never report."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     first: list[int] = []
+    failed: list[str] = []
 
     def copy() -> None:
         assert proc.stderr is not None
@@ -115,12 +134,32 @@ def run_step(command: list[str], env: dict) -> tuple[int, int | None]:
             m = SRUN_TASK_ERROR.match(line.strip())
             if m and not first:
                 first.append(int(m.group(2)))
+            m = SRUN_NODE_FAILURE.match(line.strip())
+            if m and m.group(1) not in failed:
+                failed.append(m.group(1))
 
     thread = threading.Thread(target=copy, daemon=True)
     thread.start()
-    status = proc.wait()
+    diagnosed: float | None = None
+    ended_srun = False
+    while True:
+        try:
+            status = proc.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if failure is None:
+            continue
+        if diagnosed is None and failure.exists():
+            diagnosed = time.monotonic()
+        if diagnosed is not None and time.monotonic() - diagnosed > STEP_GRACE_S:
+            print(f"the ranks recorded their diagnosis {STEP_GRACE_S:g} s ago and srun still waits (for a lost "
+                  "node's tasks?): ending srun", flush=True)  # fmt: skip
+            proc.kill()
+            ended_srun = True
+            failure = None
     thread.join(timeout=10)
-    return status, (first[0] if first else None)
+    return StepEnd(status, first[0] if first else None, tuple(failed), ended_srun)
 
 
 def sweep_command(num_nodes: int) -> list[str]:
@@ -157,6 +196,7 @@ class StepLaunch:
     status: int  # srun's exit status
     nodes: tuple[str, ...]
     first_ended: int | None = None  # from srun's first failed-task line
+    failed_nodes: tuple[str, ...] = ()  # srun's "Node failure on N" lines
 
 
 @dataclass(frozen=True)
@@ -183,6 +223,8 @@ class Driver:
         if run_complete(rundir, cfg):
             print(f"run {rundir.root} is already complete; job {job.job_id} ends without work", flush=True)
             return {"status": "complete"}
+        if job.restart_count and cfg.job.exclude_bad_nodes:
+            note_lost_nodes(rundir, job)
         allocation = job.nodes()
         usable = tuple(n for n in allocation if n not in bad_nodes(rundir))[: cfg.job.nodes]
         if allocation and len(usable) < cfg.job.min_nodes_or_all:
@@ -203,6 +245,7 @@ class Driver:
                 launch_nodes=launched.nodes,
                 ranks_per_node=cfg.job.ranks_per_node,
                 first_ended=launched.first_ended,
+                failed_nodes=launched.failed_nodes,
                 stop_signal=STOP_SIGNAL.is_set(),
             ),
         )
@@ -236,13 +279,14 @@ class Driver:
         env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
         rundir.clear_failure()  # an earlier launch's diagnosis is not this one's
         STOP_SIGNAL.clear()  # a signal before this launch is not what ends it
-        status, first_failed = run_step(command, env)
+        end = run_step(command, env, rundir.failure)
+        status = end.status
         # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks were
         # killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
         ended = how_it_ended(rundir, launch_id, status)
         if ended.recorded and status not in (EXIT_DONE, EXIT_STOPPED):
             print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
-        return StepLaunch(ended, launch_id, status, nodes or allocation, first_failed)
+        return StepLaunch(ended, launch_id, status, nodes or allocation, end.first_failed, end.failed_nodes)
 
     def _resubmit(self, cfg: RunConfig, rundir: RunDir, job: SlurmJob, exclude: tuple[str, ...], why: str) -> dict:
         """End this job; the run continues in a job that excludes ``exclude``: the chain's next link when one is
@@ -275,6 +319,46 @@ class Driver:
             subprocess.run(sweep_command(job.num_nodes), env=trainer_environment(cfg, simulate_nodes=False), timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
+
+
+#: node states (scontrol's State=, '+'-separated) in which Slurm holds a node failed
+FAILED_STATES = {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING"}
+
+
+def node_states(nodes: list[str]) -> dict[str, tuple[set[str], str]]:
+    """node -> (its state flags, Slurm's reason) from scontrol; nodes it does not answer for are left out."""
+    out = subprocess.run(["scontrol", "-o", "show", "node", ",".join(nodes)], capture_output=True, text=True)
+    states = {}
+    for line in out.stdout.splitlines():
+        name = re.search(r"\bNodeName=(\S+)", line)
+        state = re.search(r"\bState=(\S+)", line)
+        reason = re.search(r"\bReason=(.*?)(?= \w+=|$)", line)
+        if name and state:
+            states[name.group(1)] = (set(state.group(1).split("+")), reason.group(1).strip() if reason else "")
+    return states
+
+
+def note_lost_nodes(rundir: RunDir, job: SlurmJob) -> list[str]:
+    """A requeued job (Slurm ended the last one with NODE_FAIL, or a requeue after a stop): the nodes the run's last
+    launch ran on that Slurm now holds failed are the run's bad nodes, with Slurm's state and reason as evidence
+    (Slurm itself keeps this job off them while they are down; later jobs of the run exclude them)."""
+    launches = [e for e in read_jsonl(rundir.history) if e.get("event") in (EVENT_START, EVENT_RESUME)]
+    if not launches or not launches[-1].get("nodes"):
+        return []
+    last = launches[-1]
+    known = set(bad_nodes(rundir))
+    lost = []
+    for node, (state, reason) in node_states([str(n) for n in last["nodes"]]).items():
+        if node in known or not state & FAILED_STATES:
+            continue
+        held = f"{'+'.join(sorted(state))} ({reason or 'no reason given'})"
+        evidence = f"Slurm holds it {held} since the run's last launch on it"
+        launch = str(last.get("launch", ""))
+        record_bad_node(rundir, node, reason="node failure (Slurm)", evidence=evidence, launch=launch,
+                        slurm_job_id=job.job_id)  # fmt: skip
+        print(f"node {node} of the run's last launch is {held}: left out from now on", flush=True)
+        lost.append(node)
+    return lost
 
 
 def _sweep_results(rundir: RunDir, state: str | None) -> None:

@@ -43,6 +43,8 @@ def sbatch_parameters(cfg: RunConfig, *, dependency: str | None = None, exclude:
     job = cfg.job
     extra: dict[str, str | bool] = {"signal": f"{job.signal.removeprefix(SIGNAL_PREFIX)}@{job.signal_lead_s}"}
     extra["requeue"] = True  # allow requeue even where the cluster's JobRequeue default is 0
+    if job.no_kill:
+        extra["no_kill"] = True
     if exclude:
         bad = [n for n in exclude if not SLURM_NAMES_RE.match(n)]
         if bad:  # names come from Slurm itself; still, nothing unchecked reaches an #SBATCH line

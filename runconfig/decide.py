@@ -60,6 +60,7 @@ class Situation:
     launch_nodes: tuple[str, ...] = ()  # the nodes the launch that ended ran on, in node order
     first_ended: int | None = None  # the rank whose process the launcher saw end first (its own evidence)
     ranks_per_node: int = 1  # of the launch that ended (maps first_ended to its node)
+    failed_nodes: tuple[str, ...] = ()  # nodes the scheduler declared failed during the launch (srun's evidence)
     stop_signal: bool = False  # the launcher got the job's stop signal (SIGUSR1/USR2) while the ranks ran
 
 
@@ -102,11 +103,14 @@ def failure_cause(ended: Ended, failure: dict) -> tuple[str, bool]:
 
 
 def named_nodes(failure: dict, situation: Situation) -> list[tuple[str, str]]:
-    """(node, evidence) the failure points at: failure.json's suspects, else the rank that ended first."""
+    """(node, evidence) the failure points at: failure.json's suspects and the nodes the scheduler declared failed,
+    else the rank that ended first (srun kills the others of a failed node's step: the first of them is not it)."""
     out = {}
     for suspect in suspects_of(failure):
         why = str(suspect.get("why") or failure.get("message") or "named by the trainer's diagnosis")
         out.setdefault(suspect["node"], f"rank {suspect.get('rank')}: {why}")
+    for node in situation.failed_nodes:
+        out.setdefault(node, "Slurm declared the node failed during the launch (srun: Node failure)")
     rank = situation.first_ended
     if not out and rank is not None and situation.launch_nodes:
         per_node = max(1, situation.ranks_per_node)
@@ -282,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-nodes", default="", help="the nodes the launch ran on, in node order")
     parser.add_argument("--ranks-per-node", type=int, default=1)
     parser.add_argument("--first-ended", type=int, default=None, help="the rank whose task ended first")
+    parser.add_argument("--failed-nodes", default="", help="nodes srun reported failed (Node failure on N)")
     parser.add_argument("--stop-signal", action="store_true", help="the launcher got the job's stop signal")
     args = parser.parse_args(argv)
     rundir = RunDir(args.run_dir)
@@ -295,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         launch_nodes=split_nodes(args.launch_nodes),
         ranks_per_node=args.ranks_per_node,
         first_ended=args.first_ended,
+        failed_nodes=split_nodes(args.failed_nodes),
         stop_signal=args.stop_signal,
     )
     decision = decide(rundir, cfg.job, ended, situation)

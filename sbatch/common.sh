@@ -233,13 +233,14 @@ hpc_main() {
   if [ -z "$plugin" ]; then
     plugin=$hpc_mpi_cfg  # job.mpi, with auto resolved by hpc_prepare as hpc/driver.py resolves it
   fi
-  local command=(srun "--mpi=$plugin" --kill-on-bad-exit=1 "${hpc_srun_args[@]}"
+  # --overlap: a step whose node was lost can stay RUNNING, holding its CPUs on the live nodes (hpc/driver.py)
+  local command=(srun "--mpi=$plugin" --kill-on-bad-exit=1 --overlap "${hpc_srun_args[@]}"
     "${hpc_launch_prefix[@]}" "$PYTHON" -u -m trainer --run-dir "$RUN_DIR")
   restarts=${SLURM_RESTART_COUNT:-0}  # unset on the first run, not 0
   if [ "$hpc_too_few" = 1 ]; then
     hpc_resubmit "$hpc_exclude" "this job's allocation holds bad node(s) of the run ($hpc_exclude)"
   fi
-  local attempt=0 suffix action exit_status delay message use_next first errfile nodes_now
+  local attempt=0 suffix action exit_status delay message use_next first failed_nodes errfile nodes_now
   local -a placement=() shown=()
   local -a decide_args=(--requeues "$restarts")
   [ -n "${HPC_MAX_RESTARTS:-}" ] && decide_args+=(--max-requeues "$HPC_MAX_RESTARTS")
@@ -264,6 +265,7 @@ hpc_main() {
       tee "$errfile" >&2 3>&-; } 3>&1
     status=${PIPESTATUS[0]}
     first=$(sed -nE 's/^srun: error: [^ ]+: tasks? ([0-9]+).*/\1/p' "$errfile" | head -n 1)
+    failed_nodes=$(sed -nE 's/^srun: error: Node failure on ([^ ]+)$/\1/p' "$errfile" | paste -sd, -)
     rm -f -- "$errfile"
     # What to do now is one Python function for every launcher (runconfig/decide.py): done, restart the ranks in
     # this allocation (recorded in history.jsonl), requeue, or end. It reads how the launch ended from what it
@@ -272,7 +274,8 @@ hpc_main() {
     { read -r action exit_status delay && IFS= read -r message && read -r use_next && read -r hpc_exclude; } < <(
       "$PYTHON" -m runconfig.decide "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" "${decide_args[@]}" \
         --nodes "$hpc_alloc" --launch-nodes "${hpc_use:-$hpc_alloc}" --ranks-per-node "$hpc_rpn" \
-        ${first:+--first-ended "$first"} ${hpc_stop_seen:+--stop-signal} ||
+        ${first:+--first-ended "$first"} ${failed_nodes:+--failed-nodes "$failed_nodes"} \
+        ${hpc_stop_seen:+--stop-signal} ||
         printf 'end 1 0\nerror: deciding after the launch failed (exit status %s)\n-\n-\n' "$status")
     if [ "$action" = "done" ] || [ "$action" = "end" ]; then
       if [ "$status" != 0 ] && [ "$status" != "$hpc_exit_stopped" ] && [ -n "${SLURM_JOB_ID:-}" ]; then

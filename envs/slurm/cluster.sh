@@ -38,6 +38,7 @@ DB_PORT=${HPC_SLURM_DB_PORT:-$((CTLD_PORT + 3))}    # its private mariadbd, 127.
 MIN_JOB_AGE=${HPC_SLURM_MIN_JOB_AGE:-300}         # s a finished job stays in scontrol (Slurm's default)
 NETNS=${HPC_SLURM_NETNS:-0}                       # 1: every node its own network namespace (see above)
 LINK_RATE=${HPC_SLURM_LINK_RATE:-}                # tbf rate of each node's link (netns only); empty: unshaped
+SLURMD_TIMEOUT=${HPC_SLURM_SLURMD_TIMEOUT:-300}   # s without an answer before a node is marked DOWN (Slurm's default)
 # A /24 per cluster, told apart by the controller's port (16817 -> 10.65.177.0/24); the bridge is named after it.
 SUBNET=${HPC_SLURM_SUBNET:-10.$(((CTLD_PORT >> 8) & 255)).$((CTLD_PORT & 255))}
 BRIDGE=hpcbr$CTLD_PORT
@@ -135,6 +136,9 @@ ReturnToService=2
 JobRequeue=1
 SchedulerParameters=sched_interval=2,bf_interval=1
 KillWait=5
+# A node that does not answer for this long is marked DOWN and its jobs end with NODE_FAIL (or, with --no-kill,
+# continue without it).
+SlurmdTimeout=$SLURMD_TIMEOUT
 
 # Preemption: a job in a higher-PriorityTier partition requeues the jobs of a lower one on the same nodes.
 # preempt_send_user_signal delivers the job's --signal when it is picked; SIGTERM follows after GraceTime.
@@ -520,13 +524,60 @@ cmd_wipe() {
   echo "wiped $STATE (job ids restart at 1: use a fresh log folder per run, a reused %j folder can hold old results)"
 }
 
+# ---------------------------------------------------------------------------------------------- node loss
+# A node lost as hardware is lost (separate hosts only): its link goes down first, so no FIN or RST of its dying
+# connections reaches a peer, then its slurmd and every process on it (job steps, ranks) are SIGKILLed at once.
+# Its peers see silence; slurmctld marks it DOWN after SlurmdTimeout. node-up brings the link and slurmd back
+# (ReturnToService=2 returns it to service when it registers).
+node_index() {  # node_index NAME: i of n<i>, checked against this cluster's separate hosts
+  local i=${1#n}
+  if ! [[ "$1" =~ ^n[0-9]+$ ]] || ! [ -f "$STATE/ns-n$i.pid" ]; then
+    die "no separate host named '$1' in $STATE (node-down and node-up need HPC_SLURM_NETNS=1 and a node n1..nN)"
+  fi
+  alive "$STATE/ns-n$i.pid" || die "node $1's namespace holder is gone: restart the cluster"
+  echo "$i"
+}
+
+node_link() {  # node_link I: the host side of node i's link (named after the port of the cluster in STATE)
+  echo "hv$(sed -n 's/^SlurmctldPort=//p' "$STATE/slurm.conf")n$1"
+}
+
+cmd_node_down() {
+  local i holder space p killed=0
+  i=$(node_index "$NODE")
+  holder=$(cat "$STATE/ns-n$i.pid")
+  space=$(readlink "/proc/$holder/ns/net")
+  ip link set "$(node_link "$i")" down
+  for p in /proc/[0-9]*; do
+    p=${p#/proc/}
+    if [ "$p" = "$holder" ] || [ "$(readlink "/proc/$p/ns/net" 2> /dev/null)" != "$space" ]; then continue; fi
+    kill -KILL "$p" 2> /dev/null && killed=$((killed + 1))
+  done
+  rm -f "$STATE/slurmd-$NODE.pid"
+  echo "node $NODE lost: link down, $killed processes killed (slurmd among them)"
+}
+
+cmd_node_up() {
+  local i
+  i=$(node_index "$NODE")
+  export SLURM_CONF="$STATE/slurm.conf"
+  ip link set "$(node_link "$i")" up
+  alive "$STATE/slurmd-$NODE.pid" || nsenter -t "$(cat "$STATE/ns-n$i.pid")" --net --uts --mount /usr/sbin/slurmd -N "$NODE"
+  echo "node $NODE back: link up, slurmd started"
+}
+
 # ---------------------------------------------------------------------------------------------------- main
-STATE=$(realpath -m "${2:-${HPC_SLURM_STATE:-/tmp/hpc-slurm}}")
+case "${1:-}" in
+  node-down | node-up) NODE=${2:-}; STATE=$(realpath -m "${3:-${HPC_SLURM_STATE:-/tmp/hpc-slurm}}") ;;
+  *) STATE=$(realpath -m "${2:-${HPC_SLURM_STATE:-/tmp/hpc-slurm}}") ;;
+esac
 case "${1:-}" in
   install) cmd_install ;;
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   wipe) cmd_wipe ;;
-  *) echo "usage: $0 {install|start|stop|status|wipe} [STATE_DIR]" >&2; exit 2 ;;
+  node-down) cmd_node_down ;;
+  node-up) cmd_node_up ;;
+  *) echo "usage: $0 {install|start|stop|status|wipe} [STATE_DIR] | {node-down|node-up} NODE [STATE_DIR]" >&2; exit 2 ;;
 esac

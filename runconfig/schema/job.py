@@ -72,6 +72,14 @@ class JobConfig(Section):
         "first, a node the preflight found unfit), recorded with the evidence in history.jsonl.",
         True,
     )
+    no_kill: bool = doc(
+        "Keep the job's allocation when one of its nodes fails (sbatch --no-kill): the ranks on the other nodes end "
+        "the launch and the run restarts in the same job on the nodes left, without the queue (at least "
+        "job.min_nodes; too few left, it continues in a new job). The job stays that size until it ends and the lost "
+        "node is not replaced. false: Slurm ends the whole job with NODE_FAIL and requeues it, back through the "
+        "queue, at full size on healthy nodes.",
+        False,
+    )
     restart_backoff_s: float = doc(
         "Seconds before the first in-job restart of a run; each further restart waits twice as long (at most 300).",
         5.0,

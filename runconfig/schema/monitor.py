@@ -44,6 +44,14 @@ class MonitorConfig(Section):
         600.0,
         bounds=Range(ge=0),
     )
+    peer_timeout_s: float = doc(
+        "A rank whose heartbeats stop for this long (its process ended, its node went down, its link was lost) ends "
+        "the launch on the other ranks, named with its node, rather than leaving them blocked in a collective until "
+        "the scheduler notices (Slurm: SlurmdTimeout, then KillWait). Watched by rank 0, which hosts the rendezvous "
+        "store: a rank that loses the store for this long ends too. At least 3 x monitor.heartbeat_s; 0 = off.",
+        15.0,
+        bounds=Range(ge=0),
+    )
     heartbeat_s: float = doc(
         "How often each rank publishes its progress for the hang watchdog.", 2.0, bounds=Range(gt=0)
     )
@@ -109,6 +117,8 @@ class MonitorConfig(Section):
             out.append(("straggler_exclude_after", "needs straggler checks: monitor.straggler_every is 0"))
         if self.hang_timeout_s and self.hang_timeout_s < 3 * self.heartbeat_s:
             out.append(("hang_timeout_s", f"must be at least 3 x monitor.heartbeat_s ({3 * self.heartbeat_s:g})"))
+        if self.peer_timeout_s and self.peer_timeout_s < 3 * self.heartbeat_s:
+            out.append(("peer_timeout_s", f"must be at least 3 x monitor.heartbeat_s ({3 * self.heartbeat_s:g})"))
         if self.profile_steps:
             try:
                 self.profile_range()

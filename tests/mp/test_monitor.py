@@ -5,6 +5,7 @@ Faults are injected with HPC_INJECT (trainer/observe/inject.py): a rank that sle
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runconfig.contract import EVENT_HANG, EXIT_FAILED, INJECT_VAR, PART_KEYS
-from tests.conftest import PY, ROOT
+from tests.conftest import PY, ROOT, rank_pids, wait_for_step
 
 pytestmark = pytest.mark.mp
 
@@ -138,3 +139,36 @@ def test_profile_steps_write_a_trace_and_a_table_per_rank(tmp_path, small_datase
         table = (folder / f"rank_{rank:05d}.txt").read_text()
         assert table.startswith(f"rank {rank}, steps 3-4, sorted by self_cpu_time_total")
     assert "profile of steps 3-4 written to" in (run_dir / "logs" / "rank_00000.log").read_text()
+
+
+@pytest.mark.parametrize("frozen", [3, 0])
+def test_a_frozen_rank_is_named_by_its_silence(tmp_path, small_dataset, frozen):
+    """A rank frozen whole (SIGSTOP: its connections stay open, as when a node and its link are lost) leaves the
+    others blocked in a collective; with the hang watchdog out of reach (600 s), its stopped heartbeats end the
+    launch within monitor.peer_timeout_s, naming it. Rank 3: rank 0 reads the beats and claims it. Rank 0 (which
+    hosts the store): the others lose the store and end, naming it."""
+    run_dir = tmp_path / "run"
+    sets = [*small(small_dataset, steps=400), "train.eval_every=0", "monitor.peer_timeout_s=6",
+            "monitor.heartbeat_s=1", "job.max_failures=0"]  # fmt: skip
+    args = [PY, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        wait_for_step(run_dir, 5, proc)
+        os.kill(rank_pids(run_dir)[frozen], signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_FAILED, out + err
+    assert took < 6 + 10, took  # the timeout, a heartbeat or two, and the launcher's teardown
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert [s["rank"] for s in failure["suspects"]] == [frozen], failure
+    if frozen:
+        assert f"rank(s) {frozen} stopped publishing heartbeats" in failure["message"], failure
+    else:
+        assert "no answer from the rendezvous store" in failure["message"], failure
+    assert failure["message"] in err

@@ -50,6 +50,7 @@ HOSTS = {
     "HPC_SLURM_NODES": "4",
     "HPC_SLURM_NETNS": "1",
     "HPC_SLURM_LINK_RATE": "1gbit",
+    "HPC_SLURM_SLURMD_TIMEOUT": "10",  # a lost node is DOWN ~30 s later (Slurm's default: 300 s)
 }
 
 
@@ -139,9 +140,9 @@ def job_log(run_dir, job_id, lines=40) -> str:
 def rank_nodes(run_dir) -> dict[int, str]:
     """rank -> Slurm node name, from the first line of each rank's log."""
     nodes = {}
-    for rank in range(4):
-        line = (Path(run_dir) / "logs" / f"rank_{rank:05d}.log").read_text().splitlines()[0]
-        nodes[rank] = line.split("(slurm node ")[1].split(")")[0]
+    for path in sorted((Path(run_dir) / "logs").glob("rank_*.log")):
+        line = path.read_text().splitlines()[0]
+        nodes[int(path.stem.removeprefix("rank_"))] = line.split("(slurm node ")[1].split(")")[0]
     return nodes
 
 

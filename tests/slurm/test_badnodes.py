@@ -6,15 +6,18 @@ points at is named in history with the evidence and never used again by the run:
 
 The cluster is tests/slurm/conftest.py's hosts_cluster (the session cluster keeps serving the other tests)."""
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import time
 
 import pytest
 
 from runconfig.contract import EVENT_RESTART, EVENT_RESUME
-from tests.conftest import history, rank_pids, summary
-from tests.slurm.conftest import job_info, job_log, sets_for, submit, wait_state, wait_step
+from tests.conftest import ROOT, history, rank_pids, summary
+from tests.slurm.conftest import TWO_NODES, job_info, job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
 
@@ -114,3 +117,81 @@ def test_a_nodes_ranks_all_killed_shrink_the_run_in_the_job(on_hosts, small_data
     assert "--nodes=2 --ntasks=2 --nodelist=n1,n3" in log, log
     assert summary(run_dir)["world_size"] == 2 and summary(run_dir)["final_step"] == 60
     assert job_info(job_id)["NodeList"] == "n[1-3]"
+
+
+@contextlib.contextmanager
+def node_lost(state, node: str):
+    """Node ``node`` of the separate-hosts cluster lost as hardware is lost (envs/slurm/cluster.sh node-down: its link
+    down, then its slurmd and every process on it killed); afterwards brought back and waited for (idle again)."""
+    lost = time.time()
+    subprocess.run(["bash", "envs/slurm/cluster.sh", "node-down", node, str(state)], check=True, cwd=ROOT)
+    try:
+        yield lost
+    finally:
+        subprocess.run(["bash", "envs/slurm/cluster.sh", "node-up", node, str(state)], check=True, cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "down" in node_state(node):
+            time.sleep(0.5)
+
+
+def node_state(node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout
+
+
+def test_a_lost_node_with_the_allocation_kept_shrinks_the_run_in_the_job(on_hosts, small_dataset, tmp_path):
+    """job.no_kill (sbatch --no-kill), 3 nodes x 1 rank, job.min_nodes=2: n2 is lost with its link. The survivors,
+    blocked in a collective with no closed connection to see, end the launch once its heartbeats have stopped for
+    monitor.peer_timeout_s (before Slurm even marks it DOWN); the driver ends the srun that waits for the lost tasks
+    and restarts the ranks on n1 and n3 in the same job, the same global batch."""
+    run_dir = tmp_path / "run"
+    shape = ["job.nodes=3", "job.ranks_per_node=1", "job.min_nodes=2", "job.no_kill=true"]
+    batch = ["train.global_batch_size=24", "train.micro_batch_size=4", "train.steps=80"]
+    watch = ["monitor.peer_timeout_s=6", "monitor.heartbeat_s=1", "job.restart_backoff_s=0.5"]
+    job_id = submit(run_dir, [*sets_for(small_dataset), *shape, *batch, *watch])
+    wait_step(run_dir, 12)
+    assert rank_nodes(run_dir) == {0: "n1", 1: "n2", 2: "n3"}
+    with node_lost(on_hosts, "n2") as lost:
+        info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    log = job_log(run_dir, job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{log}"
+    assert "#SBATCH --no-kill" in (run_dir / f"job_{job_id}.sbatch").read_text()
+    hang = events_of(run_dir, "hang")
+    assert len(hang) == 1 and "rank(s) 1 stopped publishing heartbeats" in hang[0]["message"], hang
+    assert hang[0]["time"] - lost < 6 + 6, hang  # the survivors stopped waiting: peer_timeout_s and a beat or two
+    bad = events_of(run_dir, "bad_node")
+    assert [e["node"] for e in bad] == ["n2"] and "heartbeats" in bad[0]["evidence"], bad
+    restart = events_of(run_dir, EVENT_RESTART)
+    assert len(restart) == 1 and restart[0]["how"] == "in-job" and restart[0]["nodes"] == ["n1", "n3"], restart
+    resumed = events_of(run_dir, EVENT_RESUME)
+    assert [(e["nodes"], e["world_size"], e["grad_accum"]) for e in resumed] == [(["n1", "n3"], 2, 3)], resumed
+    assert resumed[0]["time"] - lost < 40, resumed  # loss to the restarted launch's checkpoint loaded
+    assert summary(run_dir)["final_step"] == 80 and summary(run_dir)["world_size"] == 2
+
+
+def test_a_lost_node_fails_the_job_and_its_requeue_resumes_without_it(on_hosts, small_dataset, reference_2x1, tmp_path):
+    """The allocation not kept (the default) and the survivors left waiting (monitor.peer_timeout_s=0): Slurm marks
+    the lost n2 DOWN, ends the job with NODE_FAIL and requeues it; the requeued job's driver names n2 from Slurm's
+    state, resumes on two healthy nodes, and the run ends bit-identical to the uninterrupted one (same world size)."""
+    run_dir = tmp_path / "run"
+    job_id = submit(run_dir, [*sets_for(small_dataset), *TWO_NODES, "monitor.peer_timeout_s=0"])
+    wait_step(run_dir, 12)
+    hostnames = ["scontrol", "show", "hostnames", job_info(job_id)["NodeList"]]
+    second = subprocess.run(hostnames, capture_output=True, text=True, check=True).stdout.split()[1]
+    with node_lost(on_hosts, second) as lost:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not events_of(run_dir, EVENT_RESUME):
+            time.sleep(0.5)
+        info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    log = job_log(run_dir, job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{log}"
+    assert f"due to failure of node {second}" in slurmctld_log(on_hosts) or "NODE FAILURE" in log, log
+    bad = events_of(run_dir, "bad_node")
+    assert [e["node"] for e in bad] == [second] and "DOWN" in bad[0]["evidence"], bad
+    resumed = events_of(run_dir, EVENT_RESUME)
+    assert len(resumed) == 1 and second not in resumed[0]["nodes"] and len(resumed[0]["nodes"]) == 2, resumed
+    assert resumed[0]["slurm_restart_count"] == 1 and resumed[0]["time"] - lost < 120, resumed
+    assert summary(run_dir)["params_sha256"] == reference_2x1
+
+
+def slurmctld_log(state) -> str:
+    return (state / "log" / "slurmctld.log").read_text(errors="replace")

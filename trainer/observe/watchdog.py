@@ -16,6 +16,12 @@ the store's ``wait`` on a key of its own (its own connection, no polling); the f
 (one ``multi_set``) and each thread answers at once; a rank that has not answered within ``answer_window(cfg)``
 has ended or is frozen. This is much faster than waiting for a gone rank's heartbeats to stop. ``close`` wakes the
 rank's own thread to end it, so that no thread is left blocked on the store of a rank 0 that leaves first.
+
+A rank that goes silent without a failed collective (its node lost with its link: no closed connection reaches a
+peer, and the others wait in a collective until the scheduler notices) is caught by heartbeats: rank 0, whose
+process hosts the store, reads every rank's beat each interval, and one silent for ``monitor.peer_timeout_s`` is
+claimed like a hang, named with its node; a rank that cannot reach the store that long ends too (rank 0's node
+lost).
 """
 
 from __future__ import annotations
@@ -75,14 +81,20 @@ class Watchdog:
         self._store: dist.TCPStore | None = None
         self._thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
         self._answerer = threading.Thread(target=self._answer_roll_call, name="hpc-roll-call", daemon=True)
+        self._guarder = threading.Thread(target=self._guard, name="hpc-store-guard", daemon=True)
+        self.store_ok = time.time()  # the heartbeat thread's last answer from the store
+        self.store_error = ""
         self.watching = cfg.hang_timeout_s > 0  # hangs are claimed; else only heartbeats are published
-        self.enabled = self.watching or heartbeats
+        self.peers = cfg.peer_timeout_s > 0  # silent ranks are claimed (by rank 0)
+        self.enabled = self.watching or self.peers or heartbeats
 
     # -- main thread ------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self.enabled:
+            self.store_ok = time.time()
             self._thread.start()
             self._answerer.start()
+            self._guarder.start()
 
     def enter(self, phase: str, step: int | None = None) -> None:
         """Note the phase the main thread starts (also called from autograd hooks: no locks, no I/O)."""
@@ -191,12 +203,11 @@ class Watchdog:
         return BeatReader(lambda: self._connect(timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s))), self._key)
 
     def _run(self) -> None:
-        unreachable_since: float | None = None
+        started = time.time()  # a rank that never published is silent from here
         while not self._stop.wait(self.cfg.heartbeat_s):
             try:
                 store = self._client()
                 store.set(self._key(self.env.rank), self._beat())
-                unreachable_since = None
                 if store.check([HANG_KEY]):
                     self._follow(store)
                     return
@@ -204,15 +215,73 @@ class Watchdog:
                 late = self.watching and self.phase != "finished" and time.time() - self.since > self.cfg.hang_timeout_s
                 if late and self._claim(store, seq):
                     return
-            except Exception as exc:  # the store went away with rank 0
+                self.store_ok = time.time()
+                if self.peers and self.env.rank == 0 and self.phase != "finished" and self._lost_peers(store, started):
+                    return
+            except Exception as exc:  # the store went away with rank 0 (the guard thread ends this rank in time)
                 self._store = None
-                unreachable_since = unreachable_since or time.time()
-                lost = time.time() - unreachable_since > self.cfg.hang_timeout_s
-                if self.watching and lost and self.phase != "finished":
-                    self._dump()
-                    self._fail(f"rank {self.env.rank} lost the rendezvous store on rank 0's host ({exc}) for "
-                               f"{self.cfg.hang_timeout_s:g} s while in {self._where()}",
-                               [self.env.suspect(0, "its rendezvous store became unreachable")])  # fmt: skip
+                self.store_error = str(exc)
+
+    def _guard(self) -> None:
+        """End this rank when the store has not answered the heartbeat thread for ``_store_limit()`` s: a store call
+        to a frozen or unreachable host can block past its own timeout, so the age of the last answer is watched
+        from a thread that makes none."""
+        limit = self._store_limit()
+        while limit and not self._stop.wait(self.cfg.heartbeat_s):
+            silent = time.time() - self.store_ok
+            if silent > limit + self.cfg.heartbeat_s and self.phase != "finished" and not self._stop.is_set():
+                self._dump()
+                error = f": {self.store_error}" if self.store_error else ""
+                self._fail(f"rank {self.env.rank} got no answer from the rendezvous store on rank 0's host for "
+                           f"{silent:.0f} s (rank 0's process ended or frozen, its node down or its link lost"
+                           f"{error}) while in {self._where()}",
+                           [self.env.suspect(0, "its rendezvous store stopped answering")])  # fmt: skip
+
+    def _store_limit(self) -> float:
+        """Seconds without the store before this rank ends (0: never): the sooner of the two watches that are on."""
+        limits = [
+            t for t, on in ((self.cfg.hang_timeout_s, self.watching), (self.cfg.peer_timeout_s, self.peers)) if on
+        ]
+        return min(limits, default=0.0)
+
+    def _lost_peers(self, store: dist.TCPStore, started: float) -> bool:
+        """Rank 0: claim the ranks whose heartbeats stopped ``monitor.peer_timeout_s`` ago (or that never published
+        one since this watchdog started); True once claimed."""
+        now, limit = time.time(), self.cfg.peer_timeout_s
+        beats = self._read_beats()
+        lost = [
+            r
+            for r in range(self.env.world_size)
+            if r != self.env.rank
+            and (
+                now - started > limit
+                if r not in beats
+                else beats[r]["phase"] != "finished" and now - beats[r]["beat"] > limit
+            )
+        ]
+        if not lost:
+            return False
+        where = "; ".join(
+            f"rank {r} (node {self.env.node_names[r]}): " + (
+                f"last heartbeat {now - beats[r]['beat']:.0f} s ago, in '{beats[r]['phase']}' of step "
+                f"{beats[r]['step']}" if r in beats else "no heartbeat since the launch started"
+            )
+            for r in lost
+        )  # fmt: skip
+        message = (
+            f"rank(s) {_ranks(lost)} stopped publishing heartbeats for more than monitor.peer_timeout_s={limit:g} s "
+            f"(process ended, node down or link lost): {where}. The other ranks end this launch rather than wait "
+            f"in a collective with them."
+        )
+        why = f"stopped publishing heartbeats for more than {limit:g} s (process ended, node down or link lost)"
+        claim = json.dumps({"rank": self.env.rank, "message": message})
+        if store.compare_set(HANG_KEY, "", claim) != claim.encode():
+            self._follow(store)
+            return True
+        log.error("%s", message)
+        self._dump()
+        self._fail(message, [self.env.suspect(r, why) for r in lost], store)
+        return True
 
     def _where(self) -> str:
         return f"'{self.phase}' of step {self.step}"
@@ -317,6 +386,10 @@ class Watchdog:
 
 def read_beats(store: dist.TCPStore, key: Callable[[int], str], ranks: Iterable[int]) -> dict[int, dict]:
     """The latest heartbeat of each of ``ranks`` that has published one."""
+    ranks = list(ranks)
+    keys = [key(r) for r in ranks]
+    if keys and store.check(keys):  # every rank has published: one round trip
+        return {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys), strict=True)}
     return {r: json.loads(store.get(key(r))) for r in ranks if store.check([key(r)])}
 
 
