@@ -19,6 +19,7 @@ HELP = {
     "release": "let a paused run continue",
     "cancel": "cancel the run's unfinished Slurm jobs",
     "resume": "resubmit a stopped, failed or cancelled run from its checkpoint",
+    "unexclude": "take a bad node of a run back: its next launch may use the node again",
     "logs": "print or follow a rank's log (or every rank's)",
     "sweep": "submit a grid or a random search of configs as one job array, pruning poor elements",
     "report": "plots and report.md: loss, speed, step time, goodput",
@@ -52,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--rank", type=int, default=0)
             sp.add_argument("--all", action="store_true", help="every rank's log")
             sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")
+    sp = verb("unexclude")
+    sp.add_argument("run_dir")
+    sp.add_argument("nodes", nargs="+", metavar="NODE", help="bad node(s) of the run (python -m hpc status RUN)")
     sp = verb("sweep")
     sp.add_argument("config", help="base config file or example name")
     sp.add_argument("grid", type=Path, help="YAML sweep file: grid: {KEY: [VALUES]} or random: {n: N, KEY: ...}")
@@ -120,6 +124,9 @@ def run_verb(args: argparse.Namespace) -> int:
     rundir = verbs.open_run(args.run_dir)
     if args.verb == "resume":
         return verbs.resume(rundir, args.overrides, refresh_code=args.refresh_code)
+    if args.verb == "unexclude":
+        verbs.unexclude(rundir, args.nodes)
+        return 0
     if args.verb == "status":
         info = verbs.status(rundir)
         print(json.dumps(info, indent=2)) if args.json else verbs.print_status(info)

@@ -35,11 +35,12 @@ from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from hpc.restarts import until_settled
 from runconfig import RunConfig, RunDir, load_config
-from runconfig.badnodes import bad_nodes, record_bad_node
+from runconfig.badnodes import bad_nodes, record_bad_node, take_back_due
 from runconfig.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
 from runconfig.decide import Situation
 from runconfig.outcome import Ended, how_it_ended, new_launch_id
 from runconfig.rundir import read_jsonl
+from runconfig.slurmnodes import FAILED_STATES, describe, held_by_slurm, node_states
 from runconfig.slurmvars import slurm_job_id, slurm_restart_count
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
@@ -225,6 +226,8 @@ class Driver:
             return {"status": "complete"}
         if job.restart_count and cfg.job.exclude_bad_nodes:
             note_lost_nodes(rundir, job)
+        for node in take_back_due(rundir, cfg.job.retake_nodes_after_s, held_by_slurm):
+            print(f"bad node {node} taken back (job.retake_nodes_after_s={cfg.job.retake_nodes_after_s:g})", flush=True)
         allocation = job.nodes()
         usable = tuple(n for n in allocation if n not in bad_nodes(rundir))[: cfg.job.nodes]
         if allocation and len(usable) < cfg.job.min_nodes_or_all:
@@ -248,6 +251,7 @@ class Driver:
                 failed_nodes=launched.failed_nodes,
                 stop_signal=STOP_SIGNAL.is_set(),
             ),
+            held=held_by_slurm,
         )
         if decision.action != "restart" and launched.ended.how == "failed":
             # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a
@@ -321,23 +325,6 @@ class Driver:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
 
 
-#: node states (scontrol's State=, '+'-separated) in which Slurm holds a node failed
-FAILED_STATES = {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING"}
-
-
-def node_states(nodes: list[str]) -> dict[str, tuple[set[str], str]]:
-    """node -> (its state flags, Slurm's reason) from scontrol; nodes it does not answer for are left out."""
-    out = subprocess.run(["scontrol", "-o", "show", "node", ",".join(nodes)], capture_output=True, text=True)
-    states = {}
-    for line in out.stdout.splitlines():
-        name = re.search(r"\bNodeName=(\S+)", line)
-        state = re.search(r"\bState=(\S+)", line)
-        reason = re.search(r"\bReason=(.*?)(?= \w+=|$)", line)
-        if name and state:
-            states[name.group(1)] = (set(state.group(1).split("+")), reason.group(1).strip() if reason else "")
-    return states
-
-
 def note_lost_nodes(rundir: RunDir, job: SlurmJob) -> list[str]:
     """A requeued job (Slurm ended the last one with NODE_FAIL, or a requeue after a stop): the nodes the run's last
     launch ran on that Slurm now holds failed are the run's bad nodes, with Slurm's state and reason as evidence
@@ -351,7 +338,7 @@ def note_lost_nodes(rundir: RunDir, job: SlurmJob) -> list[str]:
     for node, (state, reason) in node_states([str(n) for n in last["nodes"]]).items():
         if node in known or not state & FAILED_STATES:
             continue
-        held = f"{'+'.join(sorted(state))} ({reason or 'no reason given'})"
+        held = describe(state, reason)
         evidence = f"Slurm holds it {held} since the run's last launch on it"
         launch = str(last.get("launch", ""))
         record_bad_node(rundir, node, reason="node failure (Slurm)", evidence=evidence, launch=launch,

@@ -21,8 +21,8 @@ from hpc.plots import PART_LABELS, render
 from hpc.runlog import RunLog, analyze
 from runconfig import RunDir
 from runconfig.allreduce_plan import plan_table
-from runconfig.badnodes import bad_node_events
-from runconfig.contract import EXIT_USER_ERROR, PARTS
+from runconfig.badnodes import bad_node_events, node_changes
+from runconfig.contract import EVENT_BAD_NODE, EXIT_USER_ERROR, PARTS
 from runconfig.stopsignal import newest_budget
 
 DEFINITIONS = """\
@@ -247,11 +247,19 @@ def _launch_lines(log: RunLog) -> list[str]:
             f"{_cell(_world(x.event))} | {x.start_step} → {x.last_step} | {duration(x.wall_s)} | "
             f"{duration(x.step_time_s)} | {duration(x.startup_teardown_s)} | {x.discarded_steps} | {_cell(x.ended)} |"
         )
-    bad = bad_node_events(log.rundir)
-    if bad:
-        lines += ["", "## Bad nodes (left out of every later launch)", "", "| node | named by launch | evidence |"]
-        lines += ["|---|---|---|"]
-        lines += [f"| {_cell(e.get('node'))} | {_cell(e.get('launch'))} | {_cell(e.get('evidence'))} |" for e in bad]
+    changes = node_changes(log.rundir)
+    if changes:
+        current = {e["node"] for e in bad_node_events(log.rundir)}
+        lines += ["", "## Bad nodes (left out of later launches until taken back)", ""]
+        lines += [f"Bad now: {_cell(', '.join(sorted(current)) or 'none')}.", ""]
+        lines += ["| when | node | change | launch | evidence |", "|---|---|---|---|---|"]
+        for e in changes:
+            named = e.get("event") == EVENT_BAD_NODE
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e.get("time", 0))))
+            lines.append(
+                f"| {when} | {_cell(e.get('node'))} | {'named bad' if named else 'taken back'} | "
+                f"{_cell(e.get('launch') or '-')} | {_cell(e.get('evidence') if named else e.get('how'))} |"
+            )
     queued = []
     if len(log.launches) > 1:
         queued.append(f"queued between launches: {duration(acc.between_launches_s)}")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from runconfig import RunDir
+from runconfig.badnodes import Held, take_back_due
 from runconfig.decide import Decision, Situation, decide, record_decision
 from runconfig.outcome import Ended
 from runconfig.schema import JobConfig
@@ -36,12 +37,16 @@ def until_settled(
     nodes: tuple[str, ...],
     launch: Callable[[tuple[str, ...], int], L],
     situation: Callable[[L], Situation],
+    held: Held | None = None,
 ) -> tuple[Decision, L]:
     """``launch(nodes, attempt)`` (attempt 0, 1, ... within this allocation) until a decision other than a restart;
-    each decision is recorded in the run's history. ``situation`` tells ``decide`` what the launcher knows."""
+    each decision is recorded in the run's history. ``situation`` tells ``decide`` what the launcher knows; ``held``
+    what the scheduler holds down or drained (bad nodes due back after job.retake_nodes_after_s rejoin a restart
+    unless it does)."""
     attempt = 0
     while True:
         launched = launch(nodes, attempt)
+        take_back_due(rundir, job.retake_nodes_after_s, held)
         decision = decide(rundir, job, launched.ended, situation(launched))
         record_decision(rundir, decision, failed_launch=launched.launch_id, status=launched.status)
         if decision.action != "restart":

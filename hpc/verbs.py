@@ -251,6 +251,38 @@ def sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def unexclude(rundir: RunDir, nodes: list[str]) -> None:
+    """Take bad nodes of the run back (a ``node_back`` event each): its next launch, an in-job restart or a new job,
+    may use them, and the run's pending jobs no longer exclude them. Refused for a node that is not bad, and for one
+    Slurm still holds down or drained (its verdict stands: bring it back in Slurm first)."""
+    from runconfig.badnodes import bad_nodes, take_back
+    from runconfig.slurmnodes import held_by_slurm
+
+    bad = bad_nodes(rundir)
+    unknown = [n for n in nodes if n not in bad]
+    if unknown:
+        listed = ", ".join(bad) if bad else "none"
+        raise VerbError(f"{', '.join(unknown)}: not a bad node of run {rundir.root} (its bad nodes: {listed})")
+    held = held_by_slurm(nodes)
+    if held:
+        verdicts = "; ".join(f"{n} is {v}" for n, v in held.items())
+        raise VerbError(
+            f"not taken back: Slurm still holds {verdicts}. Return it to service first (scontrol update "
+            f"NodeName={','.join(held)} State=RESUME), then run this again."
+        )
+    for node in nodes:
+        take_back(rundir, node, how="by hand (python -m hpc unexclude)")
+    left = tuple(n for n in bad if n not in nodes)
+    from hpc.driver import exclude_nodes, pending_jobs
+
+    pending = pending_jobs(rundir, skip=set()) if unfinished(rundir) else []
+    for job in pending:
+        if not exclude_nodes(job, left):
+            print(f"warning: scontrol could not change the exclusions of pending job {job}", file=sys.stderr)
+    where = f"; pending job(s) {', '.join(pending)} now exclude {', '.join(left) or 'nothing'}" if pending else ""
+    print(f"taken back: {', '.join(nodes)}; the run's next launch may use them{where}")
+
+
 def resume(rundir: RunDir, overrides: list[str], *, refresh_code: bool) -> int:
     """Resubmit a finished, failed or cancelled run from its newest checkpoint (``python -m hpc.submit --resume``)."""
     if unfinished(rundir):

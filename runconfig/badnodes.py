@@ -1,26 +1,77 @@
 """Nodes a failure pointed at, recorded in the run's history with the evidence; no later launch of the run uses
-them (torch-free).
+them until they are taken back (torch-free).
 
 A node is named bad when the trainer's diagnosis in failure.json points at its ranks (the rank that went away or
-hung first: ``suspects``), when the gang preflight found it far below its peers, or when the straggler monitor
-named it too often in a row. Each becomes one ``bad_node`` history event; the set of bad nodes of a run is read
-back from the history, so every launcher (the local one, the Slurm driver, the sbatch scripts, ``hpc resume``)
-sees the same list.
+hung first: ``suspects``), when Slurm declared it failed, when the gang preflight found it far below its peers, or
+when the straggler monitor named it too often in a row. Each becomes one ``bad_node`` history event; the set of bad
+nodes of a run is read back from the history, so every launcher (the local one, the Slurm driver, the sbatch
+scripts, ``hpc resume``) sees the same list.
+
+A bad node is taken back by a ``node_back`` event: by hand (``hpc unexclude RUN NODE``), or by a launcher once
+``job.retake_nodes_after_s`` have passed since it was named (``take_back_due``), and never while its verdict stands:
+while the scheduler still holds it down or drained. A node taken back rejoins at the run's next launch (an in-job
+restart or a new job), where the gang preflight checks it again; failing it, it is named bad again.
 """
 
 from __future__ import annotations
 
-from runconfig.contract import EVENT_BAD_NODE, append_event
+import time
+from collections.abc import Callable
+
+from runconfig.contract import EVENT_BAD_NODE, EVENT_NODE_BACK, append_event
 from runconfig.rundir import RunDir, read_jsonl
 
 
 def bad_node_events(rundir: RunDir) -> list[dict]:
-    return [e for e in read_jsonl(rundir.history) if e.get("event") == EVENT_BAD_NODE]
+    """The ``bad_node`` events of the nodes that are bad now (not taken back since)."""
+    current: dict[str, dict] = {}
+    for e in read_jsonl(rundir.history):
+        node = str(e.get("node") or "")
+        if e.get("event") == EVENT_BAD_NODE and node and node not in current:
+            current[node] = e
+        elif e.get("event") == EVENT_NODE_BACK and node:
+            current.pop(node, None)
+    return list(current.values())
+
+
+def node_changes(rundir: RunDir) -> list[dict]:
+    """Every ``bad_node`` and ``node_back`` event of the run, in order (the report's record of them)."""
+    return [e for e in read_jsonl(rundir.history) if e.get("event") in (EVENT_BAD_NODE, EVENT_NODE_BACK)]
 
 
 def bad_nodes(rundir: RunDir) -> list[str]:
-    """Names of the run's bad nodes, in the order they were named, each once."""
-    return list(dict.fromkeys(str(e["node"]) for e in bad_node_events(rundir) if e.get("node")))
+    """Names of the run's bad nodes, in the order they were named, each once; taken-back nodes are not."""
+    return [str(e["node"]) for e in bad_node_events(rundir)]
+
+
+def take_back(rundir: RunDir, node: str, *, how: str, **extra) -> None:
+    """One ``node_back`` event: the next launch may use ``node`` again."""
+    append_event(rundir.history, EVENT_NODE_BACK, node=node, how=how, **extra)
+
+
+#: held(nodes) -> {node: the scheduler's verdict} for the nodes it still holds down or drained
+Held = Callable[[list[str]], dict[str, str]]
+
+
+def take_back_due(rundir: RunDir, after_s: float, held: Held | None = None, now: float | None = None) -> list[str]:
+    """Take back the bad nodes named at least ``after_s`` seconds ago (0: never) that the scheduler does not hold
+    down or drained (``held``; None: no scheduler, as locally); the nodes taken back."""
+    if not after_s:
+        return []
+    now = time.time() if now is None else now
+    due = [e for e in bad_node_events(rundir) if now - float(e.get("time", now)) >= after_s]
+    if not due:
+        return []
+    verdicts = held([str(e["node"]) for e in due]) if held else {}
+    back = []
+    for e in due:
+        node = str(e["node"])
+        if node in verdicts:
+            continue
+        take_back(rundir, node, how=f"after job.retake_nodes_after_s={after_s:g}",
+                  named_s_ago=round(now - float(e.get("time", now)), 1))  # fmt: skip
+        back.append(node)
+    return back
 
 
 def suspects_of(failure: dict) -> list[dict]:

@@ -31,6 +31,7 @@ EVENT_HANG = "hang"  # the hang watchdog ended the job
 EVENT_CODE = "code"  # the recipe's code snapshot was taken or refreshed (login node)
 EVENT_RESTART = "restart"  # a launch failed (not the user's fault): the launcher restarts the ranks in the job
 EVENT_BAD_NODE = "bad_node"  # a node a failure pointed at, with the evidence: no later launch of the run uses it
+EVENT_NODE_BACK = "node_back"  # a bad node taken back (by hand, or after job.retake_nodes_after_s): launches use it
 EVENT_PREFLIGHT = "preflight"  # the gang preflight's figures before step 0 (trainer/observe/preflight.py)
 
 # -- failure.json "kind": what the trainer diagnosed when a launch failed --------------------------------------------

@@ -80,6 +80,13 @@ class JobConfig(Section):
         "queue, at full size on healthy nodes.",
         False,
     )
+    retake_nodes_after_s: float = doc(
+        "Seconds after which a bad node is taken back at the run's next launch (an in-job restart or a new job), "
+        "unless Slurm still holds it down or drained; the gang preflight (monitor.preflight: exclude, required) "
+        "checks it there and names it bad again if it fails. 0 = only by hand: python -m hpc unexclude RUN NODE.",
+        0.0,
+        bounds=Range(ge=0),
+    )
     restart_backoff_s: float = doc(
         "Seconds before the first in-job restart of a run; each further restart waits twice as long (at most 300).",
         5.0,

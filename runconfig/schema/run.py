@@ -99,6 +99,9 @@ class RunConfig:
                     "has none to be compared with or to leave it out for (use warn)",
                 )
             )
+        if self.job.retake_nodes_after_s and self.monitor.preflight != "exclude":
+            out.append(("job.retake_nodes_after_s", "needs monitor.preflight: exclude, which checks a node taken back "
+                        "at the launch it rejoins and names it bad again if it fails"))  # fmt: skip
         if self.monitor.straggler_exclude_after and self.job.nodes == 1:
             out.append(("monitor.straggler_exclude_after", "needs job.nodes >= 2: one node has no peers to lag behind"))
         job = self.job

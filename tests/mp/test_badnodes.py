@@ -4,11 +4,12 @@ and the run going on without it on fewer nodes (job.min_nodes), same global batc
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
-from runconfig.contract import INJECT_VAR
-from tests.conftest import history, rank_pids, summary, wait_for_step
+from runconfig.contract import EXIT_STOPPED, EXIT_USER_ERROR, INJECT_VAR
+from tests.conftest import history, rank_pids, run_cli, summary, wait_for_step
 from tests.mp.test_checkpoint import assert_close_to, common, env, run, start, submit_args
 
 pytestmark = pytest.mark.mp
@@ -41,6 +42,57 @@ def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(tmp_path
     assert summary(run_dir)["world_size"] == 2
     # Same global batch and sample order: the loss curve follows the uninterrupted run's (the sums' order differs).
     assert_close_to(run_dir, reference)
+
+
+def test_a_node_taken_back_by_hand_grows_the_run_back(tmp_path, small_dataset):
+    """The run shrinks to node0 when node1's rank is killed, is stopped (SIGUSR2), node1 is taken back with
+    `python -m hpc unexclude`, and `hpc resume` runs it on both nodes again: world 4, the gradient accumulation of
+    the start, the same global batch and sample order (the loss curve follows the uninterrupted run's); the history
+    and the report record the node named bad and taken back."""
+    sets = [*common(small_dataset), "model.dropout=0", "job.min_nodes=1", "job.restart_backoff_s=0.2",
+            "train.steps=60"]  # fmt: skip
+    reference = tmp_path / "uninterrupted"
+    done = run(reference, sets)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_dir = tmp_path / "run"
+    refused = run_cli(["-m", "hpc", "unexclude", str(tmp_path), "node1"])
+    assert refused.returncode != 0
+    proc = start(run_dir, sets)
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[2], signal.SIGKILL)
+    wait_for(lambda: any(e["event"] == "resume" for e in history(run_dir)), proc)
+    resumed_at = next(e for e in history(run_dir) if e["event"] == "resume")["step"]
+    wait_for_step(run_dir, resumed_at + 4, proc)
+    for pid in rank_pids(run_dir).values():
+        os.kill(pid, signal.SIGUSR2)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    not_bad = run_cli(["-m", "hpc", "unexclude", str(run_dir), "node0"])
+    assert not_bad.returncode == EXIT_USER_ERROR and "not a bad node" in not_bad.stderr and "node1" in not_bad.stderr
+    back = run_cli(["-m", "hpc", "unexclude", str(run_dir), "node1"])
+    assert back.returncode == 0 and "taken back: node1" in back.stdout, back.stdout + back.stderr
+    resumed = run(run_dir, resume=True)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    events = history(run_dir)
+    launches = [(e["nodes"], e["world_size"], e["grad_accum"]) for e in events if e["event"] in ("start", "resume")]
+    first = launches[0]
+    assert launches[1][:2] == (["node0"], 2) and launches[-1] == first, launches
+    changes = [(e["event"], e["node"]) for e in events if e["event"] in ("bad_node", "node_back")]
+    assert changes == [("bad_node", "node1"), ("node_back", "node1")], changes
+    assert summary(run_dir)["world_size"] == 4 and summary(run_dir)["final_step"] == 60
+    assert_close_to(run_dir, reference)
+    report = run_cli(["-m", "hpc", "report", str(run_dir)])
+    assert report.returncode == 0, report.stderr
+    text = (run_dir / "report" / "report.md").read_text()
+    assert "| node1 | named bad |" in text and "| node1 | taken back |" in text and "Bad now: none." in text, text
+
+
+def wait_for(done, proc, timeout=120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not done():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    assert done()
 
 
 def test_a_node_that_lags_in_checks_in_a_row_is_left_out(tmp_path, small_dataset):
