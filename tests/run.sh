@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm, munge,
-# slurmdbd, MariaDB, shellcheck, Prometheus and nodejs from Debian's packages, s3rver from npm; Python packages into
-# .venv), then lints and runs the whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local
+# slurmdbd, MariaDB, shellcheck, Prometheus, nodejs, Lmod and Open MPI from Debian's packages, s3rver from npm; Python
+# packages into .venv and the site venv of envs/site/build.sh), then lints and runs the whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local
 # clusters and servers that the tests start and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # With accounting: tests/slurm/test_accounting.py also runs slurmdbd + MariaDB (Debian packages).
 HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh install >/dev/null
+# A site's way of starting (tests/slurm/test_site.py): Debian's Lmod and Open MPI with PMIx, and a venv with mpi4py
+# built against that Open MPI behind modulefiles, in /opt/hpc-site (envs/site/build.sh; ~3 min the first time).
+bash envs/site/build.sh install
+bash envs/site/build.sh build >/dev/null
 # The S3-compatible server the object-storage tests start (envs/s3/server.sh: nodejs and npm from Debian, s3rver).
 bash envs/s3/server.sh install
 # Prometheus and its Pushgateway (Debian's), which tests/mp/test_live.py starts with envs/prometheus/server.sh.

@@ -19,6 +19,7 @@ from trainer.loop.stopreport import record_signal_path
 from trainer.observe.hostmem import fix_mmap_threshold
 from trainer.observe.startup import StartupClock
 from trainer.parallel.distributed import Distributed, init_distributed, pick_device
+from trainer.parallel.mpi_library import is_mpich, library_name
 
 log = logging.getLogger("trainer")
 
@@ -67,9 +68,12 @@ def boot(
         removed = shm.sweep()
         if removed:
             log.info("removed %d stale MPI shared-memory segment(s) from %s", len(removed), shm.SHM_DIR)
-    if env.rank == 0 and mpi_defaults:
-        applied = " ".join(f"{name}={value}" for name, value in mpi_defaults.items())
-        log.info("MPI library defaults applied (set them in job.env to choose otherwise): %s", applied)
+    if env.rank == 0:
+        version = MPI.Get_library_version()
+        log.info("MPI library: %s", library_name(version))
+        if mpi_defaults and is_mpich(version):
+            applied = " ".join(f"{name}={value}" for name, value in mpi_defaults.items())
+            log.info("MPI library defaults applied (set them in job.env to choose otherwise): %s", applied)
     d = init_distributed(env, cfg.comm, pick_device(env, cfg.train.device), comm)
     clock.mark("rendezvous")
     return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, d=d)

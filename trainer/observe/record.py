@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from runconfig.record import next_number, recorded_environment, write_json
 from runconfig.rundir import RunDir
+from trainer.parallel.mpi_library import library_name
 
 
 def _first(path: str, key: str) -> str | None:
@@ -61,7 +62,7 @@ def software() -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "nccl": nccl,
-        "mpi": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi": library_name(MPI.Get_library_version()),
         "mpi_standard": ".".join(map(str, MPI.Get_version())),
     }
 

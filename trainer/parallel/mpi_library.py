@@ -13,7 +13,8 @@ libfabric: ``FI_PROVIDER`` would also steer other libfabric users in the process
 clusters. The evidence: docs/measurements/notes-trainer.md.
 
 Every value is a default: a variable the user set (``job.env``, the shell, a module file) is never overwritten.
-MPICH builds with a single network module ignore the variable; other MPI libraries do not read ``MPIR_CVAR_*``.
+MPICH builds with a single network module ignore the variable; other MPI libraries (a site's Open MPI under
+``srun --mpi=pmix``) do not read ``MPIR_CVAR_*``, need no progress thread, and are named as they are in the log.
 """
 
 from __future__ import annotations
@@ -33,3 +34,15 @@ def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, 
     applied = {name: value for name, value in DEFAULTS.items() if name not in environ}
     environ.update(applied)
     return applied
+
+
+def library_name(version: str) -> str:
+    """The first line of ``MPI.Get_library_version()``, blanks squeezed: "MPICH Version: 5.0.2", "Open MPI v4.1.4"."""
+    version = version.replace("\x00", "").strip()  # Open MPI's ends in a NUL
+    first = version.splitlines()[0] if version else "unknown"
+    return " ".join(first.split()).rstrip(",")
+
+
+def is_mpich(version: str) -> bool:
+    """Whether ``MPI.Get_library_version()`` is MPICH's (or a derivative that reads ``MPIR_CVAR_*``)."""
+    return version.lstrip().startswith("MPICH")

@@ -25,6 +25,8 @@ from collections.abc import Iterator, Mapping
 
 from mpi4py import MPI
 
+from trainer.parallel.mpi_library import is_mpich
+
 DATA_AUTO_PROGRESS_VAR = "MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS"
 INTERVAL_S = 0.005  # start-up, restore, stop and teardown: the ranks meet in MPI often, one after another
 RELAXED_INTERVAL_S = 0.1  # while the loop trains
@@ -40,9 +42,11 @@ class ProgressThread:
 
     @classmethod
     def start_if_needed(cls, comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> ProgressThread | None:
-        """One per rank for a world of more than one rank, unless the user turned the library's own data progress
-        on (``job.env``). Collective: every rank must call it."""
+        """One per rank for a world of more than one rank with MPICH, unless the user turned the library's own data
+        progress on (``job.env``). Collective: every rank must call it."""
         if comm.Get_size() == 1 or environ.get(DATA_AUTO_PROGRESS_VAR) == "1":
+            return None
+        if not is_mpich(MPI.Get_library_version()):  # the stall is MPICH's OFI module's
             return None
         progress = cls(comm)
         progress._thread.start()
