@@ -9,7 +9,7 @@ import textwrap
 import time
 
 from runconfig import shm
-from trainer.parallel.mpi_library import DEFAULTS, NETMOD_VAR, apply_defaults
+from trainer.parallel.mpi_library import DEFAULTS, NETMOD_VAR, apply_defaults, is_mpich, library_name
 
 
 def test_mpi_defaults_fill_in_and_never_overwrite():
@@ -19,6 +19,17 @@ def test_mpi_defaults_fill_in_and_never_overwrite():
     applied = apply_defaults(chosen)
     assert NETMOD_VAR not in applied and chosen[NETMOD_VAR] == "ucx" and chosen == {**DEFAULTS, NETMOD_VAR: "ucx"}
     assert apply_defaults(chosen) == {}
+
+
+def test_the_mpi_library_is_named_by_its_version_string():
+    """The strings the two tested libraries return (this venv's MPICH wheel; Debian's Open MPI, NUL and all)."""
+    from mpi4py import MPI
+
+    here = MPI.Get_library_version()
+    assert is_mpich(here) and library_name(here).startswith("MPICH Version: ")
+    ompi = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022\x00"
+    assert not is_mpich(ompi) and library_name(ompi) == ompi[:-1].rstrip(",") and "\x00" not in library_name(ompi)
+    assert library_name("") == "unknown"
 
 
 def hold(path, how):
