@@ -56,16 +56,17 @@ def emulated_link(mbit: float) -> Iterator[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def slurm_cluster(ports: dict[str, str], slurm_conf: Path | None = None) -> Iterator[None]:
+def slurm_cluster(ports: dict[str, str], slurm_conf: Path | None = None) -> Iterator[Path]:
     """The Slurm cluster a benchmark submits to, SLURM_CONF pointing at it for the duration: by default its own
     (envs/slurm/cluster.sh on ``ports``, apart from a developer's and the tests' clusters, in a fresh state folder,
     wiped afterwards); with ``slurm_conf`` (a script's ``--slurm-conf``) the running cluster of that file, neither
-    started nor stopped (e.g. the test session's: one of cluster.sh's, which has the ``urgent`` partition)."""
+    started nor stopped (e.g. the test session's: one of cluster.sh's, which has the ``urgent`` partition). Yields
+    the cluster's state folder (cluster.sh's; the folder of ``slurm_conf``)."""
     if slurm_conf is not None:
         if not slurm_conf.is_file():
             raise SystemExit(f"error: --slurm-conf {slurm_conf}: no such file")
         os.environ["SLURM_CONF"] = str(slurm_conf.resolve())
-        yield
+        yield slurm_conf.resolve().parent
         return
     state = Path(tempfile.mkdtemp(prefix="hpc-slurm-bench-", dir="/tmp"))
     state.chmod(0o755)  # the munge user must traverse it
@@ -74,7 +75,7 @@ def slurm_cluster(ports: dict[str, str], slurm_conf: Path | None = None) -> Iter
     try:
         sh("bash", "envs/slurm/cluster.sh", "start", str(state), cwd=ROOT, env=env)
         os.environ["SLURM_CONF"] = str(state / "slurm.conf")
-        yield
+        yield state
     finally:
         subprocess.run(["bash", "envs/slurm/cluster.sh", "wipe", str(state)], cwd=ROOT, env=env, capture_output=True)
 

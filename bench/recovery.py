@@ -1,8 +1,8 @@
-"""Recovery from a crashed rank: time from its death to the first new step, restarting in the job vs going back
-through the queue, and the goodput of a run whose ranks are killed every K steps.
+"""Recovery from a crashed rank or a lost node: time from the loss to the first new step, restarting in the job vs
+going back through the queue, and the goodput of a run whose ranks are killed every K steps.
 
-    python bench/recovery.py [--reps 2] [--methods local-kill,kill,requeue] [--goodput-steps 3000 --kill-every 1000]
-        [--slurm-conf FILE] [--json PATH]
+    python bench/recovery.py [--reps 2] [--methods local-kill,kill,requeue,node-kept,node-fail]
+        [--goodput-steps 3000 --kill-every 1000] [--slurm-conf FILE] [--json PATH]
 
 Latency, on the real local Slurm cluster (its own, started by envs/slurm/cluster.sh on separate ports; or with
 ``--slurm-conf`` a running one of cluster.sh's, e.g. the test session's; ``--methods``: a subset): the tiny
@@ -11,6 +11,14 @@ model on 2 nodes x 2 ranks through `python -m hpc.submit`, interrupted at step 2
 - `requeue`: the job's signal (`scancel --signal=USR2`); the ranks commit and the job goes back through the queue
   (`scontrol requeue`), the path a crash took before in-job restarts.
 Also `local-kill`: SIGKILL to rank 1 of the same run under the local launcher (mpirun, 2 simulated nodes).
+A node lost as hardware is lost (envs/slurm/cluster.sh node-down: its link down, then slurmd and its ranks killed,
+no connection closed), on a Slurm cluster of 3 separate hosts (its own, HPC_SLURM_NETNS=1, SlurmdTimeout 10 s: the
+node is DOWN ~30 s after the loss; a site's default of 300 s delays only what waits for Slurm), 1 rank a node, the
+last node of the launch lost at step 20, the run's defaults otherwise (monitor.peer_timeout_s 15):
+- `node-kept`: 3 nodes, job.no_kill (the allocation kept), job.min_nodes=2: the run goes on on 2 in the job;
+- `node-fail`: 2 nodes of the 3, the allocation not kept: the run continues in another job without the node
+  (the driver's resubmission once the survivors name it, or Slurm's requeue after NODE_FAIL, whichever is first).
+Their rows add `survivors_stopped_s`: the survivors' diagnosis (their watchdog's hang claim) after the loss.
 Times come from one clock on this host: the moment of the kill or signal, the launcher's `restart` event, the
 trainer's `resume` event (after the checkpoint is loaded) and the first new step's metrics record.
 
@@ -39,14 +47,23 @@ from pathlib import Path
 
 from common import ROOT, add_slurm_options, chosen_methods, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
 
-from runconfig.contract import EVENT_RESTART, EVENT_RESUME
+from runconfig.contract import EVENT_HANG, EVENT_RESTART, EVENT_RESUME
 
 PORTS = {"HPC_SLURM_CTLD_PORT": "18927", "HPC_SLURM_NODE_PORT": "19121"}
-METHODS = ("local-kill", "kill", "requeue")  # kill and requeue on Slurm
+METHODS = ("local-kill", "kill", "requeue", "node-kept", "node-fail")  # kill and requeue on Slurm; node-*: hosts
+NODE_METHODS = ("node-kept", "node-fail")
+HOSTS = {"HPC_SLURM_CTLD_PORT": "18947", "HPC_SLURM_NODE_PORT": "19141", "HPC_SLURM_NODES": "3",
+         "HPC_SLURM_NETNS": "1", "HPC_SLURM_LINK_RATE": "1gbit", "HPC_SLURM_SLURMD_TIMEOUT": "10"}  # fmt: skip
 # The kill restarts on the same nodes (job.exclude_bad_nodes=false): the 2-node bench cluster has no spare node.
 SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
         "model.seq_len=64", "checkpoint.every_steps=10", "job.restart_backoff_s=0",
         "job.exclude_bad_nodes=false"]  # fmt: skip
+# A node lost: 1 rank a node, a global batch that 3 and 2 nodes divide, the lost node left out.
+NODE_SETS = [*SETS[:-1], "job.ranks_per_node=1", "train.global_batch_size=24", "train.micro_batch_size=4"]
+NODE_SHAPES = {
+    "node-kept": ["job.nodes=3", "job.min_nodes=2", "job.no_kill=true"],
+    "node-fail": ["job.nodes=2"],
+}
 
 
 def rank_pid(run_dir: Path, rank: int) -> int | None:
@@ -98,6 +115,52 @@ def one(method: str, data: Path, work: Path) -> dict:
         "first_new_step_s": first["time"] - issued,
         "startup_s": resume.get("startup_s", {}),
     }
+
+
+def launch_nodes(run_dir: Path) -> list[str]:
+    """The Slurm nodes of the ranks, in rank order, from the first line of each rank's log."""
+    nodes = []
+    for path in sorted((run_dir / "logs").glob("rank_*.log")):
+        first = path.read_text(errors="replace").splitlines()[:1]
+        nodes.append(first[0].split("(slurm node ")[1].split(")")[0] if first and "(slurm node " in first[0] else "")
+    return nodes
+
+
+def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
+    """Lose the last node of the launch at step 20 (cluster.sh node-down); bring it back when the run has a new
+    step, and wait until Slurm has it idle again for the next repetition."""
+    run_dir = work / f"{method}-{time.monotonic_ns()}"
+    sh(*submit_args(run_dir, data, [*NODE_SETS, *NODE_SHAPES[method]]), cwd=ROOT)
+    wait(lambda: any(r.get("step", 0) >= 20 for r in lines(run_dir / "metrics.jsonl")))
+    node = wait(lambda: (lambda n: n[-1] if len(n) >= 2 and all(n) else None)(launch_nodes(run_dir)))
+    lost = time.time()
+    sh("bash", "envs/slurm/cluster.sh", "node-down", node, str(state), cwd=ROOT)
+    try:
+        resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESUME],
+                      every=0.05, timeout=600)[0]  # fmt: skip
+        first = wait(lambda: [r for r in lines(run_dir / "metrics.jsonl") if r["step"] == resume["step"] + 1])[0]
+    finally:
+        for job in {json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()}:
+            subprocess.run(["scancel", job], check=False)
+        sh("bash", "envs/slurm/cluster.sh", "node-up", node, str(state), cwd=ROOT)
+        wait(lambda: "idle" in sh("sinfo", "-h", "-N", "-n", node, "-o", "%T"), timeout=120)
+    events = lines(run_dir / "history.jsonl")
+    hangs = [e for e in events if e["event"] == EVENT_HANG]
+    start = next(e for e in events if e["event"] == "start")
+    restarts = [e for e in events if e["event"] == EVENT_RESTART]
+    return {
+        "method": method,
+        "lost_node": node,
+        "survivors_stopped_s": hangs[0]["time"] - lost if hangs else None,
+        "restart_decided_s": restarts[0]["time"] - lost if restarts else None,
+        "resumed_s": resume["time"] - lost,
+        "first_new_step_s": first["time"] - lost,
+        "continued_in": "the same job" if (resume.get("slurm_job_id"), resume.get("slurm_restart_count", 0)) ==
+                        (start.get("slurm_job_id"), start.get("slurm_restart_count", 0)) else
+                        f"job {resume.get('slurm_job_id')} (restart count {resume.get('slurm_restart_count', 0)})",
+        "nodes_after": resume.get("nodes"),
+        "startup_s": resume.get("startup_s", {}),
+    }  # fmt: skip
 
 
 def step_reached(run_dir: Path, step: int) -> bool:
@@ -185,11 +248,15 @@ def main() -> int:
     prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
                         shard_tokens=400_000), data)  # fmt: skip
     rows = [one("local-kill", data, work) for _ in range(args.reps)] if "local-kill" in methods else []
-    on_slurm = [m for m in methods if m != "local-kill"]
+    on_slurm = [m for m in methods if m not in ("local-kill", *NODE_METHODS)]
     if on_slurm:
         with slurm_cluster(PORTS, args.slurm_conf):
             rows += [one(m, data, work) for _ in range(args.reps) for m in on_slurm]
-    keys = ("restart_decided_s", "resumed_s", "first_new_step_s")
+    on_hosts = [m for m in methods if m in NODE_METHODS]
+    if on_hosts:  # always its own cluster: --slurm-conf's is not one of separate hosts
+        with slurm_cluster(HOSTS) as state:
+            rows += [node_loss(m, data, work, state) for _ in range(args.reps) for m in on_hosts]
+    keys = ("survivors_stopped_s", "restart_decided_s", "resumed_s", "first_new_step_s")
     summary = {}
     print(
         f"\n{'interruption':14} " + " ".join(f"{k:>18}" for k in keys) + "   (medians, seconds after the kill/signal)"

@@ -367,7 +367,7 @@ def test_recovery_local(tmp_path):
     assert {"imports", "restore"} <= set(res["runs"][0]["startup_s"])
     assert "goodput" not in res
     header, row = table_lines(out, "interruption", "local-kill")
-    assert "first_new_step_s" in header and len(row.split()) == 4
+    assert "first_new_step_s" in header and len(row.split()) == 5  # survivors_stopped_s: "-" (no hang claim)
 
 
 def test_data(tmp_path):
