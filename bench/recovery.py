@@ -263,8 +263,8 @@ def main() -> int:
     )
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
-        med = {k: statistics.median(r[k] for r in mine if r[k] is not None) if any(r[k] is not None for r in mine)
-               else None for k in keys}  # fmt: skip
+        med = {k: statistics.median(r[k] for r in mine if r.get(k) is not None)
+               if any(r.get(k) is not None for r in mine) else None for k in keys}  # fmt: skip
         summary[method] = med
         print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>18}" for v in med.values()))
     setup = {"reps": args.reps, "methods": methods, "config": SETS}
