@@ -143,7 +143,11 @@ def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
         for job in {json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()}:
             subprocess.run(["scancel", job], check=False)
         sh("bash", "envs/slurm/cluster.sh", "node-up", node, str(state), cwd=ROOT)
-        wait(lambda: "idle" in sh("sinfo", "-h", "-N", "-n", node, "-o", "%T"), timeout=120)
+        usable = ("idle", "mixed", "allocated")  # Slurm took it back (ReturnToService=2), maybe after a DOWN
+        try:
+            wait(lambda: node_state(node) in usable, timeout=180)
+        except TimeoutError:
+            print(f"warning: {node} not back in service after 180 s: {node_state(node) or 'no answer'}")
     events = lines(run_dir / "history.jsonl")
     hangs = [e for e in events if e["event"] == EVENT_HANG]
     start = next(e for e in events if e["event"] == "start")
@@ -161,6 +165,12 @@ def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
         "nodes_after": resume.get("nodes"),
         "startup_s": resume.get("startup_s", {}),
     }  # fmt: skip
+
+
+def node_state(node: str) -> str:
+    """Slurm's state of ``node`` ("" while the controller does not answer, as right after a node comes back)."""
+    cmd = ["sinfo", "-h", "-N", "-n", node, "-o", "%T"]
+    return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
 
 
 def step_reached(run_dir: Path, step: int) -> bool:

@@ -296,6 +296,9 @@ class Driver:
         """End this job; the run continues in a job that excludes ``exclude``: the chain's next link when one is
         pending (it starts once this job ends: a new job beside it would train the same run at the same time), with
         the exclusion added to it and every later link, else a new job submitted with ``--exclude``."""
+        # This job ends for the other one: Slurm must not requeue it too (a node lost during the job makes it a
+        # NODE_FAIL that Slurm requeues once the node is DOWN, and the two jobs would train the run at once).
+        never_requeue(job.job_id)
         pending = pending_jobs(rundir, skip={job.job_id})
         refused = [j for j in pending if not exclude_nodes(j, exclude)]
         if pending and pending[0] not in refused:
@@ -403,6 +406,13 @@ def exclude_nodes(job_id: str, nodes: tuple[str, ...]) -> bool:
     """Keep a pending job off ``nodes`` (its ExcNodeList); whether scontrol did it."""
     cmd = ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"]
     return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def never_requeue(job_id: str) -> None:
+    """Make a running job non-requeueable (Requeue=0), so that Slurm ends it for good whatever it ends with."""
+    update = ["scontrol", "update", f"JobId={job_id}", "Requeue=0"]
+    if job_id and subprocess.run(update, capture_output=True).returncode:
+        print(f"warning: scontrol could not make job {job_id} non-requeueable", flush=True)
 
 
 def pending_jobs(rundir: RunDir, skip: set[str]) -> list[str]:

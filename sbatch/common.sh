@@ -173,6 +173,10 @@ hpc_resubmit() {
   out=$(scontrol show job -o "$SLURM_JOB_ID" | sed -nE 's/.* StdOut=([^ ]+).*/\1/p')
   limit=$(squeue -h -j "$SLURM_JOB_ID" -o %l)
   [ -f "$script" ] || hpc_die 1 "$why; the batch script $script is gone, so no new job was submitted. Resume by hand."
+  # This job ends for the new one: Slurm must not requeue it too (a node lost during the job makes it a NODE_FAIL
+  # that Slurm requeues once the node is DOWN, and both jobs would train the run at once; hpc/driver.py).
+  scontrol update "JobId=$SLURM_JOB_ID" Requeue=0 ||
+    echo "warning: scontrol could not make job $SLURM_JOB_ID non-requeueable" >&2
   local -a args=(--parsable "--exclude=$exclude" "--nodes=$SLURM_JOB_NUM_NODES" "--job-name=$SLURM_JOB_NAME"
     --export=ALL --requeue --open-mode=append)
   [ -z "${SLURM_NTASKS_PER_NODE:-}" ] || args+=("--ntasks-per-node=${SLURM_NTASKS_PER_NODE%%(*}")
