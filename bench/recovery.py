@@ -100,8 +100,7 @@ def one(method: str, data: Path, work: Path) -> dict:
         sh("scancel", "--signal=USR2", job)
     else:
         os.kill(wait(lambda: rank_pid(run_dir, 1), every=0.02), signal.SIGKILL)
-    resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESUME], every=0.02)[0]
-    first = wait(lambda: [r for r in lines(run_dir / "metrics.jsonl") if r["step"] == resume["step"] + 1])[0]
+    resume, first = resumed(run_dir)
     restarts = [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESTART]
     if proc is not None:  # as Ctrl-C: the launcher stops its mpirun and waits for the ranks (a SIGTERM would end
         proc.send_signal(signal.SIGINT)  # the launcher alone, and the ranks would train on into the next run)
@@ -115,6 +114,14 @@ def one(method: str, data: Path, work: Path) -> dict:
         "first_new_step_s": first["time"] - issued,
         "startup_s": resume.get("startup_s", {}),
     }
+
+
+def resumed(run_dir: Path, timeout: float = 180.0) -> tuple[dict, dict]:
+    """The run's first ``resume`` event and the metrics record of the first step after it, once both exist."""
+    resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESUME],
+                  every=0.02, timeout=timeout)[0]  # fmt: skip
+    first = wait(lambda: [r for r in lines(run_dir / "metrics.jsonl") if r["step"] == resume["step"] + 1])[0]
+    return resume, first
 
 
 def launch_nodes(run_dir: Path) -> list[str]:
@@ -136,9 +143,7 @@ def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
     lost = time.time()
     sh("bash", "envs/slurm/cluster.sh", "node-down", node, str(state), cwd=ROOT)
     try:
-        resume = wait(lambda: [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESUME],
-                      every=0.05, timeout=600)[0]  # fmt: skip
-        first = wait(lambda: [r for r in lines(run_dir / "metrics.jsonl") if r["step"] == resume["step"] + 1])[0]
+        resume, first = resumed(run_dir, timeout=600)
     finally:
         for job in {json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()}:
             subprocess.run(["scancel", job], check=False)

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
-from hpc.restarts import until_settled
+from hpc.restarts import take_back_due_nodes, until_settled
 from runconfig import RunConfig, RunDir, load_config
-from runconfig.badnodes import bad_nodes, record_bad_node, take_back_due
+from runconfig.badnodes import bad_nodes, record_bad_node
 from runconfig.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
 from runconfig.decide import Situation
 from runconfig.outcome import Ended, how_it_ended, new_launch_id
@@ -226,8 +226,7 @@ class Driver:
             return {"status": "complete"}
         if job.restart_count and cfg.job.exclude_bad_nodes:
             note_lost_nodes(rundir, job)
-        for node in take_back_due(rundir, cfg.job.retake_nodes_after_s, held_by_slurm):
-            print(f"bad node {node} taken back (job.retake_nodes_after_s={cfg.job.retake_nodes_after_s:g})", flush=True)
+        take_back_due_nodes(rundir, cfg.job, held_by_slurm)
         allocation = job.nodes()
         usable = tuple(n for n in allocation if n not in bad_nodes(rundir))[: cfg.job.nodes]
         if allocation and len(usable) < cfg.job.min_nodes_or_all:
@@ -251,7 +250,6 @@ class Driver:
                 failed_nodes=launched.failed_nodes,
                 stop_signal=STOP_SIGNAL.is_set(),
             ),
-            held=held_by_slurm,
         )
         if decision.action != "restart" and launched.ended.how == "failed":
             # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a

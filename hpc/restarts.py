@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from runconfig import RunDir
-from runconfig.badnodes import Held, take_back_due
+from runconfig.badnodes import Held, retake_how, take_back_due
 from runconfig.decide import Decision, Situation, decide, record_decision
 from runconfig.outcome import Ended
 from runconfig.schema import JobConfig
@@ -31,22 +31,27 @@ class Launched(Protocol):
 L = TypeVar("L", bound=Launched)
 
 
+def take_back_due_nodes(rundir: RunDir, job: JobConfig, held: Held | None = None) -> list[str]:
+    """Before a launcher chooses its first launch's nodes: the bad nodes due back (job.retake_nodes_after_s) taken
+    back, each said in the log (later launches: ``decide``)."""
+    back = take_back_due(rundir, job.retake_nodes_after_s, held)
+    for node in back:
+        print(f"bad node {node} taken back ({retake_how(job.retake_nodes_after_s)})", flush=True)
+    return back
+
+
 def until_settled(
     rundir: RunDir,
     job: JobConfig,
     nodes: tuple[str, ...],
     launch: Callable[[tuple[str, ...], int], L],
     situation: Callable[[L], Situation],
-    held: Held | None = None,
 ) -> tuple[Decision, L]:
     """``launch(nodes, attempt)`` (attempt 0, 1, ... within this allocation) until a decision other than a restart;
-    each decision is recorded in the run's history. ``situation`` tells ``decide`` what the launcher knows; ``held``
-    what the scheduler holds down or drained (bad nodes due back after job.retake_nodes_after_s rejoin a restart
-    unless it does)."""
+    each decision is recorded in the run's history. ``situation`` tells ``decide`` what the launcher knows."""
     attempt = 0
     while True:
         launched = launch(nodes, attempt)
-        take_back_due(rundir, job.retake_nodes_after_s, held)
         decision = decide(rundir, job, launched.ended, situation(launched))
         record_decision(rundir, decision, failed_launch=launched.launch_id, status=launched.status)
         if decision.action != "restart":

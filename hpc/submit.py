@@ -24,11 +24,11 @@ from hpc.driver import submit_link
 from hpc.local import LaunchResult, node_wraps, run_local, simulated_nodes, trainer_command
 from hpc.mpi import LauncherError, MpiLauncher, find_launcher
 from hpc.options import add_set_option
-from hpc.restarts import until_settled
+from hpc.restarts import take_back_due_nodes, until_settled
 from hpc.slurm import sbatch_script
 from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, load_config, record
 from runconfig import code as codesnap
-from runconfig.badnodes import bad_nodes, take_back_due
+from runconfig.badnodes import bad_nodes
 from runconfig.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
 from runconfig.decide import Situation, restarts_so_far
 from runconfig.schema import BUILTIN_RECIPE
@@ -253,8 +253,7 @@ def run_here(planned: Planned, rundir: RunDir) -> int:
         flush=True,
     )
     allocation = simulated_nodes(cfg)
-    for node in take_back_due(rundir, cfg.job.retake_nodes_after_s):
-        print(f"bad node {node} taken back (job.retake_nodes_after_s={cfg.job.retake_nodes_after_s:g})", flush=True)
+    take_back_due_nodes(rundir, cfg.job)
     nodes = tuple(n for n in allocation if n not in bad_nodes(rundir))
     if len(nodes) < cfg.job.min_nodes_or_all:
         print(
@@ -291,7 +290,7 @@ def submit_slurm(cfg, rundir: RunDir, *, chain: int) -> int:
     os.umask(0o077)  # submitit's job folders, pickles and logs: private like the run directory
     try:
         job_ids = []
-        take_back_due(rundir, cfg.job.retake_nodes_after_s, held_by_slurm)
+        take_back_due_nodes(rundir, cfg.job, held_by_slurm)
         exclude = tuple(bad_nodes(rundir))  # a resumed run never lands on a node it named bad
         for position in range(chain):
             job_id = submit_link(

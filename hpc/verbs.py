@@ -255,6 +255,7 @@ def unexclude(rundir: RunDir, nodes: list[str]) -> None:
     """Take bad nodes of the run back (a ``node_back`` event each): its next launch, an in-job restart or a new job,
     may use them, and the run's pending jobs no longer exclude them. Refused for a node that is not bad, and for one
     Slurm still holds down or drained (its verdict stands: bring it back in Slurm first)."""
+    from hpc.driver import exclude_nodes, pending_jobs
     from runconfig.badnodes import bad_nodes, take_back
     from runconfig.slurmnodes import held_by_slurm
 
@@ -273,8 +274,6 @@ def unexclude(rundir: RunDir, nodes: list[str]) -> None:
     for node in nodes:
         take_back(rundir, node, how="by hand (python -m hpc unexclude)")
     left = tuple(n for n in bad if n not in nodes)
-    from hpc.driver import exclude_nodes, pending_jobs
-
     pending = pending_jobs(rundir, skip=set()) if unfinished(rundir) else []
     for job in pending:
         if not exclude_nodes(job, left):

@@ -53,25 +53,28 @@ def take_back(rundir: RunDir, node: str, *, how: str, **extra) -> None:
 Held = Callable[[list[str]], dict[str, str]]
 
 
-def take_back_due(rundir: RunDir, after_s: float, held: Held | None = None, now: float | None = None) -> list[str]:
-    """Take back the bad nodes named at least ``after_s`` seconds ago (0: never) that the scheduler does not hold
-    down or drained (``held``; None: no scheduler, as locally); the nodes taken back."""
+def retake_how(after_s: float) -> str:
+    return f"after job.retake_nodes_after_s={after_s:g}"
+
+
+def due_back(rundir: RunDir, after_s: float, held: Held | None = None, now: float | None = None) -> dict[str, float]:
+    """node -> seconds since it was named, for the bad nodes named at least ``after_s`` seconds ago (0: never) that
+    the scheduler does not hold down or drained (``held``; None: no scheduler, as locally). Reads only."""
     if not after_s:
-        return []
+        return {}
     now = time.time() if now is None else now
-    due = [e for e in bad_node_events(rundir) if now - float(e.get("time", now)) >= after_s]
-    if not due:
-        return []
-    verdicts = held([str(e["node"]) for e in due]) if held else {}
-    back = []
-    for e in due:
-        node = str(e["node"])
-        if node in verdicts:
-            continue
-        take_back(rundir, node, how=f"after job.retake_nodes_after_s={after_s:g}",
-                  named_s_ago=round(now - float(e.get("time", now)), 1))  # fmt: skip
-        back.append(node)
-    return back
+    ages = {str(e["node"]): now - float(e.get("time", now)) for e in bad_node_events(rundir)}
+    due = {node: age for node, age in ages.items() if age >= after_s}
+    verdicts = held(list(due)) if held and due else {}
+    return {node: age for node, age in due.items() if node not in verdicts}
+
+
+def take_back_due(rundir: RunDir, after_s: float, held: Held | None = None, now: float | None = None) -> list[str]:
+    """``due_back``'s nodes taken back (a ``node_back`` event each, before a launch chooses its nodes)."""
+    back = due_back(rundir, after_s, held, now)
+    for node, age in back.items():
+        take_back(rundir, node, how=retake_how(after_s), named_s_ago=round(age, 1))
+    return list(back)
 
 
 def suspects_of(failure: dict) -> list[dict]:

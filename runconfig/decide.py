@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from runconfig.badnodes import bad_nodes, record_bad_node, suspects_of
+from runconfig.badnodes import bad_nodes, due_back, record_bad_node, retake_how, suspects_of, take_back
 from runconfig.contract import (
     EVENT_PRUNED,
     EVENT_RESTART,
@@ -42,6 +42,7 @@ from runconfig.contract import (
 from runconfig.outcome import Ended, how_it_ended
 from runconfig.rundir import RunDir, read_jsonl
 from runconfig.schema import JobConfig
+from runconfig.slurmnodes import held_by_slurm
 
 Action = Literal["done", "restart", "requeue", "requeuehold", "resubmit", "end"]
 MAX_BACKOFF_S = 300.0
@@ -76,6 +77,7 @@ class Decision:
     new_bad: tuple[tuple[str, str], ...] = ()  # (node, evidence) named bad by this decision
     use_nodes: tuple[str, ...] = ()  # restart: the nodes of the next launch; resubmit: []
     exclude: tuple[str, ...] = ()  # every bad node of the run (resubmit: the new job's --exclude)
+    taken_back: tuple[tuple[str, str, float], ...] = ()  # (node, how, seconds since named): due back
 
 
 def restarts_so_far(rundir: RunDir) -> int:
@@ -128,6 +130,20 @@ def _excluding(job: JobConfig, situation: Situation) -> bool:
 
 
 def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -> Decision:
+    # Bad nodes due back (job.retake_nodes_after_s) are not bad for this decision; record_decision takes them back.
+    held = held_by_slurm if situation.slurm else None
+    back = due_back(rundir, job.retake_nodes_after_s, held) if ended.how != "done" else {}
+    bad = tuple(n for n in bad_nodes(rundir) if n not in back)
+    decision = _decide(rundir, job, ended, situation, bad)
+    if not back:
+        return decision
+    how = retake_how(job.retake_nodes_after_s)
+    taken_back = tuple((node, how, age) for node, age in back.items())
+    message = f"{decision.message}; node(s) {', '.join(back)} taken back ({how})"
+    return replace(decision, taken_back=taken_back, message=message)
+
+
+def _decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, bad: tuple[str, ...]) -> Decision:
     if ended.how == "done":
         pruned = [e for e in read_jsonl(rundir.history) if e.get("event") == EVENT_PRUNED]
         if pruned:  # a sweep element judged at a rung: ended for good, its checkpoint kept
@@ -135,7 +151,7 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
                             f"({pruned[-1].get('why', 'prune.*')})")  # fmt: skip
         return Decision("done", EXIT_DONE, f"done: run {rundir.root} complete")
     if ended.how == "stopped":
-        return _after_stop(rundir, job, ended, situation)
+        return _after_stop(rundir, job, ended, situation, bad)
     failure = rundir.failure_record()
     cause, user = failure_cause(ended, failure)
     if user:
@@ -143,7 +159,7 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
     if not suspects_of(failure) and stopped_by_signal(ended, situation, job):
         # The stop signal killed a rank before its handler was installed (interpreter start-up) or after it was
         # restored: a stop without a checkpoint at it, not evidence against the rank's node.
-        return _after_stop(rundir, job, ended, situation, committed=False)
+        return _after_stop(rundir, job, ended, situation, bad, committed=False)
     if situation.ending:  # the ranks were ended with the job (scancel, time limit): no node to blame
         message = (
             f"error: the ranks failed with exit status {ended.status} while Slurm was ending the job; not restarted. "
@@ -151,7 +167,7 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
         )
         return Decision("end", EXIT_FAILED, message, error=True, cause=cause)
     done_before = restarts_so_far(rundir)
-    known_bad = bad_nodes(rundir)
+    known_bad = bad
     new_bad = tuple(
         (node, evidence)
         for node, evidence in (named_nodes(failure, situation) if _excluding(job, situation) else [])
@@ -205,7 +221,9 @@ def stopped_by_signal(ended: Ended, situation: Situation, job: JobConfig) -> boo
     return situation.stop_signal or number in signals
 
 
-def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, committed: bool = True) -> Decision:
+def _after_stop(
+    rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, bad: tuple[str, ...], committed: bool = True
+) -> Decision:
     done = (
         "with a committed checkpoint"
         if committed
@@ -238,7 +256,7 @@ def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situati
             f"requeued. Continue with: python -m hpc resume {rundir.root}",
             error=True,
         )
-    exclude = tuple(bad_nodes(rundir))
+    exclude = bad
     if exclude:  # a requeued job keeps its node exclusions: a new job is submitted with them instead
         return Decision(
             "resubmit",
@@ -251,7 +269,10 @@ def _after_stop(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situati
 
 def record_decision(rundir: RunDir, decision: Decision, *, failed_launch: str, status: int) -> None:
     """What a decision names, in history.jsonl (written by the launcher before it acts): each new bad node with
-    its evidence, and for a restart (in the job or in a resubmitted one) the restart event with its cause."""
+    its evidence, the nodes taken back, and for a restart (in the job or in a resubmitted one) the restart event
+    with its cause."""
+    for node, how, age in decision.taken_back:
+        take_back(rundir, node, how=how, named_s_ago=round(age, 1))
     for node, evidence in decision.new_bad:
         record_bad_node(rundir, node, reason=decision.cause, evidence=evidence, launch=failed_launch)
     if decision.action in ("restart", "resubmit") and decision.attempt:

@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 
 from runconfig import ConfigError, RunDir, dump_yaml, load_config
-from runconfig.badnodes import bad_nodes
+from runconfig.badnodes import bad_nodes, take_back_due
 from runconfig.code import search_path, take
 from runconfig.contract import EVENT_CODE, EXIT_STOPPED, append_event
 
@@ -122,6 +122,7 @@ if problem:
 from hpc.driver import run_complete  # noqa: E402
 from hpc.local import rank_variables  # noqa: E402
 from hpc.slurm import requoted_setup  # noqa: E402
+from runconfig.slurmnodes import held_by_slurm  # noqa: E402
 
 complete = run_complete(rundir, cfg)
 job = cfg.job
@@ -135,6 +136,8 @@ print(f"hpc_world_cfg={job.world_size}")
 print(f"hpc_rpn={job.ranks_per_node}")
 # Bad nodes of the run (runconfig/badnodes.py) are left out of every launch: the allocation's other nodes, at least
 # job.min_nodes of them; fewer, and the run continues in a new job that excludes them.
+# Bad nodes due back (job.retake_nodes_after_s) are taken back first, unless Slurm still holds them down or drained.
+take_back_due(rundir, job.retake_nodes_after_s, held_by_slurm)
 bad = bad_nodes(rundir)
 try:
     hostnames = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],

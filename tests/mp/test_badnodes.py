@@ -4,13 +4,12 @@ and the run going on without it on fewer nodes (job.min_nodes), same global batc
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from runconfig.contract import EXIT_STOPPED, EXIT_USER_ERROR, INJECT_VAR
 from tests.conftest import history, rank_pids, run_cli, summary, wait_for_step
-from tests.mp.test_checkpoint import assert_close_to, common, env, run, start, submit_args
+from tests.mp.test_checkpoint import assert_close_to, common, env, run, start, submit_args, wait_for_event
 
 pytestmark = pytest.mark.mp
 
@@ -60,8 +59,7 @@ def test_a_node_taken_back_by_hand_grows_the_run_back(tmp_path, small_dataset):
     proc = start(run_dir, sets)
     wait_for_step(run_dir, 6, proc)
     os.kill(rank_pids(run_dir)[2], signal.SIGKILL)
-    wait_for(lambda: any(e["event"] == "resume" for e in history(run_dir)), proc)
-    resumed_at = next(e for e in history(run_dir) if e["event"] == "resume")["step"]
+    resumed_at = wait_for_event(run_dir, "resume", 1, proc)["step"]
     wait_for_step(run_dir, resumed_at + 4, proc)
     for pid in rank_pids(run_dir).values():
         os.kill(pid, signal.SIGUSR2)
@@ -85,14 +83,6 @@ def test_a_node_taken_back_by_hand_grows_the_run_back(tmp_path, small_dataset):
     assert report.returncode == 0, report.stderr
     text = (run_dir / "report" / "report.md").read_text()
     assert "| node1 | named bad |" in text and "| node1 | taken back |" in text and "Bad now: none." in text, text
-
-
-def wait_for(done, proc, timeout=120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not done():
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    assert done()
 
 
 def test_a_node_that_lags_in_checks_in_a_row_is_left_out(tmp_path, small_dataset):

@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -147,6 +148,26 @@ def test_a_failed_nodes_ranks_shrink_the_run_in_the_job_when_min_nodes_allows(ru
     decision = decide(rundir, job(nodes=4, min_nodes=2), Ended("failed", 137), situation)
     assert decision.action == "resubmit" and decision.exclude == ("n3", "n1", "n4"), decision
     assert decision.attempt == 3
+
+
+def test_a_bad_node_due_back_rejoins_the_restart_and_is_taken_back_when_recorded(rundir):
+    """job.retake_nodes_after_s: a node named long enough ago is not bad for the decision (the restart grows back
+    onto it); record_decision writes its node_back event. (Locally: under Slurm its verdict on the node is asked
+    too, which tests/unit/test_badnodes.py pins.)"""
+    append_event(rundir.history, "bad_node", node="n3", reason="x", evidence="y", launch="L0")
+    rundir.write_failure(0, "rank 0: a collective failed at step 7", FAILURE_CRASH, [])
+    situation = Situation(slurm=False, nodes=ALLOC, launch_nodes=("n1", "n2", "n4"), ranks_per_node=2)
+    kept = decide(rundir, job(nodes=4, min_nodes=2), Ended("failed", 1), situation)
+    assert kept.use_nodes == ("n1", "n2", "n4") and kept.exclude == ("n3",) and not kept.taken_back, kept
+    time.sleep(0.05)
+    decision = decide(rundir, job(nodes=4, min_nodes=2, retake_nodes_after_s=0.01), Ended("failed", 1), situation)
+    assert decision.action == "restart" and decision.use_nodes == ALLOC and decision.exclude == (), decision
+    assert [n for n, _, _ in decision.taken_back] == ["n3"] and "n3 taken back" in decision.message
+    assert read_jsonl(rundir.history)[-1]["event"] == "bad_node"  # decide itself writes nothing
+    record_decision(rundir, decision, failed_launch="L1", status=1)
+    events = read_jsonl(rundir.history)
+    assert [e["event"] for e in events] == ["bad_node", "node_back", EVENT_RESTART], events
+    assert events[1]["how"] == "after job.retake_nodes_after_s=0.01" and events[2]["nodes"] == list(ALLOC)
 
 
 def test_without_min_nodes_a_slurm_run_moves_to_a_new_job_and_a_local_one_restarts_in_place(rundir):
