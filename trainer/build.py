@@ -40,6 +40,7 @@ from trainer.observe.metrics import MetricsWriter
 from trainer.observe.monitors import build_monitors
 from trainer.observe.replicas import ReplicaCheck
 from trainer.observe.startup import StartupClock
+from trainer.observe.termwatch import TermWatch
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.observe.tracking import open_tracker
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
@@ -147,6 +148,9 @@ def build_parts(
     tracker = open_tracker(cfg, env, rundir, comm)  # rank 0's; its thread opens the tracker run meanwhile
     mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
     stack.callback(mon.close)
+    term = TermWatch(stop, mon.watchdog, env, rundir)  # SIGTERM while the main thread is blocked in C++
+    term.start()
+    stack.callback(term.close)
     mon.replicas = ReplicaCheck(cfg.monitor.replica_check_every, wrapped.layout, env)
     mon.live = open_live(cfg.live, env, rundir, mon.watchdog.reader() if mon.watchdog.enabled else None, comm)
     checkpoints = Checkpointer(

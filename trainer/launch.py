@@ -155,7 +155,7 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
         info = spike.info
         if env.rank == 0:
             record_skip(rundir, info)
-            fields = {k: info[k] for k in ("step", "loss", "median", "skip_to_position")}
+            fields = {k: info[k] for k in ("step", "measure", "value", "loss", "median", "skip_to_position")}
             append_event(rundir.history, EVENT_SPIKE, **fields, action="rollback", launch=env.launch_id)
         return _end_unsaved(p, b, rundir, info["message"], FAILURE_SPIKE, [])
     except ReplicasDiverged as diverged:  # every rank, no checkpoint: restart from the newest (checked) one

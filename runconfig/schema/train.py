@@ -33,8 +33,16 @@ class TrainConfig(Section):
         0.0,
         bounds=Range(ge=0),
     )
+    spike_grad_factor: float = doc(
+        "A step whose gradient norm (the global norm before clipping, the same on every rank) exceeds this factor "
+        "times the median norm of the launch's last train.spike_window steps is a spike too, handled like a loss "
+        "spike by train.spike_action; 0 = off.",
+        0.0,
+        bounds=Range(ge=0),
+    )
     spike_window: int = doc(
-        "The recent steps a loss spike is judged against (at least 8 of them seen in the launch first).",
+        "The recent steps a spike (loss or gradient norm) is judged against (at least 8 of them seen in the launch "
+        "first).",
         50,
         bounds=Range(ge=8),
     )

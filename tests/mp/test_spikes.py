@@ -34,3 +34,18 @@ def test_a_loss_spike_rolls_back_to_the_newest_checkpoint_and_skips_the_bad_batc
     assert max(r["loss"] for r in records if r["step"] > 8) < 3 * spike["median"]  # no spike in what was kept
     # the spike's step ended the launch before its record: its loss is in the spike event only
     assert not any(r["loss"] == spike["loss"] for r in records)
+
+
+def test_a_gradient_norm_spike_stops_the_run_with_its_checkpoint_intact(tmp_path, small_dataset):
+    """The loss alone is not judged (spike_factor 0): the bad batch's gradient norm is, and stop names the step."""
+    run_dir = tmp_path / "run"
+    sets = [
+        *common(small_dataset), *TWO_NODES, "train.steps=16", "train.spike_grad_factor=5", "train.spike_window=8",
+        "train.spike_action=stop", "train.log_every=1",
+    ]  # fmt: skip
+    done = run(run_dir, sets, inject="spike:0:11")
+    assert done.returncode == 2, done.stdout + done.stderr  # a user error: not restarted, nothing lost
+    message = json.loads((run_dir / "failure.json").read_text())["message"]
+    assert "gradient norm spike at step 11" in message and "train.spike_grad_factor=5" in message, message
+    assert "step_00000008, is intact" in message, message
+    assert max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")) == 10

@@ -168,3 +168,6 @@ def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference, 
     assert resumed and resumed[-1]["slurm_job_id"] == job_id and resumed[-1]["step"] >= 10, events
     assert resumed[-1]["nodes"] == ["n1", "n2"], resumed
     assert summary(run_dir)["params_sha256"] == reference
+    # the survivors, blocked in a collective with the dead rank, ended at srun's SIGTERM, not at KillWait's SIGKILL
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank_*.log"))
+    assert "SIGTERM arrived" in logs and "rather than at the scheduler's SIGKILL" in logs, logs[-3000:]

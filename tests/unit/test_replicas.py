@@ -66,17 +66,26 @@ def test_a_spike_is_judged_against_the_recent_median_and_stop_names_the_step(tmp
     cfg = load_config("tiny", ["train.spike_factor=3", "train.spike_window=8"]).train
     watch = SpikeWatch(cfg)
     for step in range(1, 8):  # fewer than 8 seen: nothing is judged yet, however large
-        watch.see(step, 50.0 if step == 1 else 2.0, step * 32, lambda: None)
-    watch.see(8, 2.0, 8 * 32, lambda: None)
-    watch.see(9, 5.9, 9 * 32, lambda: None)  # below 3x the median of 2.0
+        watch.see(step, 50.0 if step == 1 else 2.0, 1.0, step * 32, lambda: None)
+    watch.see(8, 2.0, 1.0, 8 * 32, lambda: None)
+    watch.see(9, 5.9, 100.0, 9 * 32, lambda: None)  # below 3x the median of 2.0 (norms not judged)
     with pytest.raises(LossSpike) as spike:
-        watch.see(10, 6.5, 10 * 32, lambda: "step_00000008")
+        watch.see(10, 6.5, 1.0, 10 * 32, lambda: "step_00000008")
     assert spike.value.info["skip_to_position"] == 320 and "step_00000008" in spike.value.info["message"]
     stop = SpikeWatch(load_config("tiny", ["train.spike_factor=3", "train.spike_action=stop"]).train)
     for step in range(1, 9):
-        stop.see(step, 2.0, step * 32, lambda: None)
+        stop.see(step, 2.0, 1.0, step * 32, lambda: None)
     with pytest.raises(UserError, match="loss spike at step 9.*step_00000004, is intact"):
-        stop.see(9, 9.0, 9 * 32, lambda: "step_00000004")
+        stop.see(9, 9.0, 1.0, 9 * 32, lambda: "step_00000004")
+    norms = SpikeWatch(load_config("tiny", ["train.spike_grad_factor=4", "train.spike_window=8"]).train)
+    for step in range(1, 10):  # the loss is not judged with spike_factor 0, however it grows
+        norms.see(step, 2.0 * step, 0.5, step * 32, lambda: None)
+    norms.see(10, 2.0, 1.9, 10 * 32, lambda: None)  # 3.8x the median norm 0.5
+    with pytest.raises(LossSpike) as grad:
+        norms.see(11, 2.0, 2.5, 11 * 32, lambda: "step_00000010")
+    info = grad.value.info
+    assert info["measure"] == "grad_norm" and info["value"] == 2.5 and info["median"] == 0.5 and info["loss"] == 2.0
+    assert "gradient norm spike at step 11" in info["message"] and info["skip_to_position"] == 352
     rundir = RunDir(tmp_path / "run")
     rundir.root.mkdir()
     assert apply_skips(rundir, 8, 256) == (256, [])

@@ -1,8 +1,10 @@
-"""Loss spikes (``train.spike_*``): a step whose agreed loss (the mean over ranks, the same number on every rank, so
-every rank decides alike without a message) exceeds ``spike_factor`` times the median of the launch's recent
-losses. ``stop`` ends the run with an error; ``rollback`` ends the launch, and the restart resumes from the newest
-checkpoint (the spike's step is never checkpointed) and skips the data from that checkpoint through the spike's
-batch: RUN_DIR/data_skips.json, applied at every later restore from a checkpoint before the spike."""
+"""Loss and gradient-norm spikes (``train.spike_*``). A step's loss is its agreed loss, the mean over ranks, the same
+number on every rank. Its gradient norm is the global one that clipping uses, the same on every rank of every
+layout. So every rank decides alike without a message. A step whose loss exceeds ``spike_factor`` times the median
+of the launch's recent losses is a spike, and so is one whose norm exceeds ``spike_grad_factor`` times the median of
+their norms. ``stop`` ends the run with an error. ``rollback`` ends the launch, and the restart resumes from the
+newest checkpoint (the spike's step is never checkpointed) and skips the data from that checkpoint through the
+spike's batch: RUN_DIR/data_skips.json, applied at every later restore from a checkpoint before the spike."""
 
 from __future__ import annotations
 
@@ -32,24 +34,44 @@ class LossSpike(Exception):
 
 class SpikeWatch:
     def __init__(self, cfg: TrainConfig) -> None:
-        self.factor, self.action = cfg.spike_factor, cfg.spike_action
-        self.recent: deque[float] = deque(maxlen=cfg.spike_window)
+        self.factor, self.grad_factor, self.action = cfg.spike_factor, cfg.spike_grad_factor, cfg.spike_action
+        self.on = bool(self.factor or self.grad_factor)
+        self.losses: deque[float] = deque(maxlen=cfg.spike_window)
+        self.norms: deque[float] = deque(maxlen=cfg.spike_window)
 
-    def see(self, step: int, loss: float, data_position: int, newest: Callable[[], str | None]) -> None:
-        """The agreed loss of ``step`` (``data_position``: the data order's position after it; ``newest``: the
-        newest committed checkpoint's name, asked at a spike only). Raises at a spike."""
-        if not self.factor:
+    def see(
+        self, step: int, loss: float, grad_norm: float, data_position: int, newest: Callable[[], str | None]
+    ) -> None:
+        """The agreed loss and the gradient norm of ``step`` (``data_position``: the data order's position after
+        it; ``newest``: the newest committed checkpoint's name, asked at a spike only). Raises at a spike."""
+        if not self.on:
             return
-        if len(self.recent) >= MIN_SEEN:
-            median = statistics.median(self.recent)
-            if median > 0 and loss > self.factor * median:
-                self._spike(step, loss, median, data_position, newest())
-        self.recent.append(loss)
+        if len(self.losses) >= MIN_SEEN:
+            for measure, value, factor, recent in (
+                ("loss", loss, self.factor, self.losses),
+                ("grad_norm", grad_norm, self.grad_factor, self.norms),
+            ):
+                median = statistics.median(recent)
+                if factor and median > 0 and value > factor * median:
+                    self._spike(step, measure, value, median, factor, loss, data_position, newest())
+        self.losses.append(loss)
+        self.norms.append(grad_norm)
 
-    def _spike(self, step: int, loss: float, median: float, position: int, newest: str | None) -> None:
+    def _spike(
+        self,
+        step: int,
+        measure: str,
+        value: float,
+        median: float,
+        factor: float,
+        loss: float,
+        position: int,
+        newest: str | None,
+    ) -> None:
+        key, name = ("spike_factor", "loss") if measure == "loss" else ("spike_grad_factor", "gradient norm")
         what = (
-            f"loss spike at step {step}: loss {loss:.4g} is {loss / median:.1f}x the median {median:.4g} of the last "
-            f"{len(self.recent)} steps (train.spike_factor={self.factor:g})"
+            f"{name} spike at step {step}: {name} {value:.4g} is {value / median:.1f}x the median {median:.4g} of "
+            f"the last {len(self.losses)} steps (train.{key}={factor:g})"
         )
         if self.action == "stop":
             kept = f"the newest committed checkpoint, {newest}, is intact" if newest else "nothing was saved"
@@ -59,7 +81,7 @@ class SpikeWatch:
             "(train.spike_action: rollback)"
         )
         raise LossSpike({"step": step, "loss": loss, "median": median, "skip_to_position": position,
-                         "message": message})  # fmt: skip
+                         "measure": measure, "value": value, "message": message})  # fmt: skip
 
 
 def skips_path(rundir: RunDir):

@@ -104,11 +104,12 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
         if decision.loss is not None:
             state.last_loss = decision.loss
         state.elapsed_s = elapsed_before + time.time() - run_start
-        if spikes.factor:  # before this step's checkpoint: a spike's step is never saved
-            if decision.earlier is not None:  # comm.defer_agreement: the previous step's loss, agreed now
-                spikes.see(step - 1, decision.earlier.loss, state.data_position - t.global_batch_size, newest)
+        if spikes.on:  # before this step's checkpoint: a spike's step is never saved
+            if decision.earlier is not None:  # comm.defer_agreement: the previous step's figures, agreed now
+                earlier = decision.earlier
+                spikes.see(step - 1, earlier.loss, earlier.grad_norm, state.data_position - t.global_batch_size, newest)
             if decision.loss is not None:
-                spikes.see(step, decision.loss, state.data_position, newest)
+                spikes.see(step, decision.loss, float(result.grad_norm), state.data_position, newest)
         extra, evals = _checks_and_eval(p, step, decision.eval, publisher)
         if mon.replicas is not None and mon.replicas.due(step, decision.checkpoint):  # before the checkpoint
             mon.watchdog.enter("replica check", step)

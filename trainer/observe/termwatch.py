@@ -1,0 +1,130 @@
+"""SIGTERM that the main thread cannot take. The launcher ends a step with SIGTERM: srun's --kill-on-bad-exit after
+a rank died, mpirun, a scancel. Python runs a signal's handler only when the main thread runs bytecode again, so a
+rank whose main thread is blocked in one C++ call would wait for the scheduler's SIGKILL (Slurm's KillWait: 30 s by
+default). Most often that call is a collective with a rank that is gone.
+
+``signal.set_wakeup_fd`` makes the C-level handler write the signal's number to a pipe, and a daemon thread reads
+it. Suppose SIGTERM's Python handler has not run within the blocked limit (3 x the longest recent step, at least
+BLOCKED_MIN_S), the main thread has entered no phase since, and it is not saving a checkpoint. Then the rank dumps
+its Python stacks into its log and exits 143, as an uncaught SIGTERM would end it. Where the handler runs, the stop
+goes its usual way: a checkpoint at the next step boundary. Before the launch's first completed step there is no
+step time to judge by, so nothing is done then."""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import select
+import signal
+import threading
+import time
+from collections import deque
+
+from runconfig import RunDir
+from trainer.env import RuntimeEnv
+from trainer.loop.stop import StopFlag
+from trainer.observe.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+BLOCKED_MIN_S = 2.0  # the least a main thread must be blocked after SIGTERM before the rank ends itself
+STEP_FACTOR = 3.0  # ... and this many times the longest of the launch's recent step times
+SAMPLE_S = 0.5  # how often the thread samples the step counter (it wakes at once on a signal)
+TERM_EXIT = 128 + signal.SIGTERM  # the shell's status of a process SIGTERM ended
+SLACK_S = 0.5  # a handler run this long before the thread read the signal's byte counts as this signal's
+
+
+class TermWatch:
+    def __init__(self, stop: StopFlag, watchdog: Watchdog, env: RuntimeEnv, rundir: RunDir) -> None:
+        self.stop, self.watchdog, self.env, self.rundir = stop, watchdog, env, rundir
+        self.step_times: deque[float] = deque(maxlen=8)  # seconds per step, one figure per sample with progress
+        self._pipe: tuple[int, int] | None = None
+        self._previous_fd = -1
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Main thread only (``set_wakeup_fd``); nothing when SIGTERM is not one of the run's stop signals (its
+        default action ends the rank at once) or another wakeup fd is set (that owner's, left alone)."""
+        if threading.current_thread() is not threading.main_thread() or not self.stop.catches(signal.SIGTERM):
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self._pipe = (read_fd, write_fd)
+        self._thread = threading.Thread(target=self._run, args=(read_fd,), name="hpc-term-watch", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._pipe is None:
+            return
+        read_fd, write_fd = self._pipe
+        self._pipe = None
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)
+        os.close(write_fd)
+        if self._thread is not None:
+            self._thread.join(timeout=2 * SAMPLE_S + 1)
+        os.close(read_fd)
+
+    def limit(self) -> float | None:
+        """Seconds the main thread may stay blocked after SIGTERM; None before a step time is known."""
+        if not self.step_times:
+            return None
+        return max(BLOCKED_MIN_S, STEP_FACTOR * max(self.step_times))
+
+    # -- its thread ---------------------------------------------------------------------------------------------
+    def _run(self, read_fd: int) -> None:
+        seen_step, seen_at, counted = self.watchdog.step, time.monotonic(), False
+        while self._pipe is not None:
+            ready, _, _ = select.select([read_fd], [], [], SAMPLE_S)
+            step, now = self.watchdog.step, time.monotonic()
+            if step > seen_step:
+                if counted:  # the first progress of a launch holds its start-up (compilation, the first batch)
+                    self.step_times.append((now - seen_at) / (step - seen_step))
+                seen_step, seen_at, counted = step, now, True
+            if not ready:
+                continue
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                self._judge(now)
+
+    def _judge(self, arrived: float) -> None:
+        """SIGTERM's byte was read at ``arrived``: wait for its handler, else end the rank once blocked too long."""
+        seq = self.watchdog.seq
+        while self._pipe is not None:
+            if self.stop.handled_at >= arrived - SLACK_S or self.watchdog.seq != seq:
+                return  # the main thread runs Python: the stop goes its usual way
+            limit, waited = self.limit(), time.monotonic() - arrived
+            if limit is not None and waited > limit and self.watchdog.phase != "checkpoint":
+                self._end(waited)
+            time.sleep(0.05)
+
+    def _end(self, waited: float) -> None:
+        w, env = self.watchdog, self.env
+        message = (
+            f"rank {env.rank} ({env.node_names[env.rank]}): SIGTERM arrived {waited:.1f} s ago and the main thread "
+            f"has not returned from '{w.phase}' of step {w.step} (blocked in one call for "
+            f"{time.time() - w.since:.1f} s, most often a collective with a rank that is gone): the rank ends now, "
+            "as SIGTERM's default action would, rather than at the scheduler's SIGKILL. Its Python stacks are in its "
+            "log."
+        )
+        log.error("%s", message)
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        with contextlib.suppress(OSError), open(self.rundir.rank_log(self.env.rank), "a") as f:
+            f.write(f"--- rank {self.env.rank}: Python stacks of all threads (SIGTERM while blocked) ---\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        os._exit(TERM_EXIT)
