@@ -16,7 +16,9 @@ from trainer.env import RuntimeEnv, agree, from_mpi
 from trainer.errors import UserError
 from trainer.loop.stop import EarlySignals, StopFlag
 from trainer.loop.stopreport import record_signal_path
+from trainer.observe.deadline import StartupDeadline
 from trainer.observe.hostmem import fix_mmap_threshold
+from trainer.observe.inject import Injector
 from trainer.observe.startup import StartupClock
 from trainer.parallel.distributed import Distributed, init_distributed, pick_device
 from trainer.parallel.mpi_library import is_mpich, library_name
@@ -34,7 +36,12 @@ class Booted:
 
 
 def boot(
-    rundir: RunDir, comm: MPI.Comm, clock: StartupClock, early: EarlySignals, mpi_defaults: dict[str, str]
+    rundir: RunDir,
+    comm: MPI.Comm,
+    clock: StartupClock,
+    early: EarlySignals,
+    mpi_defaults: dict[str, str],
+    deadline: StartupDeadline | None = None,
 ) -> Booted:
     """Read the config, activate the code snapshot, read the MPI environment, meet the other ranks, and bring up
     the process groups. Bad input stops every rank with the same UserError."""
@@ -48,6 +55,8 @@ def boot(
     clock.mark("mpi")
     agree(comm, rundir.writable_error() if env.rank == 0 else None)
     setup_logging(rundir, env.rank)
+    if deadline is not None:
+        deadline.limit(cfg.monitor.startup_timeout_s, rundir.rank_log(env.rank) if rundir.logs.is_dir() else None)
     fix_mmap_threshold(cfg.train.host_mmap_threshold_kb)  # before the model and data take memory
     stop = _stop_flag(cfg, early)
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
@@ -74,8 +83,11 @@ def boot(
         if mpi_defaults and is_mpich(version):
             applied = " ".join(f"{name}={value}" for name, value in mpi_defaults.items())
             log.info("MPI library defaults applied (set them in job.env to choose otherwise): %s", applied)
+    Injector(env.inject, env.rank).at_rendezvous(rundir)
     d = init_distributed(env, cfg.comm, pick_device(env, cfg.train.device), comm)
     clock.mark("rendezvous")
+    if deadline is not None:
+        deadline.end()
     return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, d=d)
 
 

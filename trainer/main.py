@@ -24,6 +24,10 @@ from trainer.loop.stop import EarlySignals  # noqa: E402
 # A stop signal during the imports or MPI_Init is recorded, not fatal: the run stops cleanly at its first step.
 EARLY_SIGNALS = EarlySignals()
 
+from trainer.observe.deadline import StartupDeadline  # noqa: E402
+
+STARTUP_DEADLINE = StartupDeadline(PROCESS_START)  # a start-up that hangs ends (monitor.startup_timeout_s)
+
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
@@ -60,7 +64,7 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
     importer = threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True)
     importer.start()
     clock = StartupClock(PROCESS_START)
-    b = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS)
+    b = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
     importer.join()
     _collector_back_on()
     with contextlib.ExitStack() as stack:

@@ -44,6 +44,13 @@ class MonitorConfig(Section):
         600.0,
         bounds=Range(ge=0),
     )
+    startup_timeout_s: float = doc(
+        "A rank not through the rendezvous (imports, MPI_Init, the process groups) this many seconds after its "
+        "process started writes every thread's stack to its log and exits 1: the launch fails and is restarted "
+        "like a crash, rather than hanging where the hang watchdog does not yet watch. 0 = off.",
+        600.0,
+        bounds=Range(ge=0),
+    )
     peer_timeout_s: float = doc(
         "A rank whose heartbeats stop for this long (its process ended, its node went down, its link was lost) ends "
         "the launch on the other ranks, named with its node, rather than leaving them blocked in a collective until "

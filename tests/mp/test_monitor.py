@@ -172,3 +172,20 @@ def test_a_frozen_rank_is_named_by_its_silence(tmp_path, small_dataset, frozen):
     else:
         assert "no answer from the rendezvous store" in failure["message"], failure
     assert failure["message"] in err
+
+
+def test_a_start_up_that_hangs_before_the_rendezvous_ends_and_is_restarted(tmp_path, small_dataset):
+    """Rank 1 sleeps before the rendezvous in the first launch: the hang watchdog does not watch yet, and the
+    start-up deadline ends it with its stacks; the in-job restart then trains the run to its end."""
+    run_dir = tmp_path / "run"
+    sets = [*small(small_dataset, steps=4), "monitor.startup_timeout_s=20", "job.max_failures=1",
+            "job.restart_backoff_s=0.2"]  # fmt: skip
+    started = time.monotonic()
+    proc = launch(run_dir, sets, inject="hang_startup:1:3600", timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert time.monotonic() - started < 180  # not the hour it would have waited
+    events = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert len(restarts) == 1 and events[-1]["event"] == "done", events
+    log = (run_dir / "logs" / "rank_00001.log").read_text()
+    assert "Timeout (0:00:" in log and "at_rendezvous" in log, log[-3000:]

@@ -16,6 +16,8 @@
   batch of step BATCH in a run that skipped nothing), a bad batch that makes the loss spike;
 - ``exit_at_rung:RANK:STEP``: that rank's process ends at once, status 0, after rung STEP's checkpoint committed and
   before its verdict (prune.*: a kill between the two);
+- ``hang_startup:RANK:SECONDS``: that rank sleeps SECONDS just before the rendezvous, in the run's first launch
+  that reaches it (a start-up that hangs; later launches start normally);
 - ``slow_part:TASK:SECONDS``: each part that task of ``python -m trainer.data prepare`` tokenizes takes SECONDS
   longer (a preparation slow enough to be killed part-way).
 
@@ -35,7 +37,7 @@ from trainer.errors import UserError
 
 KINDS = (
     "slow", "hang", "exit", "exit_at_rung", "bitflip", "spike", "slowlink", "eio_save", "eio_read", "slow_part",
-    "slow_upload",
+    "slow_upload", "hang_startup",
 )  # fmt: skip
 _EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
@@ -100,6 +102,14 @@ class Injector:
         for f in self.faults:
             if f.kind == "exit_at_rung" and step == int(f.value):
                 os._exit(0)
+
+    def at_rendezvous(self, rundir) -> None:
+        """Called just before the rendezvous (``hang_startup``): the first launch of the run to get here sleeps."""
+        for f in self.faults:
+            marker = rundir.root / f"injected_hang_startup_{f.rank}"
+            if f.kind == "hang_startup" and not marker.exists():
+                marker.touch()
+                time.sleep(f.value)
 
     def before_preflight_collective(self) -> None:
         """Called before each collective (and each ping-pong) of the gang preflight (trainer/observe/preflight.py)."""
