@@ -25,6 +25,8 @@ Runs, alternated round by round so machine noise hits every variant alike:
 - ``trainer-recipe``: trainer-flat entering through the user-recipe door: the same GPT and data from a user-style
   recipe module (bench/recipes/user_gpt.py, copied next to a config written into the work folder with
   ``recipe: user_gpt:recipe`` and the model's shape as ``recipe_args``), submitted like the others
+- ``trainer-replicas``: trainer-flat with the replicas' weights compared at every step
+  (``monitor.replica_check_every=1``, the dearest setting: a check every N steps costs 1/N of the difference)
 - ``nanogpt`` (with ``--nanogpt DIR``, a checkout of karpathy/nanoGPT): its ``train.py`` under torchrun on the same
   prepared data, model shape, batch, optimizer and schedule, with two edits so that it runs on CPU
   (bench/nanogpt.py); its parameter count is checked against the trainer's
@@ -87,7 +89,8 @@ from trainer.env import DATA_CACHE_VAR  # noqa: E402
 ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
     "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-agree-separate", "trainer-auto",
-    "trainer-auto-flat", "trainer-leader", "trainer-auto-small", "trainer-optim-loop", "nanogpt", "nanogpt-fused",
+    "trainer-auto-flat", "trainer-leader", "trainer-auto-small", "trainer-optim-loop", "trainer-replicas", "nanogpt",
+    "nanogpt-fused",
 )  # fmt: skip
 NANO = ("nanogpt", "nanogpt-fused")
 HIER = (
@@ -227,6 +230,7 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sync += ["--set", "comm.defer_agreement=false"] if variant == "trainer-agree-sync" else []
     sync += ["--set", "comm.bucket_mb=0.25"] if variant == "trainer-auto-small" else []
     sync += ["--set", "train.optimizer_impl=for-loop"] if variant == "trainer-optim-loop" else []
+    sync += ["--set", "monitor.replica_check_every=1"] if variant == "trainer-replicas" else []
     sync += ["--set", f"comm.plan_from={args.flat_plan}"] if variant == "trainer-auto-flat" else []
     link = ["--set", f"comm.master_addr={LINK_IPS[0]}"] if args.namespaces else []
     return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync, *link]

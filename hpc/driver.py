@@ -273,6 +273,10 @@ class Driver:
         cfg: RunConfig, rundir: RunDir, job: SlurmJob, allocation: tuple[str, ...], nodes: tuple[str, ...], attempt: int
     ) -> StepLaunch:
         """One srun step of the ranks on ``nodes`` (all of the allocation: no node list); how it ended."""
+        if attempt:  # a node named or taken back since the chain's pending links were submitted: their exclusions
+            for pending in pending_jobs(rundir, skip={job.job_id}):
+                if not exclude_nodes(pending, tuple(bad_nodes(rundir))):
+                    print(f"warning: scontrol could not change the exclusions of pending job {pending}", flush=True)
         nodes = nodes if len(nodes) < len(allocation) else ()
         command = srun_command(cfg, rundir, nodes)
         suffix = f"-r{attempt}" if attempt else ""

@@ -11,11 +11,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
-from runconfig.contract import EVENT_RESTART, EVENT_RESUME
+from runconfig.contract import EVENT_RESTART, EVENT_RESUME, INJECT_VAR
 from tests.conftest import ROOT, history, rank_pids, summary
 from tests.slurm.conftest import TWO_NODES, job_info, job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
@@ -195,3 +196,43 @@ def test_a_lost_node_fails_the_job_and_its_requeue_resumes_without_it(on_hosts, 
 
 def slurmctld_log(state) -> str:
     return (state / "log" / "slurmctld.log").read_text(errors="replace")
+
+
+def test_a_node_taken_back_by_hand_grows_the_run_back_in_the_chains_next_link(on_hosts, small_dataset, tmp_path):
+    """4 nodes x 1 rank, job.min_nodes=3, a chain of 2: the rank on n2 is killed, the run shrinks to 3 nodes in the
+    job and the pending link is kept off n2. `hpc unexclude RUN n2` takes it back and clears the link's exclusion;
+    the first link is stopped by its signal, and the next link trains on all 4 nodes again, n2 among them, with the
+    same global batch (gradient accumulation 3 -> 4 -> 3)."""
+    run_dir = tmp_path / "run"
+    shape = ["job.nodes=4", "job.ranks_per_node=1", "job.min_nodes=3", "train.steps=160"]
+    batch = ["train.global_batch_size=24", "train.micro_batch_size=2", "job.restart_backoff_s=0.5"]
+    slow = f"job.env={json.dumps({INJECT_VAR: 'slow:0:0.05'})}"  # the run lasts long enough for the hand's work
+    last = submit(run_dir, [*sets_for(small_dataset), *shape, *batch, slow], "--chain", "2")
+    first = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[0])["job_id"]
+    wait_step(run_dir, 12)
+    pids = rank_pids(run_dir)
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not events_of(run_dir, EVENT_RESUME):
+        time.sleep(0.5)
+    resumed = events_of(run_dir, EVENT_RESUME)
+    assert resumed and resumed[0]["nodes"] == ["n1", "n3", "n4"], f"{history(run_dir)}\n{job_log(run_dir, first)}"
+    assert job_info(last)["ExcNodeList"] == "n2"  # the pending link is kept off the node named in the job
+    took = subprocess.run(
+        [sys.executable, "-m", "hpc", "unexclude", str(run_dir), "n2"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert took.returncode == 0 and f"pending job(s) {last} now exclude nothing" in took.stdout, took
+    assert job_info(last)["ExcNodeList"] == "(null)"
+    subprocess.run(["scancel", "--signal=USR2", first], check=True)
+    info = wait_state(last, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{job_log(run_dir, last)}"
+    started = [e for e in history(run_dir) if e["event"] in ("start", EVENT_RESUME)]
+    assert [(e["nodes"], e["world_size"], e["grad_accum"]) for e in started] == [
+        (["n1", "n2", "n3", "n4"], 4, 3),
+        (["n1", "n3", "n4"], 3, 4),
+        (["n1", "n2", "n3", "n4"], 4, 3),
+    ], started
+    assert started[-1]["slurm_job_id"] == last
+    back = events_of(run_dir, "node_back")
+    assert [(e["node"], e["how"]) for e in back] == [("n2", "by hand (python -m hpc unexclude)")], back
+    assert summary(run_dir)["world_size"] == 4 and summary(run_dir)["final_step"] == 160
