@@ -101,7 +101,7 @@ def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) ->
 
 
 #: srun's line for tasks that ended badly: "srun: error: n2: task 3: Killed", "... tasks 0-1: Exited with exit code 1"
-SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:[-,]\S*)?: (.+)$")
+SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
 #: srun's line when slurmctld declares one of the step's nodes failed (not responding for SlurmdTimeout)
 SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)$")
 #: seconds srun may go on after the ranks recorded their diagnosis: a lost node's tasks never report, and srun
@@ -114,18 +114,39 @@ class StepEnd:
     status: int  # srun's exit status (-9: the driver ended it after the grace)
     first_failed: int | None = None  # the task of srun's first failed-task line
     failed_nodes: tuple[str, ...] = ()  # nodes srun reported failed
-    ended_srun: bool = False  # the driver ended srun STEP_GRACE_S after the ranks' diagnosis
+    ended_srun: bool = False  # the driver ended srun after the ranks' diagnosis
 
 
-def run_step(command: list[str], env: dict, failure: Path | None = None) -> StepEnd:
+def task_numbers(text: str) -> set[int]:
+    """srun's task list ("3", "0-1", "0,2-3") as numbers."""
+    out: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        if first.isdigit() and (not last or last.isdigit()):
+            out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def suspect_ranks(failure: Path) -> set[int]:
+    """The ranks the diagnosis in ``failure`` names (failure.json's suspects)."""
+    try:
+        suspects = json.loads(failure.read_text()).get("suspects", [])
+        return {int(s["rank"]) for s in suspects if isinstance(s, dict) and isinstance(s.get("rank"), int)}
+    except (OSError, ValueError, TypeError, KeyError):
+        return set()
+
+
+def run_step(command: list[str], env: dict, failure: Path | None = None, ntasks: int = 0) -> StepEnd:
     """Run srun, copying its output through; how it ended.
 
     srun's first failed-task line comes within ~0.1 s of a rank's death. Once the ranks have written their
-    diagnosis (``failure``: they ended the launch themselves, naming the ranks at fault), srun gets STEP_GRACE_S
-    more; then it is killed: it would wait for the tasks of a lost node, which never report."""
+    diagnosis (``failure``: they ended the launch themselves, naming the ranks at fault), srun is ended as soon as
+    every one of its ``ntasks`` tasks has either reported its end or been named in the diagnosis, and at the latest
+    STEP_GRACE_S later: it would wait for the tasks of a lost node, which never report."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     first: list[int] = []
     failed: list[str] = []
+    ended: set[int] = set()  # tasks srun reported ended (badly: a clean exit has no line)
 
     def copy() -> None:
         assert proc.stderr is not None
@@ -133,8 +154,11 @@ def run_step(command: list[str], env: dict, failure: Path | None = None) -> Step
             sys.stderr.write(line)
             sys.stderr.flush()
             m = SRUN_TASK_ERROR.match(line.strip())
-            if m and not first:
-                first.append(int(m.group(2)))
+            if m:
+                tasks = task_numbers(m.group(2))
+                if not first and tasks:
+                    first.append(min(tasks))
+                ended.update(tasks)
             m = SRUN_NODE_FAILURE.match(line.strip())
             if m and m.group(1) not in failed:
                 failed.append(m.group(1))
@@ -145,7 +169,7 @@ def run_step(command: list[str], env: dict, failure: Path | None = None) -> Step
     ended_srun = False
     while True:
         try:
-            status = proc.wait(timeout=0.5)
+            status = proc.wait(timeout=0.25)
             break
         except subprocess.TimeoutExpired:
             pass
@@ -153,9 +177,14 @@ def run_step(command: list[str], env: dict, failure: Path | None = None) -> Step
             continue
         if diagnosed is None and failure.exists():
             diagnosed = time.monotonic()
-        if diagnosed is not None and time.monotonic() - diagnosed > STEP_GRACE_S:
-            print(f"the ranks recorded their diagnosis {STEP_GRACE_S:g} s ago and srun still waits (for a lost "
-                  "node's tasks?): ending srun", flush=True)  # fmt: skip
+        if diagnosed is None:
+            continue
+        waited = time.monotonic() - diagnosed
+        accounted = ntasks > 0 and ended | suspect_ranks(failure) >= set(range(ntasks))
+        if accounted or waited > STEP_GRACE_S:
+            why = "every other task has ended" if accounted else f"srun still waits {STEP_GRACE_S:g} s later"
+            print(f"the ranks recorded their diagnosis and {why} (the named ranks' tasks may never report: a "
+                  "lost node's): ending srun", flush=True)  # fmt: skip
             proc.kill()
             ended_srun = True
             failure = None
@@ -285,7 +314,8 @@ class Driver:
         env = trainer_environment(cfg, simulate_nodes=False, launch_id=launch_id)
         rundir.clear_failure()  # an earlier launch's diagnosis is not this one's
         STOP_SIGNAL.clear()  # a signal before this launch is not what ends it
-        end = run_step(command, env, rundir.failure)
+        ntasks = len(nodes or allocation) * cfg.job.ranks_per_node
+        end = run_step(command, env, rundir.failure, ntasks)
         status = end.status
         # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks were
         # killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
