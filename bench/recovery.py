@@ -173,9 +173,11 @@ def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
 
 
 def node_state(node: str) -> str:
-    """Slurm's state of ``node`` ("" while the controller does not answer, as right after a node comes back)."""
+    """Slurm's state of ``node`` ("" while the controller does not answer, as right after a node comes back); sinfo
+    prints it once per partition the node is in."""
     cmd = ["sinfo", "-h", "-N", "-n", node, "-o", "%T"]
-    return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
+    lines = subprocess.run(cmd, capture_output=True, text=True).stdout.split()
+    return lines[0] if lines else ""
 
 
 def step_reached(run_dir: Path, step: int) -> bool:
