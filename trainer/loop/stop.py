@@ -45,7 +45,6 @@ class StopFlag:
         self.signum: int | None = None
         self.at: float | None = None  # when this process received it (time.time(), read in the handler)
         self.ignored_early: int | None = None  # an early signal that is not a stop signal (it was not fatal)
-        self.handled_at = 0.0  # time.monotonic() of the handler's latest run (trainer/observe/termwatch.py)
         self._previous: dict[int, object] = {}
         if threading.current_thread() is not threading.main_thread():
             return
@@ -75,7 +74,6 @@ class StopFlag:
                     self.ignored_early = early.signum
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.handled_at = time.monotonic()
         if self.signum is None:  # the first one says why (the job's signal before the SIGTERM that follows it)
             self.signum, self.at = signum, time.time()  # nothing else: no I/O, no collectives, no pickling
 

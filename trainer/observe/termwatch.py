@@ -1,14 +1,15 @@
-"""SIGTERM that the main thread cannot take. The launcher ends a step with SIGTERM: srun's --kill-on-bad-exit after
-a rank died, mpirun, a scancel. Python runs a signal's handler only when the main thread runs bytecode again, so a
-rank whose main thread is blocked in one C++ call would wait for the scheduler's SIGKILL (Slurm's KillWait: 30 s by
-default). Most often that call is a collective with a rank that is gone.
+"""SIGTERM that the main thread cannot act on. The launcher ends a step with SIGTERM: srun's --kill-on-bad-exit
+after a rank died, mpirun, a scancel. Python runs a signal's handler only when the main thread runs bytecode, and a
+stop acts at the next step boundary. A rank whose main thread is blocked in one C++ call, most often a collective
+with a rank that is gone, would wait for the scheduler's SIGKILL (Slurm's KillWait: 30 s by default).
 
 ``signal.set_wakeup_fd`` makes the C-level handler write the signal's number to a pipe, and a daemon thread reads
-it. Suppose SIGTERM's Python handler has not run within the blocked limit (3 x the longest recent step, at least
-BLOCKED_MIN_S), the main thread has entered no phase since, and it is not saving a checkpoint. Then the rank dumps
-its Python stacks into its log and exits 143, as an uncaught SIGTERM would end it. Where the handler runs, the stop
-goes its usual way: a checkpoint at the next step boundary. Before the launch's first completed step there is no
-step time to judge by, so nothing is done then."""
+it. From SIGTERM on, the thread watches the main thread's phases (the hang watchdog's counter). Say the main thread
+enters no phase for longer than the blocked limit (3 x the median recent step, at least BLOCKED_MIN_S), and that it
+is in a phase whose one long call is a collective or a step's compute (BLOCKING_PHASES), not a checkpoint or an
+eval. Then the rank dumps its Python stacks into its log and exits 143, as an uncaught SIGTERM would end it. A rank
+that goes on stops its usual way: a checkpoint at the next step boundary. Before the launch's first completed step
+there is no step time to judge by, so nothing is done then."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import logging
 import os
 import select
 import signal
+import statistics
 import threading
 import time
 from collections import deque
@@ -29,10 +31,17 @@ from trainer.observe.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 BLOCKED_MIN_S = 2.0  # the least a main thread must be blocked after SIGTERM before the rank ends itself
-STEP_FACTOR = 3.0  # ... and this many times the longest of the launch's recent step times
+STEP_FACTOR = 3.0  # ... and this many times the median of the launch's recent step times (a step's longest call
+# is shorter than the step; a checkpoint, which may take longer, is never cut)
 SAMPLE_S = 0.5  # how often the thread samples the step counter (it wakes at once on a signal)
+#: The step's phases whose one long call is a collective or a step's compute (trainer/loop/, the hooks): a rank is
+#: ended only in these. A checkpoint, an eval or a rung may outlast a step and must finish; a data wait is no
+#: collective.
+BLOCKING_PHASES = frozenset({
+    "forward/backward", "waiting for the gradient all-reduce", "gradient all-reduce (hierarchical hook)",
+    "optimizer", "metric all-reduce", "straggler all-gather", "replica check",
+})  # fmt: skip
 TERM_EXIT = 128 + signal.SIGTERM  # the shell's status of a process SIGTERM ended
-SLACK_S = 0.5  # a handler run this long before the thread read the signal's byte counts as this signal's
 
 
 class TermWatch:
@@ -76,7 +85,7 @@ class TermWatch:
         """Seconds the main thread may stay blocked after SIGTERM; None before a step time is known."""
         if not self.step_times:
             return None
-        return max(BLOCKED_MIN_S, STEP_FACTOR * max(self.step_times))
+        return max(BLOCKED_MIN_S, STEP_FACTOR * statistics.median(self.step_times))
 
     # -- its thread ---------------------------------------------------------------------------------------------
     def _run(self, read_fd: int) -> None:
@@ -100,14 +109,17 @@ class TermWatch:
                 self._judge(now)
 
     def _judge(self, arrived: float) -> None:
-        """SIGTERM's byte was read at ``arrived``: wait for its handler, else end the rank once blocked too long."""
-        seq = self.watchdog.seq
+        """SIGTERM's byte was read at ``arrived``: from then on, end the rank once its main thread has entered no
+        phase for longer than the limit (in one of BLOCKING_PHASES). Its handler may have run just before a collective
+        that never completes, so the watch goes on until the process ends."""
+        seq, since = self.watchdog.seq, arrived
         while self._pipe is not None:
-            if self.stop.handled_at >= arrived - SLACK_S or self.watchdog.seq != seq:
-                return  # the main thread runs Python: the stop goes its usual way
-            limit, waited = self.limit(), time.monotonic() - arrived
-            if limit is not None and waited > limit and self.watchdog.phase != "checkpoint":
-                self._end(waited)
+            now = time.monotonic()
+            if self.watchdog.seq != seq:  # the main thread goes on: a stop on its way, or work
+                seq, since = self.watchdog.seq, now
+            limit = self.limit()
+            if limit is not None and now - since > limit and self.watchdog.phase in BLOCKING_PHASES:
+                self._end(now - arrived)
             time.sleep(0.05)
 
     def _end(self, waited: float) -> None:

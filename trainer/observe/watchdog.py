@@ -280,8 +280,17 @@ class Watchdog:
             return True
         log.error("%s", message)
         self._dump()
+        # The store lives in this process: the live ranks must see the claim before it goes (else each waits
+        # for its guard or for the scheduler's signal, blocked in a collective with the lost ranks).
+        self._wait_dumped(store, [r for r in range(self.env.world_size) if r != self.env.rank and r not in lost])
         self._fail(message, [self.env.suspect(r, why) for r in lost], store)
         return True
+
+    def _wait_dumped(self, store: dist.TCPStore, ranks: list[int]) -> None:
+        """Wait until ``ranks`` have seen the claim and dumped their stacks (at most 3 beats + 5 s)."""
+        deadline = time.time() + 3 * self.cfg.heartbeat_s + 5
+        while time.time() < deadline and not all(store.check([f"hpc/watchdog/dumped/{r}"]) for r in ranks):
+            time.sleep(0.2)
 
     def _where(self) -> str:
         return f"'{self.phase}' of step {self.step}"
@@ -342,10 +351,7 @@ class Watchdog:
             return True
         log.error("%s", message)
         self._dump()
-        deadline = time.time() + 3 * self.cfg.heartbeat_s + 5
-        expected = [r for r in live if r != self.env.rank]
-        while time.time() < deadline and not all(store.check([f"hpc/watchdog/dumped/{r}"]) for r in expected):
-            time.sleep(0.2)
+        self._wait_dumped(store, [r for r in live if r != self.env.rank])
         self._fail(message, suspects, store)
         return True
 
