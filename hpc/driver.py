@@ -166,6 +166,7 @@ def run_step(command: list[str], env: dict, failure: Path | None = None, ntasks:
     thread = threading.Thread(target=copy, daemon=True)
     thread.start()
     diagnosed: float | None = None
+    named: set[int] = set()
     ended_srun = False
     while True:
         try:
@@ -175,12 +176,12 @@ def run_step(command: list[str], env: dict, failure: Path | None = None, ntasks:
             pass
         if failure is None:
             continue
-        if diagnosed is None and failure.exists():
-            diagnosed = time.monotonic()
+        if diagnosed is None and failure.exists():  # written whole (atomically): its suspects are read once
+            diagnosed, named = time.monotonic(), suspect_ranks(failure)
         if diagnosed is None:
             continue
         waited = time.monotonic() - diagnosed
-        accounted = ntasks > 0 and ended | suspect_ranks(failure) >= set(range(ntasks))
+        accounted = ntasks > 0 and ended | named >= set(range(ntasks))
         if accounted or waited > STEP_GRACE_S:
             why = "every other task has ended" if accounted else f"srun still waits {STEP_GRACE_S:g} s later"
             print(f"the ranks recorded their diagnosis and {why} (the named ranks' tasks may never report: a "
@@ -303,9 +304,7 @@ class Driver:
     ) -> StepLaunch:
         """One srun step of the ranks on ``nodes`` (all of the allocation: no node list); how it ended."""
         if attempt:  # a node named or taken back since the chain's pending links were submitted: their exclusions
-            for pending in pending_jobs(rundir, skip={job.job_id}):
-                if not exclude_nodes(pending, tuple(bad_nodes(rundir))):
-                    print(f"warning: scontrol could not change the exclusions of pending job {pending}", flush=True)
+            exclude_pending(rundir, tuple(bad_nodes(rundir)), skip={job.job_id})
         nodes = nodes if len(nodes) < len(allocation) else ()
         command = srun_command(cfg, rundir, nodes)
         suffix = f"-r{attempt}" if attempt else ""
@@ -331,11 +330,8 @@ class Driver:
         # This job ends for the other one: Slurm must not requeue it too (a node lost during the job makes it a
         # NODE_FAIL that Slurm requeues once the node is DOWN, and the two jobs would train the run at once).
         never_requeue(job.job_id)
-        pending = pending_jobs(rundir, skip={job.job_id})
-        refused = [j for j in pending if not exclude_nodes(j, exclude)]
+        pending, refused = exclude_pending(rundir, exclude, skip={job.job_id})
         if pending and pending[0] not in refused:
-            for j in refused:
-                print(f"warning: scontrol could not exclude {','.join(exclude)} from pending job {j}", flush=True)
             print(
                 f"{why}; the run continues in job {pending[0]}, the chain's next link (--exclude={','.join(exclude)})",
                 flush=True,
@@ -438,6 +434,17 @@ def exclude_nodes(job_id: str, nodes: tuple[str, ...]) -> bool:
     """Keep a pending job off ``nodes`` (its ExcNodeList); whether scontrol did it."""
     cmd = ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"]
     return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def exclude_pending(rundir: RunDir, nodes: tuple[str, ...], skip: set[str]) -> tuple[list[str], list[str]]:
+    """Set ``nodes`` as the exclusions of the run's pending jobs (not ``skip``); (the pending jobs, those scontrol
+    refused, each warned of)."""
+    pending = pending_jobs(rundir, skip=skip)
+    refused = [j for j in pending if not exclude_nodes(j, nodes)]
+    for j in refused:
+        print(f"warning: scontrol could not set the exclusions of pending job {j} to {','.join(nodes) or 'none'}",
+              flush=True)  # fmt: skip
+    return pending, refused
 
 
 def never_requeue(job_id: str) -> None:

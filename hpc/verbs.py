@@ -255,7 +255,7 @@ def unexclude(rundir: RunDir, nodes: list[str]) -> None:
     """Take bad nodes of the run back (a ``node_back`` event each): its next launch, an in-job restart or a new job,
     may use them, and the run's pending jobs no longer exclude them. Refused for a node that is not bad, and for one
     Slurm still holds down or drained (its verdict stands: bring it back in Slurm first)."""
-    from hpc.driver import exclude_nodes, pending_jobs
+    from hpc.driver import exclude_pending
     from runconfig.badnodes import bad_nodes, take_back
     from runconfig.slurmnodes import held_by_slurm
 
@@ -274,10 +274,7 @@ def unexclude(rundir: RunDir, nodes: list[str]) -> None:
     for node in nodes:
         take_back(rundir, node, how="by hand (python -m hpc unexclude)")
     left = tuple(n for n in bad if n not in nodes)
-    pending = pending_jobs(rundir, skip=set()) if unfinished(rundir) else []
-    for job in pending:
-        if not exclude_nodes(job, left):
-            print(f"warning: scontrol could not change the exclusions of pending job {job}", file=sys.stderr)
+    pending = exclude_pending(rundir, left, skip=set())[0] if unfinished(rundir) else []
     where = f"; pending job(s) {', '.join(pending)} now exclude {', '.join(left) or 'nothing'}" if pending else ""
     print(f"taken back: {', '.join(nodes)}; the run's next launch may use them{where}")
 

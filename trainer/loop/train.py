@@ -109,7 +109,8 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
                 earlier = decision.earlier
                 spikes.see(step - 1, earlier.loss, earlier.grad_norm, state.data_position - t.global_batch_size, newest)
             if decision.loss is not None:
-                spikes.see(step, decision.loss, float(result.grad_norm), state.data_position, newest)
+                norm = float(result.grad_norm) if spikes.grad_factor else 0.0  # read (a device sync) if judged
+                spikes.see(step, decision.loss, norm, state.data_position, newest)
         extra, evals = _checks_and_eval(p, step, decision.eval, publisher)
         if mon.replicas is not None and mon.replicas.due(step, decision.checkpoint):  # before the checkpoint
             mon.watchdog.enter("replica check", step)

@@ -13,8 +13,6 @@ there is no step time to judge by, so nothing is done then."""
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import logging
 import os
 import select
@@ -49,7 +47,6 @@ class TermWatch:
         self.stop, self.watchdog, self.env, self.rundir = stop, watchdog, env, rundir
         self.step_times: deque[float] = deque(maxlen=8)  # seconds per step, one figure per sample with progress
         self._pipe: tuple[int, int] | None = None
-        self._previous_fd = -1
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -124,19 +121,12 @@ class TermWatch:
 
     def _end(self, waited: float) -> None:
         w, env = self.watchdog, self.env
-        message = (
-            f"rank {env.rank} ({env.node_names[env.rank]}): SIGTERM arrived {waited:.1f} s ago and the main thread "
-            f"has not returned from '{w.phase}' of step {w.step} (blocked in one call for "
-            f"{time.time() - w.since:.1f} s, most often a collective with a rank that is gone): the rank ends now, "
-            "as SIGTERM's default action would, rather than at the scheduler's SIGKILL. Its Python stacks are in its "
-            "log."
-        )
-        log.error("%s", message)
-        for handler in logging.getLogger().handlers:
-            with contextlib.suppress(Exception):
-                handler.flush()
-        with contextlib.suppress(OSError), open(self.rundir.rank_log(self.env.rank), "a") as f:
-            f.write(f"--- rank {self.env.rank}: Python stacks of all threads (SIGTERM while blocked) ---\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
+        log.error(
+            "rank %d (%s): SIGTERM arrived %.1f s ago and the main thread has been in '%s' of step %d for %.1f s "
+            "(one call that does not return, most often a collective with a rank that is gone): the rank ends now, "
+            "as SIGTERM's default action would, rather than at the scheduler's SIGKILL. Its Python stacks are in "
+            "its log.",
+            env.rank, env.node_names[env.rank], waited, w.phase, w.step, time.time() - w.since,
+        )  # fmt: skip
+        w.dump_stacks("SIGTERM while blocked")
         os._exit(TERM_EXIT)

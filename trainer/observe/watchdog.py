@@ -230,7 +230,7 @@ class Watchdog:
         while limit and not self._stop.wait(self.cfg.heartbeat_s):
             silent = time.time() - self.store_ok
             if silent > limit + self.cfg.heartbeat_s and self.phase != "finished" and not self._stop.is_set():
-                self._dump()
+                self.dump_stacks()
                 error = f": {self.store_error}" if self.store_error else ""
                 self._fail(f"rank {self.env.rank} got no answer from the rendezvous store on rank 0's host for "
                            f"{silent:.0f} s (rank 0's process ended or frozen, its node down or its link lost"
@@ -279,7 +279,7 @@ class Watchdog:
             self._follow(store)
             return True
         log.error("%s", message)
-        self._dump()
+        self.dump_stacks()
         # The store lives in this process: the live ranks must see the claim before it goes (else each waits
         # for its guard or for the scheduler's signal, blocked in a collective with the lost ranks).
         self._wait_dumped(store, [r for r in range(self.env.world_size) if r != self.env.rank and r not in lost])
@@ -350,7 +350,7 @@ class Watchdog:
             self._follow(store)  # another rank claimed it first
             return True
         log.error("%s", message)
-        self._dump()
+        self.dump_stacks()
         self._wait_dumped(store, [r for r in live if r != self.env.rank])
         self._fail(message, suspects, store)
         return True
@@ -358,21 +358,22 @@ class Watchdog:
     def _follow(self, store: dist.TCPStore) -> None:
         message = json.loads(store.get(HANG_KEY))["message"]
         log.error("hang declared by another rank: %s", message)
-        self._dump()
+        self.dump_stacks()
         with contextlib.suppress(Exception):
             store.set(f"hpc/watchdog/dumped/{self.env.rank}", "1")
         with contextlib.suppress(Exception):  # let the claiming rank write the report (at most 3 beats + 5 s), then end
             store.wait([REPORTED_KEY], timedelta(seconds=3 * self.cfg.heartbeat_s + 5))
         os._exit(EXIT_HANG)
 
-    def _dump(self) -> None:
+    def dump_stacks(self, why: str = "hang watchdog") -> None:
+        """Every thread's Python stack into this rank's log (stderr if it cannot be opened), the log flushed first."""
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 handler.flush()
         path = self.rundir.rank_log(self.env.rank)
         try:
             with open(path, "a") as f:
-                f.write(f"--- rank {self.env.rank}: Python stacks of all threads (hang watchdog) ---\n")
+                f.write(f"--- rank {self.env.rank}: Python stacks of all threads ({why}) ---\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError:
