@@ -1,4 +1,5 @@
-"""Tokens/s of this trainer vs plain torch DDP (bench/plain_ddp.py under torchrun): same model, data and batch.
+"""Tokens/s of this trainer vs plain torch DDP (bench/plain_ddp.py under torchrun): same model, data and batch; with
+``--layout fsdp|hsdp|tp-fsdp|pp``, vs the plain script of that layout (bench/plain_layouts.py).
 
 Runs, alternated round by round so machine noise hits every variant alike:
 
@@ -33,6 +34,10 @@ Runs, alternated round by round so machine noise hits every variant alike:
 - ``nanogpt-fused``: nanogpt with one more edit, AdamW's fused kernels on CPU too (it asks for them on CUDA only), as
   the trainer's default ``train.optimizer_impl`` runs: the same kernels on both sides
 
+``--layout`` other than ``ddp``: ``plain`` is bench/plain_layouts.py's script of that layout, every trainer
+variant gets the layout's ``parallel.*`` settings (bench/parallel.py's ``LAYOUTS``), and only the variants that
+mean something outside DDP run (plain, trainer-flat, trainer-quiet).
+
 all on N simulated nodes x R ranks (``--nodes``, ``--ranks``; default 1 x 2) on this host, 1 thread per rank, eval
 off. ``--link-mbit RATE`` (root, 2 nodes) runs each node's ranks in a network namespace of its own, the two joined
 by a link shaped to RATE (bench/common.py ``emulated_link``), so the inter-node traffic is as slow as between real
@@ -61,6 +66,7 @@ from pathlib import Path
 
 import mpi4py
 import nanogpt  # bench/nanogpt.py
+import parallel  # bench/parallel.py: the layouts' settings
 import yaml
 from common import (  # bench/common.py (bench/ on sys.path)
     LINK_IFNAME,
@@ -112,7 +118,11 @@ QUIET = ["monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.hang
 # trainer-recipe: the user-style recipe module (copied next to the config the benchmark writes) and its function.
 USER_RECIPE = ROOT / "bench" / "recipes" / "user_gpt.py"
 USER_RECIPE_SPEC = "user_gpt:recipe"
-TARGET = 0.95
+TARGET = 0.98
+# Outside DDP (--layout): the plain peer, the trainer as configured, and the trainer with its monitors off.
+LAYOUT_VARIANTS = ("plain", "trainer-flat", "trainer-quiet")
+PLAIN_LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "pp")  # bench/plain_layouts.py's --layout
+PLAIN_NAMES = {"ddp": "bench/plain_ddp.py", **{k: f"bench/plain_layouts.py --layout {k}" for k in PLAIN_LAYOUTS}}
 RUN_CPU = "cpu_per_step_s"  # a run's CPU seconds per step, all its processes together
 PLAIN_PROGRESS = "progress.txt"  # plain_ddp.py's live step count, beside its times.json
 
@@ -123,6 +133,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=1, help="simulated nodes (default 1)")
     p.add_argument("--ranks", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument(
+        "--layout",
+        default="ddp",
+        choices=("ddp", *PLAIN_LAYOUTS),
+        help="the parallel layout of both sides (default ddp; the others against bench/plain_layouts.py)",
+    )
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     p.add_argument("--skip", type=int, default=10, help="warm-up steps left out of every run (default 10)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every variant (default 3)")
@@ -146,6 +162,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.namespaces = ()
     if args.steps <= args.skip:
         p.error("--steps must be larger than --skip")
+    if args.layout not in ("ddp", "fsdp") and (args.nodes < 2 or args.ranks < 2):
+        p.error(f"--layout {args.layout} needs 2 or more nodes (--nodes) of 2 or more ranks (--ranks)")
+    if args.layout != "ddp" and args.nanogpt:
+        p.error("--nanogpt is a DDP peer: run it with --layout ddp")
     if args.link_mbit and (args.nodes != 2 or os.geteuid() != 0):
         p.error("--link-mbit emulates 2 nodes (--nodes 2) with network namespaces, which needs root")
     if args.variants:
@@ -209,6 +229,9 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sets = [a for kv in overrides for a in ("--set", kv)]
     if variant == "plain":
         script = [sys.executable, str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config]
+        if args.layout != "ddp":
+            script = [sys.executable, str(ROOT / "bench" / "plain_layouts.py"), "--layout", args.layout]
+            script += ["--config", args.config]
         progress = ["--progress", str(out.with_name(PLAIN_PROGRESS))]
         return torchrun_style(args, [*script, "--data", str(args.data), *sets, "--out", str(out), *progress])
     if variant in NANO:
@@ -318,6 +341,7 @@ def run_rounds(args: argparse.Namespace, overrides: list[str], work: Path) -> di
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = str(args.threads)
+    env["PLAIN_RANKS_PER_NODE"] = str(args.ranks)  # plain_layouts.py's nodes, simulated on this host
     if args.namespaces:
         env[NODE_WRAP_VAR] = "|".join(f"ip netns exec {ns}" for ns in args.namespaces)
         env["GLOO_SOCKET_IFNAME"] = LINK_IFNAME
@@ -407,12 +431,14 @@ def summarize(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
 def print_table(args: argparse.Namespace, cfg: RunConfig, runs: dict[str, list[dict]], summary: dict) -> None:
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     print(
-        f"\n{args.config}: {args.nodes} node(s) x {args.ranks} ranks, {args.threads} thread(s)/rank, "
-        f"{args.steps} steps (first {args.skip} skipped), {args.rounds} rounds, {tokens_per_step} tokens/step, "
+        f"\n{args.config}, layout {args.layout}: {args.nodes} node(s) x {args.ranks} ranks, "
+        f"{args.threads} thread(s)/rank, {args.steps} steps (first {args.skip} skipped), "
+        f"{args.rounds} rounds, {tokens_per_step} tokens/step, "
         f"grad accumulation {cfg.grad_accum(args.nodes * args.ranks)}"
         + (f", the 2 nodes joined by an emulated {args.link_mbit:g} Mbit/s link" if args.link_mbit else "")
         + "\n"
-        f"ratio = tokens/s / plain DDP's (target >= {TARGET} for every trainer variant) from the median step time "
+        f"ratio = tokens/s / plain's ({PLAIN_NAMES[args.layout]}; target >= {TARGET} for every trainer variant) "
+        "from the median step time "
         "over all rounds;\n"
         "p25: the same from the lower-quartile step time (less hit by bursts of machine noise);\n"
         "CPU-s: CPU seconds a step costs, every process of the run together (median over rounds), and plain's / "
@@ -443,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_quiet_wait(args.quiet_wait_s)
     VARIANTS = tuple(v for v in ALL_VARIANTS if not args.variants or v in args.variants)
+    if args.layout != "ddp":
+        VARIANTS = tuple(v for v in VARIANTS if v in LAYOUT_VARIANTS)
     if not args.nanogpt:
         VARIANTS = tuple(v for v in VARIANTS if v not in NANO)
     if (args.nodes < 2 or args.ranks < 2) and set(HIER) & set(VARIANTS):
@@ -456,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         f"job.threads_per_rank={args.threads}",
         f"train.steps={args.steps}",
         "train.eval_every=0",
+        *(kv.format(ranks=args.ranks, nodes=args.nodes) for kv in parallel.LAYOUTS[args.layout]),
         *args.overrides,
     ]
     args.data = data_folder(args, overrides)
@@ -509,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "overhead",
         "setup": {
             "config": args.config,
+            "layout": args.layout,
             "overrides": overrides,
             "nodes": args.nodes,
             "ranks_per_node": args.ranks,

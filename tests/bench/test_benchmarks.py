@@ -163,6 +163,25 @@ def test_overhead_trainer_vs_plain(tmp_path, small_dataset):
     table_lines(out, "parameters:")
 
 
+@pytest.mark.mp
+def test_overhead_a_layout_against_its_plain_peer(tmp_path, small_dataset):
+    """``--layout hsdp`` on 2 simulated nodes x 2 ranks, one round of 6 steps of a 2-layer GPT: plain is
+    bench/plain_layouts.py's HSDP script under torchrun, the trainer gets the layout's parallel.* settings."""
+    res, out = run_bench(
+        "overhead",
+        ["--layout", "hsdp", "--nodes", "2", "--ranks", "2", "--variants", "trainer-flat", "--rounds", "1",
+         "--steps", "6", "--skip", "1", "--data", str(small_dataset), "--set", "model.d_model=64",
+         "--set", "model.n_layers=2", "--quiet-wait-s", "0"],
+        tmp_path,
+    )  # fmt: skip
+    setup = res["setup"]
+    assert setup["layout"] == "hsdp" and "parallel.dp_shard=2" in setup["overrides"]
+    assert list(res["summary"]) == ["plain", "trainer-flat"]
+    assert positive(res["summary"]["trainer-flat"]["ratio_vs_plain"])
+    table_lines(out, "tiny, layout hsdp: 2 node(s) x 2 ranks", "plain ", "trainer-flat ")
+    assert "plain_layouts.py --layout hsdp" in out
+
+
 def load_nanogpt():
     spec = importlib.util.spec_from_file_location("bench_nanogpt", ROOT / "bench" / "nanogpt.py")
     module = importlib.util.module_from_spec(spec)

@@ -178,7 +178,7 @@ def test_a_start_up_that_hangs_before_the_rendezvous_ends_and_is_restarted(tmp_p
     """Rank 1 sleeps before the rendezvous in the first launch: the hang watchdog does not watch yet, and the
     start-up deadline ends it with its stacks; the in-job restart then trains the run to its end."""
     run_dir = tmp_path / "run"
-    sets = [*small(small_dataset, steps=4), "monitor.startup_timeout_s=20", "job.max_failures=1",
+    sets = [*small(small_dataset, steps=4), "monitor.startup_timeout_s=10", "job.max_failures=1",
             "job.restart_backoff_s=0.2"]  # fmt: skip
     started = time.monotonic()
     proc = launch(run_dir, sets, inject="hang_startup:1:3600", timeout=240)
