@@ -4,9 +4,11 @@
 (``--worker``); on a GPU machine each rank takes a GPU and the collectives run on NCCL (one rank per GPU: K x N at
 most the GPUs, e.g. ``--nodes 2 --ranks-per-node 4`` on an 8-GPU node); every rank bootstraps like the trainer
 (``trainer.env.from_mpi`` + ``trainer.parallel.distributed.init_distributed``) and times ``dist.all_reduce`` on the
-default group against each of ``trainer.parallel.comm.ALGORITHMS`` (hierarchical, leader, two_level) and against
-``auto``: the algorithm that ``comm.allreduce: auto``'s plan, measured at the start of the benchmark as the trainer
-measures it, chose for the size; all alternated per iteration. Figures follow nccl-tests: algbw = bytes / time,
+default group against each of ``trainer.parallel.comm.ALGORITHMS`` (hierarchical, leader, two_level; pipelined with
+``--chunk-kb``) and against ``auto``: the algorithm that ``comm.allreduce: auto``'s plan, measured at the start of
+the benchmark as the trainer measures it, chose for the size; all alternated per iteration. An iteration starts at
+a barrier on a group no op uses and, below 1 MiB, times a batch of back-to-back calls (as DDP issues its buckets; a
+single short call after a barrier mostly measures the ranks' skew). Figures follow nccl-tests: algbw = bytes / time,
 busbw = algbw * 2 (n - 1) / n. Rank 0 prints a table and a JSON object. ``--link-mbit RATE`` puts the two nodes'
 ranks in two network namespaces joined by a veth pair rate-limited with tbf (root only), so the inter-node link is
 slow as between real nodes. ``--compress`` adds the hierarchical all-reduce with its inter-node phase in bfloat16
@@ -85,7 +87,7 @@ def worker(args: argparse.Namespace) -> int:
     from runconfig.allreduce_plan import choose
     from runconfig.schema import CommConfig
     from trainer.env import from_mpi
-    from trainer.parallel.autotune import measure
+    from trainer.parallel.autotune import BATCH_BYTES, batch_calls, measure
     from trainer.parallel.comm import ALGORITHMS, hierarchical_all_reduce
     from trainer.parallel.distributed import init_distributed, pick_device, shutdown
 
@@ -113,12 +115,17 @@ def worker(args: argparse.Namespace) -> int:
         "two_level": lambda t: ALGORITHMS["two_level"](t, d.groups),
         "auto": lambda t: ALGORITHMS[choose(plan, t.numel() * 4)](t, d.groups),
     }
+    if all(row["choice"] == "flat" for row in plan["sizes"]):  # as the trainer: DDP's own all-reduce, no hook
+        ops["auto"] = ops["flat"]
     if args.chunk_kb:  # the phases pipelined over chunks of this size
         chunked = dataclasses.replace(d.groups, chunk_bytes=int(args.chunk_kb * 1024))
         ops["hier_pipe"] = lambda t: hierarchical_all_reduce(t, chunked)
     if args.compress:  # comm.compress=bf16: the inter-node phase in bfloat16
         compressed = dataclasses.replace(d.groups, compress=True)
         ops["hier_bf16"] = lambda t: hierarchical_all_reduce(t, compressed)
+    # Each timed batch starts at a barrier on a group no op uses: a call on the barrier's own group runs up to 25 %
+    # faster at 1 MiB on one host (gloo), which would favour whichever op shares it.
+    fence = dist.new_group()
     bus_factor = 2 * (world - 1) / world
     setup = {
         "world_size": world,
@@ -131,7 +138,11 @@ def worker(args: argparse.Namespace) -> int:
         "link_mbit": args.link_mbit,
         "host": platform.node(),
         "cpus": os.cpu_count(),
-        "timing": "per iteration: max over ranks of the op's time after a barrier; then the median over iterations",
+        "timing": (
+            "per iteration, from a barrier on a group no op uses, a batch of 2-8 back-to-back calls below 1 MiB "
+            "(about 1 MiB a batch, as the plan's), else 1 call; "
+            "a call's time = the batch's / calls, max over ranks; then the median over iterations"
+        ),
     }
     if env.rank == 0:
         link = f"{args.link_mbit:g} Mbit/s tbf-shaped veth between nodes" if args.link_mbit else "no link emulation"
@@ -155,19 +166,21 @@ def worker(args: argparse.Namespace) -> int:
             sync()
             if not bool((x == world).all()):
                 raise RuntimeError(f"{name} all-reduce of {size} bytes gave a wrong sum on rank {env.rank}")
-        iters = timed_iters(size, args)
+        # below 1 MiB a batch of back-to-back calls (as the plan times them); a larger call is long enough alone
+        iters, calls = timed_iters(size, args), batch_calls(size) if size < BATCH_BYTES else 1
         times: dict[str, list[float]] = {name: [] for name in ops}
         for i in range(args.warmup + iters):
             order = list(ops) if i % 2 == 0 else list(reversed(ops))
-            for name in order:
+            for name in order:  # from a barrier, a batch of back-to-back calls (as DDP issues its buckets)
                 x.fill_(1.0)
                 sync()
-                dist.barrier()
+                dist.barrier(group=fence)
                 start = time.perf_counter()
-                ops[name](x)
+                for _ in range(calls):
+                    ops[name](x)
                 sync()
                 if i >= args.warmup:
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append((time.perf_counter() - start) / calls)
         gathered = comm.gather(times, root=0)
         if env.rank != 0:
             continue

@@ -58,6 +58,8 @@ HOSTS = {"HPC_SLURM_CTLD_PORT": "18947", "HPC_SLURM_NODE_PORT": "19141", "HPC_SL
 SETS = ["train.steps=400", "train.warmup_steps=2", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
         "model.seq_len=64", "checkpoint.every_steps=10", "job.restart_backoff_s=0",
         "job.exclude_bad_nodes=false"]  # fmt: skip
+# The kill at step 20 lands in the step-20 checkpoint (every 10 steps): the survivors wait in its agreement until a
+# rank's diagnosis (failure.json) lets their SIGTERM watch end them (tests/slurm/test_slurm.py kills in a step).
 # A node lost: 1 rank a node, a global batch that 3 and 2 nodes divide, the lost node left out.
 NODE_SETS = [*SETS[:-1], "job.ranks_per_node=1", "train.global_batch_size=24", "train.micro_batch_size=4"]
 NODE_SHAPES = {

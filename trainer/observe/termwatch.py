@@ -1,15 +1,16 @@
-"""SIGTERM that the main thread cannot act on. The launcher ends a step with SIGTERM: srun's --kill-on-bad-exit
-after a rank died, mpirun, a scancel. Python runs a signal's handler only when the main thread runs bytecode, and a
-stop acts at the next step boundary. A rank whose main thread is blocked in one C++ call, most often a collective
-with a rank that is gone, would wait for the scheduler's SIGKILL (Slurm's KillWait: 30 s by default).
+"""SIGTERM that the main thread cannot act on. The launcher ends a step with SIGTERM: srun's --kill-on-bad-exit after a
+rank died, mpirun, a scancel. Python runs a signal's handler only when the main thread runs bytecode, and a stop acts
+at the next step boundary. A rank whose main thread is blocked in one C++ call, most often a collective with a rank
+that is gone, would wait for the scheduler's SIGKILL (Slurm's KillWait: 30 s by default).
 
-``signal.set_wakeup_fd`` makes the C-level handler write the signal's number to a pipe, and a daemon thread reads
-it. From SIGTERM on, the thread watches the main thread's phases (the hang watchdog's counter). Say the main thread
+``signal.set_wakeup_fd`` makes the C-level handler write the signal's number to a pipe, and a daemon thread reads it.
+From SIGTERM on, the thread watches the main thread's phases (the hang watchdog's counter). Say the main thread
 enters no phase for longer than the blocked limit (3 x the median recent step, at least BLOCKED_MIN_S), and that it
-is in a phase whose one long call is a collective or a step's compute (BLOCKING_PHASES), not a checkpoint or an
-eval. Then the rank dumps its Python stacks into its log and exits 143, as an uncaught SIGTERM would end it. A rank
-that goes on stops its usual way: a checkpoint at the next step boundary. Before the launch's first completed step
-there is no step time to judge by, so nothing is done then."""
+is in a phase whose one long call is a collective or a step's compute (BLOCKING_PHASES), not a checkpoint or an eval,
+unless a rank of the launch has written its diagnosis (failure.json: then a checkpoint cannot complete). Then the
+rank dumps its Python stacks into its log and exits 143, as an uncaught SIGTERM would end it. A rank that goes on
+stops its usual way: a checkpoint at the next step boundary. Before the launch's first completed step there is no
+step time to judge by, so nothing is done then."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class TermWatch:
         self.step_times: deque[float] = deque(maxlen=8)  # seconds per step, one figure per sample with progress
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
+        self.earlier = self._failure_id()  # an earlier launch's failure.json, if one was left (not this launch's)
 
     def start(self) -> None:
         """Main thread only (``set_wakeup_fd``); nothing when SIGTERM is not one of the run's stop signals (its
@@ -115,9 +117,24 @@ class TermWatch:
             if self.watchdog.seq != seq:  # the main thread goes on: a stop on its way, or work
                 seq, since = self.watchdog.seq, now
             limit = self.limit()
-            if limit is not None and now - since > limit and self.watchdog.phase in BLOCKING_PHASES:
+            late = limit is not None and now - since > limit
+            if late and (self.watchdog.phase in BLOCKING_PHASES or self._diagnosed()):
                 self._end(now - arrived)
             time.sleep(0.05)
+
+    def _diagnosed(self) -> bool:
+        """Whether a rank of this launch has written its diagnosis (failure.json): the launch is over, and a
+        checkpoint's collectives, which wait on every rank, cannot complete. (Without one, a checkpoint blocked
+        after SIGTERM may be waiting on a slow writer, and is left to finish.)"""
+        now = self._failure_id()
+        return now is not None and now != self.earlier
+
+    def _failure_id(self) -> tuple[int, int] | None:
+        try:
+            st = self.rundir.failure.stat()  # written atomically (a rename): a new one is a new inode
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
 
     def _end(self, waited: float) -> None:
         w, env = self.watchdog, self.env

@@ -1,29 +1,39 @@
 """``comm.allreduce: auto``: time flat and each hierarchical variant on the run's own process groups for the
-bucket sizes DDP uses, and pick the fastest per size (Horovod's autotuner is the model; on a GPU cluster NCCL's
-own tree and NVLS algorithms may make flat the winner, and then flat is chosen).
+bucket sizes DDP uses, and pick the fastest per size only where it beats flat clearly (Horovod's autotuner is the
+model; on a GPU cluster NCCL's own tree and NVLS algorithms may make flat the winner, and then flat is chosen).
 
 Collective: every rank runs the same calls in the same order. Per size, each algorithm runs a batch of
-``batch_calls(size)`` back-to-back calls (as DDP issues its buckets); a batch's time per call is the slowest
-rank's (one all-reduce MAX per round), and an algorithm's figure is its best round, so every rank computes the same
-figures and the same choices. Back-to-back batches amortize the ranks' skew at a batch's start, which a single
-timed call would charge to whichever algorithm came first. The first size starts with one untimed call of each
-algorithm on 4 KiB (first use of its groups); each batch ends with a check of the sum. Every size gets one round;
-a second round (the algorithms in reverse order) runs while the measurement so far has taken less than
-``BUDGET_S``. On a fast fabric the whole measurement takes milliseconds; over a slow link it is about
-``4 x batch_calls`` calls of each bucket size (no size is guessed from another: the best algorithm changes with
-the size)."""
+``batch_calls(size)`` back-to-back calls (as DDP issues its buckets) per round; a batch's time per call is the
+slowest rank's (one all-reduce MAX per round), so every rank computes the same figures and the same choices. The
+first size starts with an untimed batch of each algorithm on up to ``WARM_BYTES`` (first use of its groups, and the
+ranks' start); each batch starts at a barrier (the skew left by the previous batch is not charged to the next) and
+ends with a check of the sum; a size whose calls are expected to take over ``LONG_CALL_S`` (from the previous size)
+runs one call a batch. Robust to a noisy start: after 2 rounds (after 1 where that one overran the budget: long
+calls, little noise), an algorithm whose best round is slower than ``PRUNE`` x the best's drops out (flat too,
+having lost by more than the margin); every size gets 2 rounds or more (the order reversed each round; 1 where only
+one algorithm is left then), and more, up to ``MAX_ROUNDS``, while they are cheap (the size has taken under
+``BUDGET_S``) or the leader has not won every round (at most 3 then; 2 for a size timed a call a batch). An
+algorithm's figure is its median over the rounds; one other than flat is chosen only if its median is ``MARGIN``
+faster than flat's and it beat flat in every round: flat when unsure. ``pipelined`` is a candidate only where it
+differs from ``hierarchical`` (more than one node of more than one rank, no ``comm.chunk_kb``, buckets over two
+chunks)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from trainer.parallel.comm import ALGORITHMS, HierGroups
+from trainer.parallel.comm import ALGORITHMS, PIPE_CHUNK_BYTES, HierGroups
 
-ROUNDS = 2  # at most
-BUDGET_S = 0.5
+MAX_ROUNDS = 5
+BUDGET_S = 0.5  # per size: rounds beyond the first 2 while the size has taken less than this (or the leader wavers)
+PRUNE = 1.25  # after the first round, an algorithm (flat too) this much slower than the best is not timed again
+LONG_CALL_S = 0.25  # a size whose calls are expected to take longer is timed one call a batch: no skew to amortize
+MARGIN = 0.05  # an algorithm other than flat is chosen only where its median is this much faster
+WARM_BYTES = 64 << 10  # the first size starts with an untimed batch of each algorithm on this much (at most)
 BATCH_BYTES = 1 << 20  # a batch moves about this much: 8 calls of a small bucket, 2 of a large one
 
 
@@ -42,7 +52,9 @@ def bucket_sizes(seen: list[int]) -> list[int]:
 
 
 def _run_batch(name: str, x: torch.Tensor, calls: int, groups: HierGroups, device: torch.device) -> float:
-    """Seconds per call of ``calls`` back-to-back calls; raises if the sum of ones is not the world size."""
+    """Seconds per call of ``calls`` back-to-back calls, from a barrier (the ranks' skew from the previous batch is
+    not charged to this one); raises if the sum of ones is not the world size."""
+    dist.barrier()  # the default group, which no algorithm uses: a call on the barrier's own group is favoured
     t0 = time.perf_counter()
     for _ in range(calls):
         x.fill_(1.0)
@@ -73,6 +85,32 @@ def mismatches(plan: dict, wanted: dict) -> list[str]:
     return [f"{k} {plan.get(k)} (this run: {v})" for k, v in wanted.items() if plan.get(k) != v]
 
 
+def candidates(groups: HierGroups, size: int) -> list[str]:
+    """The algorithms timed for a bucket of ``size`` bytes: all of them, but ``pipelined`` only where it would not
+    run exactly as ``hierarchical`` does."""
+    pipelines = groups.num_nodes > 1 and groups.ranks_per_node > 1 and not groups.chunk_bytes
+    return [n for n in ALGORITHMS if n != "pipelined" or (pipelines and size > 2 * PIPE_CHUNK_BYTES)]
+
+
+def decide(per_round: dict[str, list[float]]) -> str:
+    """The choice from each algorithm's per-round seconds (flat's always complete): the fastest by median, if it is
+    flat or beats flat by ``MARGIN`` and in every round both ran; otherwise flat."""
+    median = {n: statistics.median(t) for n, t in per_round.items()}
+    best = min(median, key=lambda n: (median[n], n != "flat"))
+    if best == "flat":
+        return best
+    flat, mine = per_round["flat"], per_round[best]
+    clear = median[best] * (1 + MARGIN) <= median["flat"] and all(m < f for m, f in zip(mine, flat, strict=False))
+    return best if clear else "flat"
+
+
+def _leads(per_round: dict[str, list[float]], alive: list[str]) -> bool:
+    """Whether one algorithm was the fastest of ``alive`` in every round so far (the decision is not in doubt)."""
+    rounds = min(len(per_round[n]) for n in alive)
+    winners = {min(alive, key=lambda n, r=r: per_round[n][r]) for r in range(rounds)}
+    return len(winners) == 1
+
+
 def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_network: bool = False) -> dict:
     """The plan for these bucket sizes (bytes): see runconfig/allreduce_plan.py for its use and table. With
     ``one_network`` (every rank on one host in one network namespace: every "inter-node" link is loopback) the
@@ -82,34 +120,53 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_n
     names = list(ALGORITHMS)
     start = time.perf_counter()
     rows: list[dict] = []
-    measured_s = 0.0
     for i, size in enumerate(sizes):
         x = torch.empty(max(1, size // 4), dtype=torch.float32, device=device)
-        if i == 0:  # first use of each algorithm's groups, on a small piece: set-up costs, not bandwidth
+        if i == 0:  # first use of each algorithm's groups, on a small piece: set-up costs and the ranks' start
             for name in names:
-                _run_batch(name, x[: min(x.numel(), 1024)], 1, groups, device)
-        best = torch.full((len(names),), float("inf"), dtype=torch.float64)
-        for rnd in range(ROUNDS):
+                _run_batch(name, x[: min(x.numel(), WARM_BYTES // 4)], batch_calls(WARM_BYTES), groups, device)
+        alive = candidates(groups, size)
+        per_round: dict[str, list[float]] = {name: [] for name in alive}
+        size_start = time.perf_counter()
+        # The previous size's fastest call, scaled: a long call is timed alone (a round of 2 would take minutes).
+        expected = rows[-1]["fastest_s"] * size / rows[-1]["bytes"] if rows else 0.0
+        calls = 1 if expected > LONG_CALL_S else batch_calls(size)
+        pruned = False
+        for rnd in range(MAX_ROUNDS):
             mine = torch.zeros(len(names) + 1, dtype=torch.float64)
-            for name in names if rnd % 2 == 0 else names[::-1]:
-                mine[names.index(name)] = _run_batch(name, x, batch_calls(size), groups, device)
-            mine[-1] = time.perf_counter() - start
+            for name in alive if rnd % 2 == 0 else alive[::-1]:
+                mine[names.index(name)] = _run_batch(name, x, calls, groups, device)
+            mine[-1] = time.perf_counter() - size_start
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=groups.world)  # the slowest rank's figures and clock
-            best = torch.minimum(best, mine[:-1])
-            measured_s = float(mine[-1])
-            if measured_s > BUDGET_S:  # every rank reads the same (agreed) clock: the same decision
+            for name in alive:
+                per_round[name].append(float(mine[names.index(name)]))
+            elapsed = float(mine[-1])  # every rank reads the same (agreed) clock: the same decision
+            done = rnd + 1
+            # Once, after 2 rounds or the first that overran the budget (a long call, timed with little noise): an
+            # algorithm whose best round is far behind the best has clearly lost (flat too: by more than the margin).
+            if not pruned and (done >= 2 or elapsed > BUDGET_S):
+                pruned, best = True, {n: min(per_round[n]) for n in alive}
+                alive = [n for n in alive if best[n] <= PRUNE * min(best.values())]
+            enough = calls == 1 or done >= 3 or _leads(per_round, alive)  # a long call is timed with little noise
+            if len(alive) == 1 or (done >= 2 and elapsed > BUDGET_S and enough):
                 break
-        seconds = {name: float(best[j]) for j, name in enumerate(names)}
-        choice = "flat" if one_network else min(names, key=lambda n: seconds[n])
-        rows.append({"bytes": size, "seconds": seconds, "choice": choice})
+        seconds = {name: statistics.median(t) for name, t in per_round.items()}
+        choice = "flat" if one_network else decide({n: per_round[n] for n in {*alive, "flat"}})
+        rounds = max(len(t) for t in per_round.values())
+        row = {"bytes": size, "seconds": seconds, "choice": choice, "rounds": rounds, "calls": calls}
+        rows.append({**row, "per_round_s": {n: [round(v, 6) for v in t] for n, t in per_round.items()}})
+        rows[-1]["fastest_s"] = min(seconds.values())
+    measured = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=groups.world)
     return {
         **setup_of(groups),
         "one_network": one_network,
         "algorithms": names,
         "sizes": rows,
-        "measured_s": round(measured_s, 4),
+        "measured_s": round(float(measured[0]), 4),
         "timing": (
-            f"per call, in batches of 2-8 back-to-back calls (about {BATCH_BYTES >> 20} MiB a batch), the slowest "
-            f"rank's; the best of {ROUNDS} rounds while within {BUDGET_S} s, else of 1"
+            f"per call, in batches of 2-8 back-to-back calls from a barrier (about {BATCH_BYTES >> 20} MiB a batch; "
+            f"1 call where one takes over {LONG_CALL_S} s), the slowest rank's; the median of 2-{MAX_ROUNDS} rounds; "
+            f"other than flat only where {MARGIN:.0%} faster and faster in every round"
         ),
     }

@@ -8,6 +8,8 @@ Algorithms (each sums a tensor over all ranks in place; ``ALGORITHMS``):
   1/ranks_per_node of the data crosses the inter-node fabric per rank; pipelined over chunks with ``comm.chunk_kb``.
 - ``leader``: reduce to the node's first rank, all-reduce among the node leaders, broadcast inside the node.
 - ``two_level``: all-reduce inside the node, then among the ranks with the same local index on every node.
+- ``pipelined``: hierarchical over chunks of ``comm.chunk_kb`` (``PIPE_CHUNK_BYTES`` where that is unset), its
+  three phases overlapped: for large buckets over a slow link.
 
 ``comm.allreduce: auto`` measures them at start-up (autotune.py) and ``BucketDispatch`` picks one per bucket size.
 Hooks: ``overlapped_hook`` (CPU: a ``BucketReducer`` thread reduces the buckets in arrival order while backward
@@ -148,10 +150,11 @@ def _pipelined(buf: torch.Tensor, chunk: int, groups: HierGroups) -> None:
         work.wait()
 
 
-def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
+def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups, chunk_bytes: int | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place and return it. Any length: padded to a multiple of the node size.
-    With ``groups.chunk_bytes`` (and more than one node), a tensor larger than that goes through the phases in
-    chunks of about that size, pipelined (``_pipelined``)."""
+    With ``groups.chunk_bytes`` (or ``chunk_bytes``; and more than one node), a tensor larger than that goes through
+    the phases in chunks of about that size, pipelined (``_pipelined``)."""
+    chunk_bytes = groups.chunk_bytes if chunk_bytes is None else chunk_bytes
     flat = tensor.view(-1)
     k = groups.ranks_per_node
     if k == 1:
@@ -165,7 +168,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.T
     else:
         buf = flat.new_zeros(padded_len)
         buf[:n].copy_(flat)
-    chunk = max(k, groups.chunk_bytes // buf.element_size() // k * k) if groups.chunk_bytes else padded_len
+    chunk = max(k, chunk_bytes // buf.element_size() // k * k) if chunk_bytes else padded_len
     if groups.num_nodes > 1 and chunk < padded_len:
         _pipelined(buf, chunk, groups)
         if buf is not flat:
@@ -209,11 +212,21 @@ def flat_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
     return tensor
 
 
+PIPE_CHUNK_BYTES = 1 << 20  # the pipelined algorithm's chunk where comm.chunk_kb is unset (best at 1 MiB, 200 Mbit/s)
+
+
+def pipelined_all_reduce(tensor: torch.Tensor, groups: HierGroups) -> torch.Tensor:
+    """The hierarchical all-reduce over chunks of ``comm.chunk_kb``, or of ``PIPE_CHUNK_BYTES`` where it is unset:
+    while one chunk crosses the inter-node link the next is reduce-scattered inside the node."""
+    return hierarchical_all_reduce(tensor, groups, groups.chunk_bytes or PIPE_CHUNK_BYTES)
+
+
 ALGORITHMS: dict[str, Callable[[torch.Tensor, HierGroups], torch.Tensor]] = {
     "flat": flat_all_reduce,
     "hierarchical": hierarchical_all_reduce,
     "leader": leader_all_reduce,
     "two_level": two_level_all_reduce,
+    "pipelined": pipelined_all_reduce,
 }
 
 
