@@ -20,6 +20,7 @@ from trainer.observe.deadline import StartupDeadline
 from trainer.observe.hostmem import fix_mmap_threshold
 from trainer.observe.inject import Injector
 from trainer.observe.startup import StartupClock
+from trainer.observe.tracking import Tracker, open_tracker
 from trainer.parallel.distributed import Distributed, init_distributed, pick_device
 from trainer.parallel.mpi_library import is_mpich, library_name
 
@@ -33,6 +34,7 @@ class Booted:
     env: RuntimeEnv
     stop: StopFlag
     d: Distributed
+    tracker: Tracker | None  # rank 0's (None elsewhere or with tracking off)
 
 
 def boot(
@@ -57,6 +59,10 @@ def boot(
     setup_logging(rundir, env.rank)
     if deadline is not None:
         deadline.limit(cfg.monitor.startup_timeout_s, rundir.rank_log(env.rank) if rundir.logs.is_dir() else None)
+    # Early (collective: a store that cannot be written is found here): rank 0's sender imports the tracker's
+    # client and opens its run (seconds of CPU, at the lowest priority) while the launch starts, not while its first
+    # steps run.
+    tracker = open_tracker(cfg, env, rundir, comm)
     fix_mmap_threshold(cfg.train.host_mmap_threshold_kb)  # before the model and data take memory
     stop = _stop_flag(cfg, early)
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
@@ -88,7 +94,7 @@ def boot(
     clock.mark("rendezvous")
     if deadline is not None:
         deadline.end()
-    return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, d=d)
+    return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, d=d, tracker=tracker)
 
 
 def _stop_flag(cfg: RunConfig, early: EarlySignals) -> StopFlag:

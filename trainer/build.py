@@ -42,7 +42,7 @@ from trainer.observe.replicas import ReplicaCheck
 from trainer.observe.startup import StartupClock
 from trainer.observe.termwatch import TermWatch
 from trainer.observe.timing import peak_memory_mb, peak_tflops
-from trainer.observe.tracking import open_tracker
+from trainer.observe.tracking import Tracker
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
 from trainer.parallel.buckets import ddp_bucket_bytes
 from trainer.parallel.comm import check_overlapped
@@ -107,10 +107,12 @@ def build_parts(
     *,
     code_sha256: str | None = None,
     clock: StartupClock | None = None,
+    tracker: Tracker | None = None,
 ) -> Parts:
     """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``clock`` notes
     when the recipe was built and this rank's peak memory once the model is built and split (``model_built``),
-    before any forward."""
+    before any forward. ``tracker``: rank 0's (``trainer.boot`` opens it, so that its sender's start-up overlaps
+    the launch's)."""
     recipe = make_recipe(cfg, env, d, rundir, comm, stack)
     if clock is not None:
         clock.mark("recipe")
@@ -145,7 +147,6 @@ def build_parts(
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
     seed_rank(t.seed, env.rank)
     optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
-    tracker = open_tracker(cfg, env, rundir, comm)  # rank 0's; its thread opens the tracker run meanwhile
     mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
     stack.callback(mon.close)
     term = TermWatch(stop, mon.watchdog, env, rundir)  # SIGTERM while the main thread is blocked in C++

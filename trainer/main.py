@@ -68,7 +68,11 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
     importer.join()
     _collector_back_on()
     with contextlib.ExitStack() as stack:
-        p = build_parts(b.cfg, b.env, b.d, rundir, comm, b.stop, stack, code_sha256=b.code_sha256, clock=clock)
+        if b.tracker is not None:  # closed by the monitors once they are built; here if the build fails first
+            stack.callback(b.tracker.close)
+        p = build_parts(
+            b.cfg, b.env, b.d, rundir, comm, b.stop, stack, code_sha256=b.code_sha256, clock=clock, tracker=b.tracker
+        )
         clock.mark("build")
         if not start(p, b, rundir, comm, clock):  # a node named, monitor.preflight: exclude (in failure.json)
             return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows

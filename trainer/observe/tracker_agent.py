@@ -166,7 +166,8 @@ class Sender:
         backoff = 1.0
         while True:
             with self._cond:
-                while not (self._closing or self._jobs or self._ready_after()):
+                # at once (the client's import and the run's opening, while the launch starts), then on work
+                while self._backend is not None and not (self._closing or self._jobs or self._ready_after()):
                     self._cond.wait()
                 if self._closing and not self._jobs and not self._ready_after() and self._backend is not None:
                     break
