@@ -89,6 +89,8 @@ sys.path.insert(0, str(ROOT))
 from runconfig import RunConfig, load_config  # noqa: E402
 from runconfig.contract import NODE_WRAP_VAR  # noqa: E402
 from runconfig.load import load_raw  # noqa: E402
+from runconfig.rundir import RunDir  # noqa: E402
+from runconfig.tracking import create_store, resolve  # noqa: E402
 from trainer.data.prepare import prepare  # noqa: E402
 from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
 from trainer.env import DATA_CACHE_VAR  # noqa: E402
@@ -495,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     work.mkdir(parents=True, exist_ok=True)
+    # One tracking store for every run of the invocation, made before the first, as a user's runs share the one
+    # beside their run directories: each run pays opening it, none its creation (alembic's migrations, once).
+    overrides.append(f"tracking.uri={work / 'mlflow.db'}")
+    target = resolve(load_config(args.config, overrides).tracking, RunDir(work / "run"), {})
+    if target is not None:
+        create_store(target)
     if "trainer-recipe" in VARIANTS:
         args.recipe_config = write_user_recipe(args, overrides, work / "user-project")
     if "trainer-auto-flat" in VARIANTS:
