@@ -71,6 +71,9 @@ class Watchdog:
         """``heartbeats``: publish heartbeats even with the hang watchdog off (live metrics read them);
         ``memory``: this rank's memory now, published with each heartbeat."""
         self.env, self.cfg, self.rundir = env, cfg, rundir
+        # When SIGTERM reached this rank (TermWatch): the launcher is ending the step, and from then on ranks end on
+        # purpose (on that SIGTERM), so a rank or a store gone is no evidence against its node.
+        self.sigterm_at: float | None = None
         self._memory = memory
         self._addr, self._port = store_addr, store_port
         self.seq = 0
@@ -130,6 +133,8 @@ class Watchdog:
         suspects for failure.json. Takes ``answer_window`` seconds when a rank is gone, less when all answer."""
         if not self.enabled:
             return "", []
+        if self.sigterm_at is not None:  # the launcher's own record names the task that ended first
+            return "; SIGTERM had reached this rank before (the launcher was ending the step): no rank is named", []
         window = answer_window(self.cfg)
         try:
             store = self._connect(timedelta(seconds=max(5.0, 2 * window)))  # the heartbeat thread owns _client()
