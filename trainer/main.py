@@ -68,7 +68,7 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
     importer.join()
     _collector_back_on()
     with contextlib.ExitStack() as stack:
-        if b.tracker is not None:  # closed by the monitors once they are built; here if the build fails first
+        if b.tracker is not None:  # closed last: after the checkpoints, whose commits it is told of
             stack.callback(b.tracker.close)
         p = build_parts(
             b.cfg, b.env, b.d, rundir, comm, b.stop, stack, code_sha256=b.code_sha256, clock=clock, tracker=b.tracker

@@ -46,8 +46,6 @@ class Monitors:
         self.watchdog.close()
         self.clock.close()
         self.tensorboard.close()
-        if self.tracker is not None:
-            self.tracker.close()
         if self.progress is not None:
             self.progress.close()
 

@@ -42,7 +42,6 @@ class Tracker:
         self._buffer = bytearray()  # what the pipe could not take yet
         self._write_s, self._written, self._last_step = 0.0, 0, 0
         self._gone = False  # the pipe to the sender failed: nothing more is queued
-        self._closed = False
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, (str(TRAINER_ROOT), os.environ.get("PYTHONPATH")))),
@@ -110,10 +109,7 @@ class Tracker:
 
     def close(self) -> None:
         """End of input for the sender; wait up to tracking.flush_timeout_s for it to send what is queued, then end
-        it; what it did not send is named (the next launch or `hpc report` sends it). Once: a second call returns."""
-        if self._closed:
-            return
-        self._closed = True
+        it; what it did not send is named (the next launch or `hpc report` sends it)."""
         deadline = time.monotonic() + self.flush_timeout_s
         os.set_blocking(self._fd, True)
         with contextlib.suppress(OSError), self._lock:

@@ -30,7 +30,7 @@ from trainer.parallel.comm import ALGORITHMS, PIPE_CHUNK_BYTES, HierGroups
 
 MAX_ROUNDS = 5
 BUDGET_S = 0.5  # per size: rounds beyond the first 2 while the size has taken less than this (or the leader wavers)
-PRUNE = 1.25  # after the first round, an algorithm (flat too) this much slower than the best is not timed again
+PRUNE = 1.25  # once pruned, an algorithm (flat too) whose best round is this much slower than the best's drops out
 LONG_CALL_S = 0.25  # a size whose calls are expected to take longer is timed one call a batch: no skew to amortize
 MARGIN = 0.05  # an algorithm other than flat is chosen only where its median is this much faster
 WARM_BYTES = 64 << 10  # the first size starts with an untimed batch of each algorithm on this much (at most)
@@ -129,7 +129,7 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_n
         per_round: dict[str, list[float]] = {name: [] for name in alive}
         size_start = time.perf_counter()
         # The previous size's fastest call, scaled: a long call is timed alone (a round of 2 would take minutes).
-        expected = rows[-1]["fastest_s"] * size / rows[-1]["bytes"] if rows else 0.0
+        expected = min(rows[-1]["seconds"].values()) * size / rows[-1]["bytes"] if rows else 0.0
         calls = 1 if expected > LONG_CALL_S else batch_calls(size)
         pruned = False
         for rnd in range(MAX_ROUNDS):
@@ -153,9 +153,9 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_n
         seconds = {name: statistics.median(t) for name, t in per_round.items()}
         choice = "flat" if one_network else decide({n: per_round[n] for n in {*alive, "flat"}})
         rounds = max(len(t) for t in per_round.values())
-        row = {"bytes": size, "seconds": seconds, "choice": choice, "rounds": rounds, "calls": calls}
-        rows.append({**row, "per_round_s": {n: [round(v, 6) for v in t] for n, t in per_round.items()}})
-        rows[-1]["fastest_s"] = min(seconds.values())
+        per_round_s = {n: [round(v, 6) for v in t] for n, t in per_round.items()}
+        rows.append({"bytes": size, "seconds": seconds, "choice": choice, "rounds": rounds, "calls": calls,
+                     "per_round_s": per_round_s})  # fmt: skip
     measured = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=groups.world)
     return {
