@@ -49,15 +49,18 @@ def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 21))
-    keys = ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "peak_mem_mb", *PART_KEYS)
+    keys = ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "peak_mem_mb", "cpu_wait_s")
+    keys += PART_KEYS
     for r in recs:
         for key in keys:
             assert isinstance(r[key], float) and r[key] >= 0, (key, r)
         # The parts are measured one by one (nothing is computed as a remainder): they add up to the step, but for
-        # the few lines between parts. Four ranks share two cores here, so a rank descheduled in such a gap loses
-        # time slices to no part (31 ms once, with one more busy process on the machine): each record is held to
-        # 5 % plus 50 ms (a part left out would be 100 ms or more), the median record and the whole run (below) to 2 %.
-        assert abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) <= 0.05 * r["step_time_s"] + 0.05, r
+        # the few lines between parts. Four ranks share two cores here, so a rank kept off a core in such a gap loses
+        # time to no part (85 ms once under CI's load): each record is held to 5 % plus 20 ms plus the time the
+        # training thread waited for a core (cpu_wait_s, the kernel's count; a part left out would be 100 ms or
+        # more), the median record and the whole run (below) to 2 %.
+        gap = abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"])
+        assert gap <= 0.05 * r["step_time_s"] + 0.02 + r["cpu_wait_s"], r
     gaps = sorted(abs(sum(r[k] for k in PART_KEYS) - r["step_time_s"]) / r["step_time_s"] for r in recs)
     assert gaps[len(gaps) // 2] <= 0.02, gaps
     total = sum(r["step_time_s"] for r in recs)

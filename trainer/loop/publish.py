@@ -6,11 +6,13 @@ plain log line. A record whose loss is still being agreed on (comm.defer_agreeme
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from trainer.loop.boundary import Decision
 from trainer.loop.parts import Parts
 from trainer.loop.step import StepResult
+from trainer.observe.offcpu import run_queue_s
 from trainer.observe.timing import peak_memory_mb
 
 log = logging.getLogger("trainer.loop")
@@ -20,6 +22,8 @@ class Publisher:
     def __init__(self, p: Parts) -> None:
         self.p = p
         self.boundary = time.perf_counter()  # the end of the last record's interval
+        self.thread = threading.get_native_id()  # the training thread (the publisher is built on it)
+        self.waited = run_queue_s(self.thread)
         self.interval_eval = 0.0  # eval seconds inside the interval (not step time; reported apart)
         self.last_line = time.monotonic()
         self.run_start, self.first_step = time.time(), p.state.step
@@ -40,6 +44,7 @@ class Publisher:
         parts, comm_dims, steps = p.mon.clock.take()
         step_time = (now_pc - self.boundary - self.interval_eval) / steps
         self.boundary = now_pc
+        waited, self.waited = self.waited, run_queue_s(self.thread)
         units = p.units_per_step
         record = {
             "step": step,
@@ -55,6 +60,9 @@ class Publisher:
             "time_eval_s": self.interval_eval,
             # exposed communication per parallel dimension (s/step; sums to time_comm_s where measured)
             "comm_by_dim": {name: seconds / steps for name, seconds in sorted(comm_dims.items())},
+            # s/step the training thread could run but waited for a core (inside the parts or between them): an
+            # oversubscribed node (data workers, threads or other jobs on the rank's cores)
+            "cpu_wait_s": (self.waited - waited) / steps,
             "tokens_seen": p.state.tokens_seen,
             "peak_mem_mb": peak_memory_mb(p.d.device),
             "time": time.time(),
