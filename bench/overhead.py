@@ -27,6 +27,8 @@ Runs, alternated round by round so machine noise hits every variant alike:
   recipe module (bench/recipes/user_gpt.py, copied next to a config written into the work folder with
   ``recipe: user_gpt:recipe`` and the model's shape as ``recipe_args``), submitted like the others
 - ``trainer-untracked``: trainer-flat with ``tracking.backend=off`` (no tracker process: the embedded MLflow's cost)
+- ``trainer-nodims``: trainer-flat with ``monitor.comm_by_dim=false`` (no per-collective timing in the mesh layouts:
+  the communication ledger's cost)
 - ``trainer-replicas``: trainer-flat with the replicas' weights compared at every step
   (``monitor.replica_check_every=1``, the dearest setting: a check every N steps costs 1/N of the difference)
 - ``nanogpt`` (with ``--nanogpt DIR``, a checkout of karpathy/nanoGPT): its ``train.py`` under torchrun on the same
@@ -37,7 +39,7 @@ Runs, alternated round by round so machine noise hits every variant alike:
 
 ``--layout`` other than ``ddp``: ``plain`` is bench/plain_layouts.py's script of that layout, every trainer
 variant gets the layout's ``parallel.*`` settings (bench/parallel.py's ``LAYOUTS``), and only the variants that
-mean something outside DDP run (plain, trainer-flat, trainer-quiet, trainer-untracked).
+mean something outside DDP run (plain, trainer-flat, trainer-quiet, trainer-untracked, trainer-nodims).
 
 all on N simulated nodes x R ranks (``--nodes``, ``--ranks``; default 1 x 2) on this host, 1 thread per rank, eval
 off. ``--link-mbit RATE`` (root, 2 nodes) runs each node's ranks in a network namespace of its own, the two joined
@@ -99,7 +101,7 @@ ALL_VARIANTS = (
     "plain", "trainer-flat", "trainer-hier", "trainer-hier-sync", "trainer-hier-pipe", "trainer-hier-bf16",
     "trainer-quiet", "trainer-recipe", "trainer-agree-sync", "trainer-agree-separate", "trainer-auto",
     "trainer-auto-flat", "trainer-leader", "trainer-auto-small", "trainer-optim-loop", "trainer-replicas",
-    "trainer-untracked", "nanogpt", "nanogpt-fused",
+    "trainer-untracked", "trainer-nodims", "nanogpt", "nanogpt-fused",
 )  # fmt: skip
 NANO = ("nanogpt", "nanogpt-fused")
 HIER = (
@@ -123,7 +125,7 @@ USER_RECIPE = ROOT / "bench" / "recipes" / "user_gpt.py"
 USER_RECIPE_SPEC = "user_gpt:recipe"
 TARGET = 0.98
 # Outside DDP (--layout): the plain peer, the trainer as configured, and the trainer with its monitors off.
-LAYOUT_VARIANTS = ("plain", "trainer-flat", "trainer-quiet", "trainer-untracked")
+LAYOUT_VARIANTS = ("plain", "trainer-flat", "trainer-quiet", "trainer-untracked", "trainer-nodims")
 PLAIN_LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "pp")  # bench/plain_layouts.py's --layout
 PLAIN_NAMES = {"ddp": "bench/plain_ddp.py", **{k: f"bench/plain_layouts.py --layout {k}" for k in PLAIN_LAYOUTS}}
 RUN_CPU = "cpu_per_step_s"  # a run's CPU seconds per step, all its processes together
@@ -258,6 +260,7 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     sync += ["--set", "train.optimizer_impl=for-loop"] if variant == "trainer-optim-loop" else []
     sync += ["--set", "monitor.replica_check_every=1"] if variant == "trainer-replicas" else []
     sync += ["--set", "tracking.backend=off"] if variant == "trainer-untracked" else []
+    sync += ["--set", "monitor.comm_by_dim=false"] if variant == "trainer-nodims" else []
     sync += ["--set", f"comm.plan_from={args.flat_plan}"] if variant == "trainer-auto-flat" else []
     link = ["--set", f"comm.master_addr={LINK_IPS[0]}"] if args.namespaces else []
     return [*submit, *sets, "--set", f"comm.allreduce={allreduce}", *quiet, *sync, *link]

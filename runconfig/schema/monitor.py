@@ -74,6 +74,13 @@ class MonitorConfig(Section):
         "step: docs/measurements/gpu.md). No effect on CPU.",
         False,
     )
+    comm_by_dim: bool = doc(
+        "On CPU, in the layouts whose forward is collective (FSDP2, HSDP, tensor and pipeline parallelism), time the "
+        "training thread's waits in their collectives per parallel dimension (comm_by_dim and time_comm_s; a "
+        "schedstat read around each collective, through FSDP2's custom-collective interface). false: those waits "
+        "count as compute. DDP's exposed communication and GPUs are measured either way.",
+        True,
+    )
     profile_steps: str = doc(
         "'A-B': record optimizer steps A..B of each launch with torch.profiler on every rank (host operators; on "
         "GPUs also kernels, copies and NCCL): RUN_DIR/profile/rank_N.json (Chrome trace, for Perfetto) and "

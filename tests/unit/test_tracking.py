@@ -2,6 +2,8 @@
 is tracked, and rank 0's sink sending each step once across a failed launch, a resume and a kill mid-send."""
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,14 @@ def test_each_step_reaches_the_tracker_once_across_a_failure_a_resume_and_a_kill
         first.write(r)
         if r["step"] == 5:
             first.committed(5)
+    # The sender opened its run at normal priority; sending, every thread of it runs at SCHED_IDLE (only the CPU time
+    # the ranks leave idle)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sent_through(rundir) < 5:
+        time.sleep(0.1)
+    tasks = Path(f"/proc/{first._proc.pid}/task")
+    policies = {(t, (tasks / t / "comm").read_text().strip()): os.sched_getscheduler(int(t)) for t in os.listdir(tasks)}
+    assert set(policies.values()) == {os.SCHED_IDLE}, policies
     first.close()  # no finish(): a failed launch
     _, run_id, got = history(rundir)
     assert [s for s, _ in got] == [1, 2, 3, 4, 5]
@@ -119,6 +129,13 @@ def test_each_step_reaches_the_tracker_once_across_a_failure_a_resume_and_a_kill
     assert run.info.status == "FINISHED" and run.data.tags["hpc.launches"] == "3" and run.data.params == params
     assert json.loads(rundir.tracking.read_text())["sent_through"] == 14
     assert [a.path for a in client.list_artifacts(run_id)] == ["config.yaml"]
+
+
+def sent_through(rundir: RunDir) -> int:
+    try:
+        return json.loads(rundir.tracking.read_text()).get("sent_through", -1)
+    except (OSError, ValueError):
+        return -1
 
 
 def wandb_records(folder) -> list:
