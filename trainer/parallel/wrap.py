@@ -146,8 +146,8 @@ def _stage_and_blocks(cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe:
 
 def _data_parallel_over_mesh(cfg: RunConfig, d: Distributed, model: nn.Module, blocks, mesh, layout: Layout):
     """The mesh layouts' gradient reduction: (what summary.json calls it, the no-sync context of accumulation)."""
-    if d.device.type == "cpu" and cfg.monitor.comm_by_dim:  # collectives block the training thread: their waits are
-        # its exposed communication
+    # On CPU collectives block the training thread: their waits are its exposed communication (monitor.comm_by_dim)
+    if d.device.type == "cpu" and cfg.monitor.comm_by_dim:
         rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
         d.ledger.enable("+".join(rest) or None)
     if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
