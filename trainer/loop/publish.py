@@ -6,13 +6,11 @@ plain log line. A record whose loss is still being agreed on (comm.defer_agreeme
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from trainer.loop.boundary import Decision
 from trainer.loop.parts import Parts
 from trainer.loop.step import StepResult
-from trainer.observe.offcpu import run_queue_s
 from trainer.observe.timing import peak_memory_mb
 
 log = logging.getLogger("trainer.loop")
@@ -22,8 +20,8 @@ class Publisher:
     def __init__(self, p: Parts) -> None:
         self.p = p
         self.boundary = time.perf_counter()  # the end of the last record's interval
-        self.thread = threading.get_native_id()  # the training thread (the publisher is built on it)
-        self.waited = run_queue_s(self.thread)
+        self.sched = p.d.ledger.clock  # the training thread's scheduler statistics (its file kept open)
+        self.waited = self.sched.waited()
         self.interval_eval = 0.0  # eval seconds inside the interval (not step time; reported apart)
         self.last_line = time.monotonic()
         self.run_start, self.first_step = time.time(), p.state.step
@@ -44,7 +42,7 @@ class Publisher:
         parts, comm_dims, steps = p.mon.clock.take()
         step_time = (now_pc - self.boundary - self.interval_eval) / steps
         self.boundary = now_pc
-        waited, self.waited = self.waited, run_queue_s(self.thread)
+        waited, self.waited = self.waited, self.sched.waited()
         units = p.units_per_step
         record = {
             "step": step,

@@ -35,18 +35,12 @@ class SleepClock:
         ran, runnable = os.pread(self._fd, 128, 0).split()[:2]
         return (wall - int(ran) - int(runnable)) / 1e9
 
+    def waited(self) -> float:
+        """Seconds the thread has been ready to run but waited for a core (its run-queue time), as a running total:
+        more than nothing where more threads are busy than the node has cores. 0 where unavailable."""
+        return 0.0 if self._fd is None else int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def run_queue_s(native_id: int) -> float:
-    """Seconds thread ``native_id`` (of this process) has been ready to run but waited for a core, as a running
-    total: more than nothing where more threads are busy than the node has cores. 0 where the kernel has no
-    schedstat."""
-    try:
-        with open(f"/proc/self/task/{native_id}/schedstat", "rb") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0

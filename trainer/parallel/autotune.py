@@ -128,7 +128,7 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_n
         alive = candidates(groups, size)
         per_round: dict[str, list[float]] = {name: [] for name in alive}
         size_start = time.perf_counter()
-        # The previous size's fastest call, scaled: a long call is timed alone (a round of 2 would take minutes).
+        # The previous size's fastest median, scaled: a long call is timed alone (a round of 2 would take minutes).
         expected = min(rows[-1]["seconds"].values()) * size / rows[-1]["bytes"] if rows else 0.0
         calls = 1 if expected > LONG_CALL_S else batch_calls(size)
         pruned = False
