@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common import LINK_IFNAME, LINK_IPS, ROOT, emulated_link, mpirun_and_env  # bench/common.py (on sys.path)
 
-from runconfig.contract import EXIT_USER_ERROR
+from rundir.contract import EXIT_USER_ERROR
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,8 +84,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from runconfig.allreduce_plan import choose
     from runconfig.schema import CommConfig
+    from rundir.allreduce_plan import choose
     from trainer.env import from_mpi
     from trainer.parallel.autotune import BATCH_BYTES, batch_calls, measure
     from trainer.parallel.comm import ALGORITHMS, hierarchical_all_reduce

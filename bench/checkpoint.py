@@ -134,7 +134,7 @@ def instrument(phases: Phases) -> None:
     set_state_dict) and the ranks' agreement on every phase (agreement.py)."""
     import torch.distributed.checkpoint as dcp
 
-    import runconfig.checkpoints as layout
+    import rundir.checkpoints as layout
     import trainer.checkpoint.agreement as agreement
     import trainer.checkpoint.checkpointer as ck
     import trainer.checkpoint.reader as reader
@@ -204,7 +204,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
-    from runconfig import RunDir, load_config
+    from runconfig import load_config
+    from rundir import RunDir
     from trainer.build import build_parts
     from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.checkpoint.state import TrainState

@@ -185,8 +185,8 @@ def read_windows(shards, count: int, seq_len: int) -> float:
 
 
 def part_loader(args, work: Path, data: Path, url: str) -> dict:
-    from runconfig.objstore import Store
     from runconfig.schema import StorageConfig
+    from storage.objstore import Store
     from trainer.data.dataset import TokenShards, read_manifest
     from trainer.data.resolve import remote_manifest
     from trainer.data.stream import FETCHES, ShardCache
@@ -262,7 +262,7 @@ def generation(root: Path, mb: float) -> tuple[Path, dict]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from runconfig.checkpoints import commit
+    from rundir.checkpoints import commit
     from trainer.checkpoint.remote import _sha256
 
     n = max(1, int(mb * 2**20 / 4 / 8))
@@ -281,9 +281,9 @@ def part_checkpoint(args, work: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    from runconfig.ioretry import RetryPolicy
-    from runconfig.objstore import Store
     from runconfig.schema import StorageConfig
+    from storage.ioretry import RetryPolicy
+    from storage.objstore import Store
     from trainer.checkpoint.agreement import Agreement
     from trainer.checkpoint.remote import RemoteGenerations
 

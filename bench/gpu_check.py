@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runconfig.contract import EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
+from rundir.contract import EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
 
 # The resume check's run: small and short, dropout on, a checkpoint every 4 steps.
 RESUME_SETS = [

@@ -89,10 +89,10 @@ mpi4py.rc.initialize = False  # trainer.data imports mpi4py; this process only o
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from runconfig import RunConfig, load_config  # noqa: E402
-from runconfig.contract import NODE_WRAP_VAR  # noqa: E402
 from runconfig.load import load_raw  # noqa: E402
-from runconfig.rundir import RunDir  # noqa: E402
-from runconfig.tracking import create_store, resolve  # noqa: E402
+from rundir.contract import NODE_WRAP_VAR  # noqa: E402
+from rundir.paths import RunDir  # noqa: E402
+from tracking import create_store, resolve  # noqa: E402
 from trainer.data.prepare import prepare  # noqa: E402
 from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
 from trainer.env import DATA_CACHE_VAR  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common import ROOT, add_slurm_options, chosen_methods, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
 
-from runconfig.contract import EVENT_RESUME, EVENT_STOPPED
+from rundir.contract import EVENT_RESUME, EVENT_STOPPED
 
 PORTS = {"HPC_SLURM_CTLD_PORT": "18917", "HPC_SLURM_NODE_PORT": "19101"}
 METHODS = ("signal", "requeue", "preempt")

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from common import ROOT, add_slurm_options, chosen_methods, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
 
-from runconfig.contract import EVENT_HANG, EVENT_RESTART, EVENT_RESUME
+from rundir.contract import EVENT_HANG, EVENT_RESTART, EVENT_RESUME
 
 PORTS = {"HPC_SLURM_CTLD_PORT": "18927", "HPC_SLURM_NODE_PORT": "19121"}
 METHODS = ("local-kill", "kill", "requeue", "node-kept", "node-fail")  # kill and requeue on Slurm; node-*: hosts

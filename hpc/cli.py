@@ -10,7 +10,7 @@ from pathlib import Path
 from hpc import verbs
 from hpc.options import add_set_option
 from runconfig import ConfigError
-from runconfig.contract import EXIT_USER_ERROR
+from rundir.contract import EXIT_USER_ERROR
 
 #: Each verb's one line, as ``python -m hpc --help`` lists them.
 HELP = {

@@ -15,8 +15,8 @@ import yaml
 from hpc.plots import DPI, _finish, _series
 from hpc.runlog import RunLog, analyze
 from hpc.runs import RunsError, row, table
-from runconfig import RunDir
 from runconfig.load import flatten
+from rundir import RunDir
 
 MISSING = "(not set)"
 

@@ -5,12 +5,12 @@ submitit pickles a ``Driver`` and calls it on the first node of the allocation. 
 reaches every rank, and the trainer stops at a step boundary with a committed checkpoint and exit status 75.
 Only then does the driver requeue the job, and only for the job's own signal: a stop by SIGTERM is Slurm ending
 the job (scancel must stay cancelled; scontrol requeue and preemption requeue it themselves). How the launch ended
-is read from the run directory (runconfig/outcome.py), not from srun's status alone. A cap on requeues stops
+is read from the run directory (hpc/policy/outcome.py), not from srun's status alone. A cap on requeues stops
 endless loops. A launch that failed through no fault of the input (a rank killed or crashed, a hang) is restarted
-in the allocation, up to job.max_failures times per run; what follows every launch is runconfig/decide.py's
+in the allocation, up to job.max_failures times per run; what follows every launch is hpc/policy/decide.py's
 decision, the same for every launcher. A job of a chain whose run is already complete ends at once.
 
-Bad nodes (runconfig/badnodes.py) are left out of every launch: srun runs on the allocation's other nodes (at
+Bad nodes (hpc/policy/badnodes.py) are left out of every launch: srun runs on the allocation's other nodes (at
 least job.min_nodes), and when too few are left the run continues in a new job submitted with ``--exclude``
 (Slurm cannot change a running job's exclusions, and a requeued job could land on the same node). The driver's
 own evidence of who failed first is srun's first "task N: Killed / Exited" line, used when the trainer left no
@@ -33,15 +33,16 @@ from pathlib import Path
 
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
+from hpc.policy.badnodes import bad_nodes, record_bad_node
+from hpc.policy.decide import Situation
+from hpc.policy.outcome import Ended, how_it_ended, new_launch_id
 from hpc.restarts import take_back_due_nodes, until_settled
-from runconfig import RunConfig, RunDir, load_config
-from runconfig.badnodes import bad_nodes, record_bad_node
-from runconfig.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
-from runconfig.decide import Situation
-from runconfig.outcome import Ended, how_it_ended, new_launch_id
-from runconfig.rundir import read_jsonl
-from runconfig.slurmnodes import FAILED_STATES, describe, held_by_slurm, node_states
-from runconfig.slurmvars import slurm_job_id, slurm_restart_count
+from hpc.slurmctl import FAILED_STATES, describe, held_by_slurm, node_states
+from runconfig import RunConfig, load_config
+from rundir import RunDir
+from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
+from rundir.paths import read_jsonl
+from rundir.slurmvars import slurm_job_id, slurm_restart_count
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
 
@@ -195,7 +196,7 @@ def run_step(command: list[str], env: dict, failure: Path | None = None, ntasks:
 
 def sweep_command(num_nodes: int) -> list[str]:
     """One task per node of the allocation removing the shared-memory segments killed ranks left
-    (runconfig/shm.py); it shares the nodes with whatever still runs there."""
+    (storage/shm.py); it shares the nodes with whatever still runs there."""
     return [
         "srun",
         "--overlap",
@@ -205,7 +206,7 @@ def sweep_command(num_nodes: int) -> list[str]:
         "--ntasks-per-node=1",
         sys.executable,
         "-m",
-        "runconfig.shm",
+        "storage.shm",
     ]
 
 

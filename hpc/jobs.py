@@ -7,8 +7,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from runconfig import RunDir
-from runconfig.rundir import read_jsonl
+from rundir import RunDir
+from rundir.paths import read_jsonl
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from hpc.follow import JsonlFollower, Progress, resume_notes
 from hpc.mpi import LauncherError, MpiLauncher
-from hpc.progress import JsonlFollower, Progress, resume_notes
+from hpc.policy.outcome import Ended, how_it_ended, new_launch_id
 from hpc.ranks import RankWatch
-from runconfig import RunConfig, RunDir, shm
-from runconfig.contract import EVENT_RESUME, FAILURE_HANG, LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
-from runconfig.outcome import Ended, how_it_ended, new_launch_id
+from runconfig import RunConfig
+from rundir import RunDir
+from rundir.contract import EVENT_RESUME, FAILURE_HANG, LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
+from storage import shm
 
 
 def trainer_command(rundir: RunDir, prefix: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -53,7 +55,7 @@ def trainer_environment(
 
 @dataclass
 class LaunchResult:
-    ended: Ended  # how the launch ended (runconfig/outcome.py): recorded in the run directory, else mpirun's status
+    ended: Ended  # how the launch ended (hpc/policy/outcome.py): recorded in the run directory, else mpirun's status
     output_tail: list[str]  # the last lines mpirun printed (kept in memory: the log's disk may be full)
     launch_id: str  # HPC_LAUNCH_ID of this launch (its history events carry it)
     nodes: tuple[str, ...] = ()  # the simulated nodes it ran on

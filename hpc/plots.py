@@ -11,10 +11,10 @@ from itertools import pairwise
 from pathlib import Path
 
 from hpc.runlog import RunLog, Step
-from runconfig.contract import EVENT_DONE, EVENT_HANG, EVENT_STOPPED, PART_KEYS, PARTS
+from rundir.contract import EVENT_DONE, EVENT_HANG, EVENT_STOPPED, PART_KEYS, PARTS
 
 DPI = 110
-#: The legend of each step-time part (runconfig.contract.PARTS), stacked in PARTS order.
+#: The legend of each step-time part (rundir.contract.PARTS), stacked in PARTS order.
 PART_LABELS = {
     "data": "data wait",
     "compute": "forward + backward",

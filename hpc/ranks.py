@@ -4,7 +4,7 @@ whose ranks outlive one that ended.
 The launcher watches the ranks itself: it finds mpirun's descendants that carry a rank in their environment
 (``PMI_RANK`` from MPICH's hydra, ``OMPI_COMM_WORLD_RANK`` from Open MPI), opens a pidfd for each (readable the
 moment that process ends, child or not) and notes the order in which they end. The first one is the launcher's
-evidence for runconfig/decide.py when the trainer left no diagnosis of its own.
+evidence for hpc/policy/decide.py when the trainer left no diagnosis of its own.
 
 That order is only evidence while the others outlive the first by more than the watch's wake-up time, and hydra by
 default kills every rank within milliseconds of one that ended badly. The local launcher therefore runs hydra with

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 from hpc.plots import PART_LABELS, render
+from hpc.policy.badnodes import bad_node_events, node_changes
 from hpc.runlog import RunLog, analyze
-from runconfig import RunDir
-from runconfig.allreduce_plan import plan_table
-from runconfig.badnodes import bad_node_events, node_changes
-from runconfig.contract import EVENT_BAD_NODE, EXIT_USER_ERROR, PARTS
-from runconfig.stopsignal import newest_budget
+from rundir import RunDir
+from rundir.allreduce_plan import plan_table
+from rundir.contract import EVENT_BAD_NODE, EXIT_USER_ERROR, PARTS
+from rundir.stopsignal import newest_budget
 
 DEFINITIONS = """\
 - **Launch**: one start of the ranks (a `start` or `resume` event in history.jsonl). Its wall time runs from the

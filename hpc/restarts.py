@@ -1,5 +1,5 @@
 """The one restart loop of every launcher (the local one in hpc/submit.py, the Slurm driver in hpc/driver.py):
-launch the ranks, decide what follows (runconfig/decide.py), and restart in the same allocation while the decision
+launch the ranks, decide what follows (hpc/policy/decide.py), and restart in the same allocation while the decision
 says so, on the nodes it names, after its back-off."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from runconfig import RunDir
-from runconfig.badnodes import Held, retake_how, take_back_due
-from runconfig.decide import Decision, Situation, decide, record_decision
-from runconfig.outcome import Ended
+from hpc.policy.badnodes import Held, retake_how, take_back_due
+from hpc.policy.decide import Decision, Situation, decide, record_decision
+from hpc.policy.outcome import Ended
 from runconfig.schema import JobConfig
+from rundir import RunDir
 
 
 class Launched(Protocol):
     """How one launch of the ranks ended, as its launcher saw it (hpc/local.py's LaunchResult, the driver's)."""
 
-    ended: Ended  # read from the run directory, else the launcher's status (runconfig/outcome.py)
+    ended: Ended  # read from the run directory, else the launcher's status (hpc/policy/outcome.py)
     launch_id: str
     nodes: tuple[str, ...]  # the nodes it ran on, in node order
     first_ended: int | None  # the rank whose process the launcher saw end first

@@ -17,9 +17,9 @@ import signal
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from runconfig import RunDir
-from runconfig.contract import EVENT_DONE, EVENT_HANG, EVENT_RESUME, EVENT_START, EVENT_STOPPED
-from runconfig.rundir import read_jsonl
+from rundir import RunDir
+from rundir.contract import EVENT_DONE, EVENT_HANG, EVENT_RESUME, EVENT_START, EVENT_STOPPED
+from rundir.paths import read_jsonl
 
 START_EVENTS = (EVENT_START, EVENT_RESUME)
 END_EVENTS = (EVENT_STOPPED, EVENT_DONE, EVENT_HANG)

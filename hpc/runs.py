@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hpc import verbs
 from hpc.runlog import RunLog, analyze
-from runconfig import RunDir
+from rundir import RunDir
 
 COLUMNS = ("name", "state", "step", "steps", "loss", "eval_loss", "tokens_per_s", "goodput", "restarts", "wall_s")
 OPS = {"<=": operator.le, ">=": operator.ge, "!=": operator.ne, "=": operator.eq, "<": operator.lt, ">": operator.gt}

@@ -5,7 +5,7 @@ It submits through ``python -m hpc.submit``'s path a short job of the config's s
 directory, changing only SELFTEST_SETTINGS (so many steps that only the signal ends it, no periodic checkpoint or
 eval, no requeue or restart). Once every rank trains it sends the signal as Slurm does before the time limit
 (``scancel --signal=SIG JOBID``: every process of the job's steps), waits up to ``job.signal_lead_s`` for the
-ranks' stop, ends the job, and reads what the ranks recorded (runconfig/stopsignal.py): which ranks received the
+ranks' stop, ends the job, and reads what the ranks recorded (rundir/stopsignal.py): which ranks received the
 signal themselves, the process chain of each that did not (naming the wrapper that swallowed it), the stop's and
 the save's seconds, and whether the lead covers them with the margin ``SAFETY_FACTOR``. It also checks the
 script's ``#SBATCH --signal`` line and flags SIGUSR1 with CUDA/NCCL.
@@ -31,16 +31,17 @@ from pathlib import Path
 
 from hpc.jobs import query
 from hpc.options import add_set_option, set_arguments
-from runconfig import ConfigError, RunConfig, RunDir, load_config
-from runconfig.contract import (
+from runconfig import ConfigError, RunConfig, load_config
+from rundir import RunDir
+from rundir.contract import (
     EVENT_STOPPED,
     EXIT_DONE,
     EXIT_FAILED,
     EXIT_LEAD_SHORT,
     EXIT_USER_ERROR,
 )
-from runconfig.rundir import read_jsonl
-from runconfig.stopsignal import (
+from rundir.paths import read_jsonl
+from rundir.stopsignal import (
     SAFETY_FACTOR,
     LeadBudget,
     describe_process,

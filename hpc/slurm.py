@@ -13,8 +13,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from runconfig import RunConfig, RunDir
+from runconfig import RunConfig
 from runconfig.schema.slurm_syntax import SLURM_NAMES_RE
+from rundir import RunDir
 
 SIGNAL_PREFIX = "SIG"
 
@@ -39,7 +40,7 @@ def setup_lines(cfg: RunConfig) -> list[str]:
 
 def sbatch_parameters(cfg: RunConfig, *, dependency: str | None = None, exclude: tuple[str, ...] = ()) -> dict:
     """Keyword arguments of submitit's SlurmExecutor.update_parameters for this job (``exclude``: the run's bad
-    nodes, runconfig/badnodes.py)."""
+    nodes, hpc/policy/badnodes.py)."""
     job = cfg.job
     extra: dict[str, str | bool] = {"signal": f"{job.signal.removeprefix(SIGNAL_PREFIX)}@{job.signal_lead_s}"}
     extra["requeue"] = True  # allow requeue even where the cluster's JobRequeue default is 0

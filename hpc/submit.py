@@ -4,7 +4,7 @@ With no Slurm on this machine (no ``sbatch`` on PATH), or with ``--local``, the 
 its nodes simulated on one host. Exit status: 0 done, 2 bad input (one message, no traceback), 1 the job failed.
 
 A new run's recipe module (``recipe: module.path:function``, found next to the config file or in the current
-folder) is copied into RUN_DIR/code/ (runconfig/code.py): every launch of the run imports that snapshot, so edits
+folder) is copied into RUN_DIR/code/ (rundir/snapshot.py): every launch of the run imports that snapshot, so edits
 made while the job waits in the queue do not reach it. A resume keeps the snapshot unless ``--refresh-code``.
 """
 
@@ -24,15 +24,16 @@ from hpc.driver import submit_link
 from hpc.local import LaunchResult, node_wraps, run_local, simulated_nodes, trainer_command
 from hpc.mpi import LauncherError, MpiLauncher, find_launcher
 from hpc.options import add_set_option
+from hpc.policy.badnodes import bad_nodes
+from hpc.policy.decide import Situation, restarts_so_far
 from hpc.restarts import take_back_due_nodes, until_settled
 from hpc.slurm import sbatch_script
-from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, load_config, record
-from runconfig import code as codesnap
-from runconfig.badnodes import bad_nodes
-from runconfig.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
-from runconfig.decide import Situation, restarts_so_far
+from hpc.slurmctl import held_by_slurm
+from runconfig import ConfigError, RunConfig, dump_yaml, load_config
 from runconfig.schema import BUILTIN_RECIPE
-from runconfig.slurmnodes import held_by_slurm
+from rundir import RunDir, record
+from rundir import snapshot as codesnap
+from rundir.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
 
 
 class SubmitError(Exception):
@@ -216,7 +217,7 @@ def dry_run(planned: Planned) -> None:
 
 def write_run_dir(planned: Planned, args: argparse.Namespace, argv: list[str]) -> RunDir:
     """The run directory with its code snapshot, resolved config and the record of this submission
-    (runconfig/record.py); a new one is removed again when it cannot be completed."""
+    (rundir/record.py); a new one is removed again when it cannot be completed."""
     cfg, run_path = planned.cfg, planned.run_path
     created = snap = None
     try:

@@ -41,10 +41,11 @@ from pathlib import Path
 
 import yaml
 
-from runconfig import ConfigError, RunConfig, RunDir, dump_yaml, from_dict, yamlread
-from runconfig.contract import append_jsonl
+from runconfig import ConfigError, RunConfig, dump_yaml, from_dict, yamlread
 from runconfig.load import load_raw, set_key
-from runconfig.record import command_line, write_submission
+from rundir import RunDir
+from rundir.contract import append_jsonl
+from rundir.record import command_line, write_submission
 
 SLUG_RE = re.compile(r"[^A-Za-z0-9._=-]+")
 
@@ -255,7 +256,7 @@ def write_spec(sweep_dir: Path, spec: SweepSpec) -> None:
 
 
 def _last_value(rundir: RunDir, key: str) -> float | None:
-    from runconfig.rundir import read_jsonl
+    from rundir.paths import read_jsonl
 
     values = [r[key] for r in read_jsonl(rundir.metrics) if isinstance(r.get(key), (int, float))]
     return values[-1] if values else None

@@ -9,8 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from runconfig import RunConfig, RunDir
-from runconfig.tracking import TrackingState, client_environment, open_backend, resolve
+from runconfig import RunConfig
+from rundir import RunDir
+from tracking import TrackingState, client_environment, open_backend, resolve
 
 
 def _target(sweep_dir: Path, cfg: RunConfig):
@@ -50,7 +51,7 @@ def finish_parent(sweep_dir: Path, rows: list[dict]) -> str | None:
     except (OSError, ValueError):
         return None
     from runconfig import load_config
-    from runconfig.tracking import Target
+    from tracking import Target
 
     spec = json.loads((sweep_dir / "sweep_spec.json").read_text())
     metric = spec.get("metric", "eval_loss")

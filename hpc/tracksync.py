@@ -13,10 +13,11 @@ import json
 import os
 from pathlib import Path
 
-from runconfig import RunDir, load_config
-from runconfig.checkpoints import latest_committed
-from runconfig.rundir import read_jsonl
-from runconfig.tracking import (
+from runconfig import load_config
+from rundir import RunDir
+from rundir.checkpoints import latest_committed
+from rundir.paths import read_jsonl
+from tracking import (
     ARTIFACTS_NAME,
     TrackingState,
     client_environment,

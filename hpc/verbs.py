@@ -14,15 +14,16 @@ import sys
 import time
 from pathlib import Path
 
+from hpc.follow import resume_notes
 from hpc.jobs import job_ids, query, run
 from hpc.options import set_arguments
-from hpc.progress import resume_notes
-from runconfig import RunDir, load_config
-from runconfig.badnodes import bad_node_events
-from runconfig.checkpoints import latest_committed
-from runconfig.contract import EVENT_CODE, EVENT_PRUNED, EVENT_RESUME
-from runconfig.rundir import read_jsonl
-from runconfig.stopsignal import newest_budget
+from hpc.policy.badnodes import bad_node_events
+from runconfig import load_config
+from rundir import RunDir
+from rundir.checkpoints import latest_committed
+from rundir.contract import EVENT_CODE, EVENT_PRUNED, EVENT_RESUME
+from rundir.paths import read_jsonl
+from rundir.stopsignal import newest_budget
 
 
 class VerbError(Exception):
@@ -33,8 +34,8 @@ def sbatch_args(config: str, overrides: list[str]) -> list[str]:
     """sbatch options from a config (a run directory's own config, with its bad nodes excluded)."""
     import shlex
 
+    from hpc.policy.badnodes import bad_nodes
     from hpc.slurm import sbatch_options
-    from runconfig.badnodes import bad_nodes
 
     rundir = RunDir(Path(config).absolute())
     if rundir.config.is_file():
@@ -210,7 +211,7 @@ def sweep(args: argparse.Namespace) -> int:
     from hpc.slurm import make_executor
     from hpc.submit import config_search, slurm_available, snapshot_new_run
     from hpc.submit import main as submit_main
-    from runconfig.code import locate
+    from rundir.snapshot import locate
 
     if args.parallel is not None and args.parallel < 1:
         raise VerbError(f"--parallel {args.parallel}: at least 1 element at once.")
@@ -256,8 +257,8 @@ def unexclude(rundir: RunDir, nodes: list[str]) -> None:
     may use them, and the run's pending jobs no longer exclude them. Refused for a node that is not bad, and for one
     Slurm still holds down or drained (its verdict stands: bring it back in Slurm first)."""
     from hpc.driver import exclude_pending
-    from runconfig.badnodes import bad_nodes, take_back
-    from runconfig.slurmnodes import held_by_slurm
+    from hpc.policy.badnodes import bad_nodes, take_back
+    from hpc.slurmctl import held_by_slurm
 
     bad = bad_nodes(rundir)
     unknown = [n for n in nodes if n not in bad]

@@ -4,10 +4,10 @@
 # It does in the batch shell what hpc/driver.py does for jobs submitted by `python -m hpc.submit`: read (or, for
 # train.sbatch, first create) RUN_DIR/config.yaml, start the ranks as one step
 #   srun --mpi=PLUGIN --kill-on-bad-exit=1 PYTHON -u -m trainer --run-dir RUN_DIR
-# and then do what runconfig/decide.py says (python -m runconfig.decide): finish (status 0), restart the ranks in
+# and then do what hpc/policy/decide.py says (python -m hpc.policy.decide): finish (status 0), restart the ranks in
 # this job (a failure that is not the input's, up to job.max_failures per run), requeue the job (status 75: the
 # trainer stopped on a signal at a step boundary and committed a checkpoint), or give up with the status it gives.
-# A new run (train.sbatch) also gets the recipe's code snapshot in RUN_DIR/code/ (runconfig/code.py), taken from
+# A new run (train.sbatch) also gets the recipe's code snapshot in RUN_DIR/code/ (rundir/snapshot.py), taken from
 # the CONFIG file's folder, its parent or the submit directory; every launch, requeues included, imports that copy.
 #
 # Environment (read by hpc_main; see sbatch/README.md):
@@ -42,10 +42,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runconfig import ConfigError, RunDir, dump_yaml, load_config
-from runconfig.badnodes import bad_nodes, take_back_due
-from runconfig.code import search_path, take
-from runconfig.contract import EVENT_CODE, EXIT_STOPPED, append_event
+from runconfig import ConfigError, dump_yaml, load_config
+from rundir import RunDir
+from hpc.policy.badnodes import bad_nodes, take_back_due
+from rundir.snapshot import search_path, take
+from rundir.contract import EVENT_CODE, EXIT_STOPPED, append_event
 
 mode, root = sys.argv[1], Path(sys.argv[2])
 rundir = RunDir(root)
@@ -122,19 +123,19 @@ if problem:
 from hpc.driver import run_complete  # noqa: E402
 from hpc.local import rank_variables  # noqa: E402
 from hpc.slurm import requoted_setup  # noqa: E402
-from runconfig.slurmnodes import held_by_slurm  # noqa: E402
+from hpc.slurmctl import held_by_slurm  # noqa: E402
 
 complete = run_complete(rundir, cfg)
 job = cfg.job
 env = rank_variables(cfg, dict(os.environ))
 q = shlex.quote
 print("#HPC-VARS")  # everything below is eval'ed by the batch script
-print(f"hpc_exit_stopped={EXIT_STOPPED}")  # runconfig/contract.py: stopped by a signal, checkpoint committed
+print(f"hpc_exit_stopped={EXIT_STOPPED}")  # rundir/contract.py: stopped by a signal, checkpoint committed
 print(f"hpc_complete={int(complete)}")
 print(f"hpc_steps={cfg.train.steps}")
 print(f"hpc_world_cfg={job.world_size}")
 print(f"hpc_rpn={job.ranks_per_node}")
-# Bad nodes of the run (runconfig/badnodes.py) are left out of every launch: the allocation's other nodes, at least
+# Bad nodes of the run (hpc/policy/badnodes.py) are left out of every launch: the allocation's other nodes, at least
 # job.min_nodes of them; fewer, and the run continues in a new job that excludes them.
 # Bad nodes due back (job.retake_nodes_after_s) are taken back first, unless Slurm still holds them down or drained.
 take_back_due(rundir, job.retake_nodes_after_s, held_by_slurm)
@@ -274,12 +275,12 @@ hpc_main() {
     first=$(sed -nE 's/^srun: error: [^ ]+: tasks? ([0-9]+).*/\1/p' "$errfile" | head -n 1)
     failed_nodes=$(sed -nE 's/^srun: error: Node failure on ([^ ]+)$/\1/p' "$errfile" | paste -sd, -)
     rm -f -- "$errfile"
-    # What to do now is one Python function for every launcher (runconfig/decide.py): done, restart the ranks in
+    # What to do now is one Python function for every launcher (hpc/policy/decide.py): done, restart the ranks in
     # this allocation (recorded in history.jsonl), requeue, or end. It reads how the launch ended from what it
     # recorded in the run directory (srun's status misreads a stop whose slower ranks --kill-on-bad-exit killed in
     # teardown, after the checkpoint was committed).
     { read -r action exit_status delay && IFS= read -r message && read -r use_next && read -r hpc_exclude; } < <(
-      "$PYTHON" -m runconfig.decide "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" "${decide_args[@]}" \
+      "$PYTHON" -m hpc.policy.decide "$RUN_DIR" "$HPC_LAUNCH_ID" "$status" "${decide_args[@]}" \
         --nodes "$hpc_alloc" --launch-nodes "${hpc_use:-$hpc_alloc}" --ranks-per-node "$hpc_rpn" \
         ${first:+--first-ended "$first"} ${failed_nodes:+--failed-nodes "$failed_nodes"} \
         ${hpc_stop_seen:+--stop-signal} ||
@@ -289,7 +290,7 @@ hpc_main() {
         # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it (a
         # restarted launch does that itself, on each node, as it starts).
         srun --overlap --mpi=none --nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
-          --ntasks-per-node=1 "$PYTHON" -m runconfig.shm || echo "warning: the shared-memory sweep failed" >&2
+          --ntasks-per-node=1 "$PYTHON" -m storage.shm || echo "warning: the shared-memory sweep failed" >&2
       fi
     fi
     [ "$action" = restart ] || break

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.contract import DATA_CACHE_VAR
-from runconfig.rundir import read_jsonl
-from runconfig.tracking import TRACKING_VAR
+from rundir.contract import DATA_CACHE_VAR
+from rundir.paths import read_jsonl
+from tracking import TRACKING_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -8,7 +8,7 @@ import sys
 # a clean stop: tests/mp/test_checkpoint.py sends one while the processes start).
 from trainer.main import main  # isort: skip
 
-from runconfig.contract import EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
+from rundir.contract import EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
 from trainer.loop.stop import ignore_stop_signals  # noqa: E402
 
 #: Outcomes after which every rank has met (the last barrier of a clean shutdown, or the user error's meeting) with
@@ -25,7 +25,7 @@ if status not in MET:
 # metrics, logs and data files closed, threads stopped, process groups destroyed). Leaving together matters under
 # srun --kill-on-bad-exit: the first rank to exit non-zero gets the others killed, and the teardown's spread between
 # ranks would get a stopped run's slower ranks killed mid-teardown (the launcher reads the outcome from the run
-# directory: runconfig/outcome.py). What the teardown would still do is done here: flush the streams and logs,
+# directory: hpc/policy/outcome.py). What the teardown would still do is done here: flush the streams and logs,
 # finalize MPI.
 sys.stdout.flush()
 sys.stderr.flush()

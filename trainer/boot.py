@@ -11,7 +11,10 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
-from runconfig import ConfigError, RunConfig, RunDir, code, load_config, shm
+from runconfig import ConfigError, RunConfig, load_config
+from rundir import RunDir
+from rundir import snapshot as code
+from storage import shm
 from trainer.env import RuntimeEnv, agree, from_mpi
 from trainer.errors import UserError
 from trainer.loop.stop import EarlySignals, StopFlag
@@ -20,7 +23,7 @@ from trainer.observe.deadline import StartupDeadline
 from trainer.observe.hostmem import fix_mmap_threshold
 from trainer.observe.inject import Injector
 from trainer.observe.startup import StartupClock
-from trainer.observe.tracking import Tracker, open_tracker
+from trainer.observe.tracker_sink import Tracker, open_tracker
 from trainer.parallel.distributed import Distributed, init_distributed, pick_device
 from trainer.parallel.mpi_library import is_mpich, library_name
 

@@ -19,10 +19,11 @@ import torch
 from mpi4py import MPI
 from torch.utils.data import default_collate
 
-from runconfig import RunConfig, RunDir
-from runconfig.allreduce_plan import choose, plan_table
-from runconfig.contract import write_json_atomic
-from runconfig.objstore import Store
+from runconfig import RunConfig
+from rundir import RunDir
+from rundir.allreduce_plan import choose, plan_table
+from rundir.contract import write_json_atomic
+from storage.objstore import Store
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.rng import seed_rank
 from trainer.checkpoint.state import TrainState
@@ -42,7 +43,7 @@ from trainer.observe.replicas import ReplicaCheck
 from trainer.observe.startup import StartupClock
 from trainer.observe.termwatch import TermWatch
 from trainer.observe.timing import peak_memory_mb, peak_tflops
-from trainer.observe.tracking import Tracker
+from trainer.observe.tracker_sink import Tracker
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
 from trainer.parallel.buckets import ddp_bucket_bytes
 from trainer.parallel.comm import check_overlapped

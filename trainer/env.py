@@ -14,9 +14,9 @@ from typing import TypeVar
 
 from mpi4py import MPI
 
-from runconfig.contract import DATA_CACHE_VAR, INJECT_VAR, LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR
-from runconfig.slurmvars import slurm_job_id, slurm_restart_count
-from runconfig.tracking import MLFLOW_URI_VAR, TRACKING_VAR
+from rundir.contract import DATA_CACHE_VAR, INJECT_VAR, LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR
+from rundir.slurmvars import slurm_job_id, slurm_restart_count
+from tracking import MLFLOW_URI_VAR, TRACKING_VAR
 from trainer.errors import UserError
 from trainer.observe import inject
 from trainer.observe.inject import Fault
@@ -46,7 +46,7 @@ class RuntimeEnv:
     data_cache: Path  # where datasets prepared on first use are kept ($HPC_DATA_CACHE)
     launch_id: str = ""  # the launcher's id for this start of the ranks ($HPC_LAUNCH_ID), in history events
     inject: tuple[Fault, ...] = ()  # faults injected on purpose by tests ($HPC_INJECT, trainer/observe/inject.py)
-    tracking_vars: tuple[tuple[str, str], ...] = ()  # HPC_TRACKING, MLFLOW_TRACKING_URI (runconfig/tracking.py)
+    tracking_vars: tuple[tuple[str, str], ...] = ()  # HPC_TRACKING, MLFLOW_TRACKING_URI (tracking/)
 
     @property
     def node(self) -> int:

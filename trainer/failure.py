@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from runconfig import RunDir
+from rundir import RunDir
 from trainer.env import patient_barrier
 
 

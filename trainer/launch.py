@@ -9,8 +9,9 @@ import time
 
 from mpi4py import MPI
 
-from runconfig import RunDir
-from runconfig.contract import (
+from runconfig.load import config_hash
+from rundir import RunDir
+from rundir.contract import (
     EVENT_DONE,
     EVENT_PRUNED,
     EVENT_RESUME,
@@ -27,7 +28,6 @@ from runconfig.contract import (
     append_event,
     write_json_atomic,
 )
-from runconfig.load import config_hash
 from trainer.boot import Booted
 from trainer.build import check_overlap, plan_allreduce, restore_or_start
 from trainer.checkpoint.fingerprint import params_sha256
@@ -46,7 +46,7 @@ from trainer.observe.replicas import ReplicasDiverged
 from trainer.observe.startup import StartupClock
 from trainer.observe.stragglers import NodeEvicted
 from trainer.observe.timing import peak_memory_mb
-from trainer.observe.tracking import launch_tags
+from trainer.observe.tracker_sink import launch_tags
 from trainer.parallel.distributed import gloo_threads
 
 log = logging.getLogger("trainer")

@@ -42,8 +42,8 @@ MPI_DEFAULTS = apply_defaults()  # before MPI starts: the MPI library reads thes
 
 from mpi4py import MPI  # noqa: E402
 
-from runconfig import RunDir  # noqa: E402
-from runconfig.contract import EXIT_FAILED, EXIT_USER_ERROR, FAILURE_CRASH, FAILURE_USER  # noqa: E402
+from rundir import RunDir  # noqa: E402
+from rundir.contract import EXIT_FAILED, EXIT_USER_ERROR, FAILURE_CRASH, FAILURE_USER  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.failure import abort_job, describe, meet, report_failure  # noqa: E402
 from trainer.parallel.mpi_progress import ProgressThread  # noqa: E402
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         meet(comm)
         return EXIT_USER_ERROR
     except OSError as exc:
-        # Storage that kept failing past its retries (runconfig/ioretry.py): a crash, restarted in the job. One that
+        # Storage that kept failing past its retries (storage/ioretry.py): a crash, restarted in the job. One that
         # every rank raised (a checkpoint's GaveUp) is reported by rank 0 and ends every rank without an abort.
         collective = getattr(exc, "collective", False)
         if rank == 0 or not collective:

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from runconfig.contract import EXIT_STOPPED, EXIT_USER_ERROR, INJECT_VAR
+from rundir.contract import EXIT_STOPPED, EXIT_USER_ERROR, INJECT_VAR
 from tests.conftest import history, rank_pids, run_cli, summary, wait_for_step
 from tests.mp.test_checkpoint import assert_close_to, common, env, run, start, submit_args, wait_for_event
 

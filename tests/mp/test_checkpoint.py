@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.checkpoints import generations, read_latest, validate
-from runconfig.contract import EXIT_STOPPED, INJECT_VAR
+from rundir.checkpoints import generations, read_latest, validate
+from rundir.contract import EXIT_STOPPED, INJECT_VAR
 from tests.conftest import PY, ROOT, history, rank_pids, summary, wait_for_step
 
 pytestmark = pytest.mark.mp

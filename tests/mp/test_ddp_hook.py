@@ -1,6 +1,6 @@
 import pytest
 
-from runconfig.contract import SIMULATE_VAR
+from rundir.contract import SIMULATE_VAR
 from tests.conftest import rank_results, run_mpi
 
 pytestmark = pytest.mark.mp

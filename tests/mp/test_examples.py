@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from runconfig.checkpoints import latest_committed
-from runconfig.contract import (
+from rundir.checkpoints import latest_committed
+from rundir.contract import (
     EVENT_CODE,
     EVENT_RESTART,
     EVENT_RESUME,

@@ -5,7 +5,7 @@ split (parallel.meta_init), every layout starts from the same weights."""
 
 import pytest
 
-from runconfig.contract import SIMULATE_VAR
+from rundir.contract import SIMULATE_VAR
 from tests.conftest import rank_results, run_mpi
 
 pytestmark = pytest.mark.mp

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from runconfig.rundir import read_jsonl
+from rundir.paths import read_jsonl
 from tests.conftest import ROOT
 from tests.mp.test_checkpoint import common, start
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.contract import EVENT_HANG, EXIT_FAILED, INJECT_VAR, PART_KEYS
+from rundir.contract import EVENT_HANG, EXIT_FAILED, INJECT_VAR, PART_KEYS
 from tests.conftest import PY, ROOT, rank_pids, wait_for_step
 
 pytestmark = pytest.mark.mp

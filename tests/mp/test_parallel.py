@@ -20,8 +20,8 @@ import signal
 import pytest
 
 from runconfig import load_config
-from runconfig.checkpoints import validate
-from runconfig.contract import EXIT_STOPPED
+from rundir.checkpoints import validate
+from rundir.contract import EXIT_STOPPED
 from tests.conftest import history, rank_pids, summary, wait_for_step
 from tests.mp.test_checkpoint import assert_close_to, common, rows, run, start
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from runconfig.contract import EVENT_PREFLIGHT, EVENT_START, EXIT_FAILED, FAILURE_PREFLIGHT, INJECT_VAR
+from rundir.contract import EVENT_PREFLIGHT, EVENT_START, EXIT_FAILED, FAILURE_PREFLIGHT, INJECT_VAR
 from tests.conftest import PY, ROOT, history
 
 pytestmark = pytest.mark.mp

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from runconfig.checkpoints import read_latest
-from runconfig.rundir import read_jsonl
+from rundir.checkpoints import read_latest
+from rundir.paths import read_jsonl
 from tests.mp.test_checkpoint import TWO_NODES, common, run
 
 pytestmark = pytest.mark.mp

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runconfig.checkpoints import read_latest
-from runconfig.contract import EXIT_USER_ERROR
+from rundir.checkpoints import read_latest
+from rundir.contract import EXIT_USER_ERROR
 from tests.conftest import history, run_cli, summary
 from tests.mp.test_checkpoint import TWO_NODES
 

@@ -4,7 +4,7 @@ caught at the next check, the replica's node named and left out, and the run goe
 
 import pytest
 
-from runconfig.rundir import read_jsonl
+from rundir.paths import read_jsonl
 from tests.mp.test_checkpoint import common, run
 
 pytestmark = pytest.mark.mp

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runconfig.rundir import read_jsonl
+from rundir.paths import read_jsonl
 from tests.mp.test_checkpoint import TWO_NODES, common, run
 
 pytestmark = pytest.mark.mp

@@ -12,9 +12,9 @@ import subprocess
 
 import pytest
 
-from runconfig.checkpoints import generations, read_latest, validate
-from runconfig.contract import EXIT_FAILED, EXIT_USER_ERROR, FAILURE_CRASH, INJECT_VAR
-from runconfig.rundir import RunDir
+from rundir.checkpoints import generations, read_latest, validate
+from rundir.contract import EXIT_FAILED, EXIT_USER_ERROR, FAILURE_CRASH, INJECT_VAR
+from rundir.paths import RunDir
 from tests.conftest import PY, ROOT, summary
 
 pytestmark = pytest.mark.mp

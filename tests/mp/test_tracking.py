@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.checkpoints import read_latest, validate
-from runconfig.contract import EXIT_STOPPED, EXIT_USER_ERROR
-from runconfig.rundir import read_jsonl
+from rundir.checkpoints import read_latest, validate
+from rundir.contract import EXIT_STOPPED, EXIT_USER_ERROR
+from rundir.paths import read_jsonl
 from tests.conftest import PY, ROOT, rank_pids, wait_for_step
 from tests.mp.test_checkpoint import TWO_NODES, common, run, start, wait_for_event
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runconfig.contract import SIMULATE_VAR
 from runconfig.schema import DataConfig
+from rundir.contract import SIMULATE_VAR
 from tests.conftest import run_cli, run_mpi
 from tests.mp.test_checkpoint import TWO_NODES  # the checks below are per rank and per node, not per layout
 from tests.unit.test_data import copy_dataset, flip_high_byte

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from runconfig.checkpoints import generations
+from rundir.checkpoints import generations
 from tests.conftest import history, rank_pids, summary, wait_for_step
 from tests.mp.test_checkpoint import run, start, stopped_by_a_signal
 from tests.s3.conftest import BUCKET, sets

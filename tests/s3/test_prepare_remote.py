@@ -3,8 +3,8 @@ a dataset already there left alone."""
 
 from __future__ import annotations
 
-from runconfig.objstore import Store
 from runconfig.schema import StorageConfig
+from storage.objstore import Store
 from tests.s3.conftest import BUCKET
 from trainer.data.prepare import PrepareSpec, prepare
 from trainer.data.resolve import remote_manifest

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.objstore import Store, StoreError, StoreUnavailable
 from runconfig.schema import StorageConfig
+from storage.objstore import Store, StoreError, StoreUnavailable
 from tests.conftest import PY, ROOT
 from tests.s3.conftest import BUCKET
 from trainer.data.resolve import remote_manifest
@@ -147,7 +147,7 @@ def test_the_node_cache_evicts_least_recently_used_and_names_a_full_disk(s3_smal
 
 FETCH_ALL = """
 import sys
-from runconfig.objstore import Store
+from storage.objstore import Store
 from runconfig.schema import StorageConfig
 from trainer.data.resolve import remote_manifest
 from trainer.data.stream import ShardCache

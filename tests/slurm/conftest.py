@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.rundir import read_jsonl
+from rundir.paths import read_jsonl
 from tests.conftest import ROOT, run_cli, summary
 
 # Apart from a developer's own cluster (16817/17001); HPC_TEST_SLURM_CTLD_PORT / HPC_TEST_SLURM_NODE_PORT move them,

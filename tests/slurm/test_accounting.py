@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.contract import EXIT_USER_ERROR
+from rundir.contract import EXIT_USER_ERROR
 from tests.conftest import ROOT, run_cli
 from tests.slurm.conftest import PORTS, job_info, sets_for, submit, wait_state
 

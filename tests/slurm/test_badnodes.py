@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from runconfig.contract import EVENT_RESTART, EVENT_RESUME, INJECT_VAR
+from rundir.contract import EVENT_RESTART, EVENT_RESUME, INJECT_VAR
 from tests.conftest import ROOT, history, rank_pids, summary
 from tests.slurm.conftest import TWO_NODES, job_info, job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.contract import EVENT_CODE, EVENT_STOPPED, INJECT_VAR
+from rundir.contract import EVENT_CODE, EVENT_STOPPED, INJECT_VAR
 from tests.conftest import example_args, history, run_cli, summary
 from tests.slurm.conftest import wait_step
 from tests.slurm.test_slurm import resumed_bitwise

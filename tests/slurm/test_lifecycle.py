@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from runconfig.contract import EVENT_RESUME, EVENT_STOPPED, EXIT_USER_ERROR
+from rundir.contract import EVENT_RESUME, EVENT_STOPPED, EXIT_USER_ERROR
 from tests.conftest import history, run_cli
 from tests.slurm.conftest import TWO_NODES, job_info, sets_for, submit, wait_state, wait_step
 

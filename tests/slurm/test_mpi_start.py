@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runconfig import shm
+from storage import shm
 from tests.conftest import PY, ROOT
 
 pytestmark = pytest.mark.slurm

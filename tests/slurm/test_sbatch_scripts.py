@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.contract import EVENT_DONE, EVENT_RESTART, EVENT_RESUME, EVENT_START, EVENT_STOPPED
+from rundir.contract import EVENT_DONE, EVENT_RESTART, EVENT_RESUME, EVENT_START, EVENT_STOPPED
 from tests.conftest import ROOT, history, rank_pids, summary
 from tests.slurm.conftest import rank_nodes, sets_for, wait_state, wait_step
 
@@ -91,7 +91,7 @@ def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(slurm, small_dat
 
 
 def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(slurm, small_dataset, tmp_path):
-    """SIGKILL to rank 3 (on n2), job.min_nodes=1: the script asks runconfig.decide, which names n2 from srun's
+    """SIGKILL to rank 3 (on n2), job.min_nodes=1: the script asks hpc.policy.decide, which names n2 from srun's
     first failed-task line; the ranks restart in the same allocation on n1 alone (no requeue), the restart and
     the bad node are in history.jsonl with their evidence, and the run completes."""
     run_dir = tmp_path / "run"

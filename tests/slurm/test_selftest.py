@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from runconfig.contract import EVENT_STOPPED, EXIT_FAILED
-from runconfig.rundir import RunDir
-from runconfig.stopsignal import STEPD, rank_record_path
+from rundir.contract import EVENT_STOPPED, EXIT_FAILED
+from rundir.paths import RunDir
+from rundir.stopsignal import STEPD, rank_record_path
 from tests.conftest import PY, ROOT, history, run_cli
 from tests.slurm.conftest import sets_for
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runconfig.contract import EVENT_STOPPED
+from rundir.contract import EVENT_STOPPED
 from tests.conftest import ROOT, history, summary
 from tests.slurm.conftest import TWO_NODES, job_log, sets_for, wait_state, wait_step
 from tests.slurm.test_slurm import resumed_bitwise

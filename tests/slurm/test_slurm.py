@@ -12,9 +12,10 @@ import subprocess
 
 import pytest
 
-from runconfig import RunDir, dump_yaml, load_config
-from runconfig.checkpoints import read_latest, validate
-from runconfig.contract import EVENT_RESTART, EVENT_RESUME, EVENT_STOPPED, INJECT_VAR
+from runconfig import dump_yaml, load_config
+from rundir import RunDir
+from rundir.checkpoints import read_latest, validate
+from rundir.contract import EVENT_RESTART, EVENT_RESUME, EVENT_STOPPED, INJECT_VAR
 from tests.conftest import PY, ROOT, history, rank_pids, run_cli, summary
 from tests.mp.test_tracking import assert_history_is_metrics_jsonl, client_and_run
 from tests.slurm.conftest import TWO_NODES, job_log, rank_nodes, sets_for, submit, wait_state, wait_step

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from runconfig import load_config
-from runconfig.contract import EVENT_RESUME, EVENT_START, EVENT_STOPPED, EXIT_USER_ERROR, INJECT_VAR
+from rundir.contract import EVENT_RESUME, EVENT_START, EVENT_STOPPED, EXIT_USER_ERROR, INJECT_VAR
 from tests.conftest import history, run_cli
 from tests.slurm.conftest import job_info, sets_for, submit, wait_state
 

@@ -4,8 +4,8 @@ log and `hpc report` print (the measurement itself runs on real process groups i
 import pytest
 
 from runconfig import load_config
-from runconfig.allreduce_plan import choose, plan_table
 from runconfig.load import ConfigError
+from rundir.allreduce_plan import choose, plan_table
 
 PLAN = {
     "topology": [2, 2],

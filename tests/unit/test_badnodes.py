@@ -1,12 +1,12 @@
-"""A run's bad nodes as its history records them (runconfig/badnodes.py): named, taken back, named again."""
+"""A run's bad nodes as its history records them (hpc/policy/badnodes.py): named, taken back, named again."""
 
 import json
 
 import pytest
 
-from runconfig import RunDir
-from runconfig.badnodes import bad_nodes, node_changes, record_bad_node, take_back, take_back_due
-from runconfig.rundir import read_jsonl
+from hpc.policy.badnodes import bad_nodes, node_changes, record_bad_node, take_back, take_back_due
+from rundir import RunDir
+from rundir.paths import read_jsonl
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from runconfig.checkpoints import (
+from rundir.checkpoints import (
     CheckpointInvalid,
     commit,
     generations,

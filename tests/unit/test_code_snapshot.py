@@ -1,4 +1,4 @@
-"""The recipe's code snapshot (runconfig/code.py): found without importing, copied into RUN_DIR/code at submit
+"""The recipe's code snapshot (rundir/snapshot.py): found without importing, copied into RUN_DIR/code at submit
 time, verified and put first on the import path by every launch. Real files in tmp_path; no training is run."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from runconfig import ConfigError, RunDir
-from runconfig import code as codesnap
-from runconfig.contract import EVENT_CODE, EXIT_USER_ERROR
-from runconfig.rundir import read_jsonl
+from runconfig import ConfigError
+from rundir import RunDir
+from rundir import snapshot as codesnap
+from rundir.contract import EVENT_CODE, EXIT_USER_ERROR
+from rundir.paths import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "mypkg.train:recipe"

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from runconfig import ConfigError, RunDir, load_config
-from runconfig.contract import EXIT_USER_ERROR
+from runconfig import ConfigError, load_config
 from runconfig.load import example_names
+from rundir import RunDir
+from rundir.contract import EXIT_USER_ERROR
 from tests.conftest import run_cli
 
 
@@ -225,7 +226,7 @@ def test_existing_run_dir_is_refused(tmp_path):
 
 
 def test_hpc_does_not_import_torch():
-    proc = run_cli(["-c", "import sys, hpc.submit, hpc.local, hpc.mpi, hpc.progress; print('torch' in sys.modules)"])
+    proc = run_cli(["-c", "import sys, hpc.submit, hpc.local, hpc.mpi, hpc.follow; print('torch' in sys.modules)"])
     assert proc.stdout.strip() == "False", proc.stderr
     assert sys.executable
 

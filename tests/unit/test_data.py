@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
-from runconfig.contract import EXIT_USER_ERROR
-from runconfig.ioretry import RetryPolicy
+from rundir.contract import EXIT_USER_ERROR
+from storage.ioretry import RetryPolicy
 from tests.conftest import run_cli
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.prepare import EOS, PrepareSpec, prepare

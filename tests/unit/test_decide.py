@@ -1,4 +1,4 @@
-"""The one decision every launcher takes after a launch (runconfig/decide.py), on real run-directory records."""
+"""The one decision every launcher takes after a launch (hpc/policy/decide.py), on real run-directory records."""
 
 import dataclasses
 import json
@@ -9,8 +9,11 @@ import time
 
 import pytest
 
-from runconfig import RunDir, dump_yaml, load_config
-from runconfig.contract import (
+from hpc.policy.decide import Situation, decide, record_decision, restarts_so_far
+from hpc.policy.outcome import Ended
+from runconfig import dump_yaml, load_config
+from rundir import RunDir
+from rundir.contract import (
     EVENT_RESTART,
     EVENT_STOPPED,
     EXIT_DONE,
@@ -22,9 +25,7 @@ from runconfig.contract import (
     FAILURE_USER,
     append_event,
 )
-from runconfig.decide import Situation, decide, record_decision, restarts_so_far
-from runconfig.outcome import Ended
-from runconfig.rundir import read_jsonl
+from rundir.paths import read_jsonl
 from tests.conftest import ROOT
 
 SLURM = Situation(slurm=True)
@@ -103,7 +104,7 @@ def test_restarts_off(rundir):
 def test_the_sbatch_entry_point_records_the_restart(rundir):
     append_event(rundir.history, EVENT_STOPPED, step=3, launch="other")
     out = subprocess.run(
-        [sys.executable, "-m", "runconfig.decide", str(rundir.root), "L1", "137", "--requeues", "0"],
+        [sys.executable, "-m", "hpc.policy.decide", str(rundir.root), "L1", "137", "--requeues", "0"],
         capture_output=True, text=True, cwd=ROOT, check=True,
     )  # fmt: skip
     first, message, nodes, exclude = out.stdout.splitlines()
@@ -111,7 +112,7 @@ def test_the_sbatch_entry_point_records_the_restart(rundir):
     restart = read_jsonl(rundir.history)[-1]
     assert restart["event"] == EVENT_RESTART and restart["launch"] == "L1" and restart["status"] == 137
     out = subprocess.run(
-        [sys.executable, "-m", "runconfig.decide", str(rundir.root), "L2", "0", "--local"],
+        [sys.executable, "-m", "hpc.policy.decide", str(rundir.root), "L2", "0", "--local"],
         capture_output=True, text=True, cwd=ROOT, check=True,
     )  # fmt: skip
     assert out.stdout.splitlines()[0] == "done 0 0"

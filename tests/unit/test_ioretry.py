@@ -1,4 +1,4 @@
-"""Retrying transient storage errors (runconfig/ioretry.py): which errors are transient, the back-off, giving up,
+"""Retrying transient storage errors (storage/ioretry.py): which errors are transient, the back-off, giving up,
 and the two readers that use it (a data window, a checkpoint generation's manifest).
 
 Real errors from the kernel where one can be had: reading /proc/self/mem at an unmapped address (offset 0) fails
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from runconfig import ConfigError, load_config
-from runconfig.checkpoints import CheckpointInvalid, commit, latest_committed, newest_valid, read_latest, validate
-from runconfig.ioretry import RetryPolicy, io_errno, is_transient, retry
+from rundir.checkpoints import CheckpointInvalid, commit, latest_committed, newest_valid, read_latest, validate
+from storage.ioretry import RetryPolicy, io_errno, is_transient, retry
 from trainer.data.dataset import TokenShards
 from trainer.errors import UserError
 from trainer.observe.inject import Injector, parse

@@ -7,7 +7,7 @@ import pytest
 from hpc.local import node_wraps
 from hpc.mpi import LauncherError, MpiLauncher
 from runconfig import load_config
-from runconfig.contract import NODE_WRAP_VAR
+from rundir.contract import NODE_WRAP_VAR
 from tests.conftest import run_cli
 
 PROGRAM = ["python", "-m", "trainer", "--run-dir", "R"]

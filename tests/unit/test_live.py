@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runconfig import RunDir
-from runconfig.contract import append_event
 from runconfig.load import ConfigError, load_config
+from rundir import RunDir
+from rundir.contract import append_event
 from trainer.env import RuntimeEnv
 from trainer.observe.live import LiveMetrics
 from trainer.parallel.topology import Topology

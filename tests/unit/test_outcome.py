@@ -1,8 +1,8 @@
 """A launch's outcome comes from what that launch recorded in the run directory, not from the launcher's status."""
 
-from runconfig import RunDir
-from runconfig.contract import EVENT_DONE, EVENT_START, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED, append_event
-from runconfig.outcome import Ended, how_it_ended, launch_outcome, new_launch_id
+from hpc.policy.outcome import Ended, how_it_ended, launch_outcome, new_launch_id
+from rundir import RunDir
+from rundir.contract import EVENT_DONE, EVENT_START, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED, append_event
 from tests.unit.test_checkpoint_layout import make_generation
 
 

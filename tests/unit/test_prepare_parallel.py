@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from runconfig.contract import INJECT_VAR
+from rundir.contract import INJECT_VAR
 from tests.conftest import PY, ROOT
 from trainer.data.prepare import PrepareSpec, prepare, work_folder
 

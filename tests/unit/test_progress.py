@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-import runconfig.progress
-from runconfig.progress import Progress
+import rundir.progress
+from rundir.progress import Progress
 
 
 class Terminal(io.StringIO):
@@ -26,7 +26,7 @@ class Clock:
 def clock(monkeypatch) -> Clock:
     """One fake clock for the plain lines (time.monotonic) and for tqdm (tqdm.std's time)."""
     fake = Clock(1000.0)
-    monkeypatch.setattr(runconfig.progress, "time", types.SimpleNamespace(monotonic=fake))
+    monkeypatch.setattr(rundir.progress, "time", types.SimpleNamespace(monotonic=fake))
     monkeypatch.setattr("tqdm.std.time", fake)
     return fake
 

@@ -1,4 +1,4 @@
-"""The record of a submission (runconfig/record.py): the variables that change behaviour without credentials, and
+"""The record of a submission (rundir/record.py): the variables that change behaviour without credentials, and
 the recipe's project repository with its commit and uncommitted diff, read from a real git checkout."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from runconfig.record import project_repository, recorded_environment, write_submission
+from rundir.record import project_repository, recorded_environment, write_submission
 
 
 def test_behaviour_variables_are_kept_and_credentials_left_out():

@@ -58,8 +58,8 @@ def test_the_digest_sees_one_flipped_bit():
 def test_a_spike_is_judged_against_the_recent_median_and_stop_names_the_step(tmp_path):
     import pytest
 
-    from runconfig import RunDir
     from runconfig.load import load_config
+    from rundir import RunDir
     from trainer.errors import UserError
     from trainer.loop.spikes import LossSpike, SpikeWatch, apply_skips, record_skip
 

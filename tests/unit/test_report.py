@@ -13,8 +13,8 @@ import pytest
 from hpc.report import main as report_main
 from hpc.report import step_time_lines, write_report
 from hpc.runlog import analyze
-from runconfig import RunDir
-from runconfig.contract import (
+from rundir import RunDir
+from rundir.contract import (
     EVENT_DONE,
     EVENT_HANG,
     EVENT_RESUME,

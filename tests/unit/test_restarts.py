@@ -3,12 +3,13 @@ says so, on the nodes it names; every decision recorded in the run's history."""
 
 import dataclasses
 
+from hpc.policy.decide import Situation
+from hpc.policy.outcome import Ended
 from hpc.restarts import until_settled
-from runconfig import RunDir, dump_yaml, load_config
-from runconfig.contract import EVENT_RESTART, FAILURE_CRASH
-from runconfig.decide import Situation
-from runconfig.outcome import Ended
-from runconfig.rundir import read_jsonl
+from runconfig import dump_yaml, load_config
+from rundir import RunDir
+from rundir.contract import EVENT_RESTART, FAILURE_CRASH
+from rundir.paths import read_jsonl
 
 
 @dataclasses.dataclass

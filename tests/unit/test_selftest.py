@@ -19,9 +19,10 @@ from hpc.report import facts, markdown, summary_lines
 from hpc.runlog import analyze
 from hpc.selftest import Observed, assess, exit_status, rank_ranges, render, summary
 from hpc.verbs import print_status, status
-from runconfig import ConfigError, RunDir, dump_yaml, load_config
-from runconfig.contract import EVENT_START, EVENT_STOPPED, EXIT_DONE, EXIT_FAILED, EXIT_LEAD_SHORT, append_event
-from runconfig.stopsignal import (
+from runconfig import ConfigError, dump_yaml, load_config
+from rundir import RunDir
+from rundir.contract import EVENT_START, EVENT_STOPPED, EXIT_DONE, EXIT_FAILED, EXIT_LEAD_SHORT, append_event
+from rundir.stopsignal import (
     SAFETY_FACTOR,
     LeadBudget,
     budget_path,

@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from hpc.slurm import sbatch_script
-from runconfig import ConfigError, RunDir, load_config
+from runconfig import ConfigError, load_config
 from runconfig.schema import slurm_minutes
+from rundir import RunDir
 from tests.conftest import run_cli
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "tiny_slurm.sbatch"

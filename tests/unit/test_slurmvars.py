@@ -4,7 +4,7 @@ import pytest
 from mpi4py import MPI
 
 from hpc.driver import SlurmJob
-from runconfig.slurmvars import slurm_restart_count
+from rundir.slurmvars import slurm_restart_count
 from trainer.env import from_mpi
 
 

@@ -1,5 +1,5 @@
 """Sweep files (hpc/sweep.py): grids, random search from a seed, their errors; ASHA's rule over a real rung file
-(runconfig/prune.py), several writers at once."""
+(rundir/rungs.py), several writers at once."""
 
 import json
 import math
@@ -10,8 +10,8 @@ import yaml
 
 from hpc.sweep import expand, read_spec
 from runconfig import ConfigError
-from runconfig.prune import judge, report
 from runconfig.schema import PruneConfig
+from rundir.rungs import judge, report
 
 
 def spec_file(tmp_path, data) -> object:

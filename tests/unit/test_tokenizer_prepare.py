@@ -12,8 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-from runconfig.digest import sha256_file
 from runconfig.schema import DataConfig
+from storage.digest import sha256_file
 from tests.conftest import run_cli
 from trainer.data.dataset import read_manifest
 from trainer.data.prepare import PrepareSpec, TokenizerError, load_tokenizer, prepare

@@ -1,4 +1,4 @@
-"""Tracking (runconfig/tracking.py, trainer/observe/tracking.py) against a real embedded MLflow store: where a run
+"""Tracking (tracking/, trainer/observe/tracker_sink.py) against a real embedded MLflow store: where a run
 is tracked, and rank 0's sink sending each step once across a failed launch, a resume and a kill mid-send."""
 
 import json
@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from runconfig import ConfigError, RunDir, dump_yaml, load_config
+from runconfig import ConfigError, dump_yaml, load_config
 from runconfig.schema import TrackingConfig
-from runconfig.tracking import TrackingState, metric_points, resolve, store_problem
-from trainer.observe.tracking import Tracker
+from rundir import RunDir
+from tracking import TrackingState, metric_points, resolve, store_problem
+from trainer.observe.tracker_sink import Tracker
 
 
 def test_where_a_run_is_tracked(tmp_path):
@@ -227,7 +228,7 @@ def test_wandb_offline_is_the_same_interface_and_each_step_goes_once(tmp_path):
 
 
 def test_a_queue_past_its_bound_is_read_back_from_metrics_jsonl_and_each_step_goes_once(tmp_path, monkeypatch):
-    from runconfig.tracking import hold_lock
+    from tracking import hold_lock
     from trainer.observe import tracker_agent
 
     monkeypatch.setattr(tracker_agent, "MAX_QUEUED", 5)
@@ -258,13 +259,13 @@ def test_a_store_creation_killed_part_way_leaves_no_half_made_store(tmp_path):
     import sys
     import time
 
-    from runconfig.tracking import create_store
+    from tracking import create_store
 
     rundir = RunDir(tmp_path / "runs" / "run")
     rundir.create()
     target = resolve(TrackingConfig(backend="mlflow"), rundir, {})
     code = (
-        "import sys; from runconfig.tracking import Target, create_store; "
+        "import sys; from tracking import Target, create_store; "
         f"create_store(Target('mlflow', {target.uri!r}, 'e', 'r', {target.artifact_location!r}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])

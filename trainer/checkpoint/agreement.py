@@ -7,7 +7,7 @@ group, usable from the background thread of an async save, and a wait that block
 on a core. Each phase must end within the group's timeout on every rank (``comm.timeout_s`` on the default group;
 torch's default for a group of its own).
 
-A phase whose failures are all transient storage errors (runconfig/ioretry.py) is retried as a unit, on every rank,
+A phase whose failures are all transient storage errors (storage/ioretry.py) is retried as a unit, on every rank,
 while ``checkpoint.io_retries`` allows: the decision depends only on what every rank gathered, so every rank takes
 the same one.
 """
@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from runconfig.ioretry import GaveUp, RetryPolicy, describe, io_errno, is_transient, retry
+from storage.ioretry import GaveUp, RetryPolicy, describe, io_errno, is_transient, retry
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Agreement:
 
 
 def notes(exc: BaseException) -> str:
-    """The notes on ``exc`` (runconfig/ioretry.py's "gave up after N attempt(s) ..."), each in parentheses."""
+    """The notes on ``exc`` (storage/ioretry.py's "gave up after N attempt(s) ..."), each in parentheses."""
     return "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
 
 

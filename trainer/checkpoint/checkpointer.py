@@ -1,5 +1,5 @@
 """Saving and restoring training state as atomic checkpoint generations: the one object the loop and the build
-use, over the parts that do each job (layout: runconfig/checkpoints.py).
+use, over the parts that do each job (layout: rundir/checkpoints.py).
 
 - when to save: ``due_by_steps``, ``due_by_time`` (checkpoint.every_steps, every_minutes, at_end);
 - writing, committing and pruning: ``writer.py`` (with ``async_save``, from a background thread on CPU copies);
@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
-from runconfig import RunConfig, RunDir
-from runconfig.checkpoints import step_name
-from runconfig.ioretry import BUDGET_S, RetryPolicy
-from runconfig.objstore import Store
+from runconfig import RunConfig
+from rundir import RunDir
+from rundir.checkpoints import step_name
+from storage.ioretry import BUDGET_S, RetryPolicy
+from storage.objstore import Store
 from trainer.checkpoint.agreement import Agreement, Failed
 from trainer.checkpoint.compat import FORMAT, options
 from trainer.checkpoint.fingerprint import params_sha256

@@ -1,4 +1,4 @@
-"""Finding, verifying and loading the newest valid generation (layout: runconfig/checkpoints.py).
+"""Finding, verifying and loading the newest valid generation (layout: rundir/checkpoints.py).
 
 No rank reads the whole generation: rank 0 reads the manifest and checks the sizes, and the files are split over
 the ranks by size, each rank hashing its share. A newer generation that does not verify is skipped with a warning
@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from runconfig.checkpoints import CheckpointInvalid, generations, newest_valid, remove_stale_tmp, sha256_file, validate
-from runconfig.ioretry import GaveUp, is_transient
+from rundir.checkpoints import CheckpointInvalid, generations, newest_valid, remove_stale_tmp, sha256_file, validate
+from storage.ioretry import GaveUp, is_transient
 from trainer.checkpoint.agreement import Agreement, Failed, raise_crash, read_failed, root_cause
 from trainer.checkpoint.compat import Changes, check_compatible, options, renamed, warm_start
 from trainer.checkpoint.fingerprint import owners, params_sha256, params_sha256_v1

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runconfig.checkpoints import (
+from rundir.checkpoints import (
     MANIFEST,
     STEP_RE,
     TMP_PREFIX,
@@ -31,8 +31,8 @@ from runconfig.checkpoints import (
     manifest_digest,
     validate,
 )
-from runconfig.ioretry import GaveUp
-from runconfig.objstore import Store, StoreError, StoreUnavailable, join
+from storage.ioretry import GaveUp
+from storage.objstore import Store, StoreError, StoreUnavailable, join
 from trainer.checkpoint.agreement import Agreement, Failed
 from trainer.checkpoint.reader import shares
 from trainer.errors import UserError

@@ -20,7 +20,7 @@ class TrainState:
     last_loss: float | None = None
     last_eval_loss: float | None = None
     elapsed_s: float = 0.0  # wall time spent in training over all runs of this run directory
-    # comm.allreduce=auto: the measured plan (runconfig/allreduce_plan.py), reused on resume so the gradients are
+    # comm.allreduce=auto: the measured plan (rundir/allreduce_plan.py), reused on resume so the gradients are
     # reduced in the same order as before the stop
     allreduce_plan: dict | None = None
 

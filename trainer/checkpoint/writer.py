@@ -1,4 +1,4 @@
-"""Writing one checkpoint generation, committing it and pruning the old ones (layout: runconfig/checkpoints.py).
+"""Writing one checkpoint generation, committing it and pruning the old ones (layout: rundir/checkpoints.py).
 
 The writes (a fresh temporary folder, the model and optimizer through DCP, each rank's own files, the digests of
 what each rank wrote) are retried as a unit, on every rank, after a transient storage error; the commit (rank 0:
@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
-from runconfig.checkpoints import TMP_PREFIX, commit, fsync_path, prune, sha256_file
-from runconfig.ioretry import GaveUp
+from rundir.checkpoints import TMP_PREFIX, commit, fsync_path, prune, sha256_file
+from storage.ioretry import GaveUp
 from trainer.checkpoint.agreement import Agreement, Failed, notes, root_cause
 from trainer.checkpoint.fingerprint import tensors_sha256
 from trainer.errors import UserError

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runconfig.contract import INJECT_VAR
-from runconfig.objstore import Store, StoreError, is_url, local_path
 from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
+from rundir.contract import INJECT_VAR
+from storage.objstore import Store, StoreError, is_url, local_path
 from trainer.data.prepare import PART_BYTES, STDLIB, PrepareSpec, TokenizerError, prepare
 from trainer.observe.inject import parse
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from runconfig.ioretry import RetryPolicy, is_transient, retry
-from runconfig.objstore import join
+from storage.ioretry import RetryPolicy, is_transient, retry
+from storage.objstore import join
 from trainer.data.stream import ShardCache
 from trainer.errors import UserError
 
@@ -60,7 +60,7 @@ class TokenShards:
     window), so a damaged token stops this rank with the shard and offset named instead of an IndexError in the
     model; a dataset whose shards were verified by checksum at start-up does not need it.
 
-    A read that fails with a transient storage error (runconfig/ioretry.py) is retried under ``retry``, the shard
+    A read that fails with a transient storage error (storage/ioretry.py) is retried under ``retry``, the shard
     reopened each time; when the retries are exhausted the error propagates (a crash, restarted by the launcher).
     ``before_read`` is called with the shard's path before each read (fault injection in tests)."""
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from runconfig.ioretry import is_transient
+from storage.ioretry import is_transient
 from trainer.data.buckets import lengths_of, padding_fraction
 from trainer.data.order import Order, OrderSpec, make_order, rank_slice, shard_sizes_of
 from trainer.errors import UserError, first_line

@@ -31,7 +31,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from runconfig.digest import sha256_file
+from storage.digest import sha256_file
 
 FORMAT = 1  # of prepared datasets (the manifest's "format"; the shards' "format" attribute)
 #: Documents (or source bytes) encoded per batch when a tokenizer is used.

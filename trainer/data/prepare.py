@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from runconfig.digest import sha256_file
-from runconfig.objstore import Store, StoreError, is_url, join, local_path
 from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
+from storage.digest import sha256_file
+from storage.objstore import Store, StoreError, is_url, join, local_path
 from trainer.data.passes import FORMAT, Plan, cut_parts, parts_done, run_passes
 
 TOKENIZER = "bytes"

@@ -18,9 +18,9 @@ from typing import TypeVar
 
 from mpi4py import MPI
 
-from runconfig.ioretry import RetryPolicy
-from runconfig.objstore import Store, StoreError, StoreUnavailable, is_url, join
 from runconfig.schema import DataConfig, StorageConfig
+from storage.ioretry import RetryPolicy
+from storage.objstore import Store, StoreError, StoreUnavailable, is_url, join
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.prepare import (
     STDLIB,

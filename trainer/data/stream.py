@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from runconfig.objstore import Store, StoreError, join
+from storage.objstore import Store, StoreError, join
 from trainer.errors import UserError
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from runconfig.digest import sha256_file
+from storage.digest import sha256_file
 from trainer.data.dataset import reprepare_hint
 from trainer.errors import UserError
 

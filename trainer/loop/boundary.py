@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from runconfig.checkpoints import read_latest
+from rundir.checkpoints import read_latest
 from trainer.errors import UserError
 from trainer.loop.parts import Parts
 

@@ -1,5 +1,5 @@
 """A sweep element's rungs (prune.*): at each rung step rank 0 reports the step's prune.metric to the sweep's rung
-file and judges it by ASHA's rule (runconfig/prune.py); every rank learns the verdict. A pruned element ends like a
+file and judges it by ASHA's rule (rundir/rungs.py); every rank learns the verdict. A pruned element ends like a
 completed one, with the rung's checkpoint committed and a "pruned" event: not failed, not requeued."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
-from runconfig import RunConfig, RunDir
-from runconfig.prune import report, rungs_path
-from runconfig.rundir import read_jsonl
+from runconfig import RunConfig
+from rundir import RunDir
+from rundir.paths import read_jsonl
+from rundir.rungs import report, rungs_path
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 
-from runconfig import RunDir
-from runconfig.contract import write_json_atomic
 from runconfig.schema import TrainConfig
+from rundir import RunDir
+from rundir.contract import write_json_atomic
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)

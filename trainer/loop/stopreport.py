@@ -1,5 +1,5 @@
 """Who received a stop signal and what a stop costs, measured by the trainer on every run (the records and the
-lead-time rule are runconfig/stopsignal.py's):
+lead-time rule are rundir/stopsignal.py's):
 
 - ``record_signal_path`` (every rank, at start): how a signal reaches this rank, in logs/signal_rank_NNNNN.json. A
   stop signal blocked since the process started is a warning: the rank cannot stop on it.
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from runconfig import RunDir
-from runconfig.contract import write_json_atomic
-from runconfig.stopsignal import (
+from rundir import RunDir
+from rundir.contract import write_json_atomic
+from rundir.stopsignal import (
     LeadBudget,
     budget_path,
     describe_process,

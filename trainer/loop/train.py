@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from runconfig.checkpoints import read_latest
+from rundir.checkpoints import read_latest
 from trainer.loop.boundary import Boundary, Earlier
 from trainer.loop.evaluate import evaluate
 from trainer.loop.parts import Parts

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from runconfig.contract import INJECT_VAR
+from rundir.contract import INJECT_VAR
 from trainer.errors import UserError
 
 KINDS = (

@@ -19,10 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-from runconfig import RunDir
-from runconfig.contract import launches_and_restarts, write_json_atomic
-from runconfig.rundir import read_jsonl
 from runconfig.schema.live import LiveConfig
+from rundir import RunDir
+from rundir.contract import launches_and_restarts, write_json_atomic
+from rundir.paths import read_jsonl
 from trainer.env import RuntimeEnv, agree, patient_allgather
 from trainer.observe.watchdog import BeatReader
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runconfig import RunConfig, RunDir
-from runconfig.progress import Progress
+from runconfig import RunConfig
+from rundir import RunDir
+from rundir.progress import Progress
 from trainer.env import RuntimeEnv
 from trainer.observe.inject import Injector
 from trainer.observe.live import LiveMetrics
@@ -18,7 +19,7 @@ from trainer.observe.replicas import ReplicaCheck
 from trainer.observe.stragglers import StragglerCheck
 from trainer.observe.tboard import TensorBoard
 from trainer.observe.timing import StepClock, memory_now_mb, peak_tflops
-from trainer.observe.tracking import Tracker
+from trainer.observe.tracker_sink import Tracker
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import Distributed
 

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from runconfig import RunDir
-from runconfig.contract import EVENT_PREFLIGHT, FAILURE_PREFLIGHT, append_event
+from rundir import RunDir
+from rundir.contract import EVENT_PREFLIGHT, FAILURE_PREFLIGHT, append_event
 from trainer.data.loader import BatchLoader
 from trainer.env import RuntimeEnv, patient_allgather
 from trainer.errors import first_line

@@ -1,4 +1,4 @@
-"""What a launch ran on, for RUN_DIR/record/launch-NNN.json (runconfig/record.py): the software (Python, torch,
+"""What a launch ran on, for RUN_DIR/record/launch-NNN.json (rundir/record.py): the software (Python, torch,
 CUDA, NCCL, the MPI library, every installed distribution), each node with its ranks, CPU, memory and GPUs, and the
 environment variables that change behaviour (the Slurm allocation's SLURM_* among them; credentials left out)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from runconfig.record import next_number, recorded_environment, write_json
-from runconfig.rundir import RunDir
+from rundir.paths import RunDir
+from rundir.record import next_number, recorded_environment, write_json
 from trainer.parallel.mpi_library import library_name
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 
-from runconfig import RunDir
+from rundir import RunDir
 from trainer.env import RuntimeEnv
 from trainer.loop.stop import StopFlag
 from trainer.observe.watchdog import Watchdog

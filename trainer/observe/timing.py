@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from runconfig.contract import PARTS
+from rundir.contract import PARTS
 from trainer.parallel.comm import BlockedIntervals
 from trainer.parallel.commtime import CommLedger
 

@@ -1,7 +1,7 @@
 """The tracker's sender, a process of its own beside rank 0 (``python -m trainer.observe.tracker_agent``): every
 metrics.jsonl record, sent once.
 
-Rank 0 (trainer/observe/tracking.py) writes operations to this process's stdin as JSON lines: ``start`` (the
+Rank 0 (trainer/observe/tracker_sink.py) writes operations to this process's stdin as JSON lines: ``start`` (the
 target, the run directory, the params, the log), ``begin`` (a launch's step, tags and files), ``record``,
 ``committed`` (a checkpoint's step), ``tags``, ``file`` and ``finish``; end of input is the end of the launch. A
 process of its own, at the lowest CPU priority, so that the client's imports, its store and its sending neither
@@ -27,8 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from runconfig.rundir import RunDir, iter_jsonl, read_jsonl
-from runconfig.tracking import (
+from rundir.paths import RunDir, iter_jsonl, read_jsonl
+from tracking import (
     Target,
     TrackingState,
     client_environment,

@@ -38,9 +38,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from runconfig import RunDir
-from runconfig.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event
 from runconfig.schema import MonitorConfig
+from rundir import RunDir
+from rundir.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event
 from trainer.env import RuntimeEnv
 
 HANG_KEY = "hpc/watchdog/hang"

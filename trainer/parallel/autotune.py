@@ -112,7 +112,7 @@ def _leads(per_round: dict[str, list[float]], alive: list[str]) -> bool:
 
 
 def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_network: bool = False) -> dict:
-    """The plan for these bucket sizes (bytes): see runconfig/allreduce_plan.py for its use and table. With
+    """The plan for these bucket sizes (bytes): see rundir/allreduce_plan.py for its use and table. With
     ``one_network`` (every rank on one host in one network namespace: every "inter-node" link is loopback) the
     figures are measured and recorded but flat is chosen for every size: there the other algorithms, faster when
     timed alone, lost in training (docs/measurements/overhead.md, "one host, more rounds, and the CPU a step

@@ -152,7 +152,7 @@ class RecipeContext:
         """A file of the recipe's, by path or object-storage URL (``s3://bucket/key``, any fsspec URL), opened
         through the run's ``storage:`` section (endpoint; credentials from the environment): a file object for
         ``with``. A missing object, denied access or an unreachable store is a UserError naming the URL."""
-        from runconfig.objstore import Store, StoreError, StoreUnavailable
+        from storage.objstore import Store, StoreError, StoreUnavailable
 
         store = Store(self.config.storage)
         try:

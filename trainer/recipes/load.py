@@ -3,7 +3,7 @@
 Every problem is a one-paragraph ``UserError`` naming the recipe (and the key or rank): a module that does not
 import, a missing or non-callable attribute, arguments the recipe rejects, a result that is not a ``Recipe``, a
 model without parameters, a dataset that is empty or shorter than one global batch. The module is imported from
-the run directory's code snapshot when there is one (``runconfig.code.activate`` put it first on ``sys.path``).
+the run directory's code snapshot when there is one (``rundir.snapshot.activate`` put it first on ``sys.path``).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from runconfig.allreduce_plan import choose
 from runconfig.schema import CommConfig
+from rundir.allreduce_plan import choose
 from trainer.env import from_mpi
 from trainer.parallel.autotune import measure
 from trainer.parallel.comm import ALGORITHMS, hierarchical_all_reduce

@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 from runconfig import load_config
-from runconfig.allreduce_plan import choose
+from rundir.allreduce_plan import choose
 from trainer.env import from_mpi
 from trainer.loop.optim import build_optimizer
 from trainer.models.gpt import GPT, loss_fn

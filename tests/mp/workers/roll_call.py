@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from runconfig import RunDir
 from runconfig.schema import CommConfig, MonitorConfig
+from rundir import RunDir
 from trainer.env import from_mpi
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import init_distributed, shutdown

@@ -73,7 +73,7 @@ class RunDir:
     @property
     def code(self) -> Path:
         """The recipe's code snapshot taken at submit time (its package or module, and manifest.json); every launch
-        checks it and imports the recipe from here (runconfig/code.py)."""
+        checks it and imports the recipe from here (rundir/snapshot.py)."""
         return self.root / "code"
 
     @property
@@ -82,12 +82,12 @@ class RunDir:
 
     @property
     def record(self) -> Path:
-        """What each submission was and what each launch ran on (runconfig/record.py)."""
+        """What each submission was and what each launch ran on (rundir/record.py)."""
         return self.root / "record"
 
     @property
     def tracking(self) -> Path:
-        """The tracker run's id and how far the tracker has the metrics (runconfig/tracking.py)."""
+        """The tracker run's id and how far the tracker has the metrics (tracking/)."""
         return self.root / "tracking.json"
 
     def rank_log(self, rank: int) -> Path:
@@ -95,9 +95,9 @@ class RunDir:
 
     def write_failure(self, rank: int, message: str, kind: str, suspects: list[dict] | None = None) -> None:
         """Record the trainer's diagnosis for the launcher and status: the rank that found it, the message, its kind
-        (runconfig/contract.py FAILURE_*: bad input is never retried) and the ranks it points at, each
+        (rundir/contract.py FAILURE_*: bad input is never retried) and the ranks it points at, each
         ``{"rank": r, "node": NODE, "why": ...}`` (NODE: the Slurm node name, else the host; the launcher leaves
-        those nodes out of the next launch, runconfig/badnodes.py)."""
+        those nodes out of the next launch, hpc/policy/badnodes.py)."""
         record = {"rank": rank, "message": message, "kind": kind}
         if suspects:
             record["suspects"] = suspects

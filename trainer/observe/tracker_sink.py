@@ -18,9 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-from runconfig.contract import launches_and_restarts
-from runconfig.rundir import RunDir, read_jsonl
-from runconfig.tracking import Target, TrackingState
+from rundir.contract import launches_and_restarts
+from rundir.paths import RunDir, read_jsonl
+from tracking import Target, TrackingState
 
 log = logging.getLogger("trainer.tracking")
 TRAINER_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the trainer package
@@ -194,7 +194,7 @@ def open_tracker(cfg, env, rundir: RunDir, comm) -> Tracker | None:
     import importlib.util
 
     from runconfig.load import to_dict
-    from runconfig.tracking import flat_params, resolve, store_problem
+    from tracking import flat_params, resolve, store_problem
     from trainer.env import agree
 
     target = resolve(cfg.tracking, rundir, dict(env.tracking_vars))

@@ -21,9 +21,9 @@ import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from runconfig.contract import write_json_atomic
-from runconfig.digest import sha256_file
-from runconfig.ioretry import is_transient
+from rundir.contract import write_json_atomic
+from storage.digest import sha256_file
+from storage.ioretry import is_transient
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -68,7 +68,7 @@ def generations(root: Path) -> list[tuple[int, Path]]:
 def validate(path: Path, *, verify_hashes: bool = True) -> dict:
     """Return the manifest of a valid generation, or raise CheckpointInvalid naming what is wrong.
 
-    A transient read error (EIO, ESTALE, ...: runconfig/ioretry.py) says nothing about the generation: it
+    A transient read error (EIO, ESTALE, ...: storage/ioretry.py) says nothing about the generation: it
     propagates as the OSError it is, for the caller to retry, and never makes a good generation look corrupt.
     """
     mpath = path / MANIFEST

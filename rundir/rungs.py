@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runconfig.rundir import RunDir
 from runconfig.schema.prune import PruneConfig
+from rundir.paths import RunDir
 
 RUNGS_NAME = "rungs.jsonl"
 

@@ -1,6 +1,6 @@
 """What a launcher does once a launch of the ranks has ended: one pure function of the run directory's records
 and the config, used by every launcher (the local one and the Slurm driver through hpc/restarts.py, the sbatch
-scripts through ``python -m runconfig.decide``). Torch-free.
+scripts through ``python -m hpc.policy.decide``). Torch-free.
 
 - done: training is complete.
 - stopped with a committed checkpoint: locally the run ends resumable (75). Under Slurm the job is requeued for the
@@ -12,7 +12,7 @@ scripts through ``python -m runconfig.decide``). Torch-free.
   from the newest valid checkpoint, after a back-off doubling with each restart, up to ``job.max_failures``; each
   restart is a history event with its cause (``record_decision``).
 - bad nodes: the nodes a failure points at (failure.json's suspects, else the rank whose process the launcher saw
-  end first) are named bad (runconfig/badnodes.py) and no later launch uses them: the restart goes on with the
+  end first) are named bad (hpc/policy/badnodes.py) and no later launch uses them: the restart goes on with the
   nodes left when at least ``job.min_nodes`` remain, else a Slurm run continues in a new job with ``--exclude``
   (``resubmit``: a running job's exclusions cannot change) and a local run ends. A stop that would requeue is
   resubmitted too once the run has bad nodes.
@@ -27,8 +27,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from runconfig.badnodes import bad_nodes, due_back, record_bad_node, retake_how, suspects_of, take_back
-from runconfig.contract import (
+from hpc.policy.badnodes import bad_nodes, due_back, record_bad_node, retake_how, suspects_of, take_back
+from hpc.policy.outcome import Ended, how_it_ended
+from hpc.slurmctl import held_by_slurm
+from runconfig.schema import JobConfig
+from rundir.contract import (
     EVENT_PRUNED,
     EVENT_RESTART,
     EXIT_DONE,
@@ -39,10 +42,7 @@ from runconfig.contract import (
     FAILURE_USER,
     append_event,
 )
-from runconfig.outcome import Ended, how_it_ended
-from runconfig.rundir import RunDir, read_jsonl
-from runconfig.schema import JobConfig
-from runconfig.slurmnodes import held_by_slurm
+from rundir.paths import RunDir, read_jsonl
 
 Action = Literal["done", "restart", "requeue", "requeuehold", "resubmit", "end"]
 MAX_BACKOFF_S = 300.0
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     "-" for none)."""
     from runconfig.load import load_config
 
-    parser = argparse.ArgumentParser(prog="python -m runconfig.decide", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m hpc.policy.decide", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("launch_id")
     parser.add_argument("status", type=int, help="the launcher's (srun's) exit status")

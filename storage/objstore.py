@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from runconfig.ioretry import RetryPolicy, is_transient, retry
 from runconfig.schema.storage import StorageConfig
+from storage.ioretry import RetryPolicy, is_transient, retry
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

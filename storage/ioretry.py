@@ -5,7 +5,7 @@ like on one client, for a few seconds; the same call then succeeds. A checkpoint
 so is tried again after a back-off that doubles (with jitter, so that ranks that failed together do not retry
 together), up to a number of attempts and a total time. Errors that repeating cannot fix (a full disk, a missing
 or read-only file, no permission) fail at once. When the retries are exhausted the original error propagates, with
-a note of the attempts: the launch fails as a crash, which the launcher restarts in the job (runconfig/decide.py),
+a note of the attempts: the launch fails as a crash, which the launcher restarts in the job (hpc/policy/decide.py),
 not as bad input.
 
 The checkpointer's collective saves and loads use ``RetryPolicy.allows`` and ``RetryPolicy.jittered`` to let every

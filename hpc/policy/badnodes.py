@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from runconfig.contract import EVENT_BAD_NODE, EVENT_NODE_BACK, append_event
-from runconfig.rundir import RunDir, read_jsonl
+from rundir.contract import EVENT_BAD_NODE, EVENT_NODE_BACK, append_event
+from rundir.paths import RunDir, read_jsonl
 
 
 def bad_node_events(rundir: RunDir) -> list[dict]:

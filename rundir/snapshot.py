@@ -25,16 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runconfig.contract import write_json_atomic
 from runconfig.load import ConfigError
-from runconfig.rundir import RunDir
 from runconfig.schema import BUILTIN_RECIPE, RECIPE_RE
+from rundir.contract import write_json_atomic
+from rundir.paths import RunDir
 
 CODE_MANIFEST = "manifest.json"  # inside RUN_DIR/code/
 MAX_FILE_BYTES = 20 * 1024 * 1024  # one file of the snapshot: code, not data
 MAX_TOTAL_BYTES = 100 * 1024 * 1024  # the whole snapshot
 #: This project's own packages: installed with the trainer, never snapshotted (a copy would shadow them).
-OWN_PACKAGES = frozenset({"hpc", "runconfig", "trainer"})
+OWN_PACKAGES = frozenset({"hpc", "runconfig", "rundir", "storage", "tracking", "trainer"})
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from runconfig.checkpoints import latest_committed
-from runconfig.contract import EVENT_DONE, EVENT_PRUNED, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED
-from runconfig.rundir import RunDir, read_jsonl
+from rundir.checkpoints import latest_committed
+from rundir.contract import EVENT_DONE, EVENT_PRUNED, EVENT_STOPPED, EXIT_DONE, EXIT_STOPPED
+from rundir.paths import RunDir, read_jsonl
 
 Outcome = Literal["done", "stopped"]
 
@@ -70,7 +70,7 @@ def how_it_ended(rundir: RunDir, launch_id: str, status: int) -> Ended:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m runconfig.outcome RUN_DIR LAUNCH_ID STATUS`` prints how the launch ended and the stop signal
+    """``python -m hpc.policy.outcome RUN_DIR LAUNCH_ID STATUS`` prints how the launch ended and the stop signal
     (0 when none): "done 0", "stopped 15", "failed 0" (for sbatch/common.sh)."""
     import sys
     from pathlib import Path

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from runconfig.progress import Progress
+from rundir.progress import Progress
 
 __all__ = ["JsonlFollower", "Progress", "resume_notes"]
 

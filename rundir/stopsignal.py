@@ -28,8 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from runconfig.contract import EVENT_STOPPED
-from runconfig.rundir import RunDir, read_jsonl
+from rundir.contract import EVENT_STOPPED
+from rundir.paths import RunDir, read_jsonl
 
 #: job.signal_lead_s must be at least this many times a stop's cost (signal -> committed checkpoint). Two, because
 #: the cost varies from stop to stop: the signal can land just after a step boundary (a whole step to wait), a

@@ -6,7 +6,7 @@ start-up) leaves the file behind, and nothing else ever removes it: /dev/shm is 
 short jobs fills with them. A segment is stale when no process has it open or mapped; a sweep removes this user's
 stale segments and nothing else. It runs after every local launch (``hpc.local``), on each node when a launch
 starts (the trainer's node-local rank 0, for whatever an earlier killed launch left there) and on every node of a
-Slurm allocation after a launch that failed (``python -m runconfig.shm`` as one task per node).
+Slurm allocation after a launch that failed (``python -m storage.shm`` as one task per node).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def sweep(directory: Path = SHM_DIR, prefixes: Iterable[str] = PREFIXES, proc: P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runconfig.shm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m storage.shm", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=SHM_DIR, help="where the segments are (default /dev/shm)")
     args = parser.parse_args(argv)
     removed = sweep(args.dir)
