@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runconfig import load_config  # noqa: E402
 from trainer.loop.optim import adamw_impl  # noqa: E402
 from trainer.models.gpt import GPT  # noqa: E402
-from trainer.parallel.buckets import ddp_bucket_caps  # noqa: E402
+from trainer.parallel.grad_buckets import ddp_bucket_caps  # noqa: E402
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float:

@@ -1,4 +1,5 @@
-"""``python -m hpc VERB``: one line of help per verb, then the verb (hpc/verbs.py, report.py, selftest.py)."""
+"""``python -m hpc VERB``: one line of help per verb, then the verb (hpc/verbs.py, status.py, sweep_submit.py, runs.py,
+compare.py, report.py, selftest.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 from hpc import verbs
 from hpc.options import add_set_option
+from hpc.status import VerbError, open_run, print_status, status
+from hpc.sweep_submit import submit_sweep
 from runconfig import ConfigError
 from rundir.contract import EXIT_USER_ERROR
 
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return run_verb(args)
-    except (verbs.VerbError, ConfigError, RuntimeError) as exc:
+    except (VerbError, ConfigError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_verb(args: argparse.Namespace) -> int:
     if args.verb == "sweep":
-        return verbs.sweep(args)
+        return submit_sweep(args)
     if args.verb == "sbatch-args":
         print(" ".join(verbs.sbatch_args(args.config, args.overrides)))
         return 0
@@ -121,15 +124,15 @@ def run_verb(args: argparse.Namespace) -> int:
         from hpc.report import main as report_main
 
         return report_main(args.run_dir, args.out)
-    rundir = verbs.open_run(args.run_dir)
+    rundir = open_run(args.run_dir)
     if args.verb == "resume":
         return verbs.resume(rundir, args.overrides, refresh_code=args.refresh_code)
     if args.verb == "unexclude":
         verbs.unexclude(rundir, args.nodes)
         return 0
     if args.verb == "status":
-        info = verbs.status(rundir)
-        print(json.dumps(info, indent=2)) if args.json else verbs.print_status(info)
+        info = status(rundir)
+        print(json.dumps(info, indent=2)) if args.json else print_status(info)
     elif args.verb == "logs":
         verbs.logs(rundir, rank=args.rank, all_ranks=args.all, follow=args.follow)
     else:

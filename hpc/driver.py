@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc import slurmctl
+from hpc.jobs import exclude_pending, never_requeue, record_job
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from hpc.policy.badnodes import bad_nodes, record_bad_node
@@ -38,6 +40,7 @@ from hpc.policy.decide import Situation
 from hpc.policy.outcome import Ended, how_it_ended, new_launch_id
 from hpc.restarts import take_back_due_nodes, until_settled
 from hpc.slurmctl import FAILED_STATES, describe, held_by_slurm, node_states
+from hpc.sweep import element_ended
 from runconfig import RunConfig, load_config
 from rundir import RunDir
 from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
@@ -69,10 +72,7 @@ class SlurmJob:
 
     def nodes(self) -> tuple[str, ...]:
         """The allocation's node names, in Slurm's order."""
-        if not self.nodelist:
-            return ()
-        out = subprocess.run(["scontrol", "show", "hostnames", self.nodelist], capture_output=True, text=True)
-        return tuple(out.stdout.split()) if out.returncode == 0 else ()
+        return slurmctl.hostnames(self.nodelist)
 
 
 def mpi_plugin(cfg: RunConfig) -> str:
@@ -291,7 +291,10 @@ class Driver:
         if decision.action in ("requeue", "requeuehold"):
             print(f"{decision.message}; scontrol {decision.action} {job.job_id}", flush=True)
             # Requeueing from inside the job ends it at once: everything is already committed.
-            subprocess.call(["scontrol", decision.action, job.job_id])
+            try:
+                slurmctl.requeue(job.job_id, hold=decision.action == "requeuehold")
+            except slurmctl.SlurmError as exc:
+                print(f"warning: {exc}", flush=True)
             return {"status": decision.action}
         print(decision.message, flush=True)
         _sweep_results(rundir, "failed" if decision.error else None)
@@ -382,8 +385,6 @@ def note_lost_nodes(rundir: RunDir, job: SlurmJob) -> list[str]:
 
 def _sweep_results(rundir: RunDir, state: str | None) -> None:
     """A sweep element that ended: the sweep's results rewritten; the table printed once every element ended."""
-    from hpc.sweep import element_ended
-
     try:
         table = element_ended(rundir, state)
     except Exception as exc:  # the run's own outcome is decided: the table is an extra
@@ -420,43 +421,6 @@ def submit_link(
 
     executor = make_executor(cfg, rundir, dependency=dependency, exclude=exclude)
     submitted = executor.submit(Driver(str(rundir.root), last_in_chain=last_in_chain))
-    shutil.copyfile(submitted.paths.submission_file, rundir.root / f"job_{submitted.job_id}.sbatch")
-    record = {"job_id": submitted.job_id, "chain": list(chain), "time": time.time()}
-    if exclude:
-        record["exclude"] = list(exclude)
-    if reason:
-        record["reason"] = reason
-    with open(rundir.jobs, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    shutil.copyfile(submitted.paths.submission_file, rundir.job_script(submitted.job_id))
+    record_job(rundir, submitted.job_id, chain=chain, exclude=exclude, reason=reason)
     return submitted.job_id
-
-
-def exclude_nodes(job_id: str, nodes: tuple[str, ...]) -> bool:
-    """Keep a pending job off ``nodes`` (its ExcNodeList); whether scontrol did it."""
-    cmd = ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"]
-    return subprocess.run(cmd, capture_output=True).returncode == 0
-
-
-def exclude_pending(rundir: RunDir, nodes: tuple[str, ...], skip: set[str]) -> tuple[list[str], list[str]]:
-    """Set ``nodes`` as the exclusions of the run's pending jobs (not ``skip``); (the pending jobs, those scontrol
-    refused, each warned of)."""
-    pending = pending_jobs(rundir, skip=skip)
-    refused = [j for j in pending if not exclude_nodes(j, nodes)]
-    for j in refused:
-        print(f"warning: scontrol could not set the exclusions of pending job {j} to {','.join(nodes) or 'none'}",
-              flush=True)  # fmt: skip
-    return pending, refused
-
-
-def never_requeue(job_id: str) -> None:
-    """Make a running job non-requeueable (Requeue=0), so that Slurm ends it for good whatever it ends with."""
-    update = ["scontrol", "update", f"JobId={job_id}", "Requeue=0"]
-    if job_id and subprocess.run(update, capture_output=True).returncode:
-        print(f"warning: scontrol could not make job {job_id} non-requeueable", flush=True)
-
-
-def pending_jobs(rundir: RunDir, skip: set[str]) -> list[str]:
-    """The run's jobs that are still pending (later links of a chain)."""
-    from hpc.jobs import job_ids, query
-
-    return [j for j in job_ids(rundir) if j not in skip and query(j).state == "PENDING"]

@@ -20,6 +20,8 @@ from pathlib import Path
 from hpc.plots import PART_LABELS, render
 from hpc.policy.badnodes import bad_node_events, node_changes
 from hpc.runlog import RunLog, analyze
+from hpc.status import status
+from hpc.tracksync import sync
 from rundir import RunDir
 from rundir.allreduce_plan import plan_table
 from rundir.contract import EVENT_BAD_NODE, EXIT_USER_ERROR, PARTS
@@ -445,9 +447,6 @@ def main(run_dir: str, out: str | None = None) -> int:
 
 def _send_to_tracker(rundir: RunDir, folder: Path) -> None:
     """The report's markdown and figures to the run's tracker, and the steps it lacks once no launch runs."""
-    from hpc.tracksync import sync
-    from hpc.verbs import status
-
     files = [(p, "report") for p in sorted(folder.iterdir()) if p.suffix in (".md", ".png")]
     try:
         idle = status(rundir)["state"] in ("completed", "pruned", "stopped", "failed", "paused", "not started")

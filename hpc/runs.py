@@ -3,7 +3,7 @@
 A DIR that is a run directory (it has config.yaml) is one run; any other folder is searched for run directories
 below it (a runs folder, a sweep). Each row: name, state, steps done of the configured ones, the last loss and eval
 loss, the median tokens/s (units/s) of the kept records, goodput, restarts and wall time, from the files only
-(hpc/verbs.py's status, hpc/runlog.py's accounting). ``--sort KEY`` (``--desc`` or ``--sort=-KEY`` descending),
+(hpc/status.py, hpc/runlog.py's accounting). ``--sort KEY`` (``--desc`` or ``--sort=-KEY`` descending),
 ``--filter KEY<OP>VALUE`` (``= != < <= > >=``; several filters must all hold), ``--json``.
 """
 
@@ -16,8 +16,8 @@ import re
 import statistics
 from pathlib import Path
 
-from hpc import verbs
 from hpc.runlog import RunLog, analyze
+from hpc.status import VerbError, status
 from rundir import RunDir
 
 COLUMNS = ("name", "state", "step", "steps", "loss", "eval_loss", "tokens_per_s", "goodput", "restarts", "wall_s")
@@ -25,7 +25,7 @@ OPS = {"<=": operator.le, ">=": operator.ge, "!=": operator.ne, "=": operator.eq
 FILTER_RE = re.compile(r"^\s*([a-z_]+)\s*(<=|>=|!=|=|<|>)\s*(.*?)\s*$")
 
 
-class RunsError(verbs.VerbError):
+class RunsError(VerbError):
     pass
 
 
@@ -47,7 +47,7 @@ def find_runs(folders: list[Path]) -> list[RunDir]:
 
 def row(rundir: RunDir, log: RunLog | None = None) -> dict:
     """``log``: the run's analysis where the caller has it already."""
-    info = verbs.status(rundir)
+    info = status(rundir)
     log = log or analyze(rundir)
     kept = [s.raw for s in log.kept]
     evals = [r["eval_loss"] for r in kept if isinstance(r.get("eval_loss"), (int, float))]

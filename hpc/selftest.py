@@ -23,14 +23,15 @@ import json
 import math
 import re
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpc.jobs import query
+from hpc import slurmctl
 from hpc.options import add_set_option, set_arguments
+from hpc.submit import default_run_dir
+from hpc.submit import main as submit_main
 from runconfig import ConfigError, RunConfig, load_config
 from rundir import RunDir
 from rundir.contract import (
@@ -289,16 +290,17 @@ def _wait(predicate, timeout: float) -> bool:
     return predicate()
 
 
-def _scancel(*args: str) -> str | None:
-    """scancel; its error line, if it failed."""
-    out = subprocess.run(["scancel", *args], capture_output=True, text=True, check=False)
-    return None if out.returncode == 0 else (out.stderr or out.stdout).strip() or f"exit status {out.returncode}"
+def _cancel(job_id: str, signal: str | None = None) -> str | None:
+    """scancel (or send ``signal``); why it failed, if it did."""
+    try:
+        slurmctl.cancel([job_id], signal=signal)
+    except slurmctl.SlurmError as exc:
+        return str(exc)
+    return None
 
 
 def run_job(cfg: RunConfig, config: str, overrides: list[str], run_dir: Path, timeout: float) -> Observed:
     """Submit the self-test's job, signal it, and collect what it showed."""
-    from hpc.submit import main as submit_main
-
     obs = Observed(
         signal=cfg.job.signal, lead_s=cfg.job.signal_lead_s, world_size=cfg.job.world_size, run_dir=str(run_dir)
     )
@@ -313,16 +315,16 @@ def run_job(cfg: RunConfig, config: str, overrides: list[str], run_dir: Path, ti
     rundir = RunDir(run_dir)
     jobs = read_jsonl(rundir.jobs)
     obs.job_id = str(jobs[-1]["job_id"])
-    script = rundir.root / f"job_{obs.job_id}.sbatch"
+    script = rundir.job_script(obs.job_id)
     found = SBATCH_SIGNAL_RE.search(script.read_text()) if script.is_file() else None
     obs.sbatch_signal = found.group(1) if found else None
     print(f"submitted Slurm job {obs.job_id}; waiting for every rank to train", file=sys.stderr, flush=True)
     try:
-        ended = lambda: query(obs.job_id).finished  # noqa: E731
+        ended = lambda: slurmctl.job_state(obs.job_id).finished  # noqa: E731
         obs.started = _wait(lambda: _metrics_step(rundir) >= STARTED_AT_STEP or ended(), timeout)
         obs.started = obs.started and _metrics_step(rundir) >= STARTED_AT_STEP
         if not obs.started:
-            state = query(obs.job_id)
+            state = slurmctl.job_state(obs.job_id)
             obs.notes.append(
                 f"job {obs.job_id} is {state.state}"
                 + (f" ({state.reason})" if state.reason and state.reason != "None" else "")
@@ -331,7 +333,7 @@ def run_job(cfg: RunConfig, config: str, overrides: list[str], run_dir: Path, ti
             )
             return obs
         print(f"sending {cfg.job.signal} to job {obs.job_id} (scancel --signal)", file=sys.stderr, flush=True)
-        error = _scancel(f"--signal={cfg.job.signal.removeprefix('SIG')}", obs.job_id)
+        error = _cancel(obs.job_id, signal=cfg.job.signal.removeprefix("SIG"))
         if error:
             obs.notes.append(f"scancel --signal failed: {error}")
         # As at a time limit: the ranks have job.signal_lead_s to commit their checkpoint, then the job ends.
@@ -339,15 +341,15 @@ def run_job(cfg: RunConfig, config: str, overrides: list[str], run_dir: Path, ti
         obs.stopped_within_lead = stopped and _stopped(rundir) is not None
         if not obs.stopped_within_lead and not ended():
             print(f"no stop within {cfg.job.signal_lead_s} s; ending the job (scancel)", file=sys.stderr, flush=True)
-            _scancel(obs.job_id)
+            _cancel(obs.job_id)
         _wait(ended, END_WAIT_S)
         obs.stopped = _stopped(rundir)
         if obs.stopped is not None and not obs.stopped_within_lead:  # a stop on the SIGTERM of scancel
             obs.notes.append("the ranks stopped only after the self-test ended the job")
     finally:
-        if not query(obs.job_id).finished:
-            _scancel(obs.job_id)
-        obs.job_state = query(obs.job_id).state
+        if not slurmctl.job_state(obs.job_id).finished:
+            _cancel(obs.job_id)
+        obs.job_state = slurmctl.job_state(obs.job_id).state
         for path in sorted(rundir.logs.glob("signal_rank_*.json")):
             with contextlib.suppress(OSError, ValueError):
                 record = json.loads(path.read_text())
@@ -363,8 +365,6 @@ class SelftestError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hpc.submit import default_run_dir, slurm_available
-
     p = argparse.ArgumentParser(
         prog="python -m hpc selftest",
         description="Submit a short job of the config's shape, send it the configured stop signal as Slurm does "
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if not slurm_available():
+        if not slurmctl.available():
             raise SelftestError(EXIT_USER_ERROR, "the self-test needs Slurm: no sbatch on PATH, or no cluster config")
         if args.timeout <= 0:
             raise SelftestError(EXIT_USER_ERROR, f"--timeout must be > 0, got {args.timeout:g}")

@@ -1,29 +1,92 @@
-"""What Slurm says of nodes (scontrol), for the launchers' bad-node bookkeeping (torch-free)."""
+"""The one door to Slurm's commands (torch-free): scontrol, squeue, sacct and scancel (sbatch
+only through submitit, hpc/slurm.py).
+
+One error policy: a command that changes something raises ``SlurmError`` naming the command and Slurm's answer
+(callers that can go on catch it and warn); a query never raises, it says UNKNOWN and why. One parser for
+scontrol's one-line records. Job states are asked for in batches: one squeue call for any number of jobs, then one
+sacct call for those the controller no longer remembers (as submitit's watcher does).
+"""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 #: node states (scontrol's State=, '+'-separated) in which Slurm holds a node failed
 FAILED_STATES = {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING"}
 #: ... or taken out of service by an operator
 DRAINED_STATES = {"DRAIN", "DRAINED", "DRAINING", "MAINTENANCE", "REBOOT_REQUESTED", "REBOOT_ISSUED"}
+#: job states after which a job runs no more
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+QUERY_TIMEOUT_S = 60.0
+_FIELD = re.compile(r"(?:^|\s)([A-Za-z][\w:/]*)=(.*?)(?=\s+[A-Za-z][\w:/]*=|\s*$)")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command that was to change something failed; the message names the command and Slurm's answer."""
+
+
+def available() -> bool:
+    """Slurm is the target when sbatch is on PATH and a cluster config is there (installed client packages alone,
+    as on a machine that ran the tests, do not count)."""
+    if shutil.which("sbatch") is None:
+        return False
+    conf = os.environ.get("SLURM_CONF")
+    return Path(conf).is_file() if conf else Path("/etc/slurm/slurm.conf").is_file()
+
+
+def _call(args: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return subprocess.CompletedProcess(args, 127, "", str(exc))
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def run(args: list[str]) -> str:
+    """Run a Slurm command that changes something; its output, or ``SlurmError`` with its error output."""
+    out = _call(args)
+    if out.returncode != 0:
+        answer = last_line(out.stderr or out.stdout) or f"exit status {out.returncode}"
+        raise SlurmError(f"{' '.join(args)} failed: {answer}")
+    return out.stdout
+
+
+def parse_record(line: str) -> dict[str, str]:
+    """One record of ``scontrol -o show ...``: its Key=Value fields (a value runs to the next Key=, so it may hold
+    spaces, as Reason= does)."""
+    return {m.group(1): m.group(2).strip() for m in _FIELD.finditer(line.strip())}
+
+
+# -- nodes ---------------------------------------------------------------------------------------------------------
+
+
+def hostnames(nodelist: str) -> tuple[str, ...]:
+    """A compressed node list (n[1-4]) expanded, in Slurm's order; () when there is none or scontrol fails."""
+    if not nodelist:
+        return ()
+    out = _call(["scontrol", "show", "hostnames", nodelist])
+    return tuple(out.stdout.split()) if out.returncode == 0 else ()
 
 
 def node_states(nodes: list[str]) -> dict[str, tuple[set[str], str]]:
     """node -> (its state flags, Slurm's reason) from scontrol; nodes it does not answer for are left out."""
     if not nodes or shutil.which("scontrol") is None:
         return {}
-    out = subprocess.run(["scontrol", "-o", "show", "node", ",".join(nodes)], capture_output=True, text=True)
     states = {}
-    for line in out.stdout.splitlines():
-        name = re.search(r"\bNodeName=(\S+)", line)
-        state = re.search(r"\bState=(\S+)", line)
-        reason = re.search(r"\bReason=(.*?)(?= \w+=|$)", line)
-        if name and state:
-            states[name.group(1)] = (set(state.group(1).split("+")), reason.group(1).strip() if reason else "")
+    for line in _call(["scontrol", "-o", "show", "node", ",".join(nodes)]).stdout.splitlines():
+        fields = parse_record(line)
+        if "NodeName" in fields and "State" in fields:
+            states[fields["NodeName"]] = (set(fields["State"].split("+")), fields.get("Reason", ""))
     return states
 
 
@@ -39,3 +102,109 @@ def held_by_slurm(nodes: list[str]) -> dict[str, str]:
         for node, (state, reason) in node_states(nodes).items()
         if state & (FAILED_STATES | DRAINED_STATES)
     }
+
+
+# -- jobs ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    state: str  # RUNNING, PENDING, COMPLETED, ... or UNKNOWN when Slurm no longer knows the job
+    reason: str = ""  # Slurm's Reason; for UNKNOWN, why neither the controller nor accounting knows the job
+    restarts: int = 0
+    source: str = "squeue"  # where the state comes from: squeue (the controller), sacct, or "" (UNKNOWN)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED or self.state == "UNKNOWN"
+
+    @property
+    def held(self) -> bool:
+        """Held, so ``scontrol release`` lets it run. scontrol hold: Reason=JobHeldUser/JobHeldAdmin; requeuehold:
+        Reason=job_requeued_in_held_state, which a job that requeue-held itself (the driver's pause) shows while
+        still COMPLETING, before PENDING. A release in that window is taken (rc 0) and the job goes PENDING
+        (BeginTime) and runs, so any unfinished, not-running job whose reason says held counts
+        (docs/measurements/notes-login-side.md)."""
+        return self.state not in ("RUNNING", *FINISHED, "UNKNOWN") and "held" in self.reason.lower()
+
+
+def job_states(job_ids: Iterable[str]) -> dict[str, JobState]:
+    """Each job's state, in two calls at most whatever their number: squeue while the controller remembers the
+    jobs (MinJobAge, default 300 s, after they end), then sacct for the rest if accounting (slurmdbd) has them;
+    else UNKNOWN, with the reason. Array tasks are named ARRAY_TASK (``7_3``)."""
+    ids = list(dict.fromkeys(str(j) for j in job_ids))
+    if not ids:
+        return {}
+    found: dict[str, JobState] = {}
+    # -r: one line per array task; -t all: finished jobs too, while the controller remembers them
+    fmt = "JobArrayID:|,State:|,Reason:|,RestartCnt:|"
+    out = _call(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(ids), "-O", fmt])
+    for line in out.stdout.splitlines():
+        cells = line.split("|")
+        if len(cells) >= 4 and cells[0].strip() in ids:
+            job, state, reason, restarts = (c.strip() for c in cells[:4])
+            found[job] = JobState(job, state or "UNKNOWN", reason, int(restarts) if restarts.isdigit() else 0)
+    missing = [j for j in ids if j not in found]
+    if missing:
+        why = (
+            "the controller no longer knows it (it forgets finished jobs MinJobAge after they end)"
+            if out.returncode == 0
+            else f"squeue: {last_line(out.stderr or out.stdout) or 'no answer'}"
+        )
+        found.update(_accounted(missing, why))
+    return {j: found[j] for j in ids}
+
+
+def job_state(job_id: str) -> JobState:
+    return job_states([job_id])[str(job_id)]
+
+
+def _accounted(ids: list[str], why: str) -> dict[str, JobState]:
+    """The jobs' last state in accounting (sacct: one line per run of a job, requeues included)."""
+    if not shutil.which("sacct"):
+        return {j: JobState(j, "UNKNOWN", f"{why}, and sacct (accounting) is not installed", source="") for j in ids}
+    # -D: every run of the job (requeues included), the last is the current one. -X: the job, not its steps.
+    acct = _call(["sacct", "-n", "-X", "-D", "-P", "-j", ",".join(ids), "-o", "JobID,State,Reason"])
+    if acct.returncode != 0:
+        answer = f"{why}, and sacct: {last_line(acct.stderr or acct.stdout)}"
+        return {j: JobState(j, "UNKNOWN", answer, source="") for j in ids}
+    runs: dict[str, list[tuple[str, str]]] = {}
+    for line in acct.stdout.splitlines():
+        job, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        if job in ids:
+            runs.setdefault(job, []).append((state, reason))
+    out = {}
+    for j in ids:
+        if j not in runs:
+            out[j] = JobState(j, "UNKNOWN", f"{why}, and accounting (sacct) has no record of it", source="")
+            continue
+        state, reason = runs[j][-1]
+        state, _, by = state.strip().partition(" ")  # "CANCELLED by 0" -> CANCELLED, the rest goes to the reason
+        reason = " ".join(x for x in (by, "" if reason == "None" else reason) if x)
+        out[j] = JobState(j, state or "UNKNOWN", reason, len(runs[j]) - 1, source="sacct")
+    return out
+
+
+def update_job(job_id: str, **fields: str) -> None:
+    """``scontrol update JobId=ID Key=Value...`` (e.g. ExcNodeList, Requeue)."""
+    run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
+
+
+def requeue(job_id: str, *, hold: bool = False) -> None:
+    """Requeue a job (from inside it, this ends it at once), held with ``hold``."""
+    run(["scontrol", "requeuehold" if hold else "requeue", job_id])
+
+
+def hold(job_id: str) -> None:
+    run(["scontrol", "hold", job_id])
+
+
+def release(job_id: str) -> None:
+    run(["scontrol", "release", job_id])
+
+
+def cancel(job_ids: list[str], *, signal: str | None = None) -> None:
+    """scancel the jobs, or send them ``signal`` (a name without SIG) and let them go on."""
+    run(["scancel", *([f"--signal={signal}"] if signal else []), *job_ids])

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc import slurmctl
 from hpc.driver import submit_link
 from hpc.local import LaunchResult, node_wraps, run_local, simulated_nodes, trainer_command
 from hpc.mpi import LauncherError, MpiLauncher, find_launcher
@@ -71,15 +72,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="submit K jobs linked by afterany dependencies, for runs longer than one job's time limit",
     )
     return p.parse_args(argv)
-
-
-def slurm_available() -> bool:
-    """Slurm is the target when sbatch is on PATH and a cluster config is there (installed client packages
-    alone, as on a machine that ran the tests, do not count)."""
-    if shutil.which("sbatch") is None:
-        return False
-    conf = os.environ.get("SLURM_CONF")
-    return Path(conf).is_file() if conf else Path("/etc/slurm/slurm.conf").is_file()
 
 
 def default_run_dir(name: str) -> Path:
@@ -189,7 +181,7 @@ def plan(args: argparse.Namespace) -> Planned:
     if args.refresh_code and not resume_dir:
         raise SubmitError("--refresh-code applies to a resumed run only (--resume RUN_DIR, or a RUN_DIR).")
     cfg = load_config(str(RunDir(resume_dir).config) if resume_dir else args.config, args.overrides)
-    use_slurm = args.slurm or (not args.local and slurm_available())
+    use_slurm = args.slurm or (not args.local and slurmctl.available())
     if args.chain < 1:
         raise SubmitError(f"--chain must be >= 1, got {args.chain}.")
     run_path = (resume_dir or args.run_dir or default_run_dir(cfg.job.name)).absolute()

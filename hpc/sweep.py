@@ -41,10 +41,13 @@ from pathlib import Path
 
 import yaml
 
+from hpc.runs import row
+from hpc.sweeptrack import finish_parent
 from runconfig import ConfigError, RunConfig, dump_yaml, from_dict, yamlread
 from runconfig.load import load_raw, set_key
 from rundir import RunDir
 from rundir.contract import append_jsonl
+from rundir.paths import read_jsonl
 from rundir.record import command_line, write_submission
 
 SLUG_RE = re.compile(r"[^A-Za-z0-9._=-]+")
@@ -256,8 +259,6 @@ def write_spec(sweep_dir: Path, spec: SweepSpec) -> None:
 
 
 def _last_value(rundir: RunDir, key: str) -> float | None:
-    from rundir.paths import read_jsonl
-
     values = [r[key] for r in read_jsonl(rundir.metrics) if isinstance(r.get(key), (int, float))]
     return values[-1] if values else None
 
@@ -266,8 +267,6 @@ def results(sweep_dir: Path, own: tuple[str, str | None] = ("", None)) -> tuple[
     """Every element's `hpc runs` row with its overrides, best first by the sweep's metric (elements without it
     last), and the markdown table of them. ``own``: (an element's name, its state) said by its launcher, whose job
     Slurm still shows running while it ends."""
-    from hpc.runs import row
-
     spec = json.loads((sweep_dir / SPEC_FILE).read_text()) if (sweep_dir / SPEC_FILE).exists() else {}
     metric, mode = spec.get("metric", "eval_loss"), spec.get("mode", "min")
     rows = []
@@ -308,8 +307,6 @@ def element_ended(rundir: RunDir, state: str | None = None) -> str | None:
         _write_atomic(sweep_dir / RESULTS_JSON, json.dumps(rows, indent=1, default=str) + "\n")
         if not all(r["state"] in FINAL for r in rows):
             return None
-        from hpc.sweeptrack import finish_parent
-
         note = finish_parent(sweep_dir, rows)
     return text + (f"\n{note}" if note else "")
 

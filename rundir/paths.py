@@ -90,6 +90,10 @@ class RunDir:
         """The tracker run's id and how far the tracker has the metrics (tracking/)."""
         return self.root / "tracking.json"
 
+    def job_script(self, job_id: str) -> Path:
+        """The batch script a Slurm job of the run was submitted with (kept for `hpc selftest` and by hand)."""
+        return self.root / f"job_{job_id}.sbatch"
+
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank:05d}.log"
 

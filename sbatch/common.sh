@@ -38,7 +38,6 @@ hpc_prepare() {
 import json
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -123,6 +122,7 @@ if problem:
 from hpc.driver import run_complete  # noqa: E402
 from hpc.local import rank_variables  # noqa: E402
 from hpc.slurm import requoted_setup  # noqa: E402
+from hpc import slurmctl  # noqa: E402
 from hpc.slurmctl import held_by_slurm  # noqa: E402
 
 complete = run_complete(rundir, cfg)
@@ -140,13 +140,7 @@ print(f"hpc_rpn={job.ranks_per_node}")
 # Bad nodes due back (job.retake_nodes_after_s) are taken back first, unless Slurm still holds them down or drained.
 take_back_due(rundir, job.retake_nodes_after_s, held_by_slurm)
 bad = bad_nodes(rundir)
-try:
-    hostnames = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
-                               capture_output=True, text=True, timeout=60).stdout.split()
-except (OSError, subprocess.TimeoutExpired):
-    hostnames = []
-if not os.environ.get("SLURM_JOB_NODELIST"):
-    hostnames = []
+hostnames = list(slurmctl.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")))
 usable = [n for n in hostnames if n not in bad][: job.nodes]
 print(f"hpc_alloc={q(','.join(hostnames))}")
 print(f"hpc_use={q(','.join(usable) if len(usable) < len(hostnames) else '')}")

@@ -45,9 +45,9 @@ from trainer.observe.termwatch import TermWatch
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.observe.tracker_sink import Tracker
 from trainer.parallel.autotune import bucket_sizes, measure, mismatches, setup_of
-from trainer.parallel.buckets import ddp_bucket_bytes
 from trainer.parallel.comm import check_overlapped
 from trainer.parallel.distributed import Distributed
+from trainer.parallel.grad_buckets import ddp_bucket_bytes
 from trainer.parallel.materialise import buffers_to, owners, params_on_meta
 from trainer.parallel.materialise import materialise as fill
 from trainer.parallel.wrap import Wrapped, hook_up, wrap

@@ -14,7 +14,8 @@ from tests.conftest import run_cli, run_mpi
 from tests.mp.test_checkpoint import TWO_NODES  # the checks below are per rank and per node, not per layout
 from tests.unit.test_data import copy_dataset, flip_high_byte
 from trainer.data.dataset import TokenShards
-from trainer.data.order import chosen_order, make_order, rank_slice
+from trainer.data.loader import make_order
+from trainer.data.order import chosen_order, rank_slice
 
 pytestmark = pytest.mark.mp
 

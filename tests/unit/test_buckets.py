@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from runconfig.schema import CommConfig
-from trainer.parallel.buckets import ddp_bucket_caps
+from trainer.parallel.grad_buckets import ddp_bucket_caps
 
 LAYER_BYTES = (256 * 256 + 256) * 4
 

@@ -1,8 +1,8 @@
-"""What the run's verbs read from a job's scontrol state (hpc/jobs.py)."""
+"""What the run's verbs read from a job's scontrol state (hpc/slurmctl.py)."""
 
 import pytest
 
-from hpc.jobs import JobState
+from hpc.slurmctl import JobState
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data.buckets import BucketedOrder, lengths_of, pad_collate, padding_fraction
+from trainer.data.length_buckets import BucketedOrder, lengths_of, pad_collate, padding_fraction
 from trainer.data.loader import BatchLoader
 from trainer.data.order import WINDOWED, OrderSpec, WindowedOrder, chosen_order, rank_slice
 from trainer.errors import UserError

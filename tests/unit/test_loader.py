@@ -11,8 +11,8 @@ import torch
 
 from runconfig import load_config
 from trainer.build import check_structure, count_flops_per_sample
-from trainer.data.loader import BatchLoader
-from trainer.data.order import WINDOWED, OrderSpec, make_order
+from trainer.data.loader import BatchLoader, make_order
+from trainer.data.order import WINDOWED, OrderSpec
 from trainer.errors import UserError
 from trainer.recipes.api import Recipe
 from trainer.recipes.load import check_recipe

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from trainer.checkpoint.state import TrainState
+from trainer.data.loader import make_order
 from trainer.data.order import (
     PERMUTATION,
     WINDOWED,
@@ -19,7 +20,6 @@ from trainer.data.order import (
     WindowedOrder,
     chosen_order,
     feistel,
-    make_order,
     rank_slice,
     shard_sizes_of,
 )

@@ -18,7 +18,7 @@ from hpc.local import trainer_command
 from hpc.report import facts, markdown, summary_lines
 from hpc.runlog import analyze
 from hpc.selftest import Observed, assess, exit_status, rank_ranges, render, summary
-from hpc.verbs import print_status, status
+from hpc.status import print_status, status
 from runconfig import ConfigError, dump_yaml, load_config
 from rundir import RunDir
 from rundir.contract import EVENT_START, EVENT_STOPPED, EXIT_DONE, EXIT_FAILED, EXIT_LEAD_SHORT, append_event

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -23,9 +23,36 @@ import torch
 from torch.utils.data import default_collate
 
 from storage.ioretry import is_transient
-from trainer.data.buckets import lengths_of, padding_fraction
-from trainer.data.order import Order, OrderSpec, make_order, rank_slice, shard_sizes_of
+from trainer.data.length_buckets import BucketedOrder, lengths_of, padding_fraction
+from trainer.data.order import (
+    PERMUTATION,
+    Order,
+    OrderSpec,
+    PermutationOrder,
+    WindowedOrder,
+    rank_slice,
+    shard_sizes_of,
+)
 from trainer.errors import UserError, first_line
+
+
+def make_order(
+    spec: OrderSpec,
+    num_samples: int,
+    seed: int,
+    shard_sizes: Sequence[int] | None,
+    lengths: np.ndarray | None = None,
+) -> Order:
+    """The run's global order: the base order, cut into length buckets when data.bucket_by_length asks."""
+    base: Order
+    if spec.name == PERMUTATION:
+        base = PermutationOrder(num_samples, seed)
+    else:
+        base = WindowedOrder(shard_sizes if shard_sizes is not None else [num_samples], seed, spec.window)
+    if not spec.bucket:
+        return base
+    assert lengths is not None
+    return BucketedOrder(base, lengths, chunk=spec.bucket, window=spec.bucket_window, seed=seed)
 
 
 def _each_tensor(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -34,7 +34,7 @@ _M64 = (1 << 64) - 1
 class OrderSpec:
     """Which order a run uses; ``window`` (shards per shuffle window) only matters for the windowed one; with
     ``bucket`` (the micro-batch) the stream is regrouped by length in windows of ``bucket_window`` samples
-    (trainer/data/buckets.py)."""
+    (trainer/data/length_buckets.py)."""
 
     name: str
     window: int = 0
@@ -94,26 +94,6 @@ def chosen_order(
         "would repeat some samples and skip others; set data.order=auto (and data.bucket_by_length, "
         "train.micro_batch_size as they were) to keep the run's own order, or start a new run."
     )
-
-
-def make_order(
-    spec: OrderSpec,
-    num_samples: int,
-    seed: int,
-    shard_sizes: Sequence[int] | None,
-    lengths: np.ndarray | None = None,
-) -> Order:
-    base: Order
-    if spec.name == PERMUTATION:
-        base = PermutationOrder(num_samples, seed)
-    else:
-        base = WindowedOrder(shard_sizes if shard_sizes is not None else [num_samples], seed, spec.window)
-    if not spec.bucket:
-        return base
-    from trainer.data.buckets import BucketedOrder
-
-    assert lengths is not None
-    return BucketedOrder(base, lengths, chunk=spec.bucket, window=spec.bucket_window, seed=seed)
 
 
 def shard_sizes_of(dataset: object, what: str) -> list[int] | None:

@@ -21,11 +21,11 @@ from runconfig import RunConfig
 from runconfig.layout import Layout, LayoutError
 from trainer.env import RuntimeEnv
 from trainer.errors import UserError
-from trainer.parallel.buckets import ddp_bucket_caps
 from trainer.parallel.carrier import Carrier
 from trainer.parallel.comm import BucketDispatch, BucketReducer, SideStream, overlapped_hook, stream_hook, sync_hook
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
+from trainer.parallel.grad_buckets import ddp_bucket_caps
 from trainer.parallel.mesh import dp_mesh, train_mesh
 from trainer.parallel.pipeline import Pipe, cut, schedule
 from trainer.parallel.tp import tensor_parallel

@@ -168,8 +168,8 @@ class Sequences(torch.utils.data.Dataset):
 
 
 def varlen(ctx: RecipeContext, n: int = 512) -> Recipe:
-    """Variable-length items padded per micro-batch (trainer.data.buckets.pad_collate): data.bucket_by_length."""
-    from trainer.data.buckets import pad_collate
+    """Variable-length items padded per micro-batch (trainer.data.length_buckets.pad_collate): data.bucket_by_length."""
+    from trainer.data.length_buckets import pad_collate
 
     def loss(model, batch):
         return F.cross_entropy(model(batch["tokens"], batch["attention_mask"]), batch["label"])
