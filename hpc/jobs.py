@@ -9,8 +9,8 @@ import time
 from hpc import slurmctl
 from hpc.slurmctl import JobState
 from rundir import RunDir
-from rundir.contract import append_jsonl
 from rundir.paths import read_jsonl
+from storage.files import append_jsonl
 
 
 def job_ids(rundir: RunDir) -> list[str]:

@@ -46,9 +46,9 @@ from hpc.sweeptrack import finish_parent
 from runconfig import ConfigError, RunConfig, dump_yaml, from_dict, yamlread
 from runconfig.load import load_raw, set_key
 from rundir import RunDir
-from rundir.contract import append_jsonl
 from rundir.paths import read_jsonl
 from rundir.record import command_line, write_submission
+from storage.files import append_jsonl, write_atomic, write_json_atomic
 
 SLUG_RE = re.compile(r"[^A-Za-z0-9._=-]+")
 
@@ -303,15 +303,9 @@ def element_ended(rundir: RunDir, state: str | None = None) -> str | None:
     with open(sweep_dir / LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         rows, text = results(sweep_dir, own=(rundir.root.name, state))
-        _write_atomic(sweep_dir / RESULTS_MD, text + "\n")
-        _write_atomic(sweep_dir / RESULTS_JSON, json.dumps(rows, indent=1, default=str) + "\n")
+        write_atomic(sweep_dir / RESULTS_MD, text + "\n", fsync=False)
+        write_json_atomic(sweep_dir / RESULTS_JSON, rows, fsync=False, indent=1, default=str)
         if not all(r["state"] in FINAL for r in rows):
             return None
         note = finish_parent(sweep_dir, rows)
     return text + (f"\n{note}" if note else "")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

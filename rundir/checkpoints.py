@@ -21,8 +21,8 @@ import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rundir.contract import write_json_atomic
 from storage.digest import sha256_file
+from storage.files import fsync_path, write_json_atomic
 from storage.ioretry import is_transient
 
 MANIFEST = "manifest.json"
@@ -37,15 +37,6 @@ class CheckpointInvalid(Exception):
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames and new entries in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def manifest_digest(manifest: dict) -> str:

@@ -1,5 +1,5 @@
 """The run directory's contract, defined once: exit statuses, history events, environment variables, step-time
-parts, and the two ways files of a run directory are written (JSON lines appended, JSON replaced atomically).
+parts (the two ways its files are written, JSON lines appended and JSON replaced atomically: storage/files.py).
 
 Torch-free: the login-node side (``hpc``), the sbatch scripts (through ``python -m``), the trainer and the tests
 import these names; a literal that names one of them anywhere else is a bug waiting for a rename.
@@ -7,10 +7,10 @@ import these names; a literal that names one of them anywhere else is a bug wait
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
+
+from storage.files import append_jsonl
 
 # -- exit statuses (of the trainer, the launchers and the CLI) ----------------------------------------------------
 EXIT_DONE = 0  # training complete
@@ -58,12 +58,6 @@ PARTS = ("data", "compute", "comm", "optim", "ckpt", "sync")
 PART_KEYS = tuple(f"time_{p}_s" for p in PARTS)
 
 
-def append_jsonl(path: Path, obj: dict) -> None:
-    """Append one JSON object as a line (history, jobs). One write call, so a line is never interleaved."""
-    with open(path, "a") as f:
-        f.write(json.dumps(obj, separators=(",", ":")) + "\n")
-
-
 def append_event(path: Path, event: str, **fields) -> None:
     """One line in a run's history.jsonl: the event name, the time, then ``fields``."""
     append_jsonl(path, {"event": event, "time": time.time(), **fields})
@@ -73,16 +67,3 @@ def launches_and_restarts(events: list[dict]) -> tuple[int, int]:
     """In a run's history events: its launches so far (start and resume events) and its in-job restarts."""
     launches = sum(1 for e in events if e.get("event") in (EVENT_START, EVENT_RESUME))
     return launches, sum(1 for e in events if e.get("event") == EVENT_RESTART)
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Replace ``path`` with ``data`` as JSON: written to a temporary file, fsynced, renamed; readers see the old
-    file or the new one, never a partial one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -9,7 +9,6 @@ Environment variables are recorded where their names start with a prefix that ch
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import re
 import shlex
@@ -21,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from runconfig.secrets import key_is_secret, value_secret
+from storage.files import write_json_atomic
 
 RECORDED_PREFIXES = (
     "NCCL_", "UCX_", "OMP_", "CUDA_", "SLURM_", "HPC_", "FI_", "MPICH_", "OMPI_", "PMIX_", "I_MPI_", "TORCH_",
@@ -90,9 +90,7 @@ def next_number(folder: Path, prefix: str) -> int:
 def write_json(path: Path, data: dict) -> None:
     """Written under a temporary name and renamed: a reader never sees half a record."""
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data, fsync=False, indent=1, sort_keys=True, default=str)
 
 
 def command_line(module: str, argv: list[str]) -> str:

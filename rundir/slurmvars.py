@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 JOB_ID_VAR = "SLURM_JOB_ID"
 RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"
+PROCID_VAR, NTASKS_VAR = "SLURM_PROCID", "SLURM_NTASKS"
 
 
 def slurm_job_id(environ: Mapping[str, str]) -> str | None:
@@ -20,3 +21,9 @@ def slurm_restart_count(environ: Mapping[str, str]) -> int | None:
         return None
     text = environ.get(RESTART_COUNT_VAR, "")
     return int(text) if text.isdigit() else 0
+
+
+def slurm_task(environ: Mapping[str, str]) -> tuple[int, int]:
+    """(this task's index, the step's number of tasks) of a Slurm step; (0, 1) outside one."""
+    procid, ntasks = environ.get(PROCID_VAR, ""), environ.get(NTASKS_VAR, "")
+    return (int(procid) if procid.isdigit() else 0), (int(ntasks) if ntasks.isdigit() else 1)

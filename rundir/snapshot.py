@@ -27,8 +27,8 @@ from pathlib import Path
 
 from runconfig.load import ConfigError
 from runconfig.schema import BUILTIN_RECIPE, RECIPE_RE
-from rundir.contract import write_json_atomic
 from rundir.paths import RunDir
+from storage.files import write_json_atomic
 
 CODE_MANIFEST = "manifest.json"  # inside RUN_DIR/code/
 MAX_FILE_BYTES = 20 * 1024 * 1024  # one file of the snapshot: code, not data

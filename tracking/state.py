@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rundir.paths import RunDir
+from storage.files import write_json_atomic
 from tracking.target import Target, is_sweep
 
 LOCK_NAME = ".tracking.lock"  # held by the launch that sends (rank 0), so that a report does not send beside it
@@ -57,9 +56,7 @@ class TrackingState:
         return state
 
     def save(self, path: Path) -> None:
-        tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}-{threading.get_native_id()}")
-        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, asdict(self), fsync=False, indent=1)
 
 
 def parent_of(rundir: RunDir, target: Target) -> str | None:

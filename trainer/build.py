@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 from runconfig import RunConfig
 from rundir import RunDir
 from rundir.allreduce_plan import choose, plan_table
-from rundir.contract import write_json_atomic
+from storage.files import write_json_atomic
 from storage.objstore import Store
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.rng import seed_rank

@@ -44,14 +44,11 @@ def params_sha256_v1(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def owners(sizes: list[int], world: int) -> list[int]:
-    """Owner rank of each entry: largest first to the least-loaded rank (ties: lowest rank). Deterministic."""
-    load = [0] * world
-    out = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        out[i] = r
-        load[r] += sizes[i]
-    return out
+    """Owner rank of each entry when every rank holds every entry: ``owners_among``'s rule (largest first to the
+    least-loaded rank, ties to the lowest). Deterministic."""
+    entries = list(range(len(sizes)))
+    who = owners_among(entries, dict(enumerate(sizes)), dict.fromkeys(entries, list(range(world))))
+    return [who[i] for i in entries]
 
 
 def param_digest(name: str, t: torch.Tensor) -> str:
@@ -100,9 +97,9 @@ def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]], group: dist.Proces
     return combine({k: v for part in gathered for k, v in part.items()})
 
 
-def owners_among(names: list[str], sizes: dict[str, int], holders: dict[str, list[int]]) -> dict[str, int]:
+def owners_among(names: list, sizes: dict, holders: dict[object, list[int]]) -> dict:
     """Owner rank of each name among the ranks that hold it: largest first to the least-loaded holder (ties:
-    lowest rank). Where every rank holds every name, the same split as ``owners``."""
+    lowest rank). The one owner rule: ``owners`` is its case where every rank holds every name."""
     load: dict[int, int] = {}
     out = {}
     order = {n: i for i, n in enumerate(names)}

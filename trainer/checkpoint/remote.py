@@ -13,7 +13,6 @@ Layout under the prefix: ``step_00000120/manifest.json`` and the files it lists,
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import shutil
@@ -31,6 +30,7 @@ from rundir.checkpoints import (
     manifest_digest,
     validate,
 )
+from storage.digest import sha256_file
 from storage.ioretry import GaveUp
 from storage.objstore import Store, StoreError, StoreUnavailable, join
 from trainer.checkpoint.agreement import Agreement, Failed
@@ -38,7 +38,6 @@ from trainer.checkpoint.reader import shares
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
-_CHUNK = 8 << 20
 
 
 class RemoteGenerations:
@@ -176,7 +175,7 @@ class RemoteGenerations:
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 self.store.download(url, str(dest), what="checkpoint file")
-                if _sha256(dest) != manifest["files"][rel]["sha256"]:
+                if sha256_file(dest) != manifest["files"][rel]["sha256"]:
                     problem = f"{url} does not match its SHA-256 in the manifest (corrupt)"
             except StoreError as exc:  # a missing object: this generation is unusable
                 problem = str(exc)
@@ -249,11 +248,3 @@ class RemoteGenerations:
         if self.before_upload is not None:
             self.before_upload()
         self.store.call(lambda fs, p: fs.put_file(str(local), p), url, what="checkpoint upload of")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
-from rundir.checkpoints import TMP_PREFIX, commit, fsync_path, prune, sha256_file
+from rundir.checkpoints import TMP_PREFIX, commit, prune, sha256_file
+from storage.files import fsync_path
 from storage.ioretry import GaveUp
 from trainer.checkpoint.agreement import Agreement, Failed, notes, root_cause
 from trainer.checkpoint.fingerprint import tensors_sha256

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
 from rundir.contract import INJECT_VAR
+from rundir.slurmvars import slurm_task
 from storage.objstore import Store, StoreError, is_url, local_path
 from trainer.data.prepare import PART_BYTES, STDLIB, PrepareSpec, TokenizerError, prepare
 from trainer.observe.inject import parse
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", type=int, default=None, help="this task's index (default: $SLURM_PROCID, else 0)")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: $SLURM_NTASKS, else 1)")
     args = parser.parse_args(argv)
-    task = args.task if args.task is not None else int(os.environ.get("SLURM_PROCID", 0))
-    tasks = args.tasks if args.tasks is not None else int(os.environ.get("SLURM_NTASKS", 1))
+    slurm_procid, slurm_ntasks = slurm_task(os.environ)
+    task = args.task if args.task is not None else slurm_procid
+    tasks = args.tasks if args.tasks is not None else slurm_ntasks
     if not 0 <= task < tasks:
         print(f"error: --task {task} must be in [0, --tasks {tasks}).", file=sys.stderr)
         return 2

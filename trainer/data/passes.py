@@ -32,6 +32,7 @@ import h5py
 import numpy as np
 
 from storage.digest import sha256_file
+from storage.files import write_atomic
 
 FORMAT = 1  # of prepared datasets (the manifest's "format"; the shards' "format" attribute)
 #: Documents (or source bytes) encoded per batch when a tokenizer is used.
@@ -144,7 +145,7 @@ def _claim(work: Path, plan: Plan) -> None:
     for sub in ("parts", "shards"):
         for f in (work / sub).glob("*") if (work / sub).is_dir() else ():
             f.unlink(missing_ok=True)
-    _write_atomic(marker, json.dumps({"plan": want}).encode())
+    write_atomic(marker, json.dumps({"plan": want}).encode(), fsync=True)
 
 
 def _parallel(fn: Callable, jobs: list[tuple], workers: int) -> Iterable:
@@ -169,15 +170,6 @@ def _wait_for(path: Path, poll_s: float) -> dict:
             return json.loads(path.read_text())
         except FileNotFoundError:
             time.sleep(poll_s)  # another task's share, not done yet
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 _TOKENIZERS: dict[str, object] = {}
@@ -211,7 +203,7 @@ def _tokenize_part(plan: Plan, work: Path, p: int, delay_s: float = 0.0) -> int:
         f.close()
         os.replace(work / "parts" / f".{p:05d}.{split}.bin.tmp", work / "parts" / f"{p:05d}.{split}.bin")
     record = {"part": p, "tokens": counts, "bytes": nbytes, "digests": digests}
-    _write_atomic(work / "parts" / f"{p:05d}.json", json.dumps(record).encode())
+    write_atomic(work / "parts" / f"{p:05d}.json", json.dumps(record).encode(), fsync=True)
     return p
 
 
@@ -294,4 +286,4 @@ def _write_shard(plan: Plan, work: Path, records: list[dict], split: str, k: int
     os.replace(tmp, work / "shards" / name)
     record = {"file": name, "tokens": int(len(tokens)), "sha256": sha256_file(work / "shards" / name)}
     record["bytes"] = (work / "shards" / name).stat().st_size
-    _write_atomic(work / "shards" / f"{split}_{k:05d}.json", json.dumps(record).encode())
+    write_atomic(work / "shards" / f"{split}_{k:05d}.json", json.dumps(record).encode(), fsync=True)

@@ -27,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from storage.digest import sha256_file
+from storage.files import append_jsonl
 from storage.objstore import Store, StoreError, join
 from trainer.errors import UserError
 
@@ -141,8 +143,7 @@ class ShardCache:
             nbytes = final.stat().st_size
             record = {"file": name, "bytes": nbytes, "seconds": round(time.monotonic() - started, 3)}
             record |= {"pid": os.getpid(), "rank": self.rank, "time": time.time()}
-            with open(self.folder / FETCHES, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_jsonl(self.folder / FETCHES, record)
             log.info("fetched %s (%.1f MB) into the node cache %s", join(self.url, name), nbytes / 1e6, self.folder)
             return final
 
@@ -166,14 +167,11 @@ class ShardCache:
         expected = self.expected.get(name)
         if not expected:
             return
-        digest = hashlib.sha256()
-        with open(part, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-        if digest.hexdigest() != expected:
+        digest = sha256_file(part)
+        if digest != expected:
             raise UserError(
                 f"rank {self.rank}: data shard {join(self.url, name)} failed its checksum after download: expected "
-                f"SHA-256 {expected} (manifest.json), got {digest.hexdigest()}. The object was altered or damaged "
+                f"SHA-256 {expected} (manifest.json), got {digest}. The object was altered or damaged "
                 "after it was prepared; prepare the data again (or upload the shard again).",
                 collective=False,
             )

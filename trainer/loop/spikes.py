@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from runconfig.schema import TrainConfig
 from rundir import RunDir
-from rundir.contract import write_json_atomic
+from storage.files import write_json_atomic
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)

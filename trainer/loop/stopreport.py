@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from rundir import RunDir
-from rundir.contract import write_json_atomic
 from rundir.stopsignal import (
     LeadBudget,
     budget_path,
@@ -31,6 +30,7 @@ from rundir.stopsignal import (
     rank_record_path,
     signal_name,
 )
+from storage.files import write_json_atomic
 from trainer.env import RuntimeEnv, patient_allgather
 from trainer.loop.stop import EarlySignals, StopFlag
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from runconfig.schema.live import LiveConfig
 from rundir import RunDir
-from rundir.contract import launches_and_restarts, write_json_atomic
+from rundir.contract import launches_and_restarts
 from rundir.paths import read_jsonl
+from storage.files import write_json_atomic
 from trainer.env import RuntimeEnv, agree, patient_allgather
 from trainer.observe.watchdog import BeatReader
 

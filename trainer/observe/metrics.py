@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from storage.files import write_atomic
 from trainer.errors import UserError
 
 
@@ -58,7 +59,5 @@ def truncate_metrics(path: Path, step: int, discarded: Path) -> int:
             f.flush()
             os.fsync(f.fileno())
     if len(keep) != len(lines):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(k + "\n" for k in keep))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(k + "\n" for k in keep), fsync=False)
     return len(drop)
