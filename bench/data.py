@@ -263,13 +263,13 @@ def generation(root: Path, mb: float) -> tuple[Path, dict]:
     import torch.distributed.checkpoint as dcp
 
     from rundir.checkpoints import commit
-    from trainer.checkpoint.remote import _sha256
+    from storage.digest import sha256_file
 
     n = max(1, int(mb * 2**20 / 4 / 8))
     state = {f"layer{i}": torch.randn(n) for i in range(8)}
     tmp = root / ".tmp-step_00000001"
     dcp.save(state, checkpoint_id=str(tmp))
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
     commit(tmp, root / "step_00000001", {"step": 1, "world_size": 1, "files": files})
     return root / "step_00000001", state
 

@@ -57,7 +57,7 @@ SELFTEST_SETTINGS = (
     "train.eval_every=0",
     "checkpoint.every_steps=0",
     "checkpoint.every_minutes=0",
-    "job.max_restarts=0",
+    "job.max_requeues=0",
     "job.max_failures=0",
 )
 STARTED_AT_STEP = 2  # metrics.jsonl has this step: every rank took part in a step's collective, handlers in place

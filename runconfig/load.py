@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import sys
 import types
 import typing
 from importlib import resources
@@ -101,6 +102,9 @@ def apply_override(raw: dict, item: str) -> None:
 
 def set_key(raw: dict, key: str, value: Any, *, what: str) -> None:
     """Set a dotted key in config data after checking that the schema has it."""
+    if key in RENAMED:
+        print(f"warning: {what}: key {key!r} is now {RENAMED[key]!r} (the old name is still read).", file=sys.stderr)
+        key = RENAMED[key]
     parts = key.split(".")
     secret = find_secret({key: value})
     if secret or key_is_secret(parts[-1]):
@@ -132,8 +136,27 @@ def _check_path(parts: list[str], what: str) -> None:
         cls = typing.get_type_hints(cls)[part]
 
 
+#: keys that were renamed: old dotted key -> new one (the old one is still read, with a one-line warning)
+RENAMED = {"job.max_restarts": "job.max_requeues"}
+
+
+def _renamed_keys(raw: dict, source: str) -> None:
+    """Move each renamed key of ``raw`` to its new name, saying so on stderr; both names at once is an error."""
+    for old, new in RENAMED.items():
+        (section, old_key), new_key = old.split("."), new.split(".")[1]
+        node = raw.get(section)
+        if not isinstance(node, dict) or old_key not in node:
+            continue
+        if new_key in node:
+            raise ConfigError(f"config {source}: keys {old!r} and {new!r} are the same setting; keep {new!r}.")
+        node[new_key] = node.pop(old_key)
+        print(f"warning: config {source}: key {old!r} is now {new!r}; rename it (the old name is still read).",
+              file=sys.stderr)  # fmt: skip
+
+
 def from_dict(raw: dict, *, source: str = "<config>") -> RunConfig:
     """Build and validate a RunConfig from plain data (as loaded from YAML)."""
+    _renamed_keys(raw, source)
     secret = find_secret(raw)
     if secret:
         raise ConfigError(f"config {source}: key {secret[0]!r} is refused: {secret[1]}; {WHERE_CREDENTIALS_GO}.")

@@ -18,7 +18,7 @@
 #                     config, resume.sbatch to the existing config (like `python -m hpc.submit --resume --set`)
 #   PYTHON            interpreter with the project's packages (default: python on PATH)
 #   HPC_MPI           srun --mpi plugin (default: job.mpi; auto = pmi2 for the mpich wheel, pmix for Open MPI)
-#   HPC_MAX_RESTARTS  requeues after a stop before giving up (default: the config's job.max_restarts, 20)
+#   HPC_MAX_REQUEUES  requeues after a stop before giving up (default: the config's job.max_requeues, 20)
 #   HPC_SETUP         a file sourced before anything else (module loads, e.g. envs/modules.sh)
 #   HPC_REPO          the checkout holding sbatch/common.sh (found by the .sbatch scripts, see there)
 
@@ -245,7 +245,11 @@ hpc_main() {
   local attempt=0 suffix action exit_status delay message use_next first failed_nodes errfile nodes_now
   local -a placement=() shown=()
   local -a decide_args=(--requeues "$restarts")
-  [ -n "${HPC_MAX_RESTARTS:-}" ] && decide_args+=(--max-requeues "$HPC_MAX_RESTARTS")
+  if [ -z "${HPC_MAX_REQUEUES:-}" ] && [ -n "${HPC_MAX_RESTARTS:-}" ]; then  # the old name
+    echo "warning: HPC_MAX_RESTARTS is now HPC_MAX_REQUEUES (the old name is still read)" >&2
+    HPC_MAX_REQUEUES=$HPC_MAX_RESTARTS
+  fi
+  [ -n "${HPC_MAX_REQUEUES:-}" ] && decide_args+=(--max-requeues "$HPC_MAX_REQUEUES")
   [ -n "${SLURM_JOB_ID:-}" ] || decide_args+=(--local)
   while :; do
     # rank 0 tags its history with the launch id

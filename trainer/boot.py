@@ -36,7 +36,7 @@ class Booted:
     code_sha256: str | None  # the recipe's code snapshot, first on sys.path (None: built in or installed)
     env: RuntimeEnv
     stop: StopFlag
-    d: Distributed
+    distributed: Distributed
     tracker: Tracker | None  # rank 0's (None elsewhere or with tracking off)
 
 
@@ -97,7 +97,7 @@ def boot(
     clock.mark("rendezvous")
     if deadline is not None:
         deadline.end()
-    return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, d=d, tracker=tracker)
+    return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, distributed=d, tracker=tracker)
 
 
 def _stop_flag(cfg: RunConfig, early: EarlySignals) -> StopFlag:

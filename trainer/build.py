@@ -59,7 +59,12 @@ STRUCTURE_SAMPLES = 8  # items compared for one structure at start-up (default c
 
 
 def make_recipe(
-    cfg: RunConfig, env: RuntimeEnv, d: Distributed, rundir: RunDir, comm: MPI.Comm, stack: contextlib.ExitStack
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    distributed: Distributed,
+    rundir: RunDir,
+    comm: MPI.Comm,
+    stack: contextlib.ExitStack,
 ) -> Recipe:
     """Seed torch with train.seed (same initial weights on every rank) and build the recipe. Collective: every rank
     gets the recipe or the same UserError (the first failing rank's)."""
@@ -77,7 +82,7 @@ def make_recipe(
         world_size=env.world_size,
         local_rank=env.local_rank,
         seed=cfg.train.seed,
-        device=d.device,
+        device=distributed.device,
         micro_batch_size=cfg.train.micro_batch_size,
         config=cfg,
         run_dir=rundir.root,
@@ -100,7 +105,7 @@ def make_recipe(
 def build_parts(
     cfg: RunConfig,
     env: RuntimeEnv,
-    d: Distributed,
+    distributed: Distributed,
     rundir: RunDir,
     comm: MPI.Comm,
     stop: StopFlag,
@@ -114,12 +119,12 @@ def build_parts(
     when the recipe was built and this rank's peak memory once the model is built and split (``model_built``),
     before any forward. ``tracker``: rank 0's (``trainer.boot`` opens it, so that its sender's start-up overlaps
     the launch's)."""
-    recipe = make_recipe(cfg, env, d, rundir, comm, stack)
+    recipe = make_recipe(cfg, env, distributed, rundir, comm, stack)
     if clock is not None:
         clock.mark("recipe")
-    wrapped, shapes = place_model(cfg, env, d, recipe, comm)
+    wrapped, shapes = place_model(cfg, env, distributed, recipe, comm)
     if clock is not None:
-        clock.note_memory("model_built", peak_memory_mb(d.device))
+        clock.note_memory("model_built", peak_memory_mb(distributed.device))
     model = wrapped.model  # this rank's part under pipeline parallelism
     t = cfg.train
     loader = BatchLoader(
@@ -131,7 +136,7 @@ def build_parts(
         micro_batch=t.micro_batch_size,
         world_size=wrapped.layout.dp,
         rank=wrapped.layout.dp_rank(env.rank),
-        device=d.device,
+        device=distributed.device,
         prefetch=cfg.data.prefetch,
         what=f"recipe {cfg.recipe!r}: train_data",
     )
@@ -143,12 +148,12 @@ def build_parts(
     # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
     # count the whole model's: only the recipe's own figure is used there.
     flops = None
-    if peak_tflops(d.device, cfg.monitor.peak_tflops) and (wrapped.pipe is None or recipe.flops_per_sample):
-        flops = count_flops_per_sample(cfg, recipe, d)
+    if peak_tflops(distributed.device, cfg.monitor.peak_tflops) and (wrapped.pipe is None or recipe.flops_per_sample):
+        flops = count_flops_per_sample(cfg, recipe, distributed)
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
     seed_rank(t.seed, env.rank)
     optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
-    mon = build_monitors(cfg, env, d, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
+    mon = build_monitors(cfg, env, distributed, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
     stack.callback(mon.close)
     term = TermWatch(stop, mon.watchdog, env, rundir)  # SIGTERM while the main thread is blocked in C++
     term.start()
@@ -177,7 +182,7 @@ def build_parts(
     return Parts(
         cfg=cfg,
         env=env,
-        d=d,
+        distributed=distributed,
         recipe=recipe,
         model=model,
         wrapped=wrapped,
@@ -193,24 +198,24 @@ def build_parts(
 
 
 def place_model(
-    cfg: RunConfig, env: RuntimeEnv, d: Distributed, recipe: Recipe, comm: MPI.Comm
+    cfg: RunConfig, env: RuntimeEnv, distributed: Distributed, recipe: Recipe, comm: MPI.Comm
 ) -> tuple[Wrapped, dict[str, list]]:
     """The recipe's model on the device, split for the layout (``wrap``); with parallel.meta_init each rank
     allocates and fills only its part after the split. Also the whole model's {name: [*shape, dtype]}."""
     materialise, init_error = None, []
     if cfg.parallel.meta_init:  # parameters on meta: split first, then allocate and fill this rank's part only
         model = recipe.model
-        buffers_to(model, d.device)
+        buffers_to(model, distributed.device)
         plan = owners(model)
         seed, spec = cfg.train.seed, cfg.recipe
 
         def materialise(part: torch.nn.Module) -> None:
-            error = fill(part, plan, recipe.init_weights, seed=seed, device=d.device, spec=spec)
+            error = fill(part, plan, recipe.init_weights, seed=seed, device=distributed.device, spec=spec)
             init_error.append(error)
     else:
-        model = recipe.model.to(d.device)
+        model = recipe.model.to(distributed.device)
     shapes = {n: [*q.shape, str(q.dtype)] for n, q in model.named_parameters()}  # the whole model's
-    wrapped = wrap(cfg, env, d, model, recipe, materialise=materialise)
+    wrapped = wrap(cfg, env, distributed, model, recipe, materialise=materialise)
     if cfg.parallel.meta_init:
         agree(comm, init_error[0] if init_error else None)
     return wrapped, shapes
@@ -344,7 +349,7 @@ def check_structure(spec: str, recipe: Recipe) -> None:
                 )
 
 
-def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, d: Distributed) -> float:
+def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, distributed: Distributed) -> float:
     """The recipe's FLOPs per sample, else counted with FlopCounterMode on one forward/backward of one
     micro-batch of the bare model (the counted gradients are discarded)."""
     if recipe.flops_per_sample:
@@ -353,7 +358,7 @@ def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, d: Distributed) -> fl
 
     ids = np.arange(min(cfg.train.micro_batch_size, len(recipe.train_data)))
     batch = to_device(
-        fetch(recipe.train_data, ids, recipe.collate or default_collate, what="train_data", rank=0), d.device
+        fetch(recipe.train_data, ids, recipe.collate or default_collate, what="train_data", rank=0), distributed.device
     )
     counter = FlopCounterMode(display=False)
     with counter:
@@ -362,15 +367,15 @@ def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, d: Distributed) -> fl
     return counter.get_total_flops() / len(ids)
 
 
-def plan_allreduce(p: Parts, rundir: RunDir) -> None:
+def plan_allreduce(parts: Parts, rundir: RunDir) -> None:
     """comm.allreduce=auto (collective): give DDP's hook its plan. A resumed run reuses the plan its checkpoint
     recorded (the same algorithms, so the same reduction order: bit-exact), unless it was measured for another
     topology or comm settings; then comm.plan_from's; else it is measured now, for the bucket sizes the throw-away
     step saw, and written into the run directory."""
-    dispatch = p.wrapped.dispatch
+    dispatch = parts.wrapped.dispatch
     if dispatch is None or dispatch.algorithm is not None:
         return
-    groups, plan, source = p.d.groups, p.state.allreduce_plan, p.cfg.comm.plan_from
+    groups, plan, source = parts.distributed.groups, parts.state.allreduce_plan, parts.cfg.comm.plan_from
     wanted = setup_of(groups)
     how, measured = "recorded in the checkpoint, reused", "measured"
     if plan is not None and (changed := mismatches(plan, wanted)):
@@ -379,22 +384,22 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
     if plan is None and source:
         plan, how = _plan_from(source, wanted), f"from {source}"
     if plan is None:
-        plan = measure(groups, dispatch.sizes, p.d.device, one_network=p.env.one_network)
+        plan = measure(groups, dispatch.sizes, parts.distributed.device, one_network=parts.env.one_network)
         how = measured + ("; one host, one network: flat chosen" if plan["one_network"] else "")
-        if p.env.rank == 0:
+        if parts.env.rank == 0:
             write_json_atomic(rundir.allreduce_plan, plan)
-    p.state.allreduce_plan = plan
+    parts.state.allreduce_plan = plan
     dispatch.plan = functools.partial(choose, plan)
     if groups.compress or any(row["choice"] != "flat" for row in plan["sizes"]):
-        hook_up(p.cfg, p.d, p.wrapped.module, dispatch)
+        hook_up(parts.cfg, parts.distributed, parts.wrapped.module, dispatch)
         runs = "the trainer's hook runs it"
     else:
         # Every bucket flat: DDP's own all-reduce runs, with no hook (the same bits as comm.allreduce=flat). A
         # Python hook issuing the same all-reduce is slower: each bucket's call and completion take the GIL, which
         # DDP's C++ path never does (docs/measurements/notes-trainer.md).
-        p.wrapped.dispatch = None
+        parts.wrapped.dispatch = None
         runs = "every bucket flat: DDP's own all-reduce runs, no hook"
-    if p.env.rank == 0:
+    if parts.env.rank == 0:
         log.info(
             "all-reduce plan (comm.allreduce=auto, %s; measured in %.2f s, %s; %s):\n%s",
             how,
@@ -405,18 +410,18 @@ def plan_allreduce(p: Parts, rundir: RunDir) -> None:
         )
 
 
-def check_overlap(p: Parts) -> None:
+def check_overlap(parts: Parts) -> None:
     """comm.overlap (collective): before training, the overlapped reduction (the reducer's thread on CPU, a CUDA
     side stream on GPUs) must give the synchronous reduction's bits on every bucket size the hook will see; if it
     does not on some rank, training would go on with wrong gradients, so the run ends with the ranks named and
     the setting that avoids it. Not where DDP's own all-reduce runs (flat, or a plan that sends every bucket flat)."""
-    dispatch = p.wrapped.dispatch
+    dispatch = parts.wrapped.dispatch
     if dispatch is None or dispatch.overlapped is None:
         return
     sizes = dispatch.sizes
     start = time.perf_counter()
-    bad = check_overlapped(dispatch, sizes, p.d.device)
-    where = "a CUDA side stream" if p.d.device.type == "cuda" else "the reducer's thread"
+    bad = check_overlapped(dispatch, sizes, parts.distributed.device)
+    where = "a CUDA side stream" if parts.distributed.device.type == "cuda" else "the reducer's thread"
     checked = ", ".join(f"{dispatch.choose(size)} {size / 1024:.1f} KiB" for size in sizes)
     if bad:
         raise UserError(
@@ -426,7 +431,7 @@ def check_overlap(p: Parts) -> None:
             "blocking backward) and report this with the torch and NCCL versions.",
             collective=True,
         )
-    if p.env.rank == 0:
+    if parts.env.rank == 0:
         log.info(
             "comm.overlap: the reduction on %s gave the synchronous one's bits (%s; checked in %.3f s)",
             where,
@@ -461,18 +466,18 @@ def bucketing(cfg: RunConfig) -> tuple[int, int]:
     return cfg.train.micro_batch_size, cfg.data.bucket_window * cfg.train.global_batch_size
 
 
-def restore_or_start(p: Parts, rundir: RunDir) -> bool:
+def restore_or_start(parts: Parts, rundir: RunDir) -> bool:
     """Resume from the newest valid checkpoint when there is one (and checkpoint.resume); True if resumed."""
-    resumed = bool(p.cfg.checkpoint.resume) and p.checkpoints.restore(p.state)
+    resumed = bool(parts.cfg.checkpoint.resume) and parts.checkpoints.restore(parts.state)
     # a loss spike rolled back to before it: its data is skipped (trainer/loop/spikes.py), whatever train.spike_*
     # says now
-    position, applied = apply_skips(rundir, p.state.step, p.state.data_position)
+    position, applied = apply_skips(rundir, parts.state.step, parts.state.data_position)
     if applied:
         log.info("restored step %d: skipping the data of a loss spike (positions %d..%d of the data order)",
-                 p.state.step, p.state.data_position, position)  # fmt: skip
-        p.state.data_position = position
-    data = p.cfg.data
-    spec = chosen_order(data.order, data.shuffle_window, p.state.data_order, resumed, *bucketing(p.cfg))
-    p.state.data_order = spec.as_dict()
-    p.loader.use_order(spec)
+                 parts.state.step, parts.state.data_position, position)  # fmt: skip
+        parts.state.data_position = position
+    data = parts.cfg.data
+    spec = chosen_order(data.order, data.shuffle_window, parts.state.data_order, resumed, *bucketing(parts.cfg))
+    parts.state.data_order = spec.as_dict()
+    parts.loader.use_order(spec)
     return resumed

@@ -26,8 +26,8 @@ from rundir.contract import (
     FAILURE_SPIKE,
     FAILURE_STRAGGLER,
     append_event,
-    write_json_atomic,
 )
+from storage.files import write_json_atomic
 from trainer.boot import Booted
 from trainer.build import check_overlap, plan_allreduce, restore_or_start
 from trainer.checkpoint.fingerprint import params_sha256
@@ -52,52 +52,56 @@ from trainer.parallel.distributed import gloo_threads
 log = logging.getLogger("trainer")
 
 
-def start(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, clock: StartupClock) -> bool:
+def start(parts: Parts, booted: Booted, rundir: RunDir, comm: MPI.Comm, clock: StartupClock) -> bool:
     """Restore or start, settle the all-reduce, run the preflight and record the launch's start or resume event.
     False when the preflight named a node (monitor.preflight: exclude; every rank, in failure.json). Collective."""
-    resumed = restore_or_start(p, rundir)
-    plan_allreduce(p, rundir)  # comm.allreduce=auto: after the restore, which may hold the plan to reuse
-    check_overlap(p)  # the overlapped reduction against the synchronous one, on the plan's sizes
+    resumed = restore_or_start(parts, rundir)
+    plan_allreduce(parts, rundir)  # comm.allreduce=auto: after the restore, which may hold the plan to reuse
+    check_overlap(parts)  # the overlapped reduction against the synchronous one, on the plan's sizes
     clock.mark("restore")
-    if not run_preflight(p, comm, rundir):
+    if not run_preflight(parts, comm, rundir):
         return False
     clock.mark("preflight")
-    _release_startup_groups(p)
-    clock.note_memory("startup", peak_memory_mb(b.d.device))  # the throw-away step and the restore included
+    _release_startup_groups(parts)
+    clock.note_memory(
+        "startup", peak_memory_mb(booted.distributed.device)
+    )  # the throw-away step and the restore included
     memory = largest(comm, clock.memory_mb, float)
-    launch_record = gather_launch_record(b.env, b.d.device, comm)  # rank 0's, None on the others
-    if b.env.rank == 0:
-        _record_start(p, b, rundir, clock, resumed, memory)
+    launch_record = gather_launch_record(booted.env, booted.distributed.device, comm)  # rank 0's, None on the others
+    if booted.env.rank == 0:
+        _record_start(parts, booted, rundir, clock, resumed, memory)
         try:
-            write_launch_record(rundir, launch_record, p.state.step)
+            write_launch_record(rundir, launch_record, parts.state.step)
         except OSError as exc:  # the record is for people; training goes on without it
             log.warning("could not write the launch record into %s: %s", rundir.record, exc)
-        if p.mon.tracker is not None:
+        if parts.mon.tracker is not None:
             try:  # rank 0 alone: nothing here may end the run while the others wait in the next collective
-                tags = launch_tags(b.cfg, b.env, p.wrapped.layout.sizes(), launch_record, rundir, b.code_sha256)
+                tags = launch_tags(
+                    booted.cfg, booted.env, parts.wrapped.layout.sizes(), launch_record, rundir, booted.code_sha256
+                )
                 files = [(f, "record") for f in sorted(rundir.record.glob("*")) if f.is_file() and f.name[0] != "."]
-                p.mon.tracker.begin(p.state.step, tags, files)
+                parts.mon.tracker.begin(parts.state.step, tags, files)
             except Exception as exc:
                 log.warning("tracking: this launch's tags and record were not queued: %s", exc)
     log.info(
         "recipe %s: %s with %d parameters; train %d samples, eval %s",
-        b.cfg.recipe,
-        type(p.model).__name__,
-        p.wrapped.n_params,
-        len(p.recipe.train_data),
-        len(p.recipe.eval_data) if p.recipe.eval_data is not None else "none",
+        booted.cfg.recipe,
+        type(parts.model).__name__,
+        parts.wrapped.n_params,
+        len(parts.recipe.train_data),
+        len(parts.recipe.eval_data) if parts.recipe.eval_data is not None else "none",
     )
     return True
 
 
-def _release_startup_groups(p: Parts) -> None:
+def _release_startup_groups(parts: Parts) -> None:
     """Where no hook reduces with the hierarchy's groups, start-up was their last use: each gloo group keeps a
     polling thread, so they go."""
-    if p.wrapped.dispatch is not None:
+    if parts.wrapped.dispatch is not None:
         return
     began = time.perf_counter()
-    released = p.d.groups.release()
-    if p.env.rank == 0 and released:
+    released = parts.distributed.groups.release()
+    if parts.env.rank == 0 and released:
         log.info(
             "released %d process group(s) used only at start-up (no hook reduces with them); gloo threads left in "
             "this process: %d (%.3f s)",
@@ -107,40 +111,42 @@ def _release_startup_groups(p: Parts) -> None:
         )
 
 
-def _record_start(p: Parts, b: Booted, rundir: RunDir, clock: StartupClock, resumed: bool, memory: dict) -> None:
+def _record_start(
+    parts: Parts, booted: Booted, rundir: RunDir, clock: StartupClock, resumed: bool, memory: dict
+) -> None:
     """Rank 0: the launch's start or resume event, after moving the records of the steps it recomputes to
     metrics.discarded.jsonl."""
-    env, state = b.env, p.state
+    env, state = booted.env, parts.state
     # Every launch (a fresh start after a launch that never committed too): records of steps after the state's step
     # are recomputed, so they move out of metrics.jsonl.
     discarded = truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
-    fields = {"skipped_checkpoints": p.checkpoints.skipped, "discarded_records": discarded} if resumed else {}
+    fields = {"skipped_checkpoints": parts.checkpoints.skipped, "discarded_records": discarded} if resumed else {}
     append_event(
         rundir.history,
         EVENT_RESUME if resumed else EVENT_START,
         step=state.step,
         world_size=env.world_size,
         nodes=[env.node_names[env.topology.node_ranks(n)[0]] for n in range(env.topology.num_nodes)],
-        grad_accum=b.cfg.grad_accum(env.world_size),
+        grad_accum=booted.cfg.grad_accum(env.world_size),
         slurm_job_id=env.slurm_job_id,
         slurm_restart_count=env.slurm_restart_count,
         launch=env.launch_id,
         process_start=clock.process_start,
         startup_s=clock.phases(),
         peak_mem_mb={k: round(v, 1) for k, v in memory.items()},  # the largest rank's
-        recipe=b.cfg.recipe,
-        code_sha256=b.code_sha256,
+        recipe=booted.cfg.recipe,
+        code_sha256=booted.code_sha256,
         **fields,
     )
 
 
-def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple[object | None, int | None]:
+def train_diagnosed(parts: Parts, booted: Booted, rundir: RunDir, progress=None) -> tuple[object | None, int | None]:
     """Train; (how it stopped, None), or (None, EXIT_FAILED) when the ranks left a slow node out after a committed
     checkpoint. A collective that failed (a peer's connection closed) is diagnosed, reported and raised."""
-    env, cfg, state = b.env, b.cfg, p.state
+    env, cfg, state = booted.env, booted.cfg, parts.state
     relaxed = progress.relaxed() if progress is not None else contextlib.nullcontext()
     pruner = Pruner(cfg, rundir, env.rank) if cfg.prune.metric else None
-    if pruner is not None and cfg.prune.metric.startswith("eval") and p.recipe.eval_data is None:
+    if pruner is not None and cfg.prune.metric.startswith("eval") and parts.recipe.eval_data is None:
         raise UserError(  # every rank: the same recipe
             f"prune.metric {cfg.prune.metric!r} is an evaluation's, but recipe {cfg.recipe!r} has no eval_data: prune "
             "by a training metric (prune.metric: loss) or give the recipe eval_data",
@@ -148,7 +154,7 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
         )
     try:
         with relaxed:  # no MPI message while the loop trains: its progress thread wakes less often
-            return train(p, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(b, rundir), pruner), None
+            return train(parts, LeadCheck(cfg.job.signal_lead_s, rundir, env), _profiler(booted, rundir), pruner), None
     except Pruned as pruned:  # every rank, at a rung, its checkpoint saved: ends like a completed run
         return pruned, None
     except LossSpike as spike:  # every rank, before the spike's step is saved: back to the newest checkpoint
@@ -157,44 +163,44 @@ def train_diagnosed(p: Parts, b: Booted, rundir: RunDir, progress=None) -> tuple
             record_skip(rundir, info)
             fields = {k: info[k] for k in ("step", "measure", "value", "loss", "median", "skip_to_position")}
             append_event(rundir.history, EVENT_SPIKE, **fields, action="rollback", launch=env.launch_id)
-        return _end_unsaved(p, b, rundir, info["message"], FAILURE_SPIKE, [])
+        return _end_unsaved(parts, booted, rundir, info["message"], FAILURE_SPIKE, [])
     except ReplicasDiverged as diverged:  # every rank, no checkpoint: restart from the newest (checked) one
         info = diverged.info
         why = f"its weights differ from the other replicas' at step {info['step']} (silent corruption)"
         suspects = [env.suspect(r, why) for r in info["ranks"]]
-        return _end_unsaved(p, b, rundir, info["message"], FAILURE_CORRUPT, suspects)
+        return _end_unsaved(parts, booted, rundir, info["message"], FAILURE_CORRUPT, suspects)
     except NodeEvicted as evicted:  # every rank, after a committed checkpoint: leave the slow node out
-        p.mon.watchdog.close()
-        p.checkpoints.close()
-        _report_eviction(b, rundir, evicted.info, state.step)
+        parts.mon.watchdog.close()
+        parts.checkpoints.close()
+        _report_eviction(booted, rundir, evicted.info, state.step)
         return None, EXIT_FAILED
     except RuntimeError as exc:  # a collective failed (a peer's connection closed): name who went away
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        diagnosis, suspects = p.mon.watchdog.diagnose(exc)
+        diagnosis, suspects = parts.mon.watchdog.diagnose(exc)
         message = f"rank {env.rank}: a collective failed at step {state.step + 1}{diagnosis}. The error: {first}"
         report_failure(rundir, env.rank, message, FAILURE_CRASH, suspects)  # first: see report_failure
         log.error("%s", message)
         raise
 
 
-def _end_unsaved(p: Parts, b: Booted, rundir: RunDir, message: str, kind: str, suspects: list[dict]):
+def _end_unsaved(parts: Parts, booted: Booted, rundir: RunDir, message: str, kind: str, suspects: list[dict]):
     """Every rank: the launch ends without saving this step (the launcher restarts from the newest checkpoint,
     leaving the suspects' nodes out); rank 0 reports why."""
-    p.mon.watchdog.close()
-    p.checkpoints.close()
-    if b.env.rank == 0:
+    parts.mon.watchdog.close()
+    parts.checkpoints.close()
+    if booted.env.rank == 0:
         log.error("%s", message)
         report_failure(rundir, 0, message, kind, suspects)
     return None, EXIT_FAILED
 
 
-def _report_eviction(b: Booted, rundir: RunDir, info: dict, step: int) -> None:
-    env = b.env
+def _report_eviction(booted: Booted, rundir: RunDir, info: dict, step: int) -> None:
+    env = booted.env
     node = env.node_names[info["ranks"][0]]
     message = (
         f"node {info['node']} ({node}) was a straggler in {info['checks']} straggler checks in a row "
         f"(busy {info['step_time_s']:.3f} s/step, {info['ratio']:.2f}x the median node; "
-        f"monitor.straggler_exclude_after={b.cfg.monitor.straggler_exclude_after}); checkpoint committed at "
+        f"monitor.straggler_exclude_after={booted.cfg.monitor.straggler_exclude_after}); checkpoint committed at "
         f"step {step}, the launch ends so that the launcher leaves the node out"
     )
     if env.rank == 0:
@@ -203,67 +209,67 @@ def _report_eviction(b: Booted, rundir: RunDir, info: dict, step: int) -> None:
         report_failure(rundir, 0, message, FAILURE_STRAGGLER, [env.suspect(r, why) for r in info["ranks"]])
 
 
-def finish(p: Parts, b: Booted, rundir: RunDir, comm: MPI.Comm, stopped) -> int:
+def finish(parts: Parts, booted: Booted, rundir: RunDir, comm: MPI.Comm, stopped) -> int:
     """The stop's event (EXIT_STOPPED), or the summary and the done event (EXIT_DONE). A background save is
     committed before anything else happens. Collective."""
-    env, state = b.env, p.state
-    p.mon.watchdog.close()
-    p.checkpoints.close()
+    env, state = booted.env, parts.state
+    parts.mon.watchdog.close()
+    parts.checkpoints.close()
     if isinstance(stopped, Pruned):
-        summary = {**_summary(p, b, comm), "pruned": stopped.info}
+        summary = {**_summary(parts, booted, comm), "pruned": stopped.info}
         if env.rank == 0:
             write_json_atomic(rundir.summary, summary)
             fields = {k: v for k, v in stopped.info.items() if k != "step"}  # the rung's step is the state's
             append_event(rundir.history, EVENT_PRUNED, step=state.step, launch=env.launch_id, **fields)
             log.info("pruned at step %d: %s", state.step, stopped.info["why"])
-            if p.mon.tracker is not None:
-                p.mon.tracker.tags({f"hpc.pruned.{k}": str(stopped.info[k]) for k in ("step", "value", "why")})
-                p.mon.tracker.file(rundir.summary)
-                p.mon.tracker.finish("pruned")
+            if parts.mon.tracker is not None:
+                parts.mon.tracker.tags({f"hpc.pruned.{k}": str(stopped.info[k]) for k in ("step", "value", "why")})
+                parts.mon.tracker.file(rundir.summary)
+                parts.mon.tracker.finish("pruned")
         return EXIT_DONE
     if stopped is not None:
-        fields = stopped_fields(comm, env, b.stop, stopped, b.cfg.job.signal_lead_s)  # collective
+        fields = stopped_fields(comm, env, booted.stop, stopped, booted.cfg.job.signal_lead_s)  # collective
         if env.rank == 0:
             append_event(rundir.history, EVENT_STOPPED, step=state.step, launch=env.launch_id, **fields)
-            if p.mon.tracker is not None:
-                p.mon.tracker.finish("stopped")
+            if parts.mon.tracker is not None:
+                parts.mon.tracker.finish("stopped")
         return EXIT_STOPPED
-    summary = _summary(p, b, comm)
+    summary = _summary(parts, booted, comm)
     if env.rank == 0:
         write_json_atomic(rundir.summary, summary)
         append_event(rundir.history, EVENT_DONE, step=state.step, launch=env.launch_id)
-        if p.mon.tracker is not None:
-            p.mon.tracker.file(rundir.summary)
-            p.mon.tracker.finish("done")
+        if parts.mon.tracker is not None:
+            parts.mon.tracker.file(rundir.summary)
+            parts.mon.tracker.finish("done")
         log.info("done: step %d loss %.4f params_sha256 %s", state.step, state.last_loss, summary["params_sha256"][:16])
     return EXIT_DONE
     # The stop handlers stay (they only set a flag) until the process ends: a stop signal arriving during the
     # teardown, after the decision is recorded, must not kill a rank with the default action.
 
 
-def _summary(p: Parts, b: Booted, comm: MPI.Comm) -> dict:
+def _summary(parts: Parts, booted: Booted, comm: MPI.Comm) -> dict:
     """summary.json (collective: the fingerprint and the largest rank's state bytes)."""
-    env, state, cfg = b.env, p.state, b.cfg
+    env, state, cfg = booted.env, parts.state, booted.cfg
     return {
         "final_step": state.step,
         "final_loss": state.last_loss,
         "final_eval_loss": state.last_eval_loss,
         "tokens_seen": state.tokens_seen,
-        "unit": p.recipe.unit,
+        "unit": parts.recipe.unit,
         "wall_time_s": state.elapsed_s,
-        "params_sha256": params_sha256(p.model, skip=p.wrapped.aliases),
-        "n_params": p.wrapped.n_params,
+        "params_sha256": params_sha256(parts.model, skip=parts.wrapped.aliases),
+        "n_params": parts.wrapped.n_params,
         "recipe": cfg.recipe,
-        "code_sha256": b.code_sha256,
+        "code_sha256": booted.code_sha256,
         "world_size": env.world_size,
         "topology": env.topology.describe(),
-        "allreduce": p.allreduce,
+        "allreduce": parts.allreduce,
         "allreduce_plan": state.allreduce_plan,
-        "parallel": p.wrapped.layout.sizes(),
-        "state_bytes_per_rank": largest(comm, state_bytes(p.model, p.optimizer)),
-        "backend": b.d.backend,
+        "parallel": parts.wrapped.layout.sizes(),
+        "state_bytes_per_rank": largest(comm, state_bytes(parts.model, parts.optimizer)),
+        "backend": booted.distributed.backend,
         "config_sha256": config_hash(cfg),
-        **p.mon.stragglers.summary(),
+        **parts.mon.stragglers.summary(),
     }
 
 
@@ -272,11 +278,11 @@ def largest(comm: MPI.Comm, values: dict, kind: type = int) -> dict:
     return {k: kind(comm.allreduce(v, op=MPI.MAX)) for k, v in values.items()}
 
 
-def _profiler(b: Booted, rundir: RunDir):
+def _profiler(booted: Booted, rundir: RunDir):
     """monitor.profile_steps: a StepProfiler writing into RUN_DIR/profile/, else None."""
-    span = b.cfg.monitor.profile_range()
+    span = booted.cfg.monitor.profile_range()
     if span is None:
         return None
     from trainer.observe.profile import StepProfiler
 
-    return StepProfiler(*span, b.d.device, rundir.root / "profile", b.env.rank)
+    return StepProfiler(*span, booted.distributed.device, rundir.root / "profile", booted.env.rank)

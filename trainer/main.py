@@ -71,7 +71,16 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
         if b.tracker is not None:  # closed last: after the checkpoints, whose commits it is told of
             stack.callback(b.tracker.close)
         p = build_parts(
-            b.cfg, b.env, b.d, rundir, comm, b.stop, stack, code_sha256=b.code_sha256, clock=clock, tracker=b.tracker
+            b.cfg,
+            b.env,
+            b.distributed,
+            rundir,
+            comm,
+            b.stop,
+            stack,
+            code_sha256=b.code_sha256,
+            clock=clock,
+            tracker=b.tracker,
         )
         clock.mark("build")
         if not start(p, b, rundir, comm, clock):  # a node named, monitor.preflight: exclude (in failure.json)

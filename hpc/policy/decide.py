@@ -4,7 +4,7 @@ scripts through ``python -m hpc.policy.decide``). Torch-free.
 
 - done: training is complete.
 - stopped with a committed checkpoint: locally the run ends resumable (75). Under Slurm the job is requeued for the
-  job's own signal (held while the run is paused), up to ``job.max_restarts``; a stop by SIGTERM is Slurm ending
+  job's own signal (held while the run is paused), up to ``job.max_requeues``; a stop by SIGTERM is Slurm ending
   the job (scancel; requeue and preemption requeue it themselves), so it is not requeued. A job of a chain that is
   not the last leaves the continuation to the next one.
 - failed: bad input (status 2, or the trainer's diagnosis says so) ends the run. Anything else (a rank killed or
@@ -56,7 +56,7 @@ class Situation:
     ending: bool = False  # Slurm is ending the job (SIGTERM to the launcher): no restart, no new job
     requeues: int = 0  # SLURM_RESTART_COUNT: how often this job was requeued already
     last_in_chain: bool = True  # false for the earlier jobs of a chain (the next job continues)
-    max_requeues: int | None = None  # overrides job.max_restarts (HPC_MAX_RESTARTS of the sbatch scripts)
+    max_requeues: int | None = None  # overrides job.max_requeues (HPC_MAX_REQUEUES of the sbatch scripts)
     nodes: tuple[str, ...] = ()  # the nodes the launcher may use (the allocation's; locally the simulated ones)
     launch_nodes: tuple[str, ...] = ()  # the nodes the launch that ended ran on, in node order
     first_ended: int | None = None  # the rank whose process the launcher saw end first (its own evidence)
@@ -247,12 +247,12 @@ def _after_stop(
         )
     if rundir.pause_marker.exists():
         return Decision("requeuehold", EXIT_STOPPED, f"{head}; the run is paused (held until released)")
-    limit = job.max_restarts if situation.max_requeues is None else situation.max_requeues
+    limit = job.max_requeues if situation.max_requeues is None else situation.max_requeues
     if situation.requeues >= limit:
         return Decision(
             "end",
             EXIT_STOPPED,
-            f"error: the run stopped again after {situation.requeues} restarts (job.max_restarts={limit}); not "
+            f"error: the run stopped again after {situation.requeues} requeues (job.max_requeues={limit}); not "
             f"requeued. Continue with: python -m hpc resume {rundir.root}",
             error=True,
         )
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("launch_id")
     parser.add_argument("status", type=int, help="the launcher's (srun's) exit status")
     parser.add_argument("--requeues", type=int, default=0, help="SLURM_RESTART_COUNT")
-    parser.add_argument("--max-requeues", type=int, default=None, help="overrides job.max_restarts")
+    parser.add_argument("--max-requeues", type=int, default=None, help="overrides job.max_requeues")
     parser.add_argument("--local", action="store_true", help="not in a Slurm job: nothing can be requeued")
     parser.add_argument("--nodes", default="", help="the allocation's nodes, comma-separated")
     parser.add_argument("--launch-nodes", default="", help="the nodes the launch ran on, in node order")

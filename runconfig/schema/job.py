@@ -52,7 +52,11 @@ class JobConfig(Section):
         factory=list,
     )
     sbatch_extra: dict[str, str] = doc("Extra sbatch options, e.g. {reservation: big}.", factory=dict)
-    max_restarts: int = doc("Requeues after a stop (time limit, preemption) before giving up.", 20, bounds=Range(ge=0))
+    max_requeues: int = doc(
+        "Requeues after a stop (time limit, preemption) before giving up (its old name, max_restarts, is still read).",
+        20,
+        bounds=Range(ge=0),
+    )
     max_failures: int = doc(
         "In-job restarts per run after a launch fails through no fault of the input (a rank killed or crashed, a "
         "collective failed, a hang): the ranks restart in the same allocation from the newest valid checkpoint. "

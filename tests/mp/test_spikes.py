@@ -1,6 +1,6 @@
-"""A loss spike with real launches (train.spike_*): a bad batch makes the loss spike; the launch ends before the
-spike's step is saved, the run goes back to the newest checkpoint, skips the data through the bad batch and trains
-to its end."""
+"""A loss spike with real launches (train.spike_*): a bad batch makes the loss (and the gradient norm) spike; the launch
+ends before the spike's step is saved, the run goes back to the newest checkpoint, skips the data through the bad
+batch and trains to its end."""
 
 import json
 
@@ -34,6 +34,33 @@ def test_a_loss_spike_rolls_back_to_the_newest_checkpoint_and_skips_the_bad_batc
     assert max(r["loss"] for r in records if r["step"] > 8) < 3 * spike["median"]  # no spike in what was kept
     # the spike's step ended the launch before its record: its loss is in the spike event only
     assert not any(r["loss"] == spike["loss"] for r in records)
+
+
+def test_a_gradient_norm_spike_rolls_back_to_the_newest_checkpoint_and_skips_the_bad_batch(tmp_path, small_dataset):
+    """The loss alone is not judged (spike_factor 0): the bad batch's gradient norm is, and rollback (the default
+    action) goes back to the newest checkpoint and skips the data through that batch, as for a loss spike."""
+    run_dir = tmp_path / "run"
+    sets = [
+        *common(small_dataset), *TWO_NODES, "train.steps=16", "train.spike_grad_factor=5", "train.spike_window=8",
+        "train.spike_action=rollback", "job.max_failures=1", "job.restart_backoff_s=0.2", "train.log_every=1",
+    ]  # fmt: skip
+    done = run(run_dir, sets, inject="spike:0:11")  # the 11th batch of the data order is bad
+    assert done.returncode == 0, done.stdout + done.stderr
+    events = read_jsonl(run_dir / "history.jsonl")
+    spike = next(e for e in events if e["event"] == "spike")
+    gbs = 32  # the tiny example's global batch
+    assert spike["step"] == 11 and spike["measure"] == "grad_norm" and spike["action"] == "rollback", spike
+    assert spike["value"] > 5 * spike["median"] and spike["skip_to_position"] == 11 * gbs, spike
+    resume = next(e for e in events if e["event"] == "resume")
+    assert resume["step"] == 8  # the newest checkpoint: step 11 was never saved
+    assert events[-1]["event"] == "done" and [e["event"] for e in events].count("spike") == 1  # not again
+    skips = json.loads((run_dir / "data_skips.json").read_text())["skips"]
+    assert skips == [{"spike_step": 11, "skip_to_position": 11 * gbs}]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 17))  # every step once: 9-16 on the batches after it
+    assert max(r["grad_norm"] for r in records if r["step"] > 8) < 5 * spike["median"]  # no spike in what was kept
+    # the spike's step ended the launch before its record: its norm is in the spike event only
+    assert not any(r["grad_norm"] == spike["value"] for r in records)
 
 
 def test_a_gradient_norm_spike_stops_the_run_with_its_checkpoint_intact(tmp_path, small_dataset):

@@ -118,7 +118,7 @@ def test_wrong_mpi_plugin_is_detected(slurm, small_dataset, tmp_path):
 
 def test_restart_cap_and_real_errors_are_not_requeued(slurm, small_dataset, tmp_path):
     capped = tmp_path / "capped"
-    job_id = submit(capped, [*sets_for(small_dataset), *TWO_NODES, "train.steps=400", "job.max_restarts=0"])
+    job_id = submit(capped, [*sets_for(small_dataset), *TWO_NODES, "train.steps=400", "job.max_requeues=0"])
     wait_step(capped, 10)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"})

@@ -140,3 +140,22 @@ def test_slurm_commands_are_run_from_one_module():
             if isinstance(first, ast.Constant) and first.value in SLURM_COMMANDS:
                 outside.append(f"{path.relative_to(ROOT)}:{node.lineno}: {first.value!r}")
     assert outside == []
+
+
+def test_every_name_imported_from_the_project_exists():
+    """A module moved or a name renamed breaks no import left behind (function-level ones included, which only
+    run when their function does)."""
+    import importlib
+
+    missing = []
+    for name, path in MODULES.items():
+        if name.endswith("__main__"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and _project(node.module or "")):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name) and f"{node.module}.{alias.name}" not in MODULES:
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
+    assert missing == []

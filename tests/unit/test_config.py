@@ -282,3 +282,16 @@ def test_the_configuration_reference_is_generated_from_the_schema_and_current():
     assert "| `train.steps` | integer | `200` | >= 1 |" in text
     assert "| `job.restart_backoff_s` | number | `5.0` | between 0 and 3600 seconds |" in text
     assert run_cli(["-m", "runconfig.reference", "--check"]).returncode == 0
+
+
+def test_a_renamed_key_is_still_read_with_a_one_line_warning_naming_the_new_one(tmp_path, capsys):
+    config = tmp_path / "old.yaml"
+    config.write_text("job:\n  max_restarts: 3\n")
+    assert load_config(str(config)).job.max_requeues == 3
+    warning = capsys.readouterr().err.strip()
+    assert warning.count("\n") == 0 and "'job.max_restarts' is now 'job.max_requeues'" in warning
+    assert load_config("tiny", ["job.max_restarts=5"]).job.max_requeues == 5
+    assert "'job.max_requeues'" in capsys.readouterr().err
+    config.write_text("job:\n  max_restarts: 3\n  max_requeues: 4\n")
+    with pytest.raises(ConfigError, match="'job.max_restarts' and 'job.max_requeues' are the same setting"):
+        load_config(str(config))

@@ -272,3 +272,32 @@ def test_step_time_section_medians_and_comm_per_dimension():
     assert step_time_lines([]) == []
     plain = [record(s, 100.0 + s, "L", 1.0, data=0.1) for s in range(1, 4)]  # DDP before per-dimension records
     assert "of which" not in "\n".join(step_time_lines(plain))
+
+
+# Runs a verb of ``python -m hpc`` as its command line does, then says whether torch was imported on the way.
+VERB_THEN_CHECK_TORCH = """
+import sys
+from hpc.cli import main
+rc = main(sys.argv[1:])
+assert "torch" not in sys.modules, "python -m hpc " + sys.argv[1] + " imported torch"
+sys.exit(rc)
+"""
+
+
+def test_runs_and_compare_do_not_import_torch(tmp_path):
+    """The login-node verbs that read run directories stay torch-free (seconds of import on a login node), checked
+    after they have run on two run directories, not just imported."""
+    one = make_three_launch_run(tmp_path / "runs" / "one")
+    two = make_three_launch_run(tmp_path / "runs" / "two")
+    two.config.write_text(two.config.read_text().replace("steps: 20", "steps: 24"))
+    listed = run_cli(["-c", VERB_THEN_CHECK_TORCH, "runs", str(tmp_path / "runs"), "--json"], timeout=120)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    rows = json.loads(listed.stdout)
+    assert sorted((r["name"], r["steps"]) for r in rows) == [("one", 20), ("two", 24)], rows
+    png = tmp_path / "compare.png"
+    compared = run_cli(
+        ["-c", VERB_THEN_CHECK_TORCH, "compare", str(one.root), str(two.root), "--out", str(png)], timeout=120
+    )
+    assert compared.returncode == 0, compared.stdout + compared.stderr
+    assert "| train.steps | 20 | 24 |" in compared.stdout, compared.stdout
+    assert png_size(png)[0] > 0

@@ -253,33 +253,56 @@ def test_a_queue_past_its_bound_is_read_back_from_metrics_jsonl_and_each_step_go
     assert json.loads(rundir.tracking.read_text())["sent_through"] == 30
 
 
+# Run in the killed process: create_store, held still (not changed) at the first UPDATE of alembic's version row,
+# that is once the first migration has run in the temporary file and before any rename: the kill lands there.
+PAUSE_MID_MIGRATION = """
+import sys, threading
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from tracking import Target, create_store
+
+@event.listens_for(Engine, "before_cursor_execute")
+def pause(conn, cursor, statement, *args):
+    if statement.lstrip().upper().startswith("UPDATE ALEMBIC_VERSION"):
+        print("mid-migration", flush=True)
+        threading.Event().wait()  # until killed
+
+create_store(Target("mlflow", sys.argv[1], "e", "r", sys.argv[2]))
+print("finished", flush=True)
+"""
+
+
 def test_a_store_creation_killed_part_way_leaves_no_half_made_store(tmp_path):
+    import select
     import signal
     import subprocess
     import sys
-    import time
 
     from tracking import create_store
 
     rundir = RunDir(tmp_path / "runs" / "run")
     rundir.create()
     target = resolve(TrackingConfig(backend="mlflow"), rundir, {})
-    code = (
-        "import sys; from tracking import Target, create_store; "
-        f"create_store(Target('mlflow', {target.uri!r}, 'e', 'r', {target.artifact_location!r}))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSE_MID_MIGRATION, target.uri, target.artifact_location],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
-    store = target.store_path
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not list(store.parent.glob(".mlflow.db.creating-*")):
-        time.sleep(0.01)  # the migrations have begun in its own file
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGKILL)  # like a sender ended with its launch
-    proc.wait()
-    if list(store.parent.glob(".mlflow.db.creating-*")):  # killed part-way (else it had finished: whole)
-        assert not store.exists() or store.stat().st_size == 0  # no half-migrated store in place
-    create_store(target)  # the next opener makes it whole (or finds it whole)
-    assert not list(store.parent.glob(".mlflow.db.creating-*"))
+    try:
+        assert select.select([proc.stdout], [], [], 120)[0], "the store's creation did not reach its migrations"
+        assert proc.stdout.readline() == "mid-migration\n", proc.poll()
+        store = target.store_path
+        (creating,) = store.parent.glob(f".{store.name}.creating-{proc.pid}")  # the migrations run in its own file
+        assert creating.stat().st_size > 0 and not store.exists()
+        proc.send_signal(signal.SIGKILL)  # like a sender ended with its launch
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert creating.exists() and not store.exists()  # the half-made store was left out of place
+    create_store(target)  # the next opener makes it whole
+    assert not list(store.parent.glob(f".{store.name}.creating-*"))  # and removes what the killed one left
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(target.uri)

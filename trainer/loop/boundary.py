@@ -94,13 +94,13 @@ class _HostCopy:
 class Boundary:
     """Collective: every rank's ``decide`` returns the same decision (or raises the same error)."""
 
-    def __init__(self, p: Parts) -> None:
-        self.p = p
-        self.carrier = p.wrapped.carrier
-        self.defer = p.cfg.comm.defer_agreement and self.carrier is None
+    def __init__(self, parts: Parts) -> None:
+        self.p = parts
+        self.carrier = parts.wrapped.carrier
+        self.defer = parts.cfg.comm.defer_agreement and self.carrier is None
         self._pending: _InFlight | None = None
-        nccl = p.d.device.type == "cuda" and p.d.backend == "nccl"
-        self._copy = _HostCopy(p.d.device) if self.defer and nccl else None
+        nccl = parts.distributed.device.type == "cuda" and parts.distributed.backend == "nccl"
+        self._copy = _HostCopy(parts.distributed.device) if self.defer and nccl else None
 
     def decide(self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor) -> Decision:
         """``local_loss``: this rank's loss of the step; ``grad_norm``: its gradient norm, read for the record
@@ -191,12 +191,12 @@ class Boundary:
         return _Agreed(loss=loss, stop=stop > 0, due_by_time=due_by_time > 0, grad_norm=grad_norm)
 
 
-def agreement_values(p: Parts, local_loss: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def agreement_values(parts: Parts, local_loss: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """This rank's share of a step's agreement: its loss of the step, its stop request, rank 0's time trigger."""
     values = torch.zeros(3, dtype=dtype, device=local_loss.device)
     values[0] = local_loss
-    values[1] = float(p.stop.requested)
-    values[2] = float(p.env.rank == 0 and p.checkpoints.due_by_time())
+    values[1] = float(parts.stop.requested)
+    values[2] = float(parts.env.rank == 0 and parts.checkpoints.due_by_time())
     return values
 
 
@@ -207,17 +207,17 @@ def _earlier(agreed: _Agreed | None) -> Earlier | None:
     return Earlier(loss=agreed.loss, grad_norm=agreed.grad_norm)
 
 
-def _non_finite(p: Parts, step: int, local_loss: torch.Tensor) -> None:
+def _non_finite(parts: Parts, step: int, local_loss: torch.Tensor) -> None:
     """Name the ranks whose loss is not finite, then stop every rank (no checkpoint of this step is written)."""
-    losses = [None] * p.env.world_size
+    losses = [None] * parts.env.world_size
     dist.all_gather_object(losses, float(local_loss))
     bad = [r for r, v in enumerate(losses) if not math.isfinite(v)]
-    latest = read_latest(p.checkpoints.root)  # what a resume would load; this step's state is never saved
+    latest = read_latest(parts.checkpoints.root)  # what a resume would load; this step's state is never saved
     raise UserError(
-        f"rank {bad[0]}: recipe {p.cfg.recipe!r}: the loss at step {step} is not finite "
+        f"rank {bad[0]}: recipe {parts.cfg.recipe!r}: the loss at step {step} is not finite "
         f"({', '.join(f'rank {r}: {losses[r]}' for r in bad)}). Training stopped; "
         + (
-            f"the newest committed checkpoint, {latest} in {p.checkpoints.root}, is intact."
+            f"the newest committed checkpoint, {latest} in {parts.checkpoints.root}, is intact."
             if latest
             else "no checkpoint had been committed, nothing was saved."
         ),

@@ -18,16 +18,16 @@ def eval_ids(n: int, count: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, count).astype(np.int64))
 
 
-def evaluate(p: Parts, step: int) -> dict[str, float]:
+def evaluate(parts: Parts, step: int) -> dict[str, float]:
     """{"eval_loss": ..., "eval_<metric>": ...}. Collective."""
-    data, recipe, cfg = p.recipe.eval_data, p.recipe, p.cfg
-    layout = p.wrapped.layout
+    data, recipe, cfg = parts.recipe.eval_data, parts.recipe, parts.cfg
+    layout = parts.wrapped.layout
     everyone = eval_ids(len(data), cfg.train.eval_sequences)
     # Split over the data-parallel ranks: a tensor-parallel group evaluates the same samples together (and
     # counts them once per member in the sums below, which leaves the means unchanged).
-    mine = everyone[layout.dp_rank(p.env.rank) :: layout.dp]
+    mine = everyone[layout.dp_rank(parts.env.rank) :: layout.dp]
     mb = cfg.train.micro_batch_size
-    pipe = p.wrapped.pipe
+    pipe = parts.wrapped.pipe
     if pipe is not None:  # whole micro-batches only: the schedule cuts each into its pipeline micro-batches
         mine = mine[: len(mine) // mb * mb]
     # A sharded model's forward is collective (it gathers each block's parameters), so is a pipeline's: every
@@ -36,8 +36,8 @@ def evaluate(p: Parts, step: int) -> dict[str, float]:
     rounds = -(-busiest // mb) if layout.uses_mesh else -(-len(mine) // mb)
     names: list[str] | None = None
     totals: torch.Tensor | None = None  # [samples, loss sum, metric sums...] in float64
-    was_training = p.model.training
-    p.model.eval()
+    was_training = parts.model.training
+    parts.model.eval()
     try:
         with torch.no_grad():
             for start in range(0, rounds * mb, mb):
@@ -51,33 +51,33 @@ def evaluate(p: Parts, step: int) -> dict[str, float]:
                         ids,
                         recipe.collate or default_collate,
                         what=f"recipe {cfg.recipe!r}: eval_data",
-                        rank=p.env.rank,
+                        rank=parts.env.rank,
                     ),
-                    p.d.device,
+                    parts.distributed.device,
                 )
                 if pipe is not None:  # the loss on the last stage only; eval_metrics need the whole model
-                    with autocast(cfg, p.d.device):
+                    with autocast(cfg, parts.distributed.device):
                         loss, metrics = pipe.eval_loss(batch), {}
                     if loss is None:
                         weight, loss = 0.0, torch.zeros(())
                 else:
-                    with autocast(cfg, p.d.device):
-                        loss = recipe.loss(p.model, batch)
-                        metrics = dict(recipe.eval_metrics(p.model, batch)) if recipe.eval_metrics else {}
-                check_loss(loss, recipe=cfg.recipe, rank=p.env.rank, step=step)
+                    with autocast(cfg, parts.distributed.device):
+                        loss = recipe.loss(parts.model, batch)
+                        metrics = dict(recipe.eval_metrics(parts.model, batch)) if recipe.eval_metrics else {}
+                check_loss(loss, recipe=cfg.recipe, rank=parts.env.rank, step=step)
                 if names is None:
                     names = sorted(metrics)
                 n = len(ids) * weight
                 values = [n, float(loss) * n, *(float(metrics[k]) * n for k in names)]
-                row = torch.tensor(values, dtype=torch.float64, device=p.d.device)
+                row = torch.tensor(values, dtype=torch.float64, device=parts.distributed.device)
                 totals = row if totals is None else totals + row
     finally:
-        p.model.train(was_training)
+        parts.model.train(was_training)
     # Every rank must bring the same vector: a rank without eval samples (more ranks than samples) brings zeros.
-    width = torch.tensor([0 if totals is None else totals.numel()], device=p.d.device)
+    width = torch.tensor([0 if totals is None else totals.numel()], device=parts.distributed.device)
     dist.all_reduce(width, op=dist.ReduceOp.MAX)
     if totals is None:
-        totals = torch.zeros(int(width), dtype=torch.float64, device=p.d.device)
+        totals = torch.zeros(int(width), dtype=torch.float64, device=parts.distributed.device)
     dist.all_reduce(totals)
     n = float(totals[0])
     out = {"eval_loss": float(totals[1]) / n}

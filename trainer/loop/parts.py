@@ -36,7 +36,7 @@ class Checkpoints(Protocol):
 class Parts:
     cfg: RunConfig
     env: RuntimeEnv
-    d: Distributed
+    distributed: Distributed
     recipe: Recipe
     model: torch.nn.Module  # the bare module (parameter names without DDP's "module."); sharded in place by FSDP
     wrapped: Wrapped  # what the loss calls, its layout and its gradient reduction

@@ -17,17 +17,17 @@ log = logging.getLogger("trainer.loop")
 
 
 class Publisher:
-    def __init__(self, p: Parts) -> None:
-        self.p = p
+    def __init__(self, parts: Parts) -> None:
+        self.p = parts
         self.boundary = time.perf_counter()  # the end of the last record's interval
-        self.sched = p.d.ledger.clock  # the training thread's scheduler statistics (its file kept open)
+        self.sched = parts.distributed.ledger.clock  # the training thread's scheduler statistics (its file kept open)
         self.waited = self.sched.waited()
         self.interval_eval = 0.0  # eval seconds inside the interval (not step time; reported apart)
         self.last_line = time.monotonic()
-        self.run_start, self.first_step = time.time(), p.state.step
+        self.run_start, self.first_step = time.time(), parts.state.step
         self.waiting: tuple[int, dict, float, bool] | None = None  # a record whose loss is not agreed yet
         self.last_record: dict | None = None  # the newest record written (a rung judges its metric)
-        self.dispatch = p.wrapped.dispatch  # DDP's hook: how long the gradient reduction ran (comm_busy_s)
+        self.dispatch = parts.wrapped.dispatch  # DDP's hook: how long the gradient reduction ran (comm_busy_s)
         if self.dispatch is not None:
             self.dispatch.take_busy()  # the throw-away step's
 
@@ -62,7 +62,7 @@ class Publisher:
             # oversubscribed node (data workers, threads or other jobs on the rank's cores)
             "cpu_wait_s": (self.waited - waited) / steps,
             "tokens_seen": p.state.tokens_seen,
-            "peak_mem_mb": peak_memory_mb(p.d.device),
+            "peak_mem_mb": peak_memory_mb(p.distributed.device),
             "time": time.time(),
             "launch": p.env.launch_id,
             **evals,

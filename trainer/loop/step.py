@@ -33,57 +33,62 @@ def check_loss(loss: Any, *, recipe: str, rank: int, step: int) -> None:
 
 
 def forward_backward_step(
-    p: Parts, batch: Any, *, step: int, synchronizing: bool, loss_so_far: torch.Tensor
+    parts: Parts, batch: Any, *, step: int, synchronizing: bool, loss_so_far: torch.Tensor
 ) -> torch.Tensor:
     """Forward and backward of one micro-batch; gradients are reduced over ranks when ``synchronizing`` (the last
     micro-batch of the step), accumulated locally otherwise. Returns the micro-batch's share of the step loss.
     With the agreement carried in the gradient reduction (``p.wrapped.carrier``) the synchronizing backward also
     carries this rank's agreement values: ``loss_so_far`` (the earlier micro-batches' shares) plus this one's is the
     step's loss."""
-    mon = p.mon
-    with mon.clock.backward(synchronizing=synchronizing and p.env.world_size > 1):
+    mon = parts.mon
+    with mon.clock.backward(synchronizing=synchronizing and parts.env.world_size > 1):
         mon.injector.in_compute(step)
-        if p.wrapped.pipe is not None:  # forward and backward of its pipeline micro-batches, loss scaled there
-            with contextlib.nullcontext() if synchronizing else p.wrapped.no_sync(), autocast(p.cfg, p.d.device):
-                return p.wrapped.pipe.step(batch)
-        with contextlib.nullcontext() if synchronizing else p.wrapped.no_sync():
-            with autocast(p.cfg, p.d.device):
-                loss = p.recipe.loss(p.wrapped.module, batch)
-            check_loss(loss, recipe=p.cfg.recipe, rank=p.env.rank, step=step)
+        if parts.wrapped.pipe is not None:  # forward and backward of its pipeline micro-batches, loss scaled there
+            with (
+                contextlib.nullcontext() if synchronizing else parts.wrapped.no_sync(),
+                autocast(parts.cfg, parts.distributed.device),
+            ):
+                return parts.wrapped.pipe.step(batch)
+        with contextlib.nullcontext() if synchronizing else parts.wrapped.no_sync():
+            with autocast(parts.cfg, parts.distributed.device):
+                loss = parts.recipe.loss(parts.wrapped.module, batch)
+            check_loss(loss, recipe=parts.cfg.recipe, rank=parts.env.rank, step=step)
             if mon.injector.faults:  # tests: a bad batch (HPC_INJECT spike), by its place in the data order
-                loss = loss * mon.injector.loss_factor(p.state.data_position // p.cfg.train.global_batch_size + 1)
-            loss = loss / p.accum
-            carrier = p.wrapped.carrier if synchronizing else None
+                loss = loss * mon.injector.loss_factor(
+                    parts.state.data_position // parts.cfg.train.global_batch_size + 1
+                )
+            loss = loss / parts.accum
+            carrier = parts.wrapped.carrier if synchronizing else None
             if carrier is None:
                 loss.backward()
             else:
-                carrier.backward(loss, agreement_values(p, loss_so_far + loss.detach()))
+                carrier.backward(loss, agreement_values(parts, loss_so_far + loss.detach()))
     return loss.detach()
 
 
-def train_step(p: Parts, step: int) -> StepResult:
+def train_step(parts: Parts, step: int) -> StepResult:
     """Optimizer step ``step`` (1-based): learning rate, micro-batches, clipping, update."""
-    t, opt, clock, watch = p.cfg.train, p.optimizer, p.mon.clock, p.mon.watchdog
-    lr = p.lr_schedule(step - 1)
+    t, opt, clock, watch = parts.cfg.train, parts.optimizer, parts.mon.clock, parts.mon.watchdog
+    lr = parts.lr_schedule(step - 1)
     for group in opt.param_groups:
         group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
-    loss = torch.zeros((), device=p.d.device)
-    for micro in range(p.accum):
+    loss = torch.zeros((), device=parts.distributed.device)
+    for micro in range(parts.accum):
         watch.enter("data", step)
         with clock.part("data"):
-            batch = p.loader.next()
+            batch = parts.loader.next()
         watch.enter("forward/backward", step)
-        loss += forward_backward_step(p, batch, step=step, synchronizing=micro == p.accum - 1, loss_so_far=loss)
+        loss += forward_backward_step(parts, batch, step=step, synchronizing=micro == parts.accum - 1, loss_so_far=loss)
     watch.enter("optimizer", step)
     with clock.part("optim"):
-        pipe = p.wrapped.pipe
+        pipe = parts.wrapped.pipe
         if pipe is not None:
             pipe.sync_tied()
         grad_norm = clip_grad_norm(
-            p.params,
+            parts.params,
             t.grad_clip if t.grad_clip > 0 else float("inf"),
             across=pipe.group if pipe else None,
-            counted=p.counted if pipe else None,
+            counted=parts.counted if pipe else None,
         )
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -22,23 +22,23 @@ log = logging.getLogger(__name__)
 
 
 def train(
-    p: Parts, lead: LeadCheck | None = None, profiler: StepProfiler | None = None, pruner: Pruner | None = None
+    parts: Parts, lead: LeadCheck | None = None, profiler: StepProfiler | None = None, pruner: Pruner | None = None
 ) -> StopTimes | None:
     """Train until ``train.steps``. A stop signal ends it early with a committed checkpoint: then the stop's clock
     readings (trainer/loop/stopreport.py), else None. ``lead`` checks the signal's lead time after each save;
     ``profiler`` records the steps of ``monitor.profile_steps`` (written however the loop ends); ``pruner`` judges
     the rung steps of prune.* (raising Pruned on every rank after the rung's checkpoint)."""
     try:
-        return _train(p, lead, profiler, pruner)
+        return _train(parts, lead, profiler, pruner)
     finally:
         if profiler is not None:
             profiler.close()
 
 
-def _checks_and_eval(p: Parts, step: int, due_eval: bool, publisher: Publisher) -> tuple[dict | None, dict]:
+def _checks_and_eval(parts: Parts, step: int, due_eval: bool, publisher: Publisher) -> tuple[dict | None, dict]:
     """The straggler check on this step's busy time (before end_step: its all-gather is sync time of this step),
     then the evaluation when due: (the straggler check's fields or None, the eval metrics or {})."""
-    mon = p.mon
+    mon = parts.mon
     mon.stragglers.add(mon.clock.busy_so_far())
     extra = None
     if mon.stragglers.due(step):
@@ -49,31 +49,33 @@ def _checks_and_eval(p: Parts, step: int, due_eval: bool, publisher: Publisher) 
     if due_eval:
         mon.watchdog.enter("eval", step)
         eval_start = time.perf_counter()
-        evals = evaluate(p, step)
-        p.state.last_eval_loss = evals["eval_loss"]
+        evals = evaluate(parts, step)
+        parts.state.last_eval_loss = evals["eval_loss"]
         publisher.interval_eval += time.perf_counter() - eval_start
     return extra, evals
 
 
-def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, pruner: Pruner | None) -> StopTimes | None:
-    state, mon, t = p.state, p.mon, p.cfg.train
+def _train(
+    parts: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, pruner: Pruner | None
+) -> StopTimes | None:
+    state, mon, t = parts.state, parts.mon, parts.cfg.train
     log.info(
         "training steps %d..%d: world %d (%d nodes x %d), grad accumulation %d, %s all-reduce, device %s",
         state.step,
         t.steps,
-        p.env.world_size,
-        p.env.topology.num_nodes,
-        p.env.topology.ranks_per_node,
-        p.accum,
-        p.allreduce,
-        p.d.device,
+        parts.env.world_size,
+        parts.env.topology.num_nodes,
+        parts.env.topology.ranks_per_node,
+        parts.accum,
+        parts.allreduce,
+        parts.distributed.device,
     )
-    publisher = Publisher(p)
-    boundary = Boundary(p)
+    publisher = Publisher(parts)
+    boundary = Boundary(parts)
     spikes = SpikeWatch(t)
 
     def newest() -> str | None:
-        return read_latest(p.checkpoints.root)
+        return read_latest(parts.checkpoints.root)
 
     def agreed_later(earlier: Earlier | None) -> None:
         """A step's loss agreed after its boundary (comm.defer_agreement): its record can be written now."""
@@ -85,22 +87,22 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
         mon.watchdog.enter("rung", state.step)
         pruner.judge_resumed(state.step)
     run_start, elapsed_before = time.time(), state.elapsed_s
-    p.loader.start(state.data_position)
-    p.wrapped.module.train()
+    parts.loader.start(state.data_position)
+    parts.wrapped.module.train()
     while state.step < t.steps:
         step = state.step + 1
         if profiler is not None:
             profiler.before(step)
         step_start = time.perf_counter()
-        result = train_step(p, step)
-        mon.injector.after_optimizer(step, p.model)
+        result = train_step(parts, step)
+        mon.injector.after_optimizer(step, parts.model)
         mon.watchdog.enter("metric all-reduce", step)
         decision = boundary.decide(step, result.loss, result.grad_norm)
         agreed, step_s = time.time(), time.perf_counter() - step_start
         agreed_later(decision.earlier)  # the previous step's
         state.step = step
         state.data_position += t.global_batch_size
-        state.tokens_seen += p.units_per_step
+        state.tokens_seen += parts.units_per_step
         if decision.loss is not None:
             state.last_loss = decision.loss
         state.elapsed_s = elapsed_before + time.time() - run_start
@@ -111,11 +113,11 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
             if decision.loss is not None:
                 norm = float(result.grad_norm) if spikes.grad_factor else 0.0  # read (a device sync) if judged
                 spikes.see(step, decision.loss, norm, state.data_position, newest)
-        extra, evals = _checks_and_eval(p, step, decision.eval, publisher)
+        extra, evals = _checks_and_eval(parts, step, decision.eval, publisher)
         if mon.replicas is not None and mon.replicas.due(step, decision.checkpoint):  # before the checkpoint
             mon.watchdog.enter("replica check", step)
             with mon.clock.part("sync"):
-                mon.replicas.check(p.model, step)
+                mon.replicas.check(parts.model, step)
         mon.clock.end_step()
         # The record is written before this step's checkpoint: a kill between a commit and its record would lose
         # the record for good (the resumed run starts after it). A checkpoint's blocking time is therefore counted
@@ -126,15 +128,15 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
             mon.watchdog.enter("checkpoint", step)
             save_start = time.time()
             with mon.clock.part("ckpt"):
-                p.checkpoints.save(state, block=decision.stop or decision.last)
+                parts.checkpoints.save(state, block=decision.stop or decision.last)
             if lead is not None and not decision.stop:
-                lead.after_save(step, step_s, p.checkpoints.last_save_s)
+                lead.after_save(step, step_s, parts.checkpoints.last_save_s)
         if profiler is not None:
             profiler.after(step)
         if decision.rung and pruner is not None and pruner.due(step):
             mon.watchdog.enter("rung", step)
             if mon.injector.injects("exit_at_rung"):  # a test's kill between the rung's commit and its verdict
-                p.checkpoints.wait()
+                parts.checkpoints.wait()
                 mon.injector.before_verdict(step)
             pruner.judge(step, publisher.last_record)
         if extra and "evict" in extra and not decision.last:
@@ -142,7 +144,7 @@ def _train(p: Parts, lead: LeadCheck | None, profiler: StepProfiler | None, prun
             if not decision.checkpoint:  # the launch ends here: nothing computed so far is lost
                 mon.watchdog.enter("checkpoint", step)
                 with mon.clock.part("ckpt"):
-                    p.checkpoints.save(state, block=True)
+                    parts.checkpoints.save(state, block=True)
             raise NodeEvicted(extra["evict"])
         if decision.stop:
             log.info("stop requested (signal); stopped at step %d with a committed checkpoint", state.step)

@@ -54,7 +54,7 @@ class Monitors:
 def build_monitors(
     cfg: RunConfig,
     env: RuntimeEnv,
-    d: Distributed,
+    distributed: Distributed,
     model: torch.nn.Module,
     rundir: RunDir,
     flops_per_sample: float | None,
@@ -69,27 +69,27 @@ def build_monitors(
         env,
         cfg.monitor,
         rundir,
-        d.store_addr,
-        d.store_port,
+        distributed.store_addr,
+        distributed.store_port,
         heartbeats=cfg.live.enabled,  # live metrics show each rank's heartbeat
-        memory=lambda: memory_now_mb(d.device),
+        memory=lambda: memory_now_mb(distributed.device),
     )
     watchdog.start()
-    d.groups.blocked.on_block = watchdog.block
+    distributed.groups.blocked.on_block = watchdog.block
     params = [p for p in model.parameters() if p.requires_grad]
-    tflops = peak_tflops(d.device, cfg.monitor.peak_tflops)
+    tflops = peak_tflops(distributed.device, cfg.monitor.peak_tflops)
     return Monitors(
         clock=StepClock(
-            d.device,
+            distributed.device,
             params,
-            d.groups.blocked,
+            distributed.groups.blocked,
             lambda: watchdog.enter("waiting for the gradient all-reduce"),
-            ledger=d.ledger,
+            ledger=distributed.ledger,
             tail_dim="dp_replicate" if ddp else None,
             device_sync=cfg.monitor.device_sync,
         ),
         watchdog=watchdog,
-        stragglers=StragglerCheck(env, cfg.monitor, d.device),
+        stragglers=StragglerCheck(env, cfg.monitor, distributed.device),
         tensorboard=TensorBoard(rundir.tensorboard, cfg.monitor.tensorboard and env.rank == 0),
         progress=Progress(cfg.train.steps) if env.rank == 0 and sys.stdout.isatty() else None,
         injector=Injector(env.inject, env.rank),

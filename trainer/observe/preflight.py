@@ -372,17 +372,23 @@ def _rounded(row: dict) -> dict:
 
 
 # -- the launch's preflight ----------------------------------------------------------------------------------------
-def run_preflight(p: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
+def run_preflight(parts: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
     """Collective: measure, gather, judge, report (rank 0). False when a node is named and monitor.preflight is
     exclude: failure.json is written and every rank ends the launch with EXIT_FAILED."""
-    cfg, env = p.cfg.monitor, p.env
+    cfg, env = parts.cfg.monitor, parts.env
     if cfg.preflight in ("off", False):  # False: YAML's reading of a bare off
         return True
     start = time.perf_counter()
-    p.mon.watchdog.enter("preflight")
-    mib = cfg.preflight_mib or AUTO_MIB.get(p.d.device.type, AUTO_MIB["cpu"])
+    parts.mon.watchdog.enter("preflight")
+    mib = cfg.preflight_mib or AUTO_MIB.get(parts.distributed.device.type, AUTO_MIB["cpu"])
     mine = measure(
-        env, p.d.device, p.d.groups, p.loader, position=p.state.data_position, mib=mib, injector=p.mon.injector
+        env,
+        parts.distributed.device,
+        parts.distributed.groups,
+        parts.loader,
+        position=parts.state.data_position,
+        mib=mib,
+        injector=parts.mon.injector,
     )
     # The nodes finish measuring at different times; ranks spinning in MPI's gather would starve the gloo transfers
     # the others are still finishing on a shared host.
@@ -391,7 +397,13 @@ def run_preflight(p: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
     measured = 1
     if verdict.named:  # every rank judged the same figures: all of them measure again, or none
         again = measure(
-            env, p.d.device, p.d.groups, p.loader, position=p.state.data_position, mib=mib, injector=p.mon.injector
+            env,
+            parts.distributed.device,
+            parts.distributed.groups,
+            parts.loader,
+            position=parts.state.data_position,
+            mib=mib,
+            injector=parts.mon.injector,
         )
         figures = patient_allgather(comm, better_of(mine, again))
         verdict = judge(figures, ranks_per_node=env.topology.ranks_per_node, margin=cfg.preflight_margin)
@@ -399,15 +411,15 @@ def run_preflight(p: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
     seconds = time.perf_counter() - start
     exclude = cfg.preflight == "exclude" and bool(verdict.named)
     if env.rank == 0:
-        _report(p, rundir, verdict, seconds, exclude, mib, measured)
+        _report(parts, rundir, verdict, seconds, exclude, mib, measured)
     return not exclude
 
 
 def _report(
-    p: Parts, rundir: RunDir, verdict: Verdict, seconds: float, exclude: bool, mib: float, measured: int
+    parts: Parts, rundir: RunDir, verdict: Verdict, seconds: float, exclude: bool, mib: float, measured: int
 ) -> None:
     """Rank 0: the table in the log, the history event, the warnings or failure.json."""
-    cfg, env, topo = p.cfg.monitor, p.env, p.env.topology
+    cfg, env, topo = parts.cfg.monitor, parts.env, parts.env.topology
 
     def name(node: int) -> str:
         return env.node_names[topo.node_ranks(node)[0]]

@@ -70,7 +70,7 @@ def layout_of(cfg: RunConfig, env: RuntimeEnv) -> Layout:
 def wrap(
     cfg: RunConfig,
     env: RuntimeEnv,
-    d: Distributed,
+    distributed: Distributed,
     model: nn.Module,
     recipe: Recipe,
     *,
@@ -86,22 +86,22 @@ def wrap(
     layout = layout_of(cfg, env)
     n_params = sum(p.numel() for p in model.parameters())
     model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout)
-    mesh = train_mesh(layout, d.device)  # None for DDP
+    mesh = train_mesh(layout, distributed.device)  # None for DDP
     if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
         tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe)
     compile_blocks(model, blocks, cfg.parallel.compile)  # after TP, before FSDP2 (torchtitan's order)
     if mesh is None:
         if materialise is not None:
             materialise(model)
-        carrier = Carrier(model, d.device) if carries_agreement(cfg, d) else None
+        carrier = Carrier(model, distributed.device) if carries_agreement(cfg, distributed) else None
         ddp = DDP(
             carrier or model,
-            device_ids=[d.device.index] if d.device.type == "cuda" else None,
+            device_ids=[distributed.device.index] if distributed.device.type == "cuda" else None,
             **ddp_bucket_caps(cfg.comm),
         )
-        allreduce, dispatch = wire_allreduce(cfg, env, d, ddp)
+        allreduce, dispatch = wire_allreduce(cfg, env, distributed, ddp)
         return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch, carrier=carrier)
-    allreduce, no_sync = _data_parallel_over_mesh(cfg, d, model, blocks, mesh, layout)
+    allreduce, no_sync = _data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout)
     if materialise is not None:
         materialise(model)
     pipe = None
@@ -111,12 +111,12 @@ def wrap(
             layout,
             mesh,
             env.rank,
-            d.device,
+            distributed.device,
             recipe.pipeline,
             cut_info,
             kind=cfg.parallel.pp_schedule,
             microbatches=cfg.parallel.microbatches(layout.pp),
-            ledger=d.ledger,
+            ledger=distributed.ledger,
         )
     return Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
 
@@ -144,12 +144,12 @@ def _stage_and_blocks(cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe:
     return model, cut_info, blocks
 
 
-def _data_parallel_over_mesh(cfg: RunConfig, d: Distributed, model: nn.Module, blocks, mesh, layout: Layout):
+def _data_parallel_over_mesh(cfg: RunConfig, distributed: Distributed, model: nn.Module, blocks, mesh, layout: Layout):
     """The mesh layouts' gradient reduction: (what summary.json calls it, the no-sync context of accumulation)."""
     # On CPU collectives block the training thread: their waits are its exposed communication (monitor.comm_by_dim)
-    if d.device.type == "cpu" and cfg.monitor.comm_by_dim:
+    if distributed.device.type == "cpu" and cfg.monitor.comm_by_dim:
         rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
-        d.ledger.enable("+".join(rest) or None)
+        distributed.ledger.enable("+".join(rest) or None)
     if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
         return ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
     # Data parallelism over DTensors (or pipeline stages) goes through FSDP2 even without sharding (dp_shard 1:
@@ -158,11 +158,11 @@ def _data_parallel_over_mesh(cfg: RunConfig, d: Distributed, model: nn.Module, b
         model,
         blocks,
         dp_mesh(mesh, layout),
-        param_dtype=torch.bfloat16 if d.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
+        param_dtype=torch.bfloat16 if distributed.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
         # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
         # (torchtitan does the same).
         reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1 and layout.pp == 1,
-        ledger=d.ledger,
+        ledger=distributed.ledger,
     )
     if layout.dp_replicate > 1:
         return ("hsdp" if layout.dp_shard > 1 else "replicate"), functools.partial(_no_all_reduce, model)
@@ -171,12 +171,12 @@ def _data_parallel_over_mesh(cfg: RunConfig, d: Distributed, model: nn.Module, b
     return "fsdp", contextlib.nullcontext
 
 
-def carries_agreement(cfg: RunConfig, d: Distributed) -> bool:
+def carries_agreement(cfg: RunConfig, distributed: Distributed) -> bool:
     """Whether a DDP layout carries the step's agreement in its gradient reduction (trainer/parallel/carrier.py):
     comm.carry_agreement over gloo, uncompressed. NCCL keeps the separate all-reduce, read a step later behind an
     event (reading the carried gradient at every boundary would wait for the device's whole queue); bf16 compression
     would round the carried loss to bf16."""
-    return cfg.comm.carry_agreement and d.backend == "gloo" and cfg.comm.compress == "none"
+    return cfg.comm.carry_agreement and distributed.backend == "gloo" and cfg.comm.compress == "none"
 
 
 def compile_blocks(model: nn.Module, blocks: list[nn.Module], on: bool) -> None:
@@ -201,16 +201,18 @@ def _no_all_reduce(model: nn.Module) -> Iterator[None]:
         model.set_requires_all_reduce(True)  # type: ignore[operator]
 
 
-def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) -> tuple[str, BucketDispatch | None]:
+def wire_allreduce(
+    cfg: RunConfig, env: RuntimeEnv, distributed: Distributed, ddp: DDP
+) -> tuple[str, BucketDispatch | None]:
     """Register the hook that runs the configured algorithm where there are two levels (for auto: later, once the
     plan is known, by ``hook_up``; none where it sends every bucket flat), torch's bf16 compression hook for a flat
     all-reduce across nodes with comm.compress; return the all-reduce that runs and the hook's dispatch (None where
     DDP's own all-reduce runs)."""
     topo, algorithm = env.topology, cfg.comm.allreduce
     if algorithm != "flat" and topo.num_nodes > 1 and topo.ranks_per_node > 1:
-        dispatch = BucketDispatch(d.groups, None if algorithm == "auto" else algorithm)
+        dispatch = BucketDispatch(distributed.groups, None if algorithm == "auto" else algorithm)
         if algorithm != "auto":
-            hook_up(cfg, d, ddp, dispatch)
+            hook_up(cfg, distributed, ddp, dispatch)
         return algorithm, dispatch
     if cfg.comm.compress == "bf16" and topo.num_nodes > 1:  # the whole flat all-reduce crosses nodes in bf16
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -223,14 +225,14 @@ def wire_allreduce(cfg: RunConfig, env: RuntimeEnv, d: Distributed, ddp: DDP) ->
     return "flat", None
 
 
-def hook_up(cfg: RunConfig, d: Distributed, ddp: DDP, dispatch: BucketDispatch) -> None:
+def hook_up(cfg: RunConfig, distributed: Distributed, ddp: DDP, dispatch: BucketDispatch) -> None:
     """Register DDP's communication hook that averages each bucket with ``dispatch`` (DDP takes one hook, once):
     inside the hook with comm.overlap off, else overlapped with backward (a CUDA side stream, or on CPU the
     reducer's thread)."""
     if not cfg.comm.overlap:
         ddp.register_comm_hook(dispatch, sync_hook)
-    elif d.device.type == "cuda":
-        side = SideStream(dispatch, d.device)
+    elif distributed.device.type == "cuda":
+        side = SideStream(dispatch, distributed.device)
         dispatch.overlapped = side.reduce
         ddp.register_comm_hook(side, stream_hook)
     else:
