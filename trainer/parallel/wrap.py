@@ -158,7 +158,8 @@ def _data_parallel_over_mesh(cfg: RunConfig, distributed: Distributed, model: nn
         model,
         blocks,
         dp_mesh(mesh, layout),
-        param_dtype=torch.bfloat16 if distributed.device.type == "cuda" and cfg.train.bf16_on("cuda") else None,
+        # bf16 compute through FSDP2's mixed-precision policy wherever the run computes in bf16 (CPU included)
+        param_dtype=torch.bfloat16 if cfg.train.bf16_on(distributed.device.type) else None,
         # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
         # (torchtitan does the same).
         reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1 and layout.pp == 1,
