@@ -206,13 +206,13 @@ def worker(args: argparse.Namespace) -> int:
 
     from runconfig import load_config
     from rundir import RunDir
-    from trainer.build import build_parts
     from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.checkpoint.state import TrainState
     from trainer.env import from_mpi
     from trainer.loop.step import train_step
     from trainer.loop.stop import StopFlag
     from trainer.parallel.distributed import init_distributed, shutdown
+    from trainer.startup.parts import build_parts
 
     comm = MPI.COMM_WORLD
     env = from_mpi(comm)

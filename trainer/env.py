@@ -180,3 +180,8 @@ def agree(comm: MPI.Comm, error: str | None) -> None:
         if message is not None:
             text = message if message.startswith("rank ") else f"rank {rank}: {message}"
             raise UserError(text, collective=True, rank=rank)
+
+
+def largest(comm: MPI.Comm, values: dict, kind: type = int) -> dict:
+    """Each entry's largest value over the ranks (collective)."""
+    return {k: kind(comm.allreduce(v, op=MPI.MAX)) for k, v in values.items()}

@@ -1,9 +1,9 @@
 """Trainer entry point, started once per rank (by mpirun or srun): ``python -m trainer --run-dir DIR``.
 
-A launch: boot (config, MPI environment, process groups: ``trainer.boot``) -> build the parts (``trainer.build``)
--> start, train, finish (``trainer.launch``). User errors stop every rank with one message (written to
-``failure.json`` for the launcher) and exit status 2; the process group is destroyed and files are closed on every
-path.
+A launch: start-up in phases (trainer/startup/: boot, the parts (recipe, model, the rest), restore, the
+all-reduce, the preflight (trainer/observe/preflight.py), begin) -> train, finish (``trainer.launch``). User errors
+stop every rank with one message (written to ``failure.json`` for the launcher) and exit status 2; the process
+group is destroyed and files are closed on every path.
 """
 
 from __future__ import annotations
@@ -51,12 +51,17 @@ from trainer.parallel.mpi_progress import ProgressThread  # noqa: E402
 
 def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) -> int:
     """Train to the configured step count; return the exit status (0 done, EXIT_STOPPED stopped by a signal,
-    EXIT_FAILED a node left out). Everything built is closed on every path (an ExitStack)."""
+    EXIT_FAILED a node left out). Start-up runs its phases in order, each in its module of trainer/startup/;
+    everything built is closed on every path (an ExitStack)."""
     # Imported here so that `--help` and config errors do not pay for importing torch.
-    from trainer.boot import boot
-    from trainer.build import build_parts
-    from trainer.launch import finish, start, train_diagnosed
+    from trainer.launch import finish, train_diagnosed
+    from trainer.observe.preflight import run_preflight
     from trainer.observe.startup import StartupClock
+    from trainer.startup.allreduce import settle_allreduce
+    from trainer.startup.begin import begin
+    from trainer.startup.boot import boot
+    from trainer.startup.parts import build_parts
+    from trainer.startup.restore import restore_or_start
 
     # DDP's constructor imports torch._dynamo: import it in the background while this thread reads the config and
     # the MPI layout and meets the other ranks, which import nothing; joined before the parts are built. Never
@@ -64,31 +69,36 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
     importer = threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True)
     importer.start()
     clock = StartupClock(PROCESS_START)
-    b = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
+    booted = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
     importer.join()
     _collector_back_on()
     with contextlib.ExitStack() as stack:
-        if b.tracker is not None:  # closed last: after the checkpoints, whose commits it is told of
-            stack.callback(b.tracker.close)
-        p = build_parts(
-            b.cfg,
-            b.env,
-            b.distributed,
+        if booted.tracker is not None:  # closed last: after the checkpoints, whose commits it is told of
+            stack.callback(booted.tracker.close)
+        parts = build_parts(
+            booted.cfg,
+            booted.env,
+            booted.distributed,
             rundir,
             comm,
-            b.stop,
+            booted.stop,
             stack,
-            code_sha256=b.code_sha256,
+            code_sha256=booted.code_sha256,
             clock=clock,
-            tracker=b.tracker,
+            tracker=booted.tracker,
         )
         clock.mark("build")
-        if not start(p, b, rundir, comm, clock):  # a node named, monitor.preflight: exclude (in failure.json)
+        resumed = restore_or_start(parts, rundir)
+        settle_allreduce(parts, rundir)  # after the restore, which may hold the plan to reuse
+        clock.mark("restore")
+        if not run_preflight(parts, comm, rundir):  # a node named, monitor.preflight: exclude (in failure.json)
             return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows
-        stopped, failed = train_diagnosed(p, b, rundir, progress)
+        clock.mark("preflight")
+        begin(parts, booted, rundir, comm, clock, resumed)
+        stopped, failed = train_diagnosed(parts, booted, rundir, progress)
         if failed is not None:
             return failed
-        return finish(p, b, rundir, comm, stopped)
+        return finish(parts, booted, rundir, comm, stopped)
 
 
 def main(argv: list[str] | None = None) -> int:

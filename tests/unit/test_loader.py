@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from runconfig import load_config
-from trainer.build import check_structure, count_flops_per_sample
 from trainer.data.loader import BatchLoader, make_order
 from trainer.data.order import WINDOWED, OrderSpec
 from trainer.errors import UserError
 from trainer.recipes.api import Recipe
 from trainer.recipes.load import check_recipe
+from trainer.startup.model import count_flops_per_sample
+from trainer.startup.recipe import check_structure
 
 
 class Squares(torch.utils.data.Dataset):

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from runconfig import RunConfig
 from trainer.errors import UserError
 
 WINDOWED, PERMUTATION = "windowed", "permutation"
@@ -266,3 +267,10 @@ def rank_slice(
     assert global_batch % (micro_batch * world_size) == 0
     block = micro * world_size + rank
     return order.take(position + block * micro_batch, micro_batch)
+
+
+def bucketing(cfg: RunConfig) -> tuple[int, int]:
+    """(micro-batch, window in samples) of data.bucket_by_length, or (0, 0)."""
+    if not cfg.data.bucket_by_length:
+        return 0, 0
+    return cfg.train.micro_batch_size, cfg.data.bucket_window * cfg.train.global_batch_size

@@ -98,9 +98,10 @@ def shard(
     reshard_after_forward: bool,
     ledger: CommLedger | None = None,
 ) -> None:
-    """fully_shard every block, then the root. ``param_dtype`` (bf16 where the run computes in bf16) is the compute dtype of the gathered
-    parameters; gradients are reduced in fp32 and the sharded parameters and optimizer state stay fp32. With an
-    enabled ``ledger``, FSDP2's all-gathers and reduce-scatters are timed into it (the same collectives)."""
+    """fully_shard every block, then the root. ``param_dtype`` (bf16 where the run computes in bf16) is the compute
+    dtype of the gathered parameters; gradients are reduced in fp32 and the sharded parameters and optimizer state
+    stay fp32. With an enabled ``ledger``, FSDP2's all-gathers and reduce-scatters are timed into it (the same
+    collectives)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # slow to import: only where it is used
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)

@@ -1,0 +1,130 @@
+"""Start-up, the parts: the recipe and the model (their phases), then the loader, optimizer, monitors,
+checkpointer and metrics the loop drives, each closed by the launch's ExitStack. The benchmarks build through it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+from mpi4py import MPI
+
+from runconfig import RunConfig
+from rundir import RunDir
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.rng import seed_rank
+from trainer.checkpoint.state import TrainState
+from trainer.data.loader import BatchLoader
+from trainer.data.order import bucketing, chosen_order
+from trainer.env import RuntimeEnv, agree
+from trainer.loop.optim import build_optimizer, lr_at
+from trainer.loop.parts import Parts
+from trainer.loop.stop import StopFlag
+from trainer.observe.live import open_live
+from trainer.observe.metrics import MetricsWriter
+from trainer.observe.monitors import build_monitors
+from trainer.observe.replicas import ReplicaCheck
+from trainer.observe.startup import StartupClock
+from trainer.observe.termwatch import TermWatch
+from trainer.observe.timing import peak_memory_mb, peak_tflops
+from trainer.observe.tracker_sink import Tracker
+from trainer.parallel.distributed import Distributed
+from trainer.startup.model import count_flops_per_sample, place_model, settle
+from trainer.startup.recipe import _error_of, check_structure, make_recipe
+
+log = logging.getLogger("trainer")
+
+
+def build_parts(
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    distributed: Distributed,
+    rundir: RunDir,
+    comm: MPI.Comm,
+    stop: StopFlag,
+    stack: contextlib.ExitStack,
+    *,
+    code_sha256: str | None = None,
+    clock: StartupClock | None = None,
+    tracker: Tracker | None = None,
+) -> Parts:
+    """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``clock`` notes
+    when the recipe was built and this rank's peak memory once the model is built and split (``model_built``),
+    before any forward. ``tracker``: rank 0's (``trainer.boot`` opens it, so that its sender's start-up overlaps
+    the launch's)."""
+    recipe = make_recipe(cfg, env, distributed, rundir, comm, stack)
+    if clock is not None:
+        clock.mark("recipe")
+    wrapped, shapes = place_model(cfg, env, distributed, recipe, comm)
+    if clock is not None:
+        clock.note_memory("model_built", peak_memory_mb(distributed.device))
+    model = wrapped.model  # this rank's part under pipeline parallelism
+    t = cfg.train
+    loader = BatchLoader(
+        recipe.train_data,
+        collate=recipe.collate,
+        seed=cfg.data.seed,
+        order=chosen_order(cfg.data.order, cfg.data.shuffle_window, None, False, *bucketing(cfg)),
+        global_batch=t.global_batch_size,
+        micro_batch=t.micro_batch_size,
+        world_size=wrapped.layout.dp,
+        rank=wrapped.layout.dp_rank(env.rank),
+        device=distributed.device,
+        prefetch=cfg.data.prefetch,
+        what=f"recipe {cfg.recipe!r}: train_data",
+    )
+    stack.callback(loader.close)
+    if wrapped.pipe is not None:
+        wrapped.pipe.accum = loader.accum
+    agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
+    settle(cfg, env, wrapped, recipe, loader, comm)
+    # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
+    # count the whole model's: only the recipe's own figure is used there.
+    flops = None
+    if peak_tflops(distributed.device, cfg.monitor.peak_tflops) and (wrapped.pipe is None or recipe.flops_per_sample):
+        flops = count_flops_per_sample(cfg, recipe, distributed)
+    # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
+    seed_rank(t.seed, env.rank)
+    optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
+    mon = build_monitors(cfg, env, distributed, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
+    stack.callback(mon.close)
+    term = TermWatch(stop, mon.watchdog, env, rundir)  # SIGTERM while the main thread is blocked in C++
+    term.start()
+    stack.callback(term.close)
+    mon.replicas = ReplicaCheck(cfg.monitor.replica_check_every, wrapped.layout, env)
+    mon.live = open_live(cfg.live, env, rundir, mon.watchdog.reader() if mon.watchdog.enabled else None, comm)
+    checkpoints = Checkpointer(
+        cfg=cfg,
+        env=env,
+        rundir=rundir,
+        model=model,
+        optimizer=optimizer,
+        comm=comm,
+        architecture=dict(recipe.architecture),
+        param_shapes=shapes,
+        aliases=wrapped.aliases,
+        code_sha256=code_sha256,
+        injector=mon.injector,
+    )
+    stack.callback(checkpoints.close)
+    if tracker is not None:  # a step's metrics go to the tracker once a committed checkpoint covers it
+        checkpoints.on_commit = tracker.committed
+        checkpoints.tracking_run = lambda: tracker.run_id
+    metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
+    stack.callback(metrics.close)
+    return Parts(
+        cfg=cfg,
+        env=env,
+        distributed=distributed,
+        recipe=recipe,
+        model=model,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        lr_schedule=recipe.lr_schedule or functools.partial(lr_at, cfg=t),
+        loader=loader,
+        state=TrainState(),
+        checkpoints=checkpoints,
+        metrics=metrics,
+        stop=stop,
+        mon=mon,
+    )
