@@ -120,9 +120,7 @@ def run_local(
     # The survivors of a rank that died name it by a roll call (1-5 s, trainer/observe/watchdog.py) and abort;
     # ranks still running well after that (blocked in MPI), or after the failure is on record, are killed.
     watch = RankWatch(proc.pid, world_size, grace_s=4 * cfg.monitor.heartbeat_s + 20, settled=partial(settle_s, rundir))
-    copier = threading.Thread(
-        target=_copy_output, args=(proc, rundir.logs / "mpirun.log", command, tail_lines), daemon=True
-    )
+    copier = threading.Thread(target=_copy_output, args=(proc, rundir.launcher_log, command, tail_lines), daemon=True)
     copier.start()
     try:
         while proc.poll() is None:

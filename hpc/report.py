@@ -413,7 +413,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
             f"{rundir.metrics} has no complete step record yet (it is empty, or holds only a torn line): the run "
             f"has no metrics to report. See whether its job is running with `python -m hpc status {rundir.root}`."
         )
-    target = Path(out).absolute() if out else rundir.root / "report"
+    target = Path(out).absolute() if out else rundir.report
     try:
         if not target.is_dir():
             target.mkdir(mode=0o700, parents=True)

@@ -46,7 +46,6 @@ from rundir.stopsignal import (
     SAFETY_FACTOR,
     LeadBudget,
     describe_process,
-    rank_record_path,
     wrappers,
 )
 
@@ -329,7 +328,7 @@ def run_job(cfg: RunConfig, config: str, overrides: list[str], run_dir: Path, ti
                 f"job {obs.job_id} is {state.state}"
                 + (f" ({state.reason})" if state.reason and state.reason != "None" else "")
                 + ("" if state.finished else f" after --timeout {timeout:g} s")
-                + f"; see {rundir.logs} and {rundir.root / 'slurm'}"
+                + f"; see {rundir.logs} and {rundir.slurm_output}"
             )
             return obs
         print(f"sending {cfg.job.signal} to job {obs.job_id} (scancel --signal)", file=sys.stderr, flush=True)
@@ -353,7 +352,7 @@ def run_job(cfg: RunConfig, config: str, overrides: list[str], run_dir: Path, ti
         for path in sorted(rundir.logs.glob("signal_rank_*.json")):
             with contextlib.suppress(OSError, ValueError):
                 record = json.loads(path.read_text())
-                if path == rank_record_path(rundir, record.get("rank", -1)):
+                if path == rundir.signal_record(record.get("rank", -1)):
                     obs.records[record["rank"]] = record
     return obs
 

@@ -22,7 +22,7 @@ SIGNAL_PREFIX = "SIG"
 
 def slurm_folder(rundir: RunDir) -> Path:
     """submitit's folder (pickles and logs): private, inside the private run directory."""
-    return rundir.root / "slurm"
+    return rundir.slurm_output
 
 
 def requoted_setup(cfg: RunConfig) -> list[str]:

@@ -319,7 +319,7 @@ def report(rundir: RunDir, result: LaunchResult) -> int:
         print(f"error: {failure}", file=sys.stderr)
         return EXIT_USER_ERROR if status == EXIT_USER_ERROR else EXIT_FAILED
     if ended.how != "done" or not rundir.summary.exists():
-        log = rundir.logs / "mpirun.log"
+        log = rundir.launcher_log
         print(
             f"error: the job failed (mpirun exit status {status}); its last output (all of it in {log}):",
             file=sys.stderr,

@@ -90,6 +90,45 @@ class RunDir:
         """The tracker run's id and how far the tracker has the metrics (tracking/)."""
         return self.root / "tracking.json"
 
+    @property
+    def slurm_output(self) -> Path:
+        """submitit's folder: each job's batch script, pickled Driver and the driver's own output."""
+        return self.root / "slurm"
+
+    @property
+    def launcher_log(self) -> Path:
+        """The local launcher's (mpirun's) output."""
+        return self.logs / "mpirun.log"
+
+    @property
+    def stop_budget(self) -> Path:
+        """What a stop cost, measured at the last stop (rundir/stopsignal.py)."""
+        return self.root / "stop_budget.json"
+
+    def signal_record(self, rank: int) -> Path:
+        """How a stop signal reaches ``rank``: its process chain, written at start (trainer/loop/stopreport.py)."""
+        return self.logs / f"signal_rank_{rank:05d}.json"
+
+    @property
+    def data_skips(self) -> Path:
+        """Data windows a loss spike's rollback skips (trainer/loop/spikes.py)."""
+        return self.root / "data_skips.json"
+
+    @property
+    def profile(self) -> Path:
+        """torch.profiler traces (monitor.profile_steps)."""
+        return self.root / "profile"
+
+    @property
+    def report(self) -> Path:
+        """`python -m hpc report`'s report.md and figures (by default)."""
+        return self.root / "report"
+
+    @property
+    def tracking_lock(self) -> Path:
+        """Held (flock) by the process that sends to the tracker, so that a report does not send beside a launch."""
+        return self.root / ".tracking.lock"
+
     def job_script(self, job_id: str) -> Path:
         """The batch script a Slurm job of the run was submitted with (kept for `hpc selftest` and by hand)."""
         return self.root / f"job_{job_id}.sbatch"

@@ -44,16 +44,6 @@ MAX_WORD_CHARS = 200
 _MASKS = (("blocked", "SigBlk"), ("ignored", "SigIgn"), ("caught", "SigCgt"))
 
 
-def rank_record_path(rundir: RunDir, rank: int) -> Path:
-    """Where rank ``rank`` records how a signal reaches it (written at start, every launch)."""
-    return rundir.logs / f"signal_rank_{rank:05d}.json"
-
-
-def budget_path(rundir: RunDir) -> Path:
-    """Rank 0's estimate of a stop's cost in the latest launch (``LeadBudget.fields``)."""
-    return rundir.root / "stop_budget.json"
-
-
 def signal_state(status_text: str, names: Iterable[str]) -> dict[str, list[str]]:
     """Which of the signals ``names`` a process blocks, ignores and catches, from its /proc/PID/status text."""
     masks = {}
@@ -193,7 +183,7 @@ def newest_budget(rundir: RunDir, lead_s: float | None = None) -> LeadBudget | N
         if e.get("event") == EVENT_STOPPED and _number(needed) and _number(lead) and _number(e.get("time")):
             found.append((e["time"], needed, lead, True))
     try:
-        b = json.loads(budget_path(rundir).read_text())
+        b = json.loads(rundir.stop_budget.read_text())
     except (OSError, ValueError):
         b = None
     if isinstance(b, dict) and all(_number(b.get(k)) for k in ("time", "needed_s", "lead_s")):

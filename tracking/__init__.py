@@ -5,7 +5,6 @@
 from tracking.backends import MlflowBackend, WandbBackend, client_environment, create_store, open_backend
 from tracking.state import (
     LAST_KEY,
-    LOCK_NAME,
     TrackingState,
     flat_params,
     hold_lock,
@@ -29,7 +28,6 @@ from tracking.target import (
 __all__ = [
     "ARTIFACTS_NAME",
     "LAST_KEY",
-    "LOCK_NAME",
     "MLFLOW_URI_VAR",
     "STORE_NAME",
     "TRACKING_VAR",

@@ -17,9 +17,6 @@ from rundir.paths import RunDir
 from storage.files import write_json_atomic
 from tracking.target import Target, is_sweep
 
-LOCK_NAME = ".tracking.lock"  # held by the launch that sends (rank 0), so that a report does not send beside it
-
-
 # metrics.jsonl fields that are not metrics (the step is the x axis; the rest are labels or clocks)
 NOT_METRICS = frozenset({"step", "time", "launch", "unit", "comm_by_dim", "stragglers"})
 
@@ -74,7 +71,7 @@ def hold_lock(rundir: RunDir, wait: bool):
     import fcntl
 
     try:
-        f = open(rundir.root / LOCK_NAME, "a")  # noqa: SIM115 (held as long as the caller keeps it)
+        f = open(rundir.tracking_lock, "a")  # noqa: SIM115 (held as long as the caller keeps it)
     except OSError:
         return None
     try:

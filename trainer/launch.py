@@ -180,4 +180,4 @@ def _profiler(booted: Booted, rundir: RunDir):
         return None
     from trainer.observe.profile import StepProfiler
 
-    return StepProfiler(*span, booted.distributed.device, rundir.root / "profile", booted.env.rank)
+    return StepProfiler(*span, booted.distributed.device, rundir.profile, booted.env.rank)

@@ -9,7 +9,7 @@ import pytest
 
 from rundir.contract import EVENT_STOPPED, EXIT_FAILED
 from rundir.paths import RunDir
-from rundir.stopsignal import STEPD, rank_record_path
+from rundir.stopsignal import STEPD
 from tests.conftest import PY, ROOT, history, run_cli
 from tests.slurm.conftest import sets_for
 
@@ -41,7 +41,7 @@ def test_every_rank_receives_the_signal_and_the_lead_covers_the_stop(slurm, smal
     stopped = [e for e in history(run_dir) if e["event"] == EVENT_STOPPED]
     assert len(stopped) == 1 and stopped[0]["received"] == {"SIGUSR2": [0, 1, 2, 3]} and stopped[0]["learned"] == []
     for rank in range(4):
-        record = json.loads(rank_record_path(RunDir(run_dir), rank).read_text())
+        record = json.loads(RunDir(run_dir).signal_record(rank).read_text())
         assert record["chain"][0]["cmdline"][-3:] == ["trainer", "--run-dir", str(run_dir)]
         assert [p["name"] for p in record["chain"]][-1] == STEPD and len(record["chain"]) == 2, record["chain"]
     assert out["wrappers"] == {str(r): [] for r in range(4)}

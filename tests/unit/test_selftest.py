@@ -25,7 +25,6 @@ from rundir.contract import EVENT_START, EVENT_STOPPED, EXIT_DONE, EXIT_FAILED, 
 from rundir.stopsignal import (
     SAFETY_FACTOR,
     LeadBudget,
-    budget_path,
     estimate,
     newest_budget,
     process_chain,
@@ -229,7 +228,7 @@ def test_status_and_report_warn_when_the_newest_figure_says_the_lead_is_too_shor
     )
     assert newest_budget(rundir) is None and status(rundir)["stop_lead"] is None
     # rank 0's estimate (a step and a save), then a measured stop that took longer: the newer figure counts
-    budget_path(rundir).write_text(json.dumps({**estimate(120, 1.0, 9.0).fields(), "time": t}))
+    rundir.stop_budget.write_text(json.dumps({**estimate(120, 1.0, 9.0).fields(), "time": t}))
     assert newest_budget(rundir).ok
     append_event(rundir.history, EVENT_STOPPED, step=2, launch="a", signal=12, signal_to_commit_s=75.0, lead_s=120)
     budget = newest_budget(rundir)
@@ -255,14 +254,14 @@ def test_status_and_report_warn_when_the_newest_figure_says_the_lead_is_too_shor
 def test_the_trainer_estimates_once_per_launch_and_warns_once_when_short(tmp_path, caplog):
     rundir = make_run(tmp_path / "run")
     check = LeadCheck(30, rundir, SimpleNamespace(rank=0, launch_id="L1"))
-    assert check.after_save(10, 1.0, None) is None and not budget_path(rundir).exists()  # no save figure yet
+    assert check.after_save(10, 1.0, None) is None and not rundir.stop_budget.exists()  # no save figure yet
     assert check.after_save(10, 1.0, 4.0).ok
-    first = json.loads(budget_path(rundir).read_text())
+    first = json.loads(rundir.stop_budget.read_text())
     assert first["step"] == 10 and first["needed_s"] == 5.0 and first["launch"] == "L1" and first["ok"]
     check.after_save(20, 1.0, 5.0)  # still ok: recorded once only
-    assert json.loads(budget_path(rundir).read_text()) == first and not caplog.records
+    assert json.loads(rundir.stop_budget.read_text()) == first and not caplog.records
     short = check.after_save(30, 2.0, 14.0)  # 2 x 16 s > 30 s
-    assert not short.ok and json.loads(budget_path(rundir).read_text())["step"] == 30
+    assert not short.ok and json.loads(rundir.stop_budget.read_text())["step"] == 30
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "raise job.signal_lead_s" in caplog.text.lower()
     assert check.after_save(40, 2.0, 20.0) is None and len(caplog.records) == 1  # warned once per launch
     other = LeadCheck(30, rundir, SimpleNamespace(rank=1, launch_id="L1"))

@@ -21,7 +21,6 @@ from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
 MIN_SEEN = 8  # losses seen in the launch before a spike can be judged
-SKIPS_NAME = "data_skips.json"
 
 
 class LossSpike(Exception):
@@ -85,7 +84,7 @@ class SpikeWatch:
 
 
 def skips_path(rundir: RunDir):
-    return rundir.root / SKIPS_NAME
+    return rundir.data_skips
 
 
 def record_skip(rundir: RunDir, info: dict) -> None:

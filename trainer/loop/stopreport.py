@@ -23,11 +23,9 @@ from mpi4py import MPI
 from rundir import RunDir
 from rundir.stopsignal import (
     LeadBudget,
-    budget_path,
     describe_process,
     estimate,
     process_chain,
-    rank_record_path,
     signal_name,
 )
 from storage.files import write_json_atomic
@@ -65,7 +63,7 @@ def record_signal_path(rundir: RunDir, env: RuntimeEnv, names: list[str], early:
             "it" if len(record["blocked"]) == 1 else "them",
         )
     with contextlib.suppress(OSError):
-        write_json_atomic(rank_record_path(rundir, env.rank), record)
+        write_json_atomic(rundir.signal_record(env.rank), record)
     return record
 
 
@@ -141,7 +139,7 @@ class LeadCheck:
             return budget
         record = {**budget.fields(), "step_s": round(step_s, 3), "save_s": round(save_s, 3), "step": step}
         with contextlib.suppress(OSError):  # a full disk must not end the run over this file
-            write_json_atomic(budget_path(self.rundir), {**record, "launch": self.env.launch_id, "time": time.time()})
+            write_json_atomic(self.rundir.stop_budget, {**record, "launch": self.env.launch_id, "time": time.time()})
         self.recorded = True
         if not budget.ok:
             self.warned = True
