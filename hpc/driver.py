@@ -269,19 +269,26 @@ class Driver:
             cfg.job,
             usable or allocation,
             lambda nodes, attempt: self._launch(cfg, rundir, job, allocation, nodes, attempt),
-            lambda launched: Situation(
-                slurm=True,
-                ending=JOB_ENDING.is_set(),
-                requeues=job.restart_count,
-                last_in_chain=self.last_in_chain,
-                nodes=allocation,
-                launch_nodes=launched.nodes,
-                ranks_per_node=cfg.job.ranks_per_node,
-                first_ended=launched.first_ended,
-                failed_nodes=launched.failed_nodes,
-                stop_signal=STOP_SIGNAL.is_set(),
-            ),
+            lambda launched: self._situation(cfg, job, allocation, launched),
         )
+        return self._carry_out(decision, launched, cfg, rundir, job)
+
+    def _situation(self, cfg: RunConfig, job: SlurmJob, allocation: tuple[str, ...], launched: StepLaunch) -> Situation:
+        return Situation(
+            slurm=True,
+            ending=JOB_ENDING.is_set(),
+            requeues=job.restart_count,
+            last_in_chain=self.last_in_chain,
+            nodes=allocation,
+            launch_nodes=launched.nodes,
+            ranks_per_node=cfg.job.ranks_per_node,
+            first_ended=launched.first_ended,
+            failed_nodes=launched.failed_nodes,
+            stop_signal=STOP_SIGNAL.is_set(),
+        )
+
+    def _carry_out(self, decision, launched: StepLaunch, cfg: RunConfig, rundir: RunDir, job: SlurmJob) -> dict:
+        """What the launches' decision says once no restart follows: resubmit, requeue (held), or end."""
         if decision.action != "restart" and launched.ended.how == "failed":
             # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a
             # restarted launch does that itself, on each node, as it starts).

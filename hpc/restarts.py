@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from hpc.policy.badnodes import Held, retake_how, take_back_due
-from hpc.policy.decide import Decision, Situation, decide, record_decision
+from hpc.policy.decide import LaunchDecision, Situation, decide_after_launch, record_decision
 from hpc.policy.outcome import Ended
 from runconfig.schema import JobConfig
 from rundir import RunDir
@@ -33,7 +33,7 @@ L = TypeVar("L", bound=Launched)
 
 def take_back_due_nodes(rundir: RunDir, job: JobConfig, held: Held | None = None) -> list[str]:
     """Before a launcher chooses its first launch's nodes: the bad nodes due back (job.retake_nodes_after_s) taken
-    back, each said in the log (later launches: ``decide``)."""
+    back, each said in the log (later launches: ``decide_after_launch``)."""
     back = take_back_due(rundir, job.retake_nodes_after_s, held)
     for node in back:
         print(f"bad node {node} taken back ({retake_how(job.retake_nodes_after_s)})", flush=True)
@@ -46,13 +46,14 @@ def until_settled(
     nodes: tuple[str, ...],
     launch: Callable[[tuple[str, ...], int], L],
     situation: Callable[[L], Situation],
-) -> tuple[Decision, L]:
+) -> tuple[LaunchDecision, L]:
     """``launch(nodes, attempt)`` (attempt 0, 1, ... within this allocation) until a decision other than a restart;
-    each decision is recorded in the run's history. ``situation`` tells ``decide`` what the launcher knows."""
+    each decision is recorded in the run's history. ``situation`` tells ``decide_after_launch`` what the launcher
+    knows."""
     attempt = 0
     while True:
         launched = launch(nodes, attempt)
-        decision = decide(rundir, job, launched.ended, situation(launched))
+        decision = decide_after_launch(rundir, job, launched.ended, situation(launched))
         record_decision(rundir, decision, failed_launch=launched.launch_id, status=launched.status)
         if decision.action != "restart":
             return decision, launched

@@ -250,8 +250,25 @@ def analyze(rundir: RunDir) -> RunLog:
     """Read a run directory's metrics and history (OSError for unreadable files, as raised by the reads)."""
     kept = [Step(r, True) for r in read_jsonl(rundir.metrics) if isinstance(r.get("step"), int)]
     discarded = [Step(r, False) for r in read_jsonl(rundir.metrics_discarded) if isinstance(r.get("step"), int)]
-    launches = _launches(read_jsonl(rundir.history))
     every = kept + discarded
+    launches = _place_steps(_launches(read_jsonl(rundir.history)), every)
+    for i, launch in enumerate(launches):
+        _close_launch(launch, [s for s in every if s.launch == launch.index], is_last=i == len(launches) - 1)
+    t0 = launches[0].start if launches else min((s.time for s in every if s.time is not None), default=0.0)
+    return RunLog(
+        rundir=rundir,
+        kept=kept,
+        discarded=discarded,
+        launches=launches,
+        accounting=_accounting(rundir, launches, kept, discarded),
+        stragglers=_stragglers(every),
+        summary=_summary(rundir),
+        t0=t0,
+    )
+
+
+def _place_steps(launches: list[Launch], every: list[Step]) -> list[Launch]:
+    """Each record's launch and the steps it stands for; without a history, one launch from step 0 assumed."""
     assumed = not launches and bool(every)
     if assumed:  # no history: one launch from step 0; its start is fixed below, once the gaps are known
         first_id = next((r.raw.get("launch") for r in every if r.raw.get("launch")), "")
@@ -267,24 +284,27 @@ def analyze(rundir: RunDir) -> RunLog:
         first = min(every, key=lambda s: (s.step, s.time or math.inf))
         times = [s.time for s in every if s.time is not None]
         launches[0].start = (min(times) - first.scaled("step_time_s")) if times else 0.0
+    return launches
 
-    for i, launch in enumerate(launches):
-        mine = [s for s in every if s.launch == launch.index]
-        times = [s.time for s in mine if s.time is not None]
-        if launch.end_event is not None:
-            launch.end = launch.end_event["time"]
-        else:
-            launch.end = max(times) if times else launch.start
-        end_step = (launch.end_event or {}).get("step")
-        launch.last_step = (
-            end_step if isinstance(end_step, int) else max([s.step for s in mine], default=launch.start_step)
-        )
-        launch.step_time_s = sum(s.scaled("step_time_s") for s in mine)
-        launch.eval_s = sum(s.get("time_eval_s") or 0.0 for s in mine)
-        launch.kept_steps = sum(s.gap for s in mine if s.kept and s.get("step_time_s") is not None)
-        launch.discarded_steps = sum(s.gap for s in mine if not s.kept and s.get("step_time_s") is not None)
-        launch.ended = _ending(launch, is_last=i == len(launches) - 1)
 
+def _close_launch(launch: Launch, mine: list[Step], is_last: bool) -> None:
+    """A launch's end, last step and time totals from its own records."""
+    times = [s.time for s in mine if s.time is not None]
+    if launch.end_event is not None:
+        launch.end = launch.end_event["time"]
+    else:
+        launch.end = max(times) if times else launch.start
+    end_step = (launch.end_event or {}).get("step")
+    launch.last_step = end_step if isinstance(end_step, int) else max([s.step for s in mine], default=launch.start_step)
+    launch.step_time_s = sum(s.scaled("step_time_s") for s in mine)
+    launch.eval_s = sum(s.get("time_eval_s") or 0.0 for s in mine)
+    launch.kept_steps = sum(s.gap for s in mine if s.kept and s.get("step_time_s") is not None)
+    launch.discarded_steps = sum(s.gap for s in mine if not s.kept and s.get("step_time_s") is not None)
+    launch.ended = _ending(launch, is_last=is_last)
+
+
+def _accounting(rundir: RunDir, launches: list[Launch], kept: list[Step], discarded: list[Step]) -> Accounting:
+    """Where the run's wall time went, launch by launch summed."""
     total = sum(x.wall_s for x in launches)
     productive = sum(s.scaled("step_time_s") - s.scaled("time_ckpt_s") - s.scaled("time_data_s") for s in kept)
     startup = sum(x.startup_teardown_s for x in launches)
@@ -292,10 +312,8 @@ def analyze(rundir: RunDir) -> RunLog:
     recomputed = sum(s.scaled("step_time_s") for s in discarded)
     ckpt = sum(s.scaled("time_ckpt_s") for s in kept)
     data = sum(s.scaled("time_data_s") for s in kept)
-    between = sum(max(0.0, b.start - a.end) for a, b in pairwise(launches))
     submitted = _first_submission(rundir)
-    queued_first = max(0.0, launches[0].start - submitted) if launches and submitted is not None else None
-    accounting = Accounting(
+    return Accounting(
         total_wall_s=total,
         productive_s=productive,
         startup_teardown_s=startup,
@@ -304,23 +322,15 @@ def analyze(rundir: RunDir) -> RunLog:
         checkpoint_s=ckpt,
         data_wait_s=data,
         other_s=total - (productive + startup + evaluation + recomputed + ckpt + data),
-        between_launches_s=between,
-        queued_first_s=queued_first,
+        between_launches_s=sum(max(0.0, b.start - a.end) for a, b in pairwise(launches)),
+        queued_first_s=max(0.0, launches[0].start - submitted) if launches and submitted is not None else None,
     )
+
+
+def _summary(rundir: RunDir) -> dict | None:
+    """summary.json; None when missing or unparsable (it is written atomically: a torn one is not trusted)."""
     try:
         summary = json.loads(rundir.summary.read_text())
-    except FileNotFoundError:
-        summary = None
-    except ValueError:
-        summary = None  # a summary is written atomically; an unparsable one is not trusted
-    t0 = launches[0].start if launches else min((s.time for s in every if s.time is not None), default=0.0)
-    return RunLog(
-        rundir=rundir,
-        kept=kept,
-        discarded=discarded,
-        launches=launches,
-        accounting=accounting,
-        stragglers=_stragglers(every),
-        summary=summary if isinstance(summary, dict) else None,
-        t0=t0,
-    )
+    except (FileNotFoundError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None

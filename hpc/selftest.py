@@ -142,30 +142,7 @@ def why_missed(obs: Observed, rank: int) -> str:
 
 def assess(obs: Observed) -> list[Check]:
     """The verdict, check by check, from what the job showed (pure)."""
-    checks: list[Check] = []
-    short = obs.signal.removeprefix("SIG")
-    if obs.sbatch_signal is None:
-        checks.append(Check("FAIL", "sbatch", "the submitted script has no #SBATCH --signal: Slurm would send nothing"))
-    elif obs.sbatch_signal.upper().startswith("B:"):
-        checks.append(
-            Check(
-                "FAIL",
-                "sbatch",
-                f"#SBATCH --signal={obs.sbatch_signal} signals the batch shell only (B:): the ranks would never get "
-                "it (job.sbatch_extra overrides the signal?)",
-            )
-        )
-    else:
-        name, _, when = obs.sbatch_signal.rpartition(":")[2].partition("@")
-        level = "PASS" if name.upper().removeprefix("SIG") == short else "FAIL"
-        checks.append(
-            Check(
-                level,
-                "sbatch",
-                f"#SBATCH --signal={obs.sbatch_signal}: {name} to every process of the job's steps {when or '?'} s "
-                "before the time limit" + ("" if level == "PASS" else f", but job.signal is {obs.signal}"),
-            )
-        )
+    checks = [_sbatch_check(obs)]
     if obs.nccl and obs.signal == "SIGUSR1":
         checks.append(
             Check(
@@ -183,37 +160,67 @@ def assess(obs: Observed) -> list[Check]:
         return checks
     checks += [Check("WARN", "job", note) for note in obs.notes]
     missing = missing_ranks(obs)
+    checks += _signal_checks(obs, missing)
     if not missing:
-        checks.append(Check("PASS", "signal", f"all {obs.world_size} ranks received {obs.signal} themselves"))
+        checks += _stop_checks(obs)
+    return checks
+
+
+def _sbatch_check(obs: Observed) -> Check:
+    """Whether the submitted script asks Slurm to send job.signal to the steps' processes."""
+    if obs.sbatch_signal is None:
+        return Check("FAIL", "sbatch", "the submitted script has no #SBATCH --signal: Slurm would send nothing")
+    if obs.sbatch_signal.upper().startswith("B:"):
+        return Check(
+            "FAIL",
+            "sbatch",
+            f"#SBATCH --signal={obs.sbatch_signal} signals the batch shell only (B:): the ranks would never get "
+            "it (job.sbatch_extra overrides the signal?)",
+        )
+    name, _, when = obs.sbatch_signal.rpartition(":")[2].partition("@")
+    level = "PASS" if name.upper().removeprefix("SIG") == obs.signal.removeprefix("SIG") else "FAIL"
+    return Check(
+        level,
+        "sbatch",
+        f"#SBATCH --signal={obs.sbatch_signal}: {name} to every process of the job's steps {when or '?'} s "
+        "before the time limit" + ("" if level == "PASS" else f", but job.signal is {obs.signal}"),
+    )
+
+
+def _signal_checks(obs: Observed, missing: list[int]) -> list[Check]:
+    """Every rank received the signal itself; else why each rank that did not missed it."""
+    if not missing:
+        return [Check("PASS", "signal", f"all {obs.world_size} ranks received {obs.signal} themselves")]
+    if obs.stopped is None:
+        head = f"no rank stopped within job.signal_lead_s={obs.lead_s:g} s of {obs.signal}"
+    elif obs.stopped.get("received", {}).get(obs.signal):
+        head = f"{len(missing)} of {obs.world_size} ranks did not receive {obs.signal} (the others stopped them)"
     else:
-        if obs.stopped is None:
-            head = f"no rank stopped within job.signal_lead_s={obs.lead_s:g} s of {obs.signal}"
-        elif obs.stopped.get("received", {}).get(obs.signal):
-            head = f"{len(missing)} of {obs.world_size} ranks did not receive {obs.signal} (the others stopped them)"
-        else:
-            first = obs.stopped.get("received") or {}
-            head = f"no rank received {obs.signal}" + (
-                f"; they stopped on {', '.join(first)} when the self-test ended the job" if first else ""
-            )
-        checks.append(Check("FAIL", "signal", head))
-        groups: dict[str, list[int]] = {}
-        for rank in missing:
-            groups.setdefault(why_missed(obs, rank), []).append(rank)
-        for why, ranks in groups.items():
-            checks.append(Check("FAIL", "signal", f"rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}: {why}"))
+        first = obs.stopped.get("received") or {}
+        head = f"no rank received {obs.signal}" + (
+            f"; they stopped on {', '.join(first)} when the self-test ended the job" if first else ""
+        )
+    checks = [Check("FAIL", "signal", head)]
+    groups: dict[str, list[int]] = {}
+    for rank in missing:
+        groups.setdefault(why_missed(obs, rank), []).append(rank)
+    for why, ranks in groups.items():
+        checks.append(Check("FAIL", "signal", f"rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}: {why}"))
+    return checks
+
+
+def _stop_checks(obs: Observed) -> list[Check]:
+    """What the stop cost, against job.signal_lead_s."""
     stop = obs.stopped or {}
     needed = stop.get("signal_to_commit_s")
-    if not missing and isinstance(needed, (int, float)):
-        figures = (
-            f"{stop.get('stop_s', float('nan')):.2f} s from the signal to every rank agreeing at a step boundary, "
-            f"{stop.get('save_s', float('nan')):.2f} s to save and commit the checkpoint, {needed:.2f} s in all"
-        )
-        checks.append(Check("PASS", "stop", figures))
-        budget = LeadBudget(lead_s=obs.lead_s, needed_s=float(needed), measured=True)
-        checks.append(Check("PASS" if budget.ok else "FAIL", "lead", budget.describe()))
-    elif not missing:
-        checks.append(Check("FAIL", "stop", "the stopped event has no timings (a trainer older than this self-test?)"))
-    return checks
+    if not isinstance(needed, (int, float)):
+        return [Check("FAIL", "stop", "the stopped event has no timings (a trainer older than this self-test?)")]
+    figures = (
+        f"{stop.get('stop_s', float('nan')):.2f} s from the signal to every rank agreeing at a step boundary, "
+        f"{stop.get('save_s', float('nan')):.2f} s to save and commit the checkpoint, {needed:.2f} s in all"
+    )
+    budget = LeadBudget(lead_s=obs.lead_s, needed_s=float(needed), measured=True)
+    return [Check("PASS", "stop", figures), Check("PASS" if budget.ok else "FAIL", "lead", budget.describe())]
 
 
 def exit_status(checks: list[Check]) -> int:

@@ -1,28 +1,7 @@
-"""``python -m hpc sweep CONFIG SWEEP.yaml``: a grid or a random search of config overrides, submitted as one Slurm
-job array, with early stopping of poor elements (ASHA) and a results table, best first.
-
-SWEEP.yaml holds ``grid`` or ``random``, and optionally ``metric``/``mode`` and ``prune``::
-
-    grid:                              # the cartesian product, in the order written
-      train.lr: [1.0e-3, 3.0e-3]
-      model.d_model: [64, 128]
-
-    random:                            # n points drawn with the seed (the same file gives the same points)
-      n: 16
-      seed: 0
-      train.lr: {log: [1.0e-4, 1.0e-2]}   # log-uniform; {uniform: [a, b]}; {int: [a, b]} (inclusive); a list: one of
-      model.dropout: {uniform: [0.0, 0.2]}
-    metric: eval_loss                  # the results table's order (an `hpc runs` column), and what prune judges
-    mode: min
-    prune: {at_steps: [100, 200], eta: 3}   # ASHA: at these steps only the best 1/eta of each rung continue
-
-Each element gets its own run directory ``SWEEP_DIR/NNN-lr=0.001_d_model=64`` holding its resolved config. All
-elements share the job shape (an array's tasks all get the same allocation), so ``job.*`` keys cannot vary. Without
-Slurm the elements run one after the other on this machine. A pruned element ends as "pruned" with its rung's
-checkpoint, and its array slot goes to the next element. Each element that ends rewrites SWEEP_DIR/results.md and
-results.json (every element, best first by the metric); the last one prints it, and with MLflow tracking the sweep
-is a parent run with its elements as children.
-"""
+"""A sweep's data (torch-free): SWEEP.yaml's grid or random search expanded into elements (config overrides), their
+run directories, sweep.json, and the results table (every element's `hpc runs` row, best first by the sweep's
+metric), rewritten as each element ends. Submitting it: hpc/sweep_submit.py; the sweep file and its pruning
+(ASHA) keys: docs/slurm.md."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ class Situation:
 
 
 @dataclass(frozen=True)
-class Decision:
+class LaunchDecision:
     action: Action
     status: int  # the launcher's exit status if it ends here
     message: str  # one line for the job's log
@@ -129,7 +129,7 @@ def _excluding(job: JobConfig, situation: Situation) -> bool:
     return job.exclude_bad_nodes and (situation.slurm or job.min_nodes_or_all < job.nodes)
 
 
-def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -> Decision:
+def decide_after_launch(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -> LaunchDecision:
     # Bad nodes due back (job.retake_nodes_after_s) are not bad for this decision; record_decision takes them back.
     held = held_by_slurm if situation.slurm else None
     back = due_back(rundir, job.retake_nodes_after_s, held) if ended.how != "done" else {}
@@ -143,19 +143,25 @@ def decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation) -
     return replace(decision, taken_back=taken_back, message=message)
 
 
-def _decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, bad: tuple[str, ...]) -> Decision:
+def _decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, bad: tuple[str, ...]) -> LaunchDecision:
     if ended.how == "done":
         pruned = [e for e in read_jsonl(rundir.history) if e.get("event") == EVENT_PRUNED]
         if pruned:  # a sweep element judged at a rung: ended for good, its checkpoint kept
-            return Decision("done", EXIT_DONE, f"pruned: run {rundir.root} at step {pruned[-1].get('step')} "
+            return LaunchDecision("done", EXIT_DONE, f"pruned: run {rundir.root} at step {pruned[-1].get('step')} "
                             f"({pruned[-1].get('why', 'prune.*')})")  # fmt: skip
-        return Decision("done", EXIT_DONE, f"done: run {rundir.root} complete")
+        return LaunchDecision("done", EXIT_DONE, f"done: run {rundir.root} complete")
     if ended.how == "stopped":
         return _after_stop(rundir, job, ended, situation, bad)
+    return _after_failure(rundir, job, ended, situation, bad)
+
+
+def _after_failure(
+    rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, bad: tuple[str, ...]
+) -> LaunchDecision:
     failure = rundir.failure_record()
     cause, user = failure_cause(ended, failure)
     if user:
-        return Decision("end", EXIT_USER_ERROR, f"error: {cause}", error=True, cause=cause)
+        return LaunchDecision("end", EXIT_USER_ERROR, f"error: {cause}", error=True, cause=cause)
     if not suspects_of(failure) and stopped_by_signal(ended, situation, job):
         # The stop signal killed a rank before its handler was installed (interpreter start-up) or after it was
         # restored: a stop without a checkpoint at it, not evidence against the rank's node.
@@ -165,15 +171,14 @@ def _decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, 
             f"error: the ranks failed with exit status {ended.status} while Slurm was ending the job; not restarted. "
             f"Continue with: python -m hpc resume {rundir.root}"
         )
-        return Decision("end", EXIT_FAILED, message, error=True, cause=cause)
+        return LaunchDecision("end", EXIT_FAILED, message, error=True, cause=cause)
     done_before = restarts_so_far(rundir)
-    known_bad = bad
     new_bad = tuple(
         (node, evidence)
         for node, evidence in (named_nodes(failure, situation) if _excluding(job, situation) else [])
-        if node not in known_bad
+        if node not in bad
     )
-    exclude = tuple(dict.fromkeys([*known_bad, *(node for node, _ in new_bad)]))
+    exclude = tuple(dict.fromkeys([*bad, *(node for node, _ in new_bad)]))
     named = f"; node(s) {', '.join(n for n, _ in new_bad)} left out from now on" if new_bad else ""
     if done_before >= job.max_failures:
         limit = "restarts are off" if job.max_failures == 0 else f"{done_before} in-job restarts already"
@@ -182,7 +187,23 @@ def _decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, 
             f"job.max_failures={job.max_failures}). Cause: {cause}{named}. Logs in {rundir.logs}; continue with: "
             f"python -m hpc resume {rundir.root}"
         )
-        return Decision("end", EXIT_FAILED, message, error=True, cause=cause, new_bad=new_bad, exclude=exclude)
+        return LaunchDecision("end", EXIT_FAILED, message, error=True, cause=cause, new_bad=new_bad, exclude=exclude)
+    return _restart(rundir, job, ended, situation, done_before, f"{cause}){named}", cause, new_bad, exclude)
+
+
+def _restart(
+    rundir: RunDir,
+    job: JobConfig,
+    ended: Ended,
+    situation: Situation,
+    done_before: int,
+    why: str,
+    cause: str,
+    new_bad: tuple[tuple[str, str], ...],
+    exclude: tuple[str, ...],
+) -> LaunchDecision:
+    """A restart in the allocation where enough nodes are left; else a new job (Slurm) or the end (locally).
+    ``why``: the cause and the nodes named, for the messages."""
     delay = min(MAX_BACKOFF_S, job.restart_backoff_s * 2**done_before)
     usable = tuple(n for n in situation.nodes if n not in exclude)[: job.nodes]
     attempt = done_before + 1
@@ -194,22 +215,22 @@ def _decide(rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, 
             else ""
         )
         message = (
-            f"the launch failed ({cause}){named}; restart {attempt} of at most {job.max_failures} in {delay:g} s "
+            f"the launch failed ({why}; restart {attempt} of at most {job.max_failures} in {delay:g} s "
             f"from the newest valid checkpoint{shrink}"
         )
-        return Decision("restart", EXIT_FAILED, message, delay_s=delay, use_nodes=usable, **common)
+        return LaunchDecision("restart", EXIT_FAILED, message, delay_s=delay, use_nodes=usable, **common)
     left = f"{len(usable)} usable node(s) left, job.min_nodes={job.min_nodes_or_all}"
     if situation.slurm:
         message = (
-            f"the launch failed ({cause}){named}; {left}: the run continues in a new job that excludes "
+            f"the launch failed ({why}; {left}: the run continues in a new job that excludes "
             f"{', '.join(exclude)} (restart {attempt} of at most {job.max_failures})"
         )
-        return Decision("resubmit", EXIT_FAILED, message, **common)
+        return LaunchDecision("resubmit", EXIT_FAILED, message, **common)
     message = (
-        f"error: the ranks failed with exit status {ended.status} ({cause}){named}; {left}, so the run cannot "
+        f"error: the ranks failed with exit status {ended.status} ({why}; {left}, so the run cannot "
         f"continue here. Continue with: python -m hpc resume {rundir.root}"
     )
-    return Decision("end", EXIT_FAILED, message, error=True, cause=cause, new_bad=new_bad, exclude=exclude)
+    return LaunchDecision("end", EXIT_FAILED, message, error=True, cause=cause, new_bad=new_bad, exclude=exclude)
 
 
 def stopped_by_signal(ended: Ended, situation: Situation, job: JobConfig) -> bool:
@@ -223,7 +244,7 @@ def stopped_by_signal(ended: Ended, situation: Situation, job: JobConfig) -> boo
 
 def _after_stop(
     rundir: RunDir, job: JobConfig, ended: Ended, situation: Situation, bad: tuple[str, ...], committed: bool = True
-) -> Decision:
+) -> LaunchDecision:
     done = (
         "with a committed checkpoint"
         if committed
@@ -231,25 +252,25 @@ def _after_stop(
     )
     head = "checkpoint committed" if committed else f"stopped by a signal {done}"
     if not situation.slurm:
-        return Decision(
+        return LaunchDecision(
             "end",
             EXIT_STOPPED,
             f"stopped by a signal {done}; continue with: python -m hpc resume {rundir.root}",
         )
     if not situation.last_in_chain:
-        return Decision("end", EXIT_DONE, f"stopped by a signal {done}; the next job of the chain continues")
+        return LaunchDecision("end", EXIT_DONE, f"stopped by a signal {done}; the next job of the chain continues")
     if ended.signal == signal.SIGTERM:
-        return Decision(
+        return LaunchDecision(
             "end",
             EXIT_STOPPED,
             f"stopped by SIGTERM {done}; not requeued (scancel ends the job; scontrol requeue "
             f"and preemption requeue it themselves). Continue a cancelled run with: python -m hpc resume {rundir.root}",
         )
     if rundir.pause_marker.exists():
-        return Decision("requeuehold", EXIT_STOPPED, f"{head}; the run is paused (held until released)")
+        return LaunchDecision("requeuehold", EXIT_STOPPED, f"{head}; the run is paused (held until released)")
     limit = job.max_requeues if situation.max_requeues is None else situation.max_requeues
     if situation.requeues >= limit:
-        return Decision(
+        return LaunchDecision(
             "end",
             EXIT_STOPPED,
             f"error: the run stopped again after {situation.requeues} requeues (job.max_requeues={limit}); not "
@@ -258,16 +279,16 @@ def _after_stop(
         )
     exclude = bad
     if exclude:  # a requeued job keeps its node exclusions: a new job is submitted with them instead
-        return Decision(
+        return LaunchDecision(
             "resubmit",
             EXIT_STOPPED,
             f"{head}; the run continues in a new job that excludes its bad node(s) {', '.join(exclude)}",
             exclude=exclude,
         )
-    return Decision("requeue", EXIT_STOPPED, head)
+    return LaunchDecision("requeue", EXIT_STOPPED, head)
 
 
-def record_decision(rundir: RunDir, decision: Decision, *, failed_launch: str, status: int) -> None:
+def record_decision(rundir: RunDir, decision: LaunchDecision, *, failed_launch: str, status: int) -> None:
     """What a decision names, in history.jsonl (written by the launcher before it acts): each new bad node with
     its evidence, the nodes taken back, and for a restart (in the job or in a resubmitted one) the restart event
     with its cause."""
@@ -324,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         failed_nodes=split_nodes(args.failed_nodes),
         stop_signal=args.stop_signal,
     )
-    decision = decide(rundir, cfg.job, ended, situation)
+    decision = decide_after_launch(rundir, cfg.job, ended, situation)
     record_decision(rundir, decision, failed_launch=args.launch_id, status=args.status)
     print(decision.action, decision.status, f"{decision.delay_s:g}")
     print(decision.message)

@@ -64,6 +64,9 @@ class RunConfig:
 
     def check(self) -> Problems:
         """Checks that span sections."""
+        return self._recipe_problems() + layout_problems(self) + self._feature_problems() + self._device_problems()
+
+    def _recipe_problems(self) -> Problems:
         out: Problems = []
         if not RECIPE_RE.match(self.recipe):
             out.append(("recipe", f"{self.recipe!r} must be 'gpt' or 'package.module:function'"))
@@ -84,7 +87,11 @@ class RunConfig:
                     "the trainer would not stop on it",
                 )
             )
-        out += layout_problems(self)
+        return out
+
+    def _feature_problems(self) -> Problems:
+        """Features that need another key set, or more than one node."""
+        out: Problems = []
         late = [s for s in self.prune.at_steps if s >= self.train.steps]
         if self.prune.metric is not None and late:
             out.append(("prune.at_steps", f"{late} are not before train.steps={self.train.steps}: nothing to prune"))
@@ -104,6 +111,11 @@ class RunConfig:
                         "at the launch it rejoins and names it bad again if it fails"))  # fmt: skip
         if self.monitor.straggler_exclude_after and self.job.nodes == 1:
             out.append(("monitor.straggler_exclude_after", "needs job.nodes >= 2: one node has no peers to lag behind"))
+        return out
+
+    def _device_problems(self) -> Problems:
+        """Ranks against GPUs, and the hang timeout against the storage retries."""
+        out: Problems = []
         job = self.job
         nccl = self.comm.backend == "nccl" or (self.comm.backend == "auto" and self.train.device != "cpu")
         if nccl and 0 < job.gpus_per_node < job.ranks_per_node:

@@ -67,13 +67,13 @@ def test_a_plan_is_valid_only_for_the_set_up_it_was_measured_in():
 
 
 def test_auto_uses_another_algorithm_only_where_it_beats_flat_clearly():
-    """trainer.parallel.autotune.decide: the fastest by median, unless it is within the margin of flat or lost to
-    flat in any round (a noisy start-up): then flat."""
-    from trainer.parallel.autotune import MARGIN, decide
+    """trainer.parallel.autotune.choose_algorithm: the fastest by median, unless it is within the margin of flat or
+    lost to flat in any round (a noisy start-up): then flat."""
+    from trainer.parallel.autotune import MARGIN, choose_algorithm
 
-    assert decide({"flat": [1.0, 1.0, 1.0], "leader": [0.7, 0.6, 0.8]}) == "leader"
-    assert decide({"flat": [1.0, 1.0, 1.0], "leader": [0.5, 0.5, 1.1]}) == "flat"  # lost one round
+    assert choose_algorithm({"flat": [1.0, 1.0, 1.0], "leader": [0.7, 0.6, 0.8]}) == "leader"
+    assert choose_algorithm({"flat": [1.0, 1.0, 1.0], "leader": [0.5, 0.5, 1.1]}) == "flat"  # lost one round
     near = 1 / (1 + MARGIN / 2)
-    assert decide({"flat": [1.0, 1.0], "leader": [near, near]}) == "flat"  # inside the margin
-    assert decide({"flat": [1.0, 1.0], "leader": [2.0, 2.0], "pipelined": [0.6, 0.7]}) == "pipelined"
-    assert decide({"flat": [1.0], "two_level": [1.0]}) == "flat"  # a tie
+    assert choose_algorithm({"flat": [1.0, 1.0], "leader": [near, near]}) == "flat"  # inside the margin
+    assert choose_algorithm({"flat": [1.0, 1.0], "leader": [2.0, 2.0], "pipelined": [0.6, 0.7]}) == "pipelined"
+    assert choose_algorithm({"flat": [1.0], "two_level": [1.0]}) == "flat"  # a tie

@@ -92,7 +92,7 @@ def candidates(groups: HierGroups, size: int) -> list[str]:
     return [n for n in ALGORITHMS if n != "pipelined" or (pipelines and size > 2 * PIPE_CHUNK_BYTES)]
 
 
-def decide(per_round: dict[str, list[float]]) -> str:
+def choose_algorithm(per_round: dict[str, list[float]]) -> str:
     """The choice from each algorithm's per-round seconds (flat's always complete): the fastest by median, if it is
     flat or beats flat by ``MARGIN`` and in every round both ran; otherwise flat."""
     median = {n: statistics.median(t) for n, t in per_round.items()}
@@ -151,7 +151,7 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_n
             if len(alive) == 1 or (done >= 2 and elapsed > BUDGET_S and enough):
                 break
         seconds = {name: statistics.median(t) for name, t in per_round.items()}
-        choice = "flat" if one_network else decide({n: per_round[n] for n in {*alive, "flat"}})
+        choice = "flat" if one_network else choose_algorithm({n: per_round[n] for n in {*alive, "flat"}})
         rounds = max(len(t) for t in per_round.values())
         per_round_s = {n: [round(v, 6) for v in t] for n, t in per_round.items()}
         rows.append({"bytes": size, "seconds": seconds, "choice": choice, "rounds": rounds, "calls": calls,
