@@ -5,6 +5,7 @@ signal and a resume, its history equal to metrics.jsonl (one value per step); a 
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -88,9 +89,19 @@ def test_one_tracker_run_across_a_restart_a_stop_and_a_resume(tmp_path, small_da
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, between the suite's fixed ports (below 20000) and the kernel's ephemeral range
+    (32768 up by default): the server is stopped and started again on it, and meanwhile the kernel cannot hand it
+    to another process (the other worker's launches: their stores, gloo and MPI listeners, their outgoing
+    connections), as it could a port from bind(("", 0))."""
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, ephemeral), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in 20000-{ephemeral - 1}")
 
 
 class Server:

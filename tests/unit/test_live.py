@@ -135,16 +135,18 @@ def test_the_endpoint_serves_and_a_taken_port_costs_a_warning(tmp_path, caplog):
 
 
 def test_a_gateway_that_is_down_warns_once_and_is_retried(tmp_path, caplog):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = RunDir(tmp_path / "r")
-    run.root.mkdir()
-    cfg = load_config("tiny", [f"live.pushgateway=http://127.0.0.1:{port}", "live.push_every_s=0.05"]).live
-    live = LiveMetrics(cfg, node1_env(), run, None)
-    with caplog.at_level(logging.WARNING):
-        live.start_pushing()
-        time.sleep(0.3)
-        live.close()
+    # A port nothing listens on, held bound (never listening: connections are refused) for the whole test, so that
+    # no other process can take it meanwhile.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        run = RunDir(tmp_path / "r")
+        run.root.mkdir()
+        cfg = load_config("tiny", [f"live.pushgateway=http://127.0.0.1:{port}", "live.push_every_s=0.05"]).live
+        live = LiveMetrics(cfg, node1_env(), run, None)
+        with caplog.at_level(logging.WARNING):
+            live.start_pushing()
+            time.sleep(0.3)
+            live.close()
     warnings = [r for r in caplog.records if "cannot push" in r.getMessage()]
     assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage() and live.pushes == 0

@@ -19,6 +19,13 @@ from trainer.env import from_mpi
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import init_distributed, shutdown
 
+
+def stopped(pid: int) -> bool:
+    """The process is stopped by a signal (state T in /proc; every rank runs on this host)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 comm = MPI.COMM_WORLD
 env = from_mpi(comm)
 out, frozen = Path(sys.argv[1]), int(sys.argv[2])
@@ -31,7 +38,8 @@ comm.Barrier()
 if env.rank == frozen:
     os.kill(os.getpid(), signal.SIGSTOP)
 else:
-    time.sleep(0.2)  # the frozen rank has stopped
+    while frozen >= 0 and not stopped(pids[frozen]):  # the roll call begins once the frozen rank has stopped
+        time.sleep(0.01)
     start = time.monotonic()
     text, suspects = watchdog.diagnose(RuntimeError("a collective failed"))
     record = {"rank": env.rank, "text": text, "suspects": [s["rank"] for s in suspects]}
