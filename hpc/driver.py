@@ -196,7 +196,7 @@ def run_step(command: list[str], env: dict, failure: Path | None = None, ntasks:
 
 def sweep_command(num_nodes: int) -> list[str]:
     """One task per node of the allocation removing the shared-memory segments killed ranks left
-    (storage/shm.py); it shares the nodes with whatever still runs there."""
+    (hpc/shmsweep.py); it shares the nodes with whatever still runs there."""
     return [
         "srun",
         "--overlap",
@@ -206,7 +206,7 @@ def sweep_command(num_nodes: int) -> list[str]:
         "--ntasks-per-node=1",
         sys.executable,
         "-m",
-        "storage.shm",
+        "hpc.shmsweep",
     ]
 
 

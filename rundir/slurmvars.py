@@ -7,6 +7,7 @@ from collections.abc import Mapping
 JOB_ID_VAR = "SLURM_JOB_ID"
 RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"
 PROCID_VAR, NTASKS_VAR = "SLURM_PROCID", "SLURM_NTASKS"
+NODE_NAME_VAR = "SLURMD_NODENAME"
 
 
 def slurm_job_id(environ: Mapping[str, str]) -> str | None:
@@ -27,3 +28,8 @@ def slurm_task(environ: Mapping[str, str]) -> tuple[int, int]:
     """(this task's index, the step's number of tasks) of a Slurm step; (0, 1) outside one."""
     procid, ntasks = environ.get(PROCID_VAR, ""), environ.get(NTASKS_VAR, "")
     return (int(procid) if procid.isdigit() else 0), (int(ntasks) if ntasks.isdigit() else 1)
+
+
+def slurm_node_name(environ: Mapping[str, str]) -> str | None:
+    """The Slurm node this task runs on (slurmd's name for it); None outside a Slurm step."""
+    return environ.get(NODE_NAME_VAR) or None

@@ -288,7 +288,7 @@ hpc_main() {
         # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it (a
         # restarted launch does that itself, on each node, as it starts).
         srun --overlap --mpi=none --nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
-          --ntasks-per-node=1 "$PYTHON" -m storage.shm || echo "warning: the shared-memory sweep failed" >&2
+          --ntasks-per-node=1 "$PYTHON" -m hpc.shmsweep || echo "warning: the shared-memory sweep failed" >&2
       fi
     fi
     [ "$action" = restart ] || break

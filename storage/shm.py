@@ -6,14 +6,12 @@ start-up) leaves the file behind, and nothing else ever removes it: /dev/shm is 
 short jobs fills with them. A segment is stale when no process has it open or mapped; a sweep removes this user's
 stale segments and nothing else. It runs after every local launch (``hpc.local``), on each node when a launch
 starts (the trainer's node-local rank 0, for whatever an earlier killed launch left there) and on every node of a
-Slurm allocation after a launch that failed (``python -m storage.shm`` as one task per node).
+Slurm allocation after a launch that failed (``python -m hpc.shmsweep`` as one task per node).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -79,19 +77,3 @@ def sweep(directory: Path = SHM_DIR, prefixes: Iterable[str] = PREFIXES, proc: P
         except OSError:  # removed meanwhile by another sweep, or not ours to remove
             continue
     return removed
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m storage.shm", description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, default=SHM_DIR, help="where the segments are (default /dev/shm)")
-    args = parser.parse_args(argv)
-    removed = sweep(args.dir)
-    host = os.uname().nodename
-    node = os.environ.get("SLURMD_NODENAME")
-    where = f"{host} (slurm node {node})" if node else host
-    print(f"{where}: removed {len(removed)} stale MPI shared-memory segment(s) from {args.dir}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

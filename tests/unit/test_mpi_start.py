@@ -72,7 +72,7 @@ def test_sweep_removes_only_stale_segments_of_this_user(tmp_path):
 def test_sweep_command_reports_per_host(tmp_path):
     (tmp_path / "mpich_shm_dead_1").write_bytes(b"x")
     out = subprocess.run(
-        [sys.executable, "-m", "storage.shm", "--dir", str(tmp_path)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "hpc.shmsweep", "--dir", str(tmp_path)], capture_output=True, text=True, check=True
     )
     assert f"removed 1 stale MPI shared-memory segment(s) from {tmp_path}" in out.stdout
     assert not (tmp_path / "mpich_shm_dead_1").exists()
