@@ -25,7 +25,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("trainer", "runconfig", "bench", "examples", "tests")
+SCANNED = ("trainer", "runconfig", "rundir", "storage", "tracking", "bench", "examples", "tests")
 
 
 def module_file(root: Path, dotted: str) -> Path | None:
