@@ -90,37 +90,10 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
     leader = local.bcast(rank, root=0)  # world rank of the first rank on this host
     local.Free()
 
-    slurm_tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
-    if slurm_tasks and slurm_tasks.isdigit() and int(slurm_tasks) > 1 and size == 1:
-        raise UserError(
-            f"Slurm started {slurm_tasks} tasks but MPI sees a world of 1 in each (task on "
-            f"{environ.get('SLURMD_NODENAME', hostname)}): srun's MPI plugin does not match this MPI library, so "
-            "every task would train its own model. Use srun --mpi=pmi2 with MPICH wheels, --mpi=pmix with Open "
-            "MPI wheels (config job.mpi)."
-        )
+    _check_slurm_world(environ, size, hostname)
     simulate = environ.get(SIMULATE_VAR, "").strip()
-    slurm_node = environ.get("SLURM_NODEID", "")
-    if simulate:
-        try:
-            per_node = int(simulate)
-        except ValueError:
-            raise UserError(f"environment variable {SIMULATE_VAR}={simulate!r} must be an integer.") from None
-        topology = Topology(size, per_node)
-    elif slurm_node.isdigit() and environ.get("SLURM_STEP_ID") is not None:
-        # Inside a Slurm step the scheduler's node index is the node (also for several slurmd on one host).
-        topology = Topology.from_node_ids(comm.allgather(int(slurm_node)))
-    else:
-        leaders = comm.allgather(leader)
-        dense = {lead: i for i, lead in enumerate(dict.fromkeys(leaders))}
-        topology = Topology.from_node_ids([dense[lead] for lead in leaders])
-
-    if simulate:  # the local launcher names its simulated nodes (they keep their names when the world shrinks)
-        labels = [x for x in environ.get(NODE_LABELS_VAR, "").split(",") if x]
-        node_names = tuple(
-            labels[n] if n < len(labels) else f"node{n}" for n in (topology.node_of(r) for r in range(size))
-        )
-    else:
-        node_names = tuple(comm.allgather(environ.get("SLURMD_NODENAME") or hostname))
+    topology = _topology(comm, environ, simulate, size, leader)
+    node_names = _node_names(comm, environ, simulate, topology, size, hostname)
     return RuntimeEnv(
         rank=rank,
         world_size=size,
@@ -141,6 +114,47 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         inject=inject.parse(environ.get(INJECT_VAR, "")),
         tracking_vars=tuple((k, environ[k]) for k in (TRACKING_VAR, MLFLOW_URI_VAR) if k in environ),
     )
+
+
+def _check_slurm_world(environ: dict[str, str], size: int, hostname: str) -> None:
+    """UserError where Slurm started several tasks but each sees an MPI world of its own (a mismatched plugin)."""
+    slurm_tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
+    if slurm_tasks and slurm_tasks.isdigit() and int(slurm_tasks) > 1 and size == 1:
+        raise UserError(
+            f"Slurm started {slurm_tasks} tasks but MPI sees a world of 1 in each (task on "
+            f"{environ.get('SLURMD_NODENAME', hostname)}): srun's MPI plugin does not match this MPI library, so "
+            "every task would train its own model. Use srun --mpi=pmi2 with MPICH wheels, --mpi=pmix with Open "
+            "MPI wheels (config job.mpi)."
+        )
+
+
+def _topology(comm: MPI.Comm, environ: dict[str, str], simulate: str, size: int, leader: int) -> Topology:
+    """Which rank is on which node: simulated ($HPC_SIMULATE_RANKS_PER_NODE), Slurm's node index, or the hosts
+    (``leader``: the world rank of the first rank on this host). Collective outside a simulation."""
+    slurm_node = environ.get("SLURM_NODEID", "")
+    if simulate:
+        try:
+            per_node = int(simulate)
+        except ValueError:
+            raise UserError(f"environment variable {SIMULATE_VAR}={simulate!r} must be an integer.") from None
+        return Topology(size, per_node)
+    if slurm_node.isdigit() and environ.get("SLURM_STEP_ID") is not None:
+        # Inside a Slurm step the scheduler's node index is the node (also for several slurmd on one host).
+        return Topology.from_node_ids(comm.allgather(int(slurm_node)))
+    leaders = comm.allgather(leader)
+    dense = {lead: i for i, lead in enumerate(dict.fromkeys(leaders))}
+    return Topology.from_node_ids([dense[lead] for lead in leaders])
+
+
+def _node_names(
+    comm: MPI.Comm, environ: dict[str, str], simulate: str, topology: Topology, size: int, hostname: str
+) -> tuple[str, ...]:
+    """Every rank's node as the launcher names it. Collective outside a simulation."""
+    if simulate:  # the local launcher names its simulated nodes (they keep their names when the world shrinks)
+        labels = [x for x in environ.get(NODE_LABELS_VAR, "").split(",") if x]
+        nodes = (topology.node_of(r) for r in range(size))
+        return tuple(labels[n] if n < len(labels) else f"node{n}" for n in nodes)
+    return tuple(comm.allgather(environ.get("SLURMD_NODENAME") or hostname))
 
 
 def patient_barrier(comm: MPI.Comm, poll_s: float = 0.002, timeout_s: float | None = None) -> bool:

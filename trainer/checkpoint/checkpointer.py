@@ -55,7 +55,6 @@ class Checkpointer:
         rundir: RunDir,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        comm=None,
         architecture: dict | None = None,
         code_sha256: str | None = None,
         injector: Injector | None = None,
@@ -67,8 +66,8 @@ class Checkpointer:
         ``code_sha256`` the recipe's code snapshot; ``injector`` the faults injected by tests (``eio_save``);
         ``param_shapes`` the whole model's {name: [*shape, dtype]} (default: ``model``'s); ``aliases`` {name of a
         tied copy: the whole model's name} (a pipeline's output head tied to the first stage's embedding): left out
-        of ``params_sha256``, its optimizer state read under the whole model's name. ``comm`` (the ranks' MPI
-        communicator) is not needed: the ranks agree through torch.distributed (agreement.py)."""
+        of ``params_sha256``, its optimizer state read under the whole model's name. The ranks agree through
+        torch.distributed (agreement.py)."""
         self.cfg, self.env, self.ccfg = cfg, env, cfg.checkpoint
         self.model, self.optimizer, self.code_sha256 = model, optimizer, code_sha256
         self.root = rundir.checkpoints
@@ -80,48 +79,11 @@ class Checkpointer:
         local = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         # The tied copies this rank holds apart from their whole-model name (a pipeline's last stage: the head).
         self.aliases = {a: w for a, w in (aliases or {}).items() if a in local and w not in local}
-        # Retries end well within the collective timeout: the other ranks wait in one while a rank retries alone.
-        policy = RetryPolicy(
-            self.ccfg.io_retries,
-            self.ccfg.io_retry_backoff_s,
-            "checkpoint.io_retries",
-            budget_s=min(BUDGET_S, cfg.comm.timeout_s / 2),
-        )
-        # A gloo group of its own where a save may run beside the training collectives (in the background) or
-        # where those run on NCCL (the checkpoint's objects are CPU objects); else the default gloo group: every
-        # further gloo group keeps a polling thread (docs/measurements/notes-trainer.md).
-        own = self.ccfg.async_save or dist.get_backend() != "gloo"
-        group = dist.new_group(backend="gloo") if own else None
-        self.agreement = Agreement(env.rank, env.world_size, group, policy)
+        self.agreement = self._agreement()
+        self.remote = self._remote(injector)
         verified: set[str] = set()  # generations this process committed or fully verified (rank 0)
-        # checkpoint.storage: every generation also uploaded there (remote.py); the local copies are the staging
-        self.remote = None
-        if self.ccfg.storage:
-            self.remote = RemoteGenerations(
-                store=Store(cfg.storage), url=self.ccfg.storage, agreement=self.agreement, root=self.root,
-                keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every,
-                before_upload=injector.before_upload if injector and injector.injects("slow_upload") else None,
-            )  # fmt: skip
-        self.writer = GenerationWriter(
-            root=self.root,
-            agreement=self.agreement,
-            keep_last=self.ccfg.keep_local if self.remote else self.ccfg.keep_last,
-            keep_every=self.ccfg.keep_every,
-            param_names=[name for name, _ in model.named_parameters() if name not in (aliases or {})],
-            verified=verified,
-            injector=injector,
-        )
-        self.reader = GenerationReader(
-            root=self.root,
-            agreement=self.agreement,
-            model=model,
-            optimizer=optimizer,
-            identity=self.identity,
-            aliases=self.aliases,
-            seed=cfg.train.seed,
-            allow_shape_change=self.ccfg.allow_shape_change,
-            verified=verified,
-        )
+        self.writer = self._writer(aliases or {}, verified, injector)
+        self.reader = self._reader(verified)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if self.ccfg.async_save else None
         self.pending: Future | None = None
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
@@ -131,6 +93,57 @@ class Checkpointer:
         self.last_save_s: float | None = None  # the newest committed save's seconds, save() -> committed
         self.on_commit: Callable[[int], None] | None = None  # told each committed step (rank 0's tracker)
         self.tracking_run: Callable[[], str | None] | None = None  # the tracker run's id, in the manifest
+
+    # -- build --------------------------------------------------------------------------------------------
+    def _agreement(self) -> Agreement:
+        """How the ranks agree on every phase. Collective: may create a process group."""
+        # Retries end well within the collective timeout: the other ranks wait in one while a rank retries alone.
+        policy = RetryPolicy(
+            self.ccfg.io_retries,
+            self.ccfg.io_retry_backoff_s,
+            "checkpoint.io_retries",
+            budget_s=min(BUDGET_S, self.cfg.comm.timeout_s / 2),
+        )
+        # A gloo group of its own where a save may run beside the training collectives (in the background) or
+        # where those run on NCCL (the checkpoint's objects are CPU objects); else the default gloo group: every
+        # further gloo group keeps a polling thread (docs/measurements/notes-trainer.md).
+        own = self.ccfg.async_save or dist.get_backend() != "gloo"
+        group = dist.new_group(backend="gloo") if own else None
+        return Agreement(self.env.rank, self.env.world_size, group, policy)
+
+    def _remote(self, injector: Injector | None) -> RemoteGenerations | None:
+        """checkpoint.storage: every generation also uploaded there (remote.py); the local copies are the staging."""
+        if not self.ccfg.storage:
+            return None
+        return RemoteGenerations(
+            store=Store(self.cfg.storage), url=self.ccfg.storage, agreement=self.agreement, root=self.root,
+            keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every,
+            before_upload=injector.before_upload if injector and injector.injects("slow_upload") else None,
+        )  # fmt: skip
+
+    def _writer(self, aliases: dict[str, str], verified: set[str], injector: Injector | None) -> GenerationWriter:
+        return GenerationWriter(
+            root=self.root,
+            agreement=self.agreement,
+            keep_last=self.ccfg.keep_local if self.remote else self.ccfg.keep_last,
+            keep_every=self.ccfg.keep_every,
+            param_names=[name for name, _ in self.model.named_parameters() if name not in aliases],
+            verified=verified,
+            injector=injector,
+        )
+
+    def _reader(self, verified: set[str]) -> GenerationReader:
+        return GenerationReader(
+            root=self.root,
+            agreement=self.agreement,
+            model=self.model,
+            optimizer=self.optimizer,
+            identity=self.identity,
+            aliases=self.aliases,
+            seed=self.cfg.train.seed,
+            allow_shape_change=self.ccfg.allow_shape_change,
+            verified=verified,
+        )
 
     @property
     def skipped(self) -> list[str]:

@@ -51,7 +51,7 @@ def open_fraction(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.data")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize a folder of text files into HDF5 shards")
@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoint-url", help="S3 endpoint for an s3:// --out (default: $AWS_ENDPOINT_URL, else AWS)")
     p.add_argument("--task", type=int, default=None, help="this task's index (default: $SLURM_PROCID, else 0)")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: $SLURM_NTASKS, else 1)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     slurm_procid, slurm_ntasks = slurm_task(os.environ)
     task = args.task if args.task is not None else slurm_procid
     tasks = args.tasks if args.tasks is not None else slurm_ntasks
@@ -119,19 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, StoreError) as exc:
         print(f"error: cannot prepare {args.source} into {args.out}: {str(exc).rstrip('.')}.", file=sys.stderr)
         return 2
-    if manifest is None:
-        print(
-            f"task {task} of {tasks}: its share is done ({time.perf_counter() - start:.1f} s); task 0 writes {args.out}"
-        )
-        return 0
-    shards = sum(len(s) for s in manifest["splits"].values())
-    print(
-        f"prepared {manifest['source_files']} files ({manifest['source_bytes'] / 1e6:.1f} MB) into {shards} shards "
-        f"in {args.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} val tokens "
-        f"(tokenizer {manifest['tokenizer']}, vocabulary {manifest['vocab_size']:,}), "
-        f"{time.perf_counter() - start:.1f} s"
-    )
+    print(_summary(manifest, args.out, task, tasks, time.perf_counter() - start))
     return 0
+
+
+def _summary(manifest: dict | None, out: str, task: int, tasks: int, seconds: float) -> str:
+    """The closing line: what task 0 wrote, or (``manifest`` None) that another task's share is done."""
+    if manifest is None:
+        return f"task {task} of {tasks}: its share is done ({seconds:.1f} s); task 0 writes {out}"
+    shards = sum(len(s) for s in manifest["splits"].values())
+    return (
+        f"prepared {manifest['source_files']} files ({manifest['source_bytes'] / 1e6:.1f} MB) into {shards} shards "
+        f"in {out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} val tokens "
+        f"(tokenizer {manifest['tokenizer']}, vocabulary {manifest['vocab_size']:,}), "
+        f"{seconds:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -243,22 +243,8 @@ def prepare(
         return existing
     tok_path = spec.tokenizer_path()
     tokenizer = None if tok_path is None else load_tokenizer(tok_path)
-    root = spec.source_dir()
-    if not root.is_dir():
-        raise FileNotFoundError(f"data source folder {root} does not exist")
-    files = select_files(spec)
-    if not files:
-        raise FileNotFoundError(f"data source folder {root} has no files matching {list(spec.include)}")
-    dtype = DTYPE if tokenizer is None else tokenizer.dtype
-    plan = Plan(
-        files=tuple((rel, str(path)) for rel, path in files),
-        parts=tuple(cut_parts([path.stat().st_size for _, path in files], part_bytes)),
-        val=tuple(is_val(rel, spec.val_fraction) for rel, _ in files),
-        shard_tokens=spec.shard_tokens,
-        dtype=dtype,
-        tokenizer=None if tokenizer is None else str(tokenizer.path),
-        eos=EOS if tokenizer is None else tokenizer.eos_id,
-    )
+    root, files = _source_files(spec)
+    plan = _plan(spec, files, tokenizer, part_bytes)
     work = work or work_folder(out, spec)
     if progress:
         done = parts_done(work, plan)
@@ -270,6 +256,42 @@ def prepare(
     )
     if task != 0:
         return None  # type: ignore[return-value]
+    manifest = _manifest(spec, root, plan, tokenizer, splits, read)
+    names = [sh["file"] for shards in splits.values() for sh in shards]
+    if remote:
+        _publish_remote(str(out), work, names, manifest, tokenizer, store)
+    else:
+        _publish_local(Path(local_path(str(out))), work, names, manifest, tokenizer)
+    shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _source_files(spec: PrepareSpec) -> tuple[Path, list[tuple[str, Path]]]:
+    """The source folder and the files taken from it; FileNotFoundError when there is nothing to take."""
+    root = spec.source_dir()
+    if not root.is_dir():
+        raise FileNotFoundError(f"data source folder {root} does not exist")
+    files = select_files(spec)
+    if not files:
+        raise FileNotFoundError(f"data source folder {root} has no files matching {list(spec.include)}")
+    return root, files
+
+
+def _plan(spec: PrepareSpec, files: list[tuple[str, Path]], tokenizer: Tokenizer | None, part_bytes: int) -> Plan:
+    """What the passes do: the files cut into parts of about ``part_bytes``, each file's split, the encoding."""
+    return Plan(
+        files=tuple((rel, str(path)) for rel, path in files),
+        parts=tuple(cut_parts([path.stat().st_size for _, path in files], part_bytes)),
+        val=tuple(is_val(rel, spec.val_fraction) for rel, _ in files),
+        shard_tokens=spec.shard_tokens,
+        dtype=DTYPE if tokenizer is None else tokenizer.dtype,
+        tokenizer=None if tokenizer is None else str(tokenizer.path),
+        eos=EOS if tokenizer is None else tokenizer.eos_id,
+    )
+
+
+def _manifest(spec: PrepareSpec, root: Path, plan: Plan, tokenizer: Tokenizer | None, splits: dict, read: dict) -> dict:
+    """The finished dataset's manifest; ValueError when a split came out empty."""
     for split, shards in splits.items():
         if not shards:
             raise ValueError(
@@ -282,7 +304,7 @@ def prepare(
         "vocab_size": VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size,
         "eos": plan.eos,
         "eos_id": plan.eos,
-        "dtype": dtype,
+        "dtype": plan.dtype,
     }
     if tokenizer is not None:
         manifest["tokenizer_sha256"] = tokenizer.sha256
@@ -294,12 +316,6 @@ def prepare(
         "splits": splits,
         "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()},
     }
-    names = [sh["file"] for shards in splits.values() for sh in shards]
-    if remote:
-        _publish_remote(str(out), work, names, manifest, tokenizer, store)
-    else:
-        _publish_local(Path(local_path(str(out))), work, names, manifest, tokenizer)
-    shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 

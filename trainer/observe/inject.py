@@ -1,25 +1,9 @@
-"""Faults injected on purpose, to test the straggler detector and the hang watchdog with real processes.
+"""Faults injected on purpose, to test the straggler detector, the hang watchdog, checkpoints, storage retries and
+recovery with real processes.
 
-``HPC_INJECT`` (read by trainer/env.py) holds comma-separated faults:
-
-- ``slow:RANK:SECONDS``: that rank sleeps SECONDS inside forward+backward of every step (a slow GPU or node);
-- ``hang:RANK:STEP``: that rank sleeps for an hour when it reaches STEP (a hung rank);
-- ``exit:RANK:STEP``: that rank's process ends at once, status 0, when it reaches STEP (a rank that vanishes);
-- ``slowlink:RANK:SECONDS``: that rank waits SECONDS before each of its preflight collectives (a slow link or NIC);
-- ``eio_save:RANK:N``: the first N checkpoint file writes of that rank fail with EIO (a flaky network file system);
-- ``eio_read:RANK:N``: the first N data reads of that rank fail with EIO;
-- ``slow_upload:RANK:SECONDS``: that rank waits SECONDS before each checkpoint file it uploads to
-  checkpoint.storage (an upload slow enough to be killed part-way);
-- ``bitflip:RANK:STEP``: after optimizer step STEP that rank flips one bit of its first parameter (silent
-  corruption of one replica);
-- ``spike:RANK:BATCH``: that rank's loss is 50 times larger on the BATCH-th batch of the data order (1-based: the
-  batch of step BATCH in a run that skipped nothing), a bad batch that makes the loss spike;
-- ``exit_at_rung:RANK:STEP``: that rank's process ends at once, status 0, after rung STEP's checkpoint committed and
-  before its verdict (prune.*: a kill between the two);
-- ``hang_startup:RANK:SECONDS``: that rank sleeps SECONDS just before the rendezvous, in the run's first launch
-  that reaches it (a start-up that hangs; later launches start normally);
-- ``slow_part:TASK:SECONDS``: each part that task of ``python -m trainer.data prepare`` tokenizes takes SECONDS
-  longer (a preparation slow enough to be killed part-way).
+``HPC_INJECT`` (read by trainer/env.py) holds comma-separated faults ``KIND:RANK:VALUE`` (``KINDS`` below says what
+each kind does with its value; for ``slow_part`` the rank is a task of ``python -m trainer.data prepare``). Each
+``Injector`` method is the hook where the loop, the checkpointer, the loader or the preflight lets its kinds act.
 
 Nothing is injected when the variable is unset; a malformed value is a user error naming the variable.
 """
@@ -36,9 +20,31 @@ from rundir.contract import INJECT_VAR
 from trainer.errors import UserError
 
 KINDS = (
-    "slow", "hang", "exit", "exit_at_rung", "bitflip", "spike", "slowlink", "eio_save", "eio_read", "slow_part",
-    "slow_upload", "hang_startup",
-)  # fmt: skip
+    "slow",  # SECONDS: that rank sleeps SECONDS inside forward+backward of every step (a slow GPU or node)
+    "hang",  # STEP: that rank sleeps for an hour when it reaches STEP (a hung rank)
+    "exit",  # STEP: that rank's process ends at once, status 0, when it reaches STEP (a rank that vanishes)
+    # STEP: that rank's process ends at once, status 0, after rung STEP's checkpoint committed and before its
+    # verdict (prune.*: a kill between the two)
+    "exit_at_rung",
+    # STEP: after optimizer step STEP that rank flips one bit of its first parameter (silent corruption of one
+    # replica)
+    "bitflip",
+    # BATCH: that rank's loss is 50 times larger on the BATCH-th batch of the data order (1-based: the batch of step
+    # BATCH in a run that skipped nothing), a bad batch that makes the loss spike
+    "spike",
+    "slowlink",  # SECONDS: that rank waits SECONDS before each of its preflight collectives (a slow link or NIC)
+    "eio_save",  # N: the first N checkpoint file writes of that rank fail with EIO (a flaky network file system)
+    "eio_read",  # N: the first N data reads of that rank fail with EIO
+    # SECONDS: each part that task of the data preparation tokenizes takes SECONDS longer (a preparation slow enough
+    # to be killed part-way)
+    "slow_part",
+    # SECONDS: that rank waits SECONDS before each checkpoint file it uploads to checkpoint.storage (an upload slow
+    # enough to be killed part-way)
+    "slow_upload",
+    # SECONDS: that rank sleeps SECONDS just before the rendezvous, in the run's first launch that reaches it (a
+    # start-up that hangs; later launches start normally)
+    "hang_startup",
+)
 _EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
 

@@ -13,9 +13,8 @@ nodes by more than ``monitor.preflight_margin``, or when one of its ranks cannot
 read means the data is at fault, not a node: that is reported, and the first step's read then fails the way the loader
 classifies it (bad input, or a storage fault that outlived its retries). The inter-node all-reduce is reported but names
 nobody: it spans every node, so all its members time the same operation. The ring ping-pong does: a node's best link is
-slow only when the node itself is. A first verdict that names a node is a question, not an answer: every rank measures
-once more and each rank's better figure of the two counts (``better_of``), so a node is named only when it is slow both
-times. Rank 0 logs a table and appends one ``preflight`` history event, which says how many times the ranks measured.
+slow only when the node itself is. A first verdict that names a node has the ranks measure once more (``better_of``).
+Rank 0 logs a table and appends one ``preflight`` history event, which says how many times the ranks measured.
 With ``exclude`` a named node ends the launch: rank 0 writes failure.json with the node's ranks as suspects (the
 launcher leaves the node out) and every rank returns EXIT_FAILED through the normal teardown.
 """
@@ -395,6 +394,8 @@ def run_preflight(parts: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
     figures = patient_allgather(comm, mine)
     verdict = judge(figures, ranks_per_node=env.topology.ranks_per_node, margin=cfg.preflight_margin)
     measured = 1
+    # A first verdict that names a node is a question, not an answer: every rank measures once more and each rank's
+    # better figure of the two counts, so a node is named only when it is slow both times.
     if verdict.named:  # every rank judged the same figures: all of them measure again, or none
         again = measure(
             env,
@@ -419,11 +420,35 @@ def _report(
     parts: Parts, rundir: RunDir, verdict: Verdict, seconds: float, exclude: bool, mib: float, measured: int
 ) -> None:
     """Rank 0: the table in the log, the history event, the warnings or failure.json."""
+    cfg, env = parts.cfg.monitor, parts.env
+    _log_table(parts, verdict, seconds, measured)
+    action = None if not verdict.named else "exclude" if exclude else "warn"
+    append_event(
+        rundir.history,
+        EVENT_PREFLIGHT,
+        launch=env.launch_id,
+        mode=cfg.preflight,
+        seconds=round(seconds, 3),
+        margin=cfg.preflight_margin,
+        mib=mib,
+        measured=measured,
+        nodes=[{**_rounded(row), "name": _node_name(env, row["node"])} for row in verdict.nodes],
+        links=[_rounded(link) for link in verdict.links],
+        named=[{"node": n, "name": _node_name(env, n), "why": "; ".join(w)} for n, w in verdict.named.items()],
+        action=action,
+        unreadable=verdict.unreadable,
+        skipped=verdict.skipped,
+    )
+    _act(env, rundir, verdict, exclude)
+
+
+def _node_name(env: RuntimeEnv, node: int) -> str:
+    return env.node_names[env.topology.node_ranks(node)[0]]
+
+
+def _log_table(parts: Parts, verdict: Verdict, seconds: float, measured: int) -> None:
+    """Rank 0: the preflight's summary line and one line per node."""
     cfg, env, topo = parts.cfg.monitor, parts.env, parts.env.topology
-
-    def name(node: int) -> str:
-        return env.node_names[topo.node_ranks(node)[0]]
-
     log.info(
         "preflight took %.2f s (slowest rank measuring: %.2f s%s); %d node(s) x %d rank(s), monitor.preflight=%s%s",
         seconds,
@@ -439,35 +464,22 @@ def _report(
         log.info(
             "preflight node %d (%s): %s, %s of %s free, compute %s, intra-node %s %s, inter-node %s %s, best link "
             "%s, first item read in %s",
-            row["node"], name(row["node"]), row["device"], _fmt(row["mem_free_gb"]), _fmt(row["mem_total_gb"], "GB"),
-            _fmt(row["compute_gflops"], "GFLOP/s"), _fmt(row["intra_gbps"], "GB/s"),
+            row["node"], _node_name(env, row["node"]), row["device"], _fmt(row["mem_free_gb"]),
+            _fmt(row["mem_total_gb"], "GB"), _fmt(row["compute_gflops"], "GFLOP/s"), _fmt(row["intra_gbps"], "GB/s"),
             _fmt(row["intra_latency_us"], "us"), _fmt(row["inter_gbps"], "GB/s"), _fmt(row["inter_latency_us"], "us"),
             _fmt(row["link_gbps"], "GB/s"), read,
         )  # fmt: skip
-    findings = [f"node {n} ({name(n)}): {'; '.join(whys)}" for n, whys in verdict.named.items()]
-    action = None if not verdict.named else "exclude" if exclude else "warn"
-    append_event(
-        rundir.history,
-        EVENT_PREFLIGHT,
-        launch=env.launch_id,
-        mode=cfg.preflight,
-        seconds=round(seconds, 3),
-        margin=cfg.preflight_margin,
-        mib=mib,
-        measured=measured,
-        nodes=[{**_rounded(row), "name": name(row["node"])} for row in verdict.nodes],
-        links=[_rounded(link) for link in verdict.links],
-        named=[{"node": n, "name": name(n), "why": "; ".join(whys)} for n, whys in verdict.named.items()],
-        action=action,
-        unreadable=verdict.unreadable,
-        skipped=verdict.skipped,
-    )
+
+
+def _act(env: RuntimeEnv, rundir: RunDir, verdict: Verdict, exclude: bool) -> None:
+    """Rank 0: warn about unreadable data and named nodes, or (``exclude``) write failure.json naming their ranks."""
     if verdict.unreadable is not None:
         log.warning(
             "preflight: the data is unreadable on every node (%s); the first step will fail", verdict.unreadable
         )
     if not verdict.named:
         return
+    findings = [f"node {n} ({_node_name(env, n)}): {'; '.join(whys)}" for n, whys in verdict.named.items()]
     if not exclude:
         for finding in findings:
             log.warning("preflight: %s; training goes on (monitor.preflight: warn)", finding)
@@ -480,6 +492,6 @@ def _report(
     suspects = [
         env.suspect(rank, f"preflight: {'; '.join(whys)}")
         for n, whys in verdict.named.items()
-        for rank in topo.node_ranks(n)
+        for rank in env.topology.node_ranks(n)
     ]
     rundir.write_failure(0, message, FAILURE_PREFLIGHT, suspects=suspects)

@@ -9,10 +9,7 @@ the host (a checkpoint's write) shows as the time the device waited for its end;
 synchronizes the device at each phase boundary and reads the host clock. The moment the last gradient was produced comes
 from a CUDA event recorded by per-parameter hooks either way.
 Exposed communication is the time the backward pass spends waiting on gradient communication rather than
-computing: from the moment the last gradient is ready to the end of ``backward()`` (DDP waits there for its
-all-reduce), plus, for a synchronous communication hook such as the hierarchical one, the time spent blocked
-inside the hook before that moment. Overlapped communication is not counted. With a synchronous hook on GPU the
-hook's waits inside backward show up as compute.
+computing (how it is counted: ``StepClock.backward``); overlapped communication is not counted.
 
 The layouts whose forward is collective (FSDP2, tensor and pipeline parallelism) block the training thread in
 their collectives wherever they fall; on CPU their exposed communication is the time the thread slept in
@@ -164,6 +161,9 @@ class StepClock:
                 self._step_dims[name] = self._step_dims.get(name, 0.0) + seconds
             exposed = sum(dims.values())
         elif synchronizing:
+            # From the moment the last gradient is ready to the end of backward() (DDP waits there for its
+            # all-reduce), plus, for a synchronous communication hook such as the hierarchical one, the time spent
+            # blocked inside the hook before that moment. On GPU a synchronous hook's waits show up as compute.
             if self.cuda and end_event is not None and self._last_grad_event is not None:
                 exposed = self._last_grad_event.elapsed_time(end_event) / 1000.0
             elif self._last_grad is not None:

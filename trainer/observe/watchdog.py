@@ -11,17 +11,11 @@ rank writes ``failure.json`` and a ``hang`` history event and every rank exits w
 launcher does not requeue. Nothing here runs in a signal handler.
 
 A collective that fails outright (gloo notices a peer's closed connection) is diagnosed by a roll call
-(``diagnose``), so the error names the rank that went away: every live rank has a second daemon thread blocked in
-the store's ``wait`` on a key of its own (its own connection, no polling); the failing rank sets all those keys
-(one ``multi_set``) and each thread answers at once; a rank that has not answered within ``answer_window(cfg)``
-has ended or is frozen. This is much faster than waiting for a gone rank's heartbeats to stop. ``close`` wakes the
-rank's own thread to end it, so that no thread is left blocked on the store of a rank 0 that leaves first.
+(``diagnose``), so the error names the rank that went away, much sooner than its heartbeats would stop.
 
-A rank that goes silent without a failed collective (its node lost with its link: no closed connection reaches a
-peer, and the others wait in a collective until the scheduler notices) is caught by heartbeats: rank 0, whose
-process hosts the store, reads every rank's beat each interval, and one silent for ``monitor.peer_timeout_s`` is
-claimed like a hang, named with its node; a rank that cannot reach the store that long ends too (rank 0's node
-lost).
+A rank that goes silent without a failed collective (its node lost with its link) is caught by heartbeats: rank 0
+claims one silent for ``monitor.peer_timeout_s`` like a hang (``_lost_peers``); a rank that cannot reach the store
+that long ends too (rank 0's node lost).
 """
 
 from __future__ import annotations
@@ -161,6 +155,10 @@ class Watchdog:
         return text, [self.env.suspect(r, why) for r in silent]
 
     # -- roll-call thread -------------------------------------------------------------------------------------
+    # Every live rank has a second daemon thread blocked in the store's ``wait`` on a key of its own (its own
+    # connection, no polling); the failing rank sets all those keys (one ``multi_set``) and each thread answers at
+    # once; a rank that has not answered within ``answer_window(cfg)`` has ended or is frozen. ``close`` wakes the
+    # rank's own thread to end it, so that no thread is left blocked on the store of a rank 0 that leaves first.
     def _answer_key(self, rank: int) -> str:
         return f"hpc/watchdog/answer/{rank}"
 
@@ -251,7 +249,9 @@ class Watchdog:
 
     def _lost_peers(self, store: dist.TCPStore, started: float) -> bool:
         """Rank 0: claim the ranks whose heartbeats stopped ``monitor.peer_timeout_s`` ago (or that never published
-        one since this watchdog started); True once claimed."""
+        one since this watchdog started); True once claimed. For a node lost with its link: no closed connection
+        reaches a peer, and the others would wait in a collective until the scheduler notices. Rank 0's process
+        hosts the store, so it reads every rank's beat each interval."""
         now, limit = time.time(), self.cfg.peer_timeout_s
         beats = self._read_beats()
         lost = [

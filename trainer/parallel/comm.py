@@ -16,9 +16,7 @@ Hooks: ``overlapped_hook`` (CPU: a ``BucketReducer`` thread reduces the buckets 
 goes on), ``stream_hook`` (CUDA: the autograd thread issues each bucket's collectives at once on a ``SideStream``;
 no thread, as issuing an NCCL collective blocks nothing on the host) and ``sync_hook`` (inside the hook, blocking:
 the reference the other two are tested bit-identical against). All rely on every rank issuing the same
-collectives in the same order on each group: DDP launches buckets in index order on every rank, the algorithm
-depends only on the bucket's size and a plan all ranks share, and nothing else uses these groups in training. Do
-not chain the phases through futures' callbacks: ranks can then issue them in different orders, and hang.
+collectives in the same order on each group (why that holds: the comment above ``sync_hook``).
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook checks the hook's annotations at run
@@ -269,6 +267,10 @@ class BucketDispatch:
         return buf
 
 
+# The hooks rely on every rank issuing the same collectives in the same order on each group: DDP launches buckets in
+# index order on every rank, the algorithm depends only on the bucket's size and a plan all ranks share, and nothing
+# else uses these groups in training. Do not chain the phases through futures' callbacks: ranks can then issue them
+# in different orders, and hang.
 def sync_hook(dispatch: BucketDispatch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients inside the hook (blocking backward)."""
     buf = bucket.buffer()

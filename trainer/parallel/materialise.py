@@ -109,37 +109,16 @@ def materialise(
     """Allocate this rank's part of ``model`` (its parameters still on meta, already split for the layout) on
     ``device`` and fill it from a module-by-module initialisation (``plan``: ``owners`` of the whole model,
     taken before it was split). Returns an error message (for every rank to agree on), or None."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    ties = tied_groups(model)
-    saved = {name: b.clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)  # new parameter objects where they were plain: ties are lost
-    retie(model, ties)
-    for name, b in model.named_buffers():  # to_empty leaves garbage in buffers too: put them back
-        if name in saved:
-            b.copy_(saved[name])
+    _allocate(model, device)
     for path, module, groups in plan:
         # This rank's copies of each parameter the module owns (none: another pipeline stage's module).
         held = [[p for p in map(functools.partial(_lookup, model), names) if p is not None] for names in groups]
         held = [[p for p in copies if p.device.type != "meta"] for copies in held]
         if not any(held):
             continue
-        temp = copy.copy(module)  # the module with full-size parameters of its own, NaN until initialised
-        temp._parameters = {
-            k: None if p is None else nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device=device))
-            for k, p in module._parameters.items()
-        }
-        cuda = device.type == "cuda"
-        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
-            torch.manual_seed(module_seed(seed, path))
-            try:
-                if init is not None:
-                    init(path, temp)
-                elif hasattr(temp, "reset_parameters"):
-                    temp.reset_parameters()
-            except Exception as exc:
-                what = "init_weights" if init is not None else f"{type(module).__name__}.reset_parameters()"
-                return f"parallel.meta_init: recipe {spec!r}: {what} failed on module {path!r}: {first_line(exc)}"
+        temp, error = _initialised(path, module, init, seed=seed, device=device, spec=spec)
+        if error is not None:
+            return error
         for names, copies in zip(groups, held, strict=True):
             full = temp._parameters[names[0].rpartition(".")[2]]
             if torch.isnan(full).any():
@@ -153,12 +132,52 @@ def materialise(
                     "Give the Recipe init_weights=fn, where fn(path, module) fills the module's own parameters "
                     "in place, or turn parallel.meta_init off."
                 )
-            for param in copies:  # each keeps its piece of the whole value (no communication)
-                if isinstance(param, DTensor):
-                    whole = DTensor.from_local(
-                        full, param.device_mesh, [Replicate()] * param.device_mesh.ndim, run_check=False
-                    )
-                    param.to_local().copy_(whole.redistribute(param.device_mesh, param.placements).to_local())
-                else:
-                    param.copy_(full)
+            _keep_pieces(copies, full)
     return None
+
+
+def _allocate(model: nn.Module, device: torch.device) -> None:
+    """Memory on ``device`` for the parameters this rank holds, keeping the ties and the buffers' values."""
+    ties = tied_groups(model)
+    saved = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)  # new parameter objects where they were plain: ties are lost
+    retie(model, ties)
+    for name, b in model.named_buffers():  # to_empty leaves garbage in buffers too: put them back
+        if name in saved:
+            b.copy_(saved[name])
+
+
+def _initialised(
+    path: str, module: nn.Module, init: InitFn | None, *, seed: int, device: torch.device, spec: str
+) -> tuple[nn.Module, str | None]:
+    """A copy of ``module`` with full-size parameters of its own, initialised from the module's seed (NaN where the
+    initialisation left one unset), and the error message where the initialisation raised."""
+    temp = copy.copy(module)
+    temp._parameters = {
+        k: None if p is None else nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device=device))
+        for k, p in module._parameters.items()
+    }
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
+        torch.manual_seed(module_seed(seed, path))
+        try:
+            if init is not None:
+                init(path, temp)
+            elif hasattr(temp, "reset_parameters"):
+                temp.reset_parameters()
+        except Exception as exc:
+            what = "init_weights" if init is not None else f"{type(module).__name__}.reset_parameters()"
+            return temp, f"parallel.meta_init: recipe {spec!r}: {what} failed on module {path!r}: {first_line(exc)}"
+    return temp, None
+
+
+def _keep_pieces(copies: list[torch.Tensor], full: torch.Tensor) -> None:
+    """Each copy of a parameter keeps its piece of the whole value ``full`` (no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for param in copies:
+        if isinstance(param, DTensor):
+            whole = DTensor.from_local(full, param.device_mesh, [Replicate()] * param.device_mesh.ndim, run_check=False)
+            param.to_local().copy_(whole.redistribute(param.device_mesh, param.placements).to_local())
+        else:
+            param.copy_(full)

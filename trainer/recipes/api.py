@@ -14,12 +14,8 @@ called once per rank as ``function(ctx, **recipe_args)`` and returning a :class:
             eval_data=MyDataset("val"),
         )
 
-The trainer does the rest: it seeds torch with ``train.seed`` before calling the recipe (so every rank builds the
-same initial weights), places and wraps the model for the parallel layout, splits a global sample order (a pure
-function of ``data.seed`` and the epoch, independent of the world size) over ranks and micro-batches, prefetches
-batches, steps the optimizer, checkpoints and resumes exactly. Raise ``ValueError`` (or ``TypeError``) for
-``recipe_args`` the recipe rejects: the message is shown with the recipe named, and the job ends with status 2
-before any training.
+What the trainer does with it: :class:`Recipe`. Raise ``ValueError`` (or ``TypeError``) for ``recipe_args`` the
+recipe rejects: the message is shown with the recipe named, and the job ends with status 2 before any training.
 """
 
 from __future__ import annotations
@@ -61,7 +57,12 @@ class Pipeline:
 
 @dataclass(kw_only=True)
 class Recipe:
-    """What a recipe returns. Only ``model``, ``train_data`` and ``loss`` are required."""
+    """What a recipe returns. Only ``model``, ``train_data`` and ``loss`` are required.
+
+    The trainer does the rest: it seeds torch with ``train.seed`` before calling the recipe (so every rank builds
+    the same initial weights), places and wraps the model for the parallel layout, splits a global sample order (a
+    pure function of ``data.seed`` and the epoch, independent of the world size) over ranks and micro-batches,
+    prefetches batches, steps the optimizer, checkpoints and resumes exactly."""
 
     model: nn.Module
     """A plain ``torch.nn.Module`` with parameters, built on the CPU (the trainer moves it to the device)."""

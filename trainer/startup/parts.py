@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 
+import torch
 from mpi4py import MPI
 
 from runconfig import RunConfig
@@ -20,15 +21,18 @@ from trainer.env import RuntimeEnv, agree
 from trainer.loop.optim import build_optimizer, lr_at
 from trainer.loop.parts import Parts
 from trainer.loop.stop import StopFlag
+from trainer.observe.inject import Injector
 from trainer.observe.live import open_live
 from trainer.observe.metrics import MetricsWriter
-from trainer.observe.monitors import build_monitors
+from trainer.observe.monitors import Monitors, build_monitors
 from trainer.observe.replicas import ReplicaCheck
 from trainer.observe.startup import StartupClock
 from trainer.observe.termwatch import TermWatch
 from trainer.observe.timing import peak_memory_mb, peak_tflops
 from trainer.observe.tracker_sink import Tracker
 from trainer.parallel.distributed import Distributed
+from trainer.parallel.wrap import Wrapped
+from trainer.recipes.api import Recipe
 from trainer.startup.model import count_flops_per_sample, place_model, settle
 from trainer.startup.recipe import _error_of, check_structure, make_recipe
 
@@ -59,6 +63,51 @@ def build_parts(
     if clock is not None:
         clock.note_memory("model_built", peak_memory_mb(distributed.device))
     model = wrapped.model  # this rank's part under pipeline parallelism
+    loader = _loader(cfg, env, distributed, recipe, wrapped, stack)
+    agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
+    settle(cfg, env, wrapped, recipe, loader, comm)
+    # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
+    # count the whole model's: only the recipe's own figure is used there.
+    flops = None
+    if peak_tflops(distributed.device, cfg.monitor.peak_tflops) and (wrapped.pipe is None or recipe.flops_per_sample):
+        flops = count_flops_per_sample(cfg, recipe, distributed)
+    # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
+    seed_rank(cfg.train.seed, env.rank)
+    optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, cfg.train)
+    mon = _monitors(cfg, env, distributed, rundir, comm, stop, stack, wrapped=wrapped, flops=flops, tracker=tracker)
+    checkpoints = _checkpointer(
+        cfg, env, rundir, stack, recipe=recipe, wrapped=wrapped, optimizer=optimizer, shapes=shapes,
+        code_sha256=code_sha256, injector=mon.injector, tracker=tracker,
+    )  # fmt: skip
+    metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
+    stack.callback(metrics.close)
+    return Parts(
+        cfg=cfg,
+        env=env,
+        distributed=distributed,
+        recipe=recipe,
+        model=model,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        lr_schedule=recipe.lr_schedule or functools.partial(lr_at, cfg=cfg.train),
+        loader=loader,
+        state=TrainState(),
+        checkpoints=checkpoints,
+        metrics=metrics,
+        stop=stop,
+        mon=mon,
+    )
+
+
+def _loader(
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    distributed: Distributed,
+    recipe: Recipe,
+    wrapped: Wrapped,
+    stack: contextlib.ExitStack,
+) -> BatchLoader:
+    """The recipe's training data over the data-parallel ranks; a pipeline takes its accumulation count from it."""
     t = cfg.train
     loader = BatchLoader(
         recipe.train_data,
@@ -76,55 +125,64 @@ def build_parts(
     stack.callback(loader.close)
     if wrapped.pipe is not None:
         wrapped.pipe.accum = loader.accum
-    agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
-    settle(cfg, env, wrapped, recipe, loader, comm)
-    # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
-    # count the whole model's: only the recipe's own figure is used there.
-    flops = None
-    if peak_tflops(distributed.device, cfg.monitor.peak_tflops) and (wrapped.pipe is None or recipe.flops_per_sample):
-        flops = count_flops_per_sample(cfg, recipe, distributed)
-    # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
-    seed_rank(t.seed, env.rank)
-    optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, t)
-    mon = build_monitors(cfg, env, distributed, model, rundir, flops, ddp=not wrapped.layout.uses_mesh, tracker=tracker)
+    return loader
+
+
+def _monitors(
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    distributed: Distributed,
+    rundir: RunDir,
+    comm: MPI.Comm,
+    stop: StopFlag,
+    stack: contextlib.ExitStack,
+    *,
+    wrapped: Wrapped,
+    flops: float | None,
+    tracker: Tracker | None,
+) -> Monitors:
+    """The monitors and the watches beside them (SIGTERM, replica agreement, the live view), closed by ``stack``."""
+    ddp = not wrapped.layout.uses_mesh
+    mon = build_monitors(cfg, env, distributed, wrapped.model, rundir, flops, ddp=ddp, tracker=tracker)
     stack.callback(mon.close)
     term = TermWatch(stop, mon.watchdog, env, rundir)  # SIGTERM while the main thread is blocked in C++
     term.start()
     stack.callback(term.close)
     mon.replicas = ReplicaCheck(cfg.monitor.replica_check_every, wrapped.layout, env)
     mon.live = open_live(cfg.live, env, rundir, mon.watchdog.reader() if mon.watchdog.enabled else None, comm)
+    return mon
+
+
+def _checkpointer(
+    cfg: RunConfig,
+    env: RuntimeEnv,
+    rundir: RunDir,
+    stack: contextlib.ExitStack,
+    *,
+    recipe: Recipe,
+    wrapped: Wrapped,
+    optimizer: torch.optim.Optimizer,
+    shapes: dict[str, list],
+    code_sha256: str | None,
+    injector: Injector,
+    tracker: Tracker | None,
+) -> Checkpointer:
+    """The checkpointer of this rank's model and optimizer, closed by ``stack``; rank 0's tracker is told each
+    committed step and named in each manifest."""
     checkpoints = Checkpointer(
         cfg=cfg,
         env=env,
         rundir=rundir,
-        model=model,
+        model=wrapped.model,
         optimizer=optimizer,
-        comm=comm,
         architecture=dict(recipe.architecture),
         param_shapes=shapes,
         aliases=wrapped.aliases,
         code_sha256=code_sha256,
-        injector=mon.injector,
+        injector=injector,
     )
     stack.callback(checkpoints.close)
     if tracker is not None:  # a step's metrics go to the tracker once a committed checkpoint covers it
         checkpoints.on_commit = tracker.committed
         checkpoints.tracking_run = lambda: tracker.run_id
-    metrics = MetricsWriter(rundir.metrics, enabled=env.rank == 0)
-    stack.callback(metrics.close)
-    return Parts(
-        cfg=cfg,
-        env=env,
-        distributed=distributed,
-        recipe=recipe,
-        model=model,
-        wrapped=wrapped,
-        optimizer=optimizer,
-        lr_schedule=recipe.lr_schedule or functools.partial(lr_at, cfg=t),
-        loader=loader,
-        state=TrainState(),
-        checkpoints=checkpoints,
-        metrics=metrics,
-        stop=stop,
-        mon=mon,
-    )
+    return checkpoints
