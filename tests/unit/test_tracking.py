@@ -224,7 +224,8 @@ def test_wandb_offline_is_the_same_interface_and_each_step_goes_once(tmp_path):
     assert [s for s, _ in got] == list(range(1, 13)), got  # two offline folders, one run id, every step once
     assert [v for s, v in got if s > 5] == [r["loss"] for r in records(range(6, 13), 0.5)]
     folders = sorted((rundir.root / "wandb").glob("offline-run-*"))
-    assert len(folders) == 2 and all(f.name.endswith(state["run_id"]) for f in folders)
+    # W&B names them offline-run-TIME-RUNID, with a -N suffix for a second folder made within the same second
+    assert len(folders) == 2 and all(f"-{state['run_id']}" in f.name for f in folders), folders
 
 
 def test_a_queue_past_its_bound_is_read_back_from_metrics_jsonl_and_each_step_goes_once(tmp_path, monkeypatch):
