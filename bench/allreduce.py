@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import signal
@@ -30,13 +29,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import LINK_IFNAME, LINK_IPS, ROOT, emulated_link, mpirun_and_env  # bench/common.py (on sys.path)
+from common import (  # bench/common.py (on sys.path)
+    LINK_IFNAME,
+    LINK_IPS,
+    ROOT,
+    bench_parser,
+    emit,
+    emulated_link,
+    mpirun_and_env,
+)
 
 from rundir.contract import EXIT_USER_ERROR
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__)
     p.add_argument("--min-bytes", type=int, default=4 << 10, help="smallest message (default 4 KiB)")
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message (default 64 MiB)")
     p.add_argument("--factor", type=int, default=4, help="size step between messages (default 4)")
@@ -51,7 +58,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-mbit", type=float, help="emulate 2 real nodes joined by a link of this rate (root)")
     p.add_argument("--compress", action="store_true", help="also the hierarchical one with comm.compress=bf16")
     p.add_argument("--chunk-kb", type=float, default=0, help="also the hierarchical one pipelined over chunks of this")
-    p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--master-addr", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -85,10 +91,8 @@ def worker(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from runconfig.schema import CommConfig
-    from rundir.allreduce_plan import choose
     from trainer.env import from_mpi
-    from trainer.parallel.autotune import BATCH_BYTES, batch_calls, measure
-    from trainer.parallel.comm import ALGORITHMS, hierarchical_all_reduce
+    from trainer.parallel.autotune import measure
     from trainer.parallel.distributed import init_distributed, pick_device, shutdown
 
     comm = MPI.COMM_WORLD
@@ -96,42 +100,74 @@ def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     device = pick_device(env, "auto")
     d = init_distributed(env, CommConfig(timeout_s=120, master_addr=args.master_addr), device, comm)
-    world = env.world_size
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     sizes = message_sizes(args.min_bytes, args.max_bytes, args.factor)
     # comm.allreduce=auto as the trainer runs it: a plan measured on these groups at these sizes (the trainer's
     # budget and repeats), then per size the algorithm it chose
     started = time.perf_counter()
     plan = measure(d.groups, sizes, device, one_network=env.one_network)  # as the trainer: flat on one network
     plan_wall = time.perf_counter() - started
-    ops: dict[str, Callable[[torch.Tensor], object]] = {
+    ops = all_reduce_ops(args, d.groups, plan)
+    # Each timed batch starts at a barrier on a group no op uses: a call on the barrier's own group runs up to 25 %
+    # faster at 1 MiB on one host (gloo), which would favour whichever op shares it.
+    fence = dist.new_group()
+    setup = describe(args, env, d.backend, device)
+    if env.rank == 0:
+        print_header(args, setup, list(ops), plan_wall)
+    rows = []
+    for size in sizes:
+        iters, times = time_size(size, ops, args, env, device, fence)
+        gathered = comm.gather(times, root=0)
+        if env.rank == 0:
+            rows.append(size_row(size, iters, gathered, plan, env.world_size))
+            print_row(rows[-1], list(ops))
+    if env.rank == 0:
+        result = {
+            "benchmark": "allreduce",
+            "setup": setup,
+            "auto_plan": plan,
+            "units": {"time": "us", "bw": "GB/s (1e9)"},
+            "rows": rows,
+        }
+        emit(result, args.json)  # the table's rows were printed size by size
+    shutdown(comm, clean=True)
+    return 0
+
+
+def all_reduce_ops(args: argparse.Namespace, groups, plan: dict) -> dict[str, Callable]:
+    """The all-reduces compared, by name: flat (``dist.all_reduce``), the trainer's algorithms, ``auto`` as the
+    trainer runs it with ``plan``, and with ``--chunk-kb``/``--compress`` the pipelined and bf16 hierarchical ones."""
+    import torch.distributed as dist
+
+    from rundir.allreduce_plan import choose
+    from trainer.parallel.comm import ALGORITHMS, hierarchical_all_reduce
+
+    ops: dict[str, Callable] = {
         "flat": lambda t: dist.all_reduce(t),
-        "hier": lambda t: hierarchical_all_reduce(t, d.groups),
-        "leader": lambda t: ALGORITHMS["leader"](t, d.groups),
-        "two_level": lambda t: ALGORITHMS["two_level"](t, d.groups),
-        "auto": lambda t: ALGORITHMS[choose(plan, t.numel() * 4)](t, d.groups),
+        "hier": lambda t: hierarchical_all_reduce(t, groups),
+        "leader": lambda t: ALGORITHMS["leader"](t, groups),
+        "two_level": lambda t: ALGORITHMS["two_level"](t, groups),
+        "auto": lambda t: ALGORITHMS[choose(plan, t.numel() * 4)](t, groups),
     }
     if all(row["choice"] == "flat" for row in plan["sizes"]):  # as the trainer: DDP's own all-reduce, no hook
         ops["auto"] = ops["flat"]
     if args.chunk_kb:  # the phases pipelined over chunks of this size
-        chunked = dataclasses.replace(d.groups, chunk_bytes=int(args.chunk_kb * 1024))
+        chunked = dataclasses.replace(groups, chunk_bytes=int(args.chunk_kb * 1024))
         ops["hier_pipe"] = lambda t: hierarchical_all_reduce(t, chunked)
     if args.compress:  # comm.compress=bf16: the inter-node phase in bfloat16
-        compressed = dataclasses.replace(d.groups, compress=True)
+        compressed = dataclasses.replace(groups, compress=True)
         ops["hier_bf16"] = lambda t: hierarchical_all_reduce(t, compressed)
-    # Each timed batch starts at a barrier on a group no op uses: a call on the barrier's own group runs up to 25 %
-    # faster at 1 MiB on one host (gloo), which would favour whichever op shares it.
-    fence = dist.new_group()
-    bus_factor = 2 * (world - 1) / world
-    setup = {
-        "world_size": world,
+    return ops
+
+
+def describe(args: argparse.Namespace, env, backend: str, device) -> dict:
+    """The JSON's ``setup``: the ranks, the backend and device, the machine, how the times are taken."""
+    import torch
+
+    return {
+        "world_size": env.world_size,
         "nodes": env.topology.num_nodes,
         "ranks_per_node": env.topology.ranks_per_node,
-        "backend": d.backend,
+        "backend": backend,
         "device": str(device),
         "torch": torch.__version__,
         "threads_per_rank": torch.get_num_threads(),
@@ -144,80 +180,91 @@ def worker(args: argparse.Namespace) -> int:
             "a call's time = the batch's / calls, max over ranks; then the median over iterations"
         ),
     }
-    if env.rank == 0:
-        link = f"{args.link_mbit:g} Mbit/s tbf-shaped veth between nodes" if args.link_mbit else "no link emulation"
-        print(
-            f"all-reduce, float32, {setup['nodes']} nodes x {setup['ranks_per_node']} ranks, backend {d.backend} "
-            f"on {device}, {link}\nbusbw = algbw * 2(n-1)/n, n = {world}; ratio = busbw / flat's (> 1: faster "
-            "than flat); auto = comm.allreduce=auto's choice per size from the plan measured at start-up "
-            f"({plan_wall:.2f} s here)\n",
-            flush=True,
-        )
-        names = [n for n in ops if n != "flat"]
-        head = " | ".join(f"{n + ' us':>11} {'ratio':>5}" for n in names)
-        print(f"{'bytes':>10} {'iters':>5} | {'flat us':>10} {'busbw':>7} | {head} | auto's choice", flush=True)
-        print("-" * (48 + 20 * len(names)), flush=True)
-    rows = []
-    for size in sizes:
-        x = torch.empty(size // 4, dtype=torch.float32, device=device)
-        for name, op in ops.items():  # correctness: the sum of ones is the world size
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_size(size: int, ops: dict[str, Callable], args: argparse.Namespace, env, device, fence):
+    """This rank's seconds per call of every op at ``size`` bytes, per timed iteration (after checking each sums
+    correctly), alternating the ops' order per iteration; returns (timed iterations, {op: [seconds]})."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.parallel.autotune import BATCH_BYTES, batch_calls
+
+    x = torch.empty(size // 4, dtype=torch.float32, device=device)
+    for name, op in ops.items():  # correctness: the sum of ones is the world size
+        x.fill_(1.0)
+        op(x)
+        sync(device)
+        if not bool((x == env.world_size).all()):
+            raise RuntimeError(f"{name} all-reduce of {size} bytes gave a wrong sum on rank {env.rank}")
+    # below 1 MiB a batch of back-to-back calls (as the plan times them); a larger call is long enough alone
+    iters, calls = timed_iters(size, args), batch_calls(size) if size < BATCH_BYTES else 1
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for i in range(args.warmup + iters):
+        order = list(ops) if i % 2 == 0 else list(reversed(ops))
+        for name in order:  # from a barrier, a batch of back-to-back calls (as DDP issues its buckets)
             x.fill_(1.0)
-            op(x)
-            sync()
-            if not bool((x == world).all()):
-                raise RuntimeError(f"{name} all-reduce of {size} bytes gave a wrong sum on rank {env.rank}")
-        # below 1 MiB a batch of back-to-back calls (as the plan times them); a larger call is long enough alone
-        iters, calls = timed_iters(size, args), batch_calls(size) if size < BATCH_BYTES else 1
-        times: dict[str, list[float]] = {name: [] for name in ops}
-        for i in range(args.warmup + iters):
-            order = list(ops) if i % 2 == 0 else list(reversed(ops))
-            for name in order:  # from a barrier, a batch of back-to-back calls (as DDP issues its buckets)
-                x.fill_(1.0)
-                sync()
-                dist.barrier(group=fence)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    ops[name](x)
-                sync()
-                if i >= args.warmup:
-                    times[name].append((time.perf_counter() - start) / calls)
-        gathered = comm.gather(times, root=0)
-        if env.rank != 0:
-            continue
-        row: dict = {"bytes": size, "count": size // 4, "iters": iters}
-        for name in ops:
-            per_iter = [max(rank_times[name][k] for rank_times in gathered) for k in range(iters)]
-            t = statistics.median(per_iter)
-            algbw = size / t / 1e9
-            row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor}
-        for name in ops:
-            if name != "flat":
-                row[f"ratio_{name}_over_flat"] = row[name]["busbw_GBps"] / row["flat"]["busbw_GBps"]
-        row["auto_choice"] = choose(plan, size)
-        rows.append(row)
-        cells = " | ".join(
-            f"{row[n]['time_us']:>11.1f} {row[f'ratio_{n}_over_flat']:>5.2f}" for n in ops if n != "flat"
-        )
-        flat = row["flat"]
-        print(
-            f"{size:>10} {iters:>5} | {flat['time_us']:>10.1f} {flat['busbw_GBps']:>7.3f} | {cells} | "
-            f"{row['auto_choice']}",
-            flush=True,
-        )
-    if env.rank == 0:
-        result = {
-            "benchmark": "allreduce",
-            "setup": setup,
-            "auto_plan": plan,
-            "units": {"time": "us", "bw": "GB/s (1e9)"},
-            "rows": rows,
-        }
-        text = json.dumps(result, indent=2)
-        print("\n" + text, flush=True)
-        if args.json:
-            args.json.write_text(text + "\n")
-    shutdown(comm, clean=True)
-    return 0
+            sync(device)
+            dist.barrier(group=fence)
+            start = time.perf_counter()
+            for _ in range(calls):
+                ops[name](x)
+            sync(device)
+            if i >= args.warmup:
+                times[name].append((time.perf_counter() - start) / calls)
+    return iters, times
+
+
+def size_row(size: int, iters: int, gathered: list[dict], plan: dict, world: int) -> dict:
+    """One size's row of the JSON from every rank's times: per op the median over iterations of the slowest
+    rank's time, algbw and busbw; each op's busbw over flat's; auto's choice."""
+    from rundir.allreduce_plan import choose
+
+    bus_factor = 2 * (world - 1) / world
+    row: dict = {"bytes": size, "count": size // 4, "iters": iters}
+    names = list(gathered[0])
+    for name in names:
+        per_iter = [max(rank_times[name][k] for rank_times in gathered) for k in range(iters)]
+        t = statistics.median(per_iter)
+        algbw = size / t / 1e9
+        row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor}
+    for name in names:
+        if name != "flat":
+            row[f"ratio_{name}_over_flat"] = row[name]["busbw_GBps"] / row["flat"]["busbw_GBps"]
+    row["auto_choice"] = choose(plan, size)
+    return row
+
+
+def print_header(args: argparse.Namespace, setup: dict, names: list[str], plan_wall: float) -> None:
+    link = f"{args.link_mbit:g} Mbit/s tbf-shaped veth between nodes" if args.link_mbit else "no link emulation"
+    print(
+        f"all-reduce, float32, {setup['nodes']} nodes x {setup['ranks_per_node']} ranks, backend {setup['backend']} "
+        f"on {setup['device']}, {link}\nbusbw = algbw * 2(n-1)/n, n = {setup['world_size']}; ratio = busbw / "
+        "flat's (> 1: faster than flat); auto = comm.allreduce=auto's choice per size from the plan measured at "
+        f"start-up ({plan_wall:.2f} s here)\n",
+        flush=True,
+    )
+    others = [n for n in names if n != "flat"]
+    head = " | ".join(f"{n + ' us':>11} {'ratio':>5}" for n in others)
+    print(f"{'bytes':>10} {'iters':>5} | {'flat us':>10} {'busbw':>7} | {head} | auto's choice", flush=True)
+    print("-" * (48 + 20 * len(others)), flush=True)
+
+
+def print_row(row: dict, names: list[str]) -> None:
+    cells = " | ".join(f"{row[n]['time_us']:>11.1f} {row[f'ratio_{n}_over_flat']:>5.2f}" for n in names if n != "flat")
+    flat = row["flat"]
+    print(
+        f"{row['bytes']:>10} {row['iters']:>5} | {flat['time_us']:>10.1f} {flat['busbw_GBps']:>7.3f} | {cells} | "
+        f"{row['auto_choice']}",
+        flush=True,
+    )
 
 
 # --- launcher --------------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""What the benchmark scripts share: starting themselves under the pip-installed MPI's mpirun, measuring (and
-waiting out) the load other processes put on the machine, and following a run from outside (commands, JSON-lines
-files, waiting for a condition)."""
+"""What the benchmark scripts share: their command line's common options and their output (a table, then the JSON
+object, which ``--json PATH`` also writes to a file), starting themselves under the pip-installed MPI's mpirun,
+measuring (and waiting out) the load other processes put on the machine, and following a run from outside
+(commands, JSON-lines files, waiting for a condition)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -13,14 +15,75 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The project's packages first: a script run as ``python bench/NAME.py`` has bench/ as sys.path[0], where
+# bench/tracking.py (a benchmark) would shadow the tracking package for every module that imports it.
+if sys.path[0] != str(ROOT):
+    sys.path.insert(0, str(ROOT))
 OTHER_LOAD_LIMIT = 0.1  # cores used by other processes during a run above which its figures are suspect
 QUIET_WAIT_S = 60.0  # wait_for_quiet's default cap, seconds (set_quiet_wait: a script's --quiet-wait-s)
 LINK_IFNAME = "ic0"  # both veth ends of an emulated link carry this name: one GLOO_SOCKET_IFNAME fits every rank
 LINK_IPS = ("10.213.7.1", "10.213.7.2")
+JSON_HELP = "also write the benchmark's JSON object to this file"
+
+
+def bench_parser(doc: str, *, quiet_wait: bool = False, prog: str | None = None) -> argparse.ArgumentParser:
+    """A benchmark's parser: described by the first line of its docstring ``doc``, with ``--json PATH`` and, for the
+    scripts that wait for a quiet machine before each run, ``--quiet-wait-s`` (apply it with set_quiet_wait)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    p.add_argument("--json", type=Path, metavar="PATH", help=JSON_HELP)
+    if quiet_wait:
+        add_quiet_wait_option(p)
+    return p
+
+
+def add_quiet_wait_option(p: argparse.ArgumentParser) -> None:
+    """The ``--quiet-wait-s`` option of the scripts that wait for a quiet machine before each run (set_quiet_wait)."""
+    p.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=QUIET_WAIT_S,
+        help=f"before each run, wait at most this long for other processes to go quiet (default {QUIET_WAIT_S:g}; "
+        "0: do not wait, e.g. a smoke test on a busy machine)",
+    )
+
+
+def add_nodes_ranks(p: argparse.ArgumentParser, *, nodes: int, ranks: int) -> None:
+    """``--nodes`` (nodes simulated on this host) and ``--ranks`` (ranks per node), with these defaults."""
+    p.add_argument("--nodes", type=int, default=nodes, help=f"simulated nodes (default {nodes})")
+    p.add_argument("--ranks", type=int, default=ranks, help=f"ranks per node (default {ranks})")
+
+
+def add_run_length(p: argparse.ArgumentParser, *, steps: int, skip: int, rounds: int, of: str) -> None:
+    """``--steps`` (optimizer steps per run), ``--skip`` (warm-up steps left out of every run) and ``--rounds``
+    (rounds of every ``of``: each round runs each once); check_run_length checks them."""
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps per run (default {steps})")
+    p.add_argument("--skip", type=int, default=skip, help=f"warm-up steps left out of every run (default {skip})")
+    p.add_argument("--rounds", type=int, default=rounds, help=f"rounds of every {of} (default {rounds})")
+
+
+def check_run_length(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The parser's error unless every run keeps steps after its warm-up."""
+    if args.steps <= args.skip:
+        p.error("--steps must be larger than --skip")
+
+
+def write_json(path: Path, result: object) -> None:
+    """``result`` as the JSON file of ``--json PATH``."""
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def emit(result: dict, json_path: Path | None, show: Callable[[dict], None] | None = None) -> None:
+    """How every benchmark ends: its table (``show(result)``; None where the table was printed as the runs went),
+    then the JSON object on stdout, and with ``--json PATH`` the same object in that file."""
+    if show is not None:
+        show(result)
+    print("\n" + json.dumps(result, indent=2), flush=True)
+    if json_path is not None:
+        write_json(json_path, result)
 
 
 def _ip(*cmd: str) -> None:
@@ -161,17 +224,6 @@ def tree_cpu_s(pids: list[int]) -> float:
         except (OSError, ValueError, IndexError):
             continue
     return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def add_quiet_wait_option(p) -> None:
-    """The ``--quiet-wait-s`` option of the scripts that wait for a quiet machine before each run (set_quiet_wait)."""
-    p.add_argument(
-        "--quiet-wait-s",
-        type=float,
-        default=QUIET_WAIT_S,
-        help=f"before each run, wait at most this long for other processes to go quiet (default {QUIET_WAIT_S:g}; "
-        "0: do not wait, e.g. a smoke test on a busy machine)",
-    )
 
 
 def set_quiet_wait(seconds: float) -> None:

@@ -1,40 +1,12 @@
 """The trainer's CUDA/NCCL path on a real GPU machine, end to end, as one short script (one lease of a GPU node).
 
-``python bench/gpu_check.py [--out DIR]`` runs, each through ``python -m hpc.submit ... --local`` as a user would:
-
-- ``env``: torch, CUDA, NCCL and MPI versions, the GPUs seen;
-- ``shared_gpu``: more ranks than GPUs with NCCL (2 ranks, one GPU each wanted): the launch must fail with the
-  trainer's one-paragraph error naming the ranks and the host (before NCCL's "Duplicate GPU detected");
-- ``tiny``: the tiny example on one GPU (1 rank, NCCL, bf16 autocast): loss, eval loss, tokens/s;
-- ``resume``: a run stopped by SIGUSR2 at a step boundary and resumed ends with the same parameters (params_sha256)
-  and the same per-step losses as an uninterrupted one, on the GPU (dropout on: the RNG streams must be restored);
-  and the uninterrupted run's records (loss, gradient norm: read behind an event a step late) equal those of a run
-  with ``comm.defer_agreement=false`` (read at once, from the device tensors);
-- ``gpt124m``: a GPT-2-small-shaped model (12 x 768, 1024 tokens, batch 16) for throughput: tokens/s, MFU and peak
-  memory, eager and with ``parallel.compile=true`` (``gpt124m_compile``); ``plain``: the same against plain DDP
-  (bench/plain_ddp.py under torchrun), alternated, as the ratio of tokens/s (``plain_large``: 4x the tokens a step,
-  where the device, not the host's kernel launches, sets the pace);
-- ``profile``: steps 20-21 of the GPT-2-small shape under torch.profiler, the trainer's (without and with
-  ``monitor.device_sync``) and plain DDP's: each step's wall time against the device's busy time inside it, the
-  device time per kernel, and where the host waited for the device (the traces and tables in runs.tar.gz);
-  ``profile_large``: the same at plain_large's shape;
-- ``gloo_2x2``: 2 simulated nodes x 2 ranks sharing the GPU over gloo (CUDA tensors through the hierarchical
-  all-reduce and through flat): every variant trains and the losses agree within bf16 noise; the hierarchical
-  all-reduce on its side stream (``stream_hook``) ends with the same parameters and losses as inside the hook
-  (``comm.overlap=false``), and the trainer's start-up check of the side stream (trainer.build.check_overlap: its
-  input written behind a spinning kernel) logged that it passed.
-
-With one GPU, NCCL cannot run more than one rank (it refuses two ranks on one device), so the NCCL all-reduce
-benchmark itself needs a node of several GPUs: ``python bench/allreduce.py --nodes 2 --ranks-per-node 4`` there.
-Prints a table last and writes the JSON object, every run's launcher log and a tarball of every run's records
-(metrics.jsonl, summary.json, history.jsonl, failure.json) under ``--out``. ``--device cpu`` rehearses the script on
-a machine without a GPU (the CUDA-only checks are skipped; ``--only`` picks checks; ``--small`` swaps the GPT-2-small
-shape for a tiny one so that a rehearsal takes seconds).
+``python bench/gpu_check.py [--out DIR] [--only CHECK ...]`` runs each check (env, shared_gpu, tiny, resume,
+gloo_2x2, gpt124m, gpt124m_compile, plain, plain_large, profile, profile_large; what each checks: bench/README.md)
+through ``python -m hpc.submit ... --local`` as a user would; ``--device cpu --small`` rehearses it without a GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -49,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from common import bench_parser, write_json  # noqa: E402 (bench/common.py: bench/ is on sys.path)
 
 from rundir.contract import EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
 
@@ -255,7 +229,7 @@ def plain_cmd(r: Runner, out: Path, sets: list[str], extra: list[str] | None = N
     """bench/plain_ddp.py under torchrun on one GPU, the GPT-2-small shape, the prepared data of the trainer's runs."""
     data = next((r.work / "data-cache").rglob("manifest.json")).parent
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    cmd += [str(ROOT / "bench" / "plain_ddp.py"), "--device", r.device, "--data", str(data), "--out", str(out)]
+    cmd += [str(ROOT / "bench" / "plain_ddp.py"), "--device", r.device, "--data", str(data), "--json", str(out)]
     for s in ["job.nodes=1", "job.ranks_per_node=1", *sets]:
         cmd += ["--set", s]
     return cmd + (extra or [])
@@ -370,8 +344,8 @@ def check_gloo_2x2(r: Runner) -> dict:
         checked = [x for x in (log0.read_text() if log0.exists() else "").splitlines() if "comm.overlap:" in x]
         res[name]["overlap_check"] = checked[0].split(" INFO ", 1)[-1] if checked else None
     res["ok"] = all(res[a]["exit"] == 0 and res[a]["final_loss"] is not None for a in runs)
-    # The trainer's start-up check ran the side stream against the synchronous reduction (trainer.build.check_overlap;
-    # a mismatch ends the run before step 1, so exit 0 means it passed).
+    # The trainer's start-up check ran the side stream against the synchronous reduction
+    # (trainer.startup.allreduce.check_overlap; a mismatch ends the run before step 1, so exit 0 means it passed).
     checked = res["hierarchical"]["overlap_check"] or ""
     res["stream_checked"] = "side stream gave the synchronous one's bits" in checked
     # The side stream must give the bits of the same algorithm run inside the hook (2 x 2 ranks on one GPU: the
@@ -387,8 +361,8 @@ def check_gloo_2x2(r: Runner) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, help="write gpu_check.json and runs.log here")
+    p = bench_parser(__doc__)
+    p.add_argument("--out", type=Path, help="write gpu_check.json, runs.log and runs.tar.gz here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: rehearse without a GPU")
     p.add_argument("--only", nargs="*", help="run only these checks")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the plain checks (default 3)")
@@ -426,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 (one check's failure must not lose the others' figures)
             results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         results[name]["check_s"] = round(time.perf_counter() - started, 1)
-        (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2) + "\n")
+        for path in (out_dir / "gpu_check.json", args.json):  # after every check: a lease cut short keeps them
+            if path is not None:
+                write_json(path, results)
         print(f"[{name}] {json.dumps(results[name])}", flush=True)
     print(f"\n{'check':<16} {'ok':<5} {'s':>6}  figures")
     for name, res in results.items():

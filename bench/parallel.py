@@ -1,34 +1,15 @@
 """Tokens/s and memory per rank of each parallel layout, side by side, and the largest model each fits under a
 per-rank memory cap.
 
-Every layout trains the same GPT (``--d-model``, ``--layers``: tens of millions of parameters by default) on the
-same data and global batch through ``python -m hpc.submit tiny --local`` on ``--nodes`` x ``--ranks`` simulated
-nodes, 1 thread per rank, alternated round by round so machine noise hits every layout alike:
-
-- ``ddp``: every rank holds the whole model (flat all-reduce: one host has no slow link to save);
-- ``fsdp``: FSDP2 over all ranks (``parallel.dp_shard=-1, dp_replicate=1``);
-- ``hsdp``: sharded inside a node, replicated across nodes (``parallel.dp_shard=RANKS``);
-- ``fsdp-ac``: fsdp with every block's activations recomputed in backward;
-- ``tp``: tensor parallel over the ranks of a node (the built-in GPT's plan), nodes as replicas;
-- ``tp-fsdp``: tensor parallel inside a node, FSDP2 across nodes (a 2-D mesh);
-- ``pp``: one pipeline stage per node (1F1B), the ranks of a node replicas of their stage.
-
-Figures per layout: the median step time over the steps after ``--skip`` (tokens/s over all ranks), rank 0's
-exposed communication per step, in all and per parallel dimension (``comm_by_dim`` of metrics.jsonl), rank 0's
-peak resident memory (``peak_mem_mb``: the process, torch and the data included), the largest rank's peak once the
-model is built and split, before any forward (``built_mem_mb``, from the start event: what ``parallel.meta_init``
-lowers) and what a rank holds of the model (``state_bytes_per_rank`` in summary.json: parameters, gradients, AdamW
-state). ``--set KEY=VALUE`` applies to every run; ``--also KEY=VALUE`` runs every layout with and without it.
-
-The memory cap: each layout also runs a second, smaller model (``--small-layers``); the two points give the
-memory per parameter and the fixed part (``peak = fixed + per_param x params``), and the largest model under
-``--cap-mb`` per rank follows from them (a linear fit of two measured points, stated as such). Prints a table
-and a JSON object.
+``python bench/parallel.py [--layouts ddp,fsdp,...] [--nodes N --ranks R]``: the same GPT, data and global batch
+under every layout through ``python -m hpc.submit tiny --local``, alternated round by round (the layouts, figures
+and the memory fit: bench/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -37,7 +18,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, add_quiet_wait_option, set_quiet_wait, wait_for_quiet  # bench/common.py (on sys.path)
+from common import (  # bench/common.py (on sys.path)
+    ROOT,
+    add_nodes_ranks,
+    add_run_length,
+    bench_parser,
+    check_run_length,
+    emit,
+    set_quiet_wait,
+    wait_for_quiet,
+)
 
 LAYOUTS = {
     "ddp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1"],
@@ -51,18 +41,15 @@ LAYOUTS = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
-    p.add_argument("--ranks", type=int, default=2, help="ranks per node (default 2)")
+    p = bench_parser(__doc__, quiet_wait=True)
+    add_nodes_ranks(p, nodes=2, ranks=2)
     p.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
     p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     p.add_argument("--layers", type=int, default=8, help="blocks of the measured model (default 8: ~26M parameters)")
     p.add_argument("--small-layers", type=int, default=2, help="blocks of the second model of the memory fit")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--micro", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
-    p.add_argument("--skip", type=int, default=3, help="warm-up steps left out (default 3)")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of every layout (default 1)")
+    add_run_length(p, steps=8, skip=3, rounds=1, of="layout")
     p.add_argument("--cap-mb", type=float, default=2048, help="per-rank memory cap for the fit (default 2048)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument(
@@ -74,8 +61,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a config setting for every run"
     )
     p.add_argument("--work-dir", type=Path, help="keep run directories here (default: a temporary folder)")
-    add_quiet_wait_option(p)
-    p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     unknown = set(args.layouts) - set(LAYOUTS)
@@ -87,8 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.variants = [(name, name, []) for name in args.layouts]
     if args.also:
         args.variants = [v for name in args.layouts for v in ((name, name, []), (f"{name}+", name, [args.also]))]
-    if args.steps <= args.skip:
-        p.error("--steps must be larger than --skip")
+    check_run_length(p, args)
     return args
 
 
@@ -128,12 +112,9 @@ def run(args: argparse.Namespace, layout: str, layers: int, out: Path, extra: li
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    set_quiet_wait(args.quiet_wait_s)
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-parallel-"))
-    world = args.nodes * args.ranks
-    tokens_per_step = args.micro * world * args.seq
+def run_all(args: argparse.Namespace, work: Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every variant at ``--layers`` each round (their steps and communication pooled over the rounds), then once at
+    ``--small-layers`` for the memory fit: (big, small) by label."""
     big: dict[str, dict] = {label: {"step_s": []} for label, _, _ in args.variants}
     small: dict[str, dict] = {}
     for r in range(args.rounds):
@@ -148,6 +129,41 @@ def main(argv: list[str] | None = None) -> int:
     for label, name, extra in args.variants:
         wait_for_quiet()
         small[label] = run(args, name, args.small_layers, work / f"{label}-small", extra)
+    return big, small
+
+
+def layout_figures(b: dict, s: dict, base: float | None, tokens_per_step: int, cap_mb: float) -> dict:
+    """One layout's entry of the JSON from its big (``b``) and small (``s``) runs; ``base``: ddp's median step."""
+    step = statistics.median(b["step_s"])
+    per_param = (b["peak_mem_mb"] - s["peak_mem_mb"]) / (b["n_params"] - s["n_params"])
+    fixed = b["peak_mem_mb"] - per_param * b["n_params"]
+    fits = (cap_mb - fixed) / per_param if per_param > 0 else float("inf")
+    dims = sorted({d for c in b["comm"] for d in c})
+    exposed = {d: 1000 * statistics.median(c.get(d, 0.0) for c in b["comm"]) for d in dims}
+    return {
+        "allreduce": b["allreduce"],
+        "median_step_s": step,
+        "tokens_per_s": tokens_per_step / step,
+        # rank 0's exposed communication per step, in all and per parallel dimension (medians, ms)
+        "exposed_comm_ms": exposed,
+        "vs_ddp": base / step if base else None,
+        "peak_mem_mb": b["peak_mem_mb"],
+        "built_mem_mb": b["built_mem_mb"],
+        "state_mb_per_rank": b["state_mb"],
+        "n_params": b["n_params"],
+        "small": {"n_params": s["n_params"], "peak_mem_mb": s["peak_mem_mb"]},
+        "mb_per_million_params": per_param * 1e6,
+        "fixed_mb": fixed,
+        "largest_params_under_cap": fits,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_quiet_wait(args.quiet_wait_s)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-parallel-"))
+    tokens_per_step = args.micro * args.nodes * args.ranks * args.seq
+    big, small = run_all(args, work)
     result: dict = {
         "setup": {
             "nodes": args.nodes, "ranks_per_node": args.ranks, "d_model": args.d_model, "layers": args.layers,
@@ -159,38 +175,24 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     base = statistics.median(big["ddp"]["step_s"]) if "ddp" in big else None
     for name, _, _ in args.variants:
-        b, s = big[name], small[name]
-        step = statistics.median(b["step_s"])
-        per_param = (b["peak_mem_mb"] - s["peak_mem_mb"]) / (b["n_params"] - s["n_params"])
-        fixed = b["peak_mem_mb"] - per_param * b["n_params"]
-        fits = (args.cap_mb - fixed) / per_param if per_param > 0 else float("inf")
-        dims = sorted({d for c in b["comm"] for d in c})
-        exposed = {d: 1000 * statistics.median(c.get(d, 0.0) for c in b["comm"]) for d in dims}
-        result["layouts"][name] = {
-            "allreduce": b["allreduce"],
-            "median_step_s": step,
-            "tokens_per_s": tokens_per_step / step,
-            # rank 0's exposed communication per step, in all and per parallel dimension (medians, ms)
-            "exposed_comm_ms": exposed,
-            "vs_ddp": base / step if base else None,
-            "peak_mem_mb": b["peak_mem_mb"],
-            "built_mem_mb": b["built_mem_mb"],
-            "state_mb_per_rank": b["state_mb"],
-            "n_params": b["n_params"],
-            "small": {"n_params": s["n_params"], "peak_mem_mb": s["peak_mem_mb"]},
-            "mb_per_million_params": per_param * 1e6,
-            "fixed_mb": fixed,
-            "largest_params_under_cap": fits,
-        }
-    print(json.dumps(result, indent=2))
-    print()
-    print(f"{args.nodes} nodes x {args.ranks} ranks, {big[args.layouts[0]]['n_params'] / 1e6:.1f}M parameters, "
-          f"{tokens_per_step} tokens/step, median of {len(big[args.layouts[0]]['step_s'])} steps")  # fmt: skip
-    if args.also:
-        print(f"'+': with {args.also}")
+        result["layouts"][name] = layout_figures(big[name], small[name], base, tokens_per_step, args.cap_mb)
+    emit(result, args.json, functools.partial(show, steps=len(big[args.layouts[0]]["step_s"])))
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def show(result: dict, steps: int) -> None:
+    """The layouts' table (``steps``: the step times behind each median), then their exposed communication."""
+    setup, layouts = result["setup"], result["layouts"]
+    first = next(iter(layouts.values()))
+    print(f"{setup['nodes']} nodes x {setup['ranks_per_node']} ranks, {first['n_params'] / 1e6:.1f}M parameters, "
+          f"{setup['tokens_per_step']} tokens/step, median of {steps} steps")  # fmt: skip
+    if setup["also"]:
+        print(f"'+': with {setup['also']}")
     print(f"{'layout':8} {'tokens/s':>9} {'vs ddp':>7} {'built MB':>9} {'peak MB':>8} {'state MB/rank':>14} "
-          f"{'MB per 1M params':>17} {'largest under ' + format(args.cap_mb, 'g') + ' MB':>22}")  # fmt: skip
-    for name, x in result["layouts"].items():
+          f"{'MB per 1M params':>17} {'largest under ' + format(setup['cap_mb'], 'g') + ' MB':>22}")  # fmt: skip
+    for name, x in layouts.items():
         state = sum(x["state_mb_per_rank"].values())
         vs = f"{x['vs_ddp']:.2f}" if x["vs_ddp"] else "-"
         print(f"{name:8} {x['tokens_per_s']:9.0f} {vs:>7} {x['built_mem_mb']:9.0f} {x['peak_mem_mb']:8.0f} "
@@ -198,14 +200,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{x['largest_params_under_cap'] / 1e6:20.0f} M")  # fmt: skip
     print()
     print("exposed communication of rank 0, ms per step (median): in all, then per parallel dimension")
-    for name, x in result["layouts"].items():
+    for name, x in layouts.items():
         parts = ", ".join(f"{d} {ms:.1f}" for d, ms in x["exposed_comm_ms"].items() if d != "all")
         print(f"{name:8} {x['exposed_comm_ms'].get('all', 0.0):7.1f}   {parts}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":

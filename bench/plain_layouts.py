@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -126,188 +128,276 @@ def clip(params: list, counted: list, max_norm: float, pp_group) -> None:
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layout", required=True, choices=LAYOUTS, help="the parallel layout (see the module docstring)")
     p.add_argument("--config", default="tiny", help="config file or example name (default tiny)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--data", type=Path, required=True, help="prepared dataset folder (manifest.json + shards)")
-    p.add_argument("--out", type=Path, help="rank 0 also writes its JSON here")
+    p.add_argument("--json", type=Path, metavar="PATH", help="rank 0 also writes its JSON object to this file")
     p.add_argument("--progress", type=Path, help="rank 0 appends a line here after every step (a live step count)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, bf16 as the trainer")
-    args = p.parse_args()
+    return p, p.parse_args()
 
+
+def init(device_type: str) -> torch.device:
+    """The process group (NCCL on CUDA, else gloo) and this rank's device."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cuda = args.device == "cuda"
+    cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return device
+
+
+@dataclasses.dataclass
+class Shape:
+    """How the layout splits the ranks: nodes of ``per_node`` ranks, tensor- and pipeline-parallel degrees, the
+    data-parallel ranks that share the global batch, micro-batches per step, FSDP2's shard degree."""
+
+    layout: str
+    world: int
+    per_node: int
+    nodes: int
+    tp: int
+    pp: int
+    dp: int
+    accum: int
+    dp_shard: int
+
+
+def shape_of(p: argparse.ArgumentParser, layout: str, cfg) -> Shape:
+    world = dist.get_world_size()
     per_node = int(os.environ.get("PLAIN_RANKS_PER_NODE", os.environ["LOCAL_WORLD_SIZE"]))
     nodes = world // per_node
-    if world % per_node or (args.layout != "fsdp" and nodes < 2):
-        p.error(f"--layout {args.layout}: {world} ranks of {per_node} per node (it needs whole nodes, 2 or more)")
-    cfg = load_config(args.config, args.overrides)
+    if world % per_node or (layout != "fsdp" and nodes < 2):
+        p.error(f"--layout {layout}: {world} ranks of {per_node} per node (it needs whole nodes, 2 or more)")
     t = cfg.train
-    layout = args.layout
     tp = per_node if layout == "tp-fsdp" else 1
     pp = nodes if layout == "pp" else 1
     dp = world // (tp * pp)
     accum = t.global_batch_size // (t.micro_batch_size * dp)
     if accum < 1 or accum * t.micro_batch_size * dp != t.global_batch_size:
         p.error(f"train.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size x dp {dp}")
-    window = cfg.model.seq_len + 1
-    bf16 = cuda and t.bf16_on("cuda")
-    # The trainer's FSDP2 precision: bf16 compute copies of the gathered parameters, fp32 gradient reduction.
+    dp_shard = {"fsdp": world, "hsdp": per_node, "tp-fsdp": nodes, "pp": 1}[layout]
+    return Shape(layout, world, per_node, nodes, tp, pp, dp, accum, dp_shard)
+
+
+@dataclasses.dataclass
+class Parallel:
+    """The model as the layout trains it: the module (or this rank's pipeline stage), the context that skips the
+    all-reduce across replicas on the micro-batches that only accumulate, this rank's data-parallel index; for pp
+    also the schedule, the pp group, this rank's stage, the tied weights to sum and the names the norm leaves out."""
+
+    trained: nn.Module
+    dp_rank: int
+    no_sync: Callable = contextlib.nullcontext
+    pipe: object = None
+    pp_group: object = None
+    stage_index: int = 0
+    tied: list = dataclasses.field(default_factory=list)
+    counted_names: set[str] | None = None
+
+
+def sharded(model: GPT, s: Shape, device: torch.device, reshard: bool, mp_kw: dict) -> Parallel:
+    """fsdp, hsdp, tp-fsdp: ``fully_shard`` on each block, then the root, over the layout's mesh (after TP)."""
+    rank = dist.get_rank()
+    if s.layout == "fsdp":
+        mesh = init_device_mesh(device.type, (s.world,), mesh_dim_names=("dp_shard",))
+        dp_rank = rank
+    elif s.layout == "hsdp":
+        mesh = init_device_mesh(device.type, (s.nodes, s.per_node), mesh_dim_names=("dp_replicate", "dp_shard"))
+        dp_rank = rank
+    else:  # TP groups are consecutive ranks (one node); all ranks of a group see the same batch
+        mesh2 = init_device_mesh(device.type, (s.nodes, s.per_node), mesh_dim_names=("dp_shard", "tp"))
+        tensor_parallel(model, mesh2["tp"])  # first (torchtitan's order): FSDP2 then shards the DTensors
+        mesh = mesh2["dp_shard"]
+        dp_rank = rank // s.tp
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered, as the trainer.
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(blocks) - 1, **mp_kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **mp_kw)
+    out = Parallel(model, dp_rank)
+    if s.layout == "hsdp":  # reduce-scatter every micro-batch, all-reduce across nodes only on the last one
+        out.no_sync = _no_all_reduce(model)
+    return out
+
+
+def pipelined(model: GPT, s: Shape, device: torch.device, microbatches: int, mp_kw: dict) -> Parallel:
+    """pp: one stage per node under ``Schedule1F1B``, the ranks of a node replicas of their stage (FSDP2 over a
+    replicate mesh, as the trainer), the tied embedding and head summed across stages."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, pp, per_node = dist.get_rank(), s.pp, s.per_node
+    # (pp, dp_replicate, dp_shard = 1): FSDP2 over (dp, 1) is whole replicas all-reduced, the trainer's pp x dp.
+    mesh3 = init_device_mesh(device.type, (pp, per_node, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    stage_index, dp_rank = rank // per_node, rank % per_node
+    trained = Stage(model, stage_index, pp)
+    del model  # the other stages' blocks
+    for block in trained.blocks.values():  # each block runs once per pipeline micro-batch: keep it gathered
+        fully_shard(block, mesh=mesh3["dp_replicate", "dp_shard"], reshard_after_forward=False, **mp_kw)
+    fully_shard(trained, mesh=mesh3["dp_replicate", "dp_shard"], reshard_after_forward=False, **mp_kw)
+    pp_group = mesh3["pp"].get_group()
+    scale = 1.0 / (microbatches * s.accum)  # scale the loss, not the grads: accumulated .grad stays as it is
+
+    def pp_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1)) * scale
+
+    runner = PipelineStage(trained, stage_index, pp, device, group=pp_group)
+    pipe = Schedule1F1B(runner, microbatches, loss_fn=pp_loss, scale_grads=False)
+    # The embedding (first stage) and the head (last) are one weight in the GPT: each holds a copy, their
+    # gradients summed after each step between the ranks of the same dp index (one group per dp index).
+    tied = []
+    for i in range(per_node):
+        ranks = [0 * per_node + i, (pp - 1) * per_node + i]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            tied.append((group, trained.tok.weight if trained.first else trained.head.weight))
+    counted_names = {"head.weight"} if trained.last else set()  # the norm counts the tied weight once
+    return Parallel(trained, dp_rank, _no_all_reduce(trained), pipe, pp_group, stage_index, tied, counted_names)
+
+
+def parallelize(cfg, s: Shape, device: torch.device) -> Parallel:
+    """The GPT under the layout, with the trainer's FSDP2 precision: bf16 compute copies of the gathered
+    parameters and fp32 gradient reduction on CUDA."""
+    bf16 = device.type == "cuda" and cfg.train.bf16_on("cuda")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     mp_kw = {"mp_policy": mp} if mp is not None else {}
-    dp_shard = {"fsdp": world, "hsdp": per_node, "tp-fsdp": nodes, "pp": 1}[layout]
-    reshard = cfg.parallel.fsdp_reshard_after_forward and dp_shard > 1  # the trainer's: nothing to free otherwise
+    torch.manual_seed(cfg.train.seed)
+    if s.layout == "pp":  # the whole model only until this rank's stage is cut from it
+        return pipelined(GPT(cfg.model).to(device), s, device, cfg.parallel.pp_microbatches or s.pp, mp_kw)
+    reshard = cfg.parallel.fsdp_reshard_after_forward and s.dp_shard > 1  # the trainer's: nothing to free otherwise
+    return sharded(GPT(cfg.model).to(device), s, device, reshard, mp_kw)
 
-    torch.manual_seed(t.seed)
-    model = GPT(cfg.model).to(device)
-    no_sync = contextlib.nullcontext  # around the micro-batches that only accumulate gradients
-    pipe = pp_group = None
-    tied: list[tuple] = []
-    counted_names: set[str] | None = None
-    if layout in ("fsdp", "hsdp", "tp-fsdp"):
-        if layout == "fsdp":
-            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-            dp_rank = rank
-        elif layout == "hsdp":
-            mesh = init_device_mesh(device.type, (nodes, per_node), mesh_dim_names=("dp_replicate", "dp_shard"))
-            dp_rank = rank
-        else:  # TP groups are consecutive ranks (one node); all ranks of a group see the same batch
-            mesh2 = init_device_mesh(device.type, (nodes, per_node), mesh_dim_names=("dp_shard", "tp"))
-            tensor_parallel(model, mesh2["tp"])  # first (torchtitan's order): FSDP2 then shards the DTensors
-            mesh = mesh2["dp_shard"]
-            dp_rank = rank // tp
-        blocks = list(model.blocks)
-        for i, block in enumerate(blocks):
-            # The last block's parameters are needed again at once by backward: keep them gathered, as the trainer.
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(blocks) - 1, **mp_kw)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **mp_kw)
-        if layout == "hsdp":  # reduce-scatter every micro-batch, all-reduce across nodes only on the last one
-            no_sync = _no_all_reduce(model)
-        trained = model
-    else:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        # (pp, dp_replicate, dp_shard = 1): FSDP2 over (dp, 1) is whole replicas all-reduced, the trainer's pp x dp.
-        mesh3 = init_device_mesh(device.type, (pp, per_node, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
-        stage_index, dp_rank = rank // per_node, rank % per_node
-        trained = Stage(model, stage_index, pp)
-        del model
-        for block in trained.blocks.values():  # each block runs once per pipeline micro-batch: keep it gathered
-            fully_shard(block, mesh=mesh3["dp_replicate", "dp_shard"], reshard_after_forward=False, **mp_kw)
-        fully_shard(trained, mesh=mesh3["dp_replicate", "dp_shard"], reshard_after_forward=False, **mp_kw)
-        no_sync = _no_all_reduce(trained)
-        pp_group = mesh3["pp"].get_group()
-        microbatches = cfg.parallel.pp_microbatches or pp
-        scale = 1.0 / (microbatches * accum)  # scale the loss, not the grads: accumulated .grad stays as it is
-
-        def pp_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1)) * scale
-
-        runner = PipelineStage(trained, stage_index, pp, device, group=pp_group)
-        pipe = Schedule1F1B(runner, microbatches, loss_fn=pp_loss, scale_grads=False)
-        # The embedding (first stage) and the head (last) are one weight in the GPT: each holds a copy, their
-        # gradients summed after each step between the ranks of the same dp index (one group per dp index).
-        for i in range(per_node):
-            ranks = [0 * per_node + i, (pp - 1) * per_node + i]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                tied.append((group, trained.tok.weight if trained.first else trained.head.weight))
-        counted_names = {"head.weight"} if trained.last else set()  # the norm counts the tied weight once
-    precision = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    params = list(trained.parameters())
-    counted = params if counted_names is None else [q for n, q in trained.named_parameters() if n not in counted_names]
+def adamw(params: list, t) -> torch.optim.Optimizer:
     decay = [q for q in params if q.dim() >= 2]
     no_decay = [q for q in params if q.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.lr,
         betas=(t.beta1, t.beta2),
         **adamw_impl(t.optimizer_impl),  # the trainer's kernels: the comparison is of everything around them
     )
 
-    manifest = json.loads((args.data / "manifest.json").read_text())
-    files = [h5py.File(args.data / s["file"], "r") for s in manifest["splits"]["train"]]
-    shards = [f["tokens"] for f in files]
-    rng = np.random.default_rng(t.seed * 1000 + dp_rank)  # by data-parallel rank: TP and pp peers share batches
 
-    def batch() -> torch.Tensor:
+class Batches:
+    """Random windows of ``seq_len + 1`` tokens from the train split's HDF5 shards, one micro-batch a call; seeded
+    by data-parallel rank: TP and pp peers share batches."""
+
+    def __init__(self, data: Path, cfg, dp_rank: int, device: torch.device) -> None:
+        manifest = json.loads((data / "manifest.json").read_text())
+        self.files = [h5py.File(data / s["file"], "r") for s in manifest["splits"]["train"]]
+        self.shards = [f["tokens"] for f in self.files]
+        self.rng = np.random.default_rng(cfg.train.seed * 1000 + dp_rank)
+        self.rows, self.window, self.device = cfg.train.micro_batch_size, cfg.model.seq_len + 1, device
+
+    def __call__(self) -> torch.Tensor:
         rows = []
-        for _ in range(t.micro_batch_size):
-            ds = shards[rng.integers(len(shards))]
-            start = int(rng.integers(len(ds) - window))
-            rows.append(ds[start : start + window])
-        return torch.from_numpy(np.stack(rows).astype(np.int64)).to(device, non_blocking=True)
+        for _ in range(self.rows):
+            ds = self.shards[self.rng.integers(len(self.shards))]
+            start = int(self.rng.integers(len(ds) - self.window))
+            rows.append(ds[start : start + self.window])
+        return torch.from_numpy(np.stack(rows).astype(np.int64)).to(self.device, non_blocking=True)
 
-    trained.train()
-    progress = open(args.progress, "a", buffering=1) if args.progress and rank == 0 else None  # noqa: SIM115
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+def forward_backward(m: Parallel, x: torch.Tensor, s: Shape, device: torch.device) -> torch.Tensor:
+    """One micro-batch: forward and backward (through the pipeline schedule for pp); this rank's loss."""
+    if m.pipe is None:
+        logits = m.trained(x[:, :-1])
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), x[:, 1:].reshape(-1)) / s.accum
+        loss.backward()
+        return loss
+    chunks: list[torch.Tensor] = []
+    if m.stage_index == 0:
+        m.pipe.step(x[:, :-1])
+    elif m.stage_index == s.pp - 1:
+        m.pipe.step(target=x[:, 1:], losses=chunks)
+    else:
+        m.pipe.step()
+    return torch.stack(chunks).sum().detach() if chunks else torch.zeros((), device=device)
+
+
+def sum_tied(m: Parallel) -> None:
+    """Sum the tied embedding's and head's gradients across the first and the last stage."""
+    for group, param in m.tied:
+        grad = param.grad
+        if grad.placements != param.placements:
+            grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+        dist.all_reduce(grad.to_local(), group=group)
+
+
+def train(args: argparse.Namespace, cfg, s: Shape, m: Parallel, batch: Batches, device) -> tuple[list, list]:
+    """``train.steps`` steps of gradient accumulation, clipping, AdamW and the schedule; (step times, losses)."""
+    t = cfg.train
+    cuda = device.type == "cuda"
+    precision = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and t.bf16_on("cuda") else contextlib.nullcontext()
+    params = list(m.trained.parameters())
+    named = m.trained.named_parameters()
+    counted = params if m.counted_names is None else [q for n, q in named if n not in m.counted_names]
+    opt = adamw(params, t)
+    m.trained.train()
+    progress = open(args.progress, "a", buffering=1) if args.progress and dist.get_rank() == 0 else None  # noqa: SIM115
     step_times: list[float] = []
     losses: list[float] = []
     started = time.perf_counter()
     for step in range(t.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, t.lr, t.min_lr, t.warmup_steps, t.steps)
-        for micro in range(accum):
+        for micro in range(s.accum):
             x = batch()
-            with no_sync() if micro < accum - 1 else contextlib.nullcontext(), precision:
-                if pipe is None:
-                    logits = trained(x[:, :-1])
-                    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), x[:, 1:].reshape(-1)) / accum
-                    loss.backward()
-                else:
-                    chunks: list[torch.Tensor] = []
-                    if stage_index == 0:
-                        pipe.step(x[:, :-1])
-                    elif stage_index == pp - 1:
-                        pipe.step(target=x[:, 1:], losses=chunks)
-                    else:
-                        pipe.step()
-                    loss = torch.stack(chunks).sum().detach() if chunks else torch.zeros((), device=device)
-        for group, param in tied:
-            grad = param.grad
-            if grad.placements != param.placements:
-                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
-            dist.all_reduce(grad.to_local(), group=group)
+            with m.no_sync() if micro < s.accum - 1 else contextlib.nullcontext(), precision:
+                loss = forward_backward(m, x, s, device)
+        sum_tied(m)
         if t.grad_clip > 0:
-            clip(params, counted, t.grad_clip, pp_group)
+            clip(params, counted, t.grad_clip, m.pp_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if (step + 1) % t.log_every == 0:
-            if pipe is not None:  # only the last stage has the loss: it sends it to the other stages of its column
+            if m.pipe is not None:  # only the last stage has the loss: it sends it to the other stages of its column
                 loss = loss.clone()
-                dist.broadcast(loss, group=pp_group, group_src=pp - 1)
-            losses.append(loss.item() * accum)  # this rank's last micro-batch: what a plain script logs
+                dist.broadcast(loss, group=m.pp_group, group_src=s.pp - 1)
+            losses.append(loss.item() * s.accum)  # this rank's last micro-batch: what a plain script logs
         if cuda:
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - started)
         if progress is not None:
             progress.write(f"{step + 1}\n")
         started = time.perf_counter()
+    if progress is not None:
+        progress.close()
+    return step_times, losses
 
-    if rank == 0:
+
+def main() -> int:
+    p, args = parse_args()
+    device = init(args.device)
+    cfg = load_config(args.config, args.overrides)
+    s = shape_of(p, args.layout, cfg)
+    m = parallelize(cfg, s, device)
+    batch = Batches(args.data, cfg, m.dp_rank, device)
+    step_times, losses = train(args, cfg, s, m, batch, device)
+    if dist.get_rank() == 0:
         result = {
-            "layout": layout,
-            "world_size": world,
+            "layout": s.layout,
+            "world_size": s.world,
             "threads": torch.get_num_threads(),
-            "grad_accum": accum,
-            "tokens_per_step": t.global_batch_size * cfg.model.seq_len,
+            "grad_accum": s.accum,
+            "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_len,
             "step_time_s": step_times,
             "loss": losses,
         }
         text = json.dumps(result)
         print(text, flush=True)
-        if args.out:
-            args.out.write_text(text + "\n")
-    for f in files:
-        f.close()
-    if progress is not None:
-        progress.close()
+        if args.json:
+            args.json.write_text(text + "\n")
+    batch.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

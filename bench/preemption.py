@@ -14,7 +14,6 @@ first new step's metrics record. Prints a table and a JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -23,7 +22,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, add_slurm_options, chosen_methods, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
+from common import (  # bench/ is on sys.path
+    ROOT,
+    add_slurm_options,
+    bench_parser,
+    chosen_methods,
+    emit,
+    lines,
+    sh,
+    slurm_cluster,
+    wait,
+)
 
 from rundir.contract import EVENT_RESUME, EVENT_STOPPED
 
@@ -86,11 +95,13 @@ def one(method: str, data: Path, work: Path) -> dict:
     }
 
 
+KEYS = ("committed_s", "running_again_s", "resumed_s", "first_new_step_s")
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__)
     p.add_argument("--reps", type=int, default=2)
     add_slurm_options(p, METHODS)
-    p.add_argument("--json", type=Path)
     args = p.parse_args()
     methods = chosen_methods(p, args.methods, METHODS)
     if args.reps < 1:
@@ -103,27 +114,29 @@ def main() -> int:
         prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
                             shard_tokens=400_000), data)  # fmt: skip
         rows = [one(m, data, work) for _ in range(args.reps) for m in methods]
-    keys = ("committed_s", "running_again_s", "resumed_s", "first_new_step_s")
     summary = {}
-    print(f"\n{'interruption':14} " + " ".join(f"{k:>17}" for k in keys) + "   (medians, seconds after issuing it)")
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
-        med = {k: statistics.median(r[k] for r in mine if r[k] is not None) if any(r[k] is not None for r in mine)
-               else None for k in keys}  # fmt: skip
-        summary[method] = med
+        summary[method] = {k: statistics.median(r[k] for r in mine if r[k] is not None)
+                           if any(r[k] is not None for r in mine) else None for k in KEYS}  # fmt: skip
+    result = {"benchmark": "preemption", "setup": {"reps": args.reps, "methods": methods, "config": SETS},
+              "summary": summary, "runs": rows}  # fmt: skip
+    emit(result, args.json, show)
+    return 0
+
+
+def show(result: dict) -> None:
+    """The medians per interruption, then each repetition's way back: to the ranks' start, their start-up phases."""
+    print(f"\n{'interruption':14} " + " ".join(f"{k:>17}" for k in KEYS) + "   (medians, seconds after issuing it)")
+    for method, med in result["summary"].items():
         print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>17}" for v in med.values()))
+    rows = result["runs"]
     phases = sorted({k for r in rows for k in r["startup_s"]}, key=list(rows[0]["startup_s"]).index)
     print("\nafter RUNNING again, per rep (s): until the ranks' processes start, then the trainer's start-up phases")
     print(f"{'interruption':14} {'to start':>8} " + " ".join(f"{k:>10}" for k in phases))
     for r in rows:
         cells = " ".join(f"{r['startup_s'].get(k, float('nan')):>10.2f}" for k in phases)
         print(f"{r['method']:14} {r['to_process_start_s']:>8.2f} {cells}")
-    result = {"benchmark": "preemption", "setup": {"reps": args.reps, "methods": methods, "config": SETS},
-              "summary": summary, "runs": rows}  # fmt: skip
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,9 +35,12 @@ import yaml
 from common import (  # bench/ is on sys.path
     OTHER_LOAD_LIMIT,
     ROOT,
-    add_quiet_wait_option,
+    add_run_length,
+    bench_parser,
     busy_cpu_s,
+    check_run_length,
     children_cpu_s,
+    emit,
     set_quiet_wait,
     wait_for_quiet,
 )
@@ -47,12 +50,10 @@ RECIPE_SPEC = "slow_data:recipe"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quiet_wait=True)
     p.add_argument("--ranks", type=int, default=2, help="ranks on the one node (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
-    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of every run (default 5)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every (setting, prefetch) (default 3)")
+    add_run_length(p, steps=30, skip=5, rounds=3, of="(setting, prefetch)")
     p.add_argument("--micro-batch", type=int, default=16, help="items per rank per micro-batch (default 16)")
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step (default 2)")
     p.add_argument("--hidden", type=int, default=1536, help="MLP width: sets the step's compute (default 1536)")
@@ -61,16 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ratios", default="0.7,1.5", help="one micro-batch's fetch time / the step's compute, per setting")
     p.add_argument("--compute-ms", type=float, help="the step's compute in ms (default: measured by a calibration run)")
     p.add_argument("--work-dir", type=Path, help="keep run directories and logs here (default: a temporary folder)")
-    add_quiet_wait_option(p)
-    p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     try:
         args.prefetch = [int(x) for x in args.prefetch.split(",")]
         args.ratios = [float(x) for x in args.ratios.split(",")]
     except ValueError:
         p.error("--prefetch takes integers, --ratios numbers, comma-separated")
-    if args.steps <= args.skip:
-        p.error("--steps must be larger than --skip")
+    check_run_length(p, args)
     if 0 not in args.prefetch or min(args.prefetch) < 0:
         p.error("--prefetch needs 0 (the reference) and no negative values")
     if min(args.ratios) <= 0 or min(args.ranks, args.micro_batch, args.accum, args.rounds) < 1:
@@ -145,43 +143,28 @@ def expected_wait(prefetch: int, accum: int, fetch_s: float, compute_s: float) -
     return max(0.0, accum * fetch_s / prefetch - compute_s)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    set_quiet_wait(args.quiet_wait_s)
-    sys.stdout.reconfigure(line_buffering=True)
-    started = time.perf_counter()
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-prefetch-"))
-    work.mkdir(parents=True, exist_ok=True)
-    config = write_project(args, work / "slow-project")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env["OMP_NUM_THREADS"] = str(args.threads)
-    try:
-        compute = calibrate(args, config, work, env)
-        settings = [
-            {"ratio": r, "fetch_s": r * compute, "item_ms": 1e3 * r * compute / args.micro_batch} for r in args.ratios
-        ]
-        cells = [(si, n) for si in range(len(settings)) for n in args.prefetch]
-        runs: dict[tuple[int, int], list[dict]] = {c: [] for c in cells}
-        for rnd in range(args.rounds):
-            k = rnd % len(cells)
-            for si, n in cells[k:] + cells[:k]:  # rotated, so no cell always runs first
-                s = settings[si]
-                run = one_run(config, work / f"r{rnd}" / f"x{s['ratio']:g}-p{n}", s["item_ms"], n, args.skip, env)
-                run["round"] = rnd
-                runs[(si, n)].append(run)
-                data_ms, step_ms = 1e3 * statistics.median(run["data_s"]), 1e3 * statistics.median(run["step_s"])
-                print(
-                    f"round {rnd + 1}/{args.rounds} fetch {s['ratio']:g} x compute, prefetch {n}: median data wait "
-                    f"{data_ms:6.1f} ms, step {step_ms:6.1f} ms (run {run['wall_s']:.1f} s, other processes used "
-                    f"{run['other_load']:.2f} cores)"
-                )
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+def run_cells(args: argparse.Namespace, config: Path, work: Path, env: dict, settings: list[dict]) -> dict:
+    """Every (setting, prefetch) once a round, in an order rotated per round: {(setting index, prefetch): runs}."""
+    cells = [(si, n) for si in range(len(settings)) for n in args.prefetch]
+    runs: dict[tuple[int, int], list[dict]] = {c: [] for c in cells}
+    for rnd in range(args.rounds):
+        k = rnd % len(cells)
+        for si, n in cells[k:] + cells[:k]:  # rotated, so no cell always runs first
+            s = settings[si]
+            run = one_run(config, work / f"r{rnd}" / f"x{s['ratio']:g}-p{n}", s["item_ms"], n, args.skip, env)
+            run["round"] = rnd
+            runs[(si, n)].append(run)
+            data_ms, step_ms = 1e3 * statistics.median(run["data_s"]), 1e3 * statistics.median(run["step_s"])
+            print(
+                f"round {rnd + 1}/{args.rounds} fetch {s['ratio']:g} x compute, prefetch {n}: median data wait "
+                f"{data_ms:6.1f} ms, step {step_ms:6.1f} ms (run {run['wall_s']:.1f} s, other processes used "
+                f"{run['other_load']:.2f} cores)"
+            )
+    return runs
 
+
+def result_rows(args: argparse.Namespace, settings: list[dict], runs: dict, compute: float) -> list[dict]:
+    """Per (setting, prefetch): medians over all rounds, the expected wait, ratios to prefetch 0 of the setting."""
     results = []
     for si, s in enumerate(settings):
         base = None
@@ -207,38 +190,37 @@ def main(argv: list[str] | None = None) -> int:
             row["step_speedup_vs_prefetch0"] = base["median_step_time_s"] / step
             row["data_wait_vs_prefetch0"] = data / base["median_time_data_s"] if base["median_time_data_s"] else None
             results.append(row)
+    return results
 
-    print(
-        f"\nprefetch: 1 node x {args.ranks} ranks, {args.threads} thread(s)/rank, MLP {args.layers} x {args.hidden}, "
-        f"micro-batch {args.micro_batch}, {args.accum} micro-batches/step, {args.steps} steps (first {args.skip} "
-        f"skipped), {args.rounds} rounds\nstep compute C = {1e3 * compute:.1f} ms; F = fetch time of one micro-batch; "
-        "medians over all rounds; expected = accum x F (prefetch 0), max(0, accum x F / N - C) (prefetch N)\n"
-    )
-    head = (
-        f"{'F / C':>5} | {'item ms':>7} | {'F ms':>6} | {'prefetch':>8} | {'data wait ms':>12} | {'expected':>8} | "
-        f"{'step ms':>7} | {'speedup':>7} | {'wait / p0':>9}"
-    )
-    print(head + "\n" + "-" * len(head))
-    for row in results:
-        wait_ratio = row["data_wait_vs_prefetch0"]
-        print(
-            f"{row['fetch_over_compute']:>5g} | {row['item_ms']:>7.2f} | {1e3 * row['micro_batch_fetch_s']:>6.1f} | "
-            f"{row['prefetch']:>8} | {1e3 * row['median_time_data_s']:>12.1f} | "
-            f"{1e3 * row['expected_time_data_s']:>8.1f} | {1e3 * row['median_step_time_s']:>7.1f} | "
-            f"{row['step_speedup_vs_prefetch0']:>6.2f}x | "
-            + (f"{wait_ratio:>9.3f}" if wait_ratio is not None else f"{'-':>9}")
-        )
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_quiet_wait(args.quiet_wait_s)
+    sys.stdout.reconfigure(line_buffering=True)
+    started = time.perf_counter()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-prefetch-"))
+    work.mkdir(parents=True, exist_ok=True)
+    config = write_project(args, work / "slow-project")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    try:
+        compute = calibrate(args, config, work, env)
+        settings = [
+            {"ratio": r, "fetch_s": r * compute, "item_ms": 1e3 * r * compute / args.micro_batch} for r in args.ratios
+        ]
+        runs = run_cells(args, config, work, env, settings)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
     disturbed = [
         f"F/C {settings[si]['ratio']:g} prefetch {n} round {r['round'] + 1}"
         for (si, n), rs in runs.items()
         for r in rs
         if r["other_load"] > OTHER_LOAD_LIMIT
     ]
-    if disturbed:
-        print(
-            f"\nwarning: other processes used more than {OTHER_LOAD_LIMIT} cores during {len(disturbed)} of "
-            f"{sum(len(rs) for rs in runs.values())} runs: their figures are disturbed; rerun on a quiet machine."
-        )
     result = {
         "benchmark": "prefetch",
         "setup": {
@@ -254,14 +236,43 @@ def main(argv: list[str] | None = None) -> int:
             "compute_measured": not args.compute_ms,
         },
         "disturbed_runs": disturbed,
-        "results": results,
+        "results": result_rows(args, settings, runs, compute),
         "wall_s": time.perf_counter() - started,
     }
-    text = json.dumps(result, indent=2)
-    print("\n" + text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit(result, args.json, show)
     return 0
+
+
+def show(result: dict) -> None:
+    """The table of every (setting, prefetch), then which runs were disturbed."""
+    s = result["setup"]
+    print(
+        f"\nprefetch: 1 node x {s['ranks']} ranks, {s['threads_per_rank']} thread(s)/rank, MLP {s['mlp']['layers']} x "
+        f"{s['mlp']['hidden']}, micro-batch {s['micro_batch']}, {s['accum']} micro-batches/step, {s['steps']} steps "
+        f"(first {s['skip']} skipped), {s['rounds']} rounds\nstep compute C = {1e3 * s['compute_s']:.1f} ms; F = "
+        "fetch time of one micro-batch; medians over all rounds; expected = accum x F (prefetch 0), "
+        "max(0, accum x F / N - C) (prefetch N)\n"
+    )
+    head = (
+        f"{'F / C':>5} | {'item ms':>7} | {'F ms':>6} | {'prefetch':>8} | {'data wait ms':>12} | {'expected':>8} | "
+        f"{'step ms':>7} | {'speedup':>7} | {'wait / p0':>9}"
+    )
+    print(head + "\n" + "-" * len(head))
+    for row in result["results"]:
+        wait_ratio = row["data_wait_vs_prefetch0"]
+        print(
+            f"{row['fetch_over_compute']:>5g} | {row['item_ms']:>7.2f} | {1e3 * row['micro_batch_fetch_s']:>6.1f} | "
+            f"{row['prefetch']:>8} | {1e3 * row['median_time_data_s']:>12.1f} | "
+            f"{1e3 * row['expected_time_data_s']:>8.1f} | {1e3 * row['median_step_time_s']:>7.1f} | "
+            f"{row['step_speedup_vs_prefetch0']:>6.2f}x | "
+            + (f"{wait_ratio:>9.3f}" if wait_ratio is not None else f"{'-':>9}")
+        )
+    disturbed = result["disturbed_runs"]
+    if disturbed:
+        print(
+            f"\nwarning: other processes used more than {OTHER_LOAD_LIMIT} cores during {len(disturbed)} of "
+            f"{len(result['results']) * s['rounds']} runs: their figures are disturbed; rerun on a quiet machine."
+        )
 
 
 if __name__ == "__main__":

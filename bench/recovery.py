@@ -4,32 +4,8 @@ going back through the queue, and the goodput of a run whose ranks are killed ev
     python bench/recovery.py [--reps 2] [--methods local-kill,kill,requeue,node-kept,node-fail]
         [--goodput-steps 3000 --kill-every 1000] [--slurm-conf FILE] [--json PATH]
 
-Latency, on the real local Slurm cluster (its own, started by envs/slurm/cluster.sh on separate ports; or with
-``--slurm-conf`` a running one of cluster.sh's, e.g. the test session's; ``--methods``: a subset): the tiny
-model on 2 nodes x 2 ranks through `python -m hpc.submit`, interrupted at step 20 by
-- `kill`: SIGKILL to rank 1; the driver restarts the ranks in the same allocation (job.restart_backoff_s=0);
-- `requeue`: the job's signal (`scancel --signal=USR2`); the ranks commit and the job goes back through the queue
-  (`scontrol requeue`), the path a crash took before in-job restarts.
-Also `local-kill`: SIGKILL to rank 1 of the same run under the local launcher (mpirun, 2 simulated nodes).
-A node lost as hardware is lost (envs/slurm/cluster.sh node-down: its link down, then slurmd and its ranks killed,
-no connection closed), on a Slurm cluster of 3 separate hosts (its own, HPC_SLURM_NETNS=1, SlurmdTimeout 10 s: the
-node is DOWN ~30 s after the loss; a site's default of 300 s delays only what waits for Slurm), 1 rank a node, the
-last node of the launch lost at step 20, the run's defaults otherwise (monitor.peer_timeout_s 15):
-- `node-kept`: 3 nodes, job.no_kill (the allocation kept), job.min_nodes=2: the run goes on on 2 in the job;
-- `node-fail`: 2 nodes of the 3, the allocation not kept: the run continues in another job without the node
-  (the driver's resubmission once the survivors name it, or Slurm's requeue after NODE_FAIL, whichever is first).
-Their rows add `survivors_stopped_s`: the survivors' diagnosis (their watchdog's hang claim) after the loss.
-Times come from one clock on this host: the moment of the kill or signal, the launcher's `restart` event, the
-trainer's `resume` event (after the checkpoint is loaded) and the first new step's metrics record.
-
-Goodput, locally: the same run uninterrupted and with a rank SIGKILLed every `--kill-every` steps (in-job
-restarts, back-off 0). A run's goodput is its productive time over its wall time (from starting the launcher to its
-exit): productive time is the step time (metrics.jsonl's step_time_s, which includes checkpoint stalls) of the
-steps that count, the last record of each step, so steps recomputed after a kill and every restart's downtime are
-lost. Each run is measured against its own clock, so the host running faster or slower between the two runs does
-not enter it (measured: the killed run's first launch, before any kill, stepped 10 % slower than the uninterrupted
-run just before it); the plain ratio of the two wall times, which it does enter, is reported beside it. Prints a
-table and a JSON object.
+On its own local Slurm clusters (envs/slurm/cluster.sh) and under the local launcher; the methods, the clock and
+the goodput's definition: bench/README.md.
 """
 
 from __future__ import annotations
@@ -45,7 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, add_slurm_options, chosen_methods, lines, sh, slurm_cluster, wait  # bench/ is on sys.path
+from common import (  # bench/ is on sys.path
+    ROOT,
+    add_slurm_options,
+    bench_parser,
+    chosen_methods,
+    emit,
+    lines,
+    sh,
+    slurm_cluster,
+    wait,
+)
 
 from rundir.contract import EVENT_HANG, EVENT_RESTART, EVENT_RESUME
 
@@ -248,14 +234,16 @@ def summarize_goodput(plain: dict, killed: dict) -> dict:
     }
 
 
+KEYS = ("survivors_stopped_s", "restart_decided_s", "resumed_s", "first_new_step_s")
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--goodput-steps", type=int, default=0, help="steps of the goodput runs (0: skip them)")
     p.add_argument("--kill-every", type=int, default=1000, help="steps between kills in the goodput run")
     p.add_argument("--no-slurm", action="store_true", help="only the local measurements")
     add_slurm_options(p, METHODS)
-    p.add_argument("--json", type=Path)
     args = p.parse_args()
     methods = chosen_methods(p, args.methods, METHODS)
     if args.no_slurm:
@@ -266,6 +254,18 @@ def main() -> int:
     data = work / "data"
     prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
                         shard_tokens=400_000), data)  # fmt: skip
+    rows = interruptions(args, methods, data, work)
+    setup = {"reps": args.reps, "methods": methods, "config": SETS}
+    result = {"benchmark": "recovery", "setup": setup, "summary": medians(rows), "runs": rows}
+    if args.goodput_steps:
+        result["goodput"] = goodput(data, work, args.goodput_steps, args.kill_every)
+    emit(result, args.json, show)
+    return 0
+
+
+def interruptions(args: argparse.Namespace, methods: list[str], data: Path, work: Path) -> list[dict]:
+    """Every repetition of the chosen methods: local-kill here, kill and requeue on the bench's Slurm cluster (or
+    ``--slurm-conf``'s), the node losses on a cluster of separate hosts of its own."""
     rows = [one("local-kill", data, work) for _ in range(args.reps)] if "local-kill" in methods else []
     on_slurm = [m for m in methods if m not in ("local-kill", *NODE_METHODS)]
     if on_slurm:
@@ -275,31 +275,32 @@ def main() -> int:
     if on_hosts:  # always its own cluster: --slurm-conf's is not one of separate hosts
         with slurm_cluster(HOSTS) as state:
             rows += [node_loss(m, data, work, state) for _ in range(args.reps) for m in on_hosts]
-    keys = ("survivors_stopped_s", "restart_decided_s", "resumed_s", "first_new_step_s")
+    return rows
+
+
+def medians(rows: list[dict]) -> dict[str, dict]:
+    """Per method, in the order first run: each of KEYS' median over the repetitions that have it (None if none)."""
     summary = {}
-    print(
-        f"\n{'interruption':14} " + " ".join(f"{k:>18}" for k in keys) + "   (medians, seconds after the kill/signal)"
-    )
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
-        med = {k: statistics.median(r[k] for r in mine if r.get(k) is not None)
-               if any(r.get(k) is not None for r in mine) else None for k in keys}  # fmt: skip
-        summary[method] = med
+        summary[method] = {k: statistics.median(r[k] for r in mine if r.get(k) is not None)
+                           if any(r.get(k) is not None for r in mine) else None for k in KEYS}  # fmt: skip
+    return summary
+
+
+def show(result: dict) -> None:
+    print(
+        f"\n{'interruption':14} " + " ".join(f"{k:>18}" for k in KEYS) + "   (medians, seconds after the kill/signal)"
+    )
+    for method, med in result["summary"].items():
         print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>18}" for v in med.values()))
-    setup = {"reps": args.reps, "methods": methods, "config": SETS}
-    result = {"benchmark": "recovery", "setup": setup, "summary": summary, "runs": rows}
-    if args.goodput_steps:
-        g = goodput(data, work, args.goodput_steps, args.kill_every)
-        result["goodput"] = g
+    if "goodput" in result:
+        g = result["goodput"]
         print(f"\ngoodput: {g['steps']} steps, a rank killed every {g['kill_every']} steps ({g['killed']['kills']} "
               f"kills): {100 * g['goodput']:.1f} % of the killed run's {g['killed']['wall_s']:.1f} s trained steps "
               f"that count ({100 * g['goodput_uninterrupted']:.1f} % of the uninterrupted run's "
               f"{g['uninterrupted']['wall_s']:.1f} s); {g['cost_per_kill_s']:.1f} s lost per kill; wall-time ratio "
               f"{100 * g['wall_ratio']:.1f} %; same params_sha256: {g['same_params']}")  # fmt: skip
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

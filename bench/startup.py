@@ -3,21 +3,9 @@ side by side with what it replaced.
 
     python bench/startup.py [--rounds 6] [--launches 6] [--nodes 2 --ranks 2] [--json PATH]
 
-- imports: the trainer's start-up imports (torch, torch.distributed.checkpoint with DTensor, torch._dynamo, DDP) in
-  fresh processes with Python's cyclic garbage collector on (Python's default) and off (trainer/main.py keeps it
-  off until they are done), alternating, --rounds times each.
-- waits: --nodes x --ranks ranks under mpirun on this host; rank 0 works (a fixed number of small matmuls) while
-  the others wait for it in an MPI all-gather, either blocking in it (MPICH spins) or through
-  ``trainer.env.patient_allgather`` (first a non-blocking barrier tested every 2 ms), --rounds times each,
-  alternating: how long rank 0's work took and the CPU seconds the waiting ranks used. The trainer's meetings
-  outside the loop (after the imports, the preflight, a restore's checks, a stop, the teardown) wait patiently.
-- launches: --launches one-step runs of the tiny model (d_model 64, 2 layers) through `python -m hpc.submit tiny
-  --local` on --nodes x --ranks simulated nodes: per start-up phase (the start event's ``startup_s``: imports of the
-  slowest rank, mpi, rendezvous, recipe, build, restore, preflight) the median and the largest, the launch's wall
-  time and the CPU seconds its processes used, and the preflight's gap between its fastest and slowest node.
-
-Prints a table and a JSON object. Figures are per invocation: the machine's other load changes them; the two sides
-of each comparison run alternately, in one invocation.
+Three parts, the two sides of each comparison alternated in one invocation: the start-up imports with the
+collector on and off, MPI waits blocking against patient, and one-step launches of the tiny model phase by phase
+(what each measures: bench/README.md).
 """
 
 from __future__ import annotations
@@ -34,15 +22,15 @@ from pathlib import Path
 
 from common import (  # bench/ is on sys.path
     ROOT,
-    add_quiet_wait_option,
+    add_nodes_ranks,
+    bench_parser,
     children_cpu_s,
+    emit,
     lines,
     mpirun_and_env,
     set_quiet_wait,
     wait_for_quiet,
 )
-
-sys.path.insert(0, str(ROOT))
 
 IMPORTS = "import torch, torch.distributed.checkpoint, torch._dynamo, torch.nn.parallel"
 PHASES = ("imports", "mpi", "rendezvous", "recipe", "build", "restore", "preflight")
@@ -52,13 +40,10 @@ WORK_MATMULS = 400  # rank 0's work in the waits part: ~0.4 s of 256 x 256 matmu
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quiet_wait=True)
     p.add_argument("--rounds", type=int, default=6, help="rounds of each side of the imports and waits comparisons")
     p.add_argument("--launches", type=int, default=6, help="one-step launches (0: skip)")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--ranks", type=int, default=2, help="ranks per simulated node")
-    p.add_argument("--json", type=Path, help="also write the JSON object here")
-    add_quiet_wait_option(p)
+    add_nodes_ranks(p, nodes=2, ranks=2)
     p.add_argument("--wait-worker", choices=("blocking", "patient"), help=argparse.SUPPRESS)
     p.add_argument("--wait-out", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -176,21 +161,23 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "n_launches": len(runs),
     }
-    print(f"imports ({args.rounds} rounds each, alternating), median s: collector on {med(imports['on']):.2f}, off "
-          f"{med(imports['off']):.2f} ({result['imports_ratio_off_vs_on']:.2f}x)")  # fmt: skip
-    print(f"waits ({result['layout']} ranks, rank 0 works, {args.rounds} rounds each), median:")
+    emit(result, args.json, show)
+    return 0
+
+
+def show(result: dict) -> None:
+    on, off = result["imports_s"]["on"], result["imports_s"]["off"]
+    print(f"imports ({result['rounds']} rounds each, alternating), median s: collector on {on:.2f}, off "
+          f"{off:.2f} ({result['imports_ratio_off_vs_on']:.2f}x)")  # fmt: skip
+    print(f"waits ({result['layout']} ranks, rank 0 works, {result['rounds']} rounds each), median:")
     print("| wait | rank 0's work s | waiters' CPU s |\n|---|---:|---:|")
     for mode, figures in result["waits"].items():
         print(f"| {mode} | {figures['work_s']:.3f} | {figures['waiters_cpu_s']:.2f} |")
-    if runs:
-        print(f"launches ({len(runs)} one-step launches, {result['layout']} ranks), seconds:")
+    if result["n_launches"]:
+        print(f"launches ({result['n_launches']} one-step launches, {result['layout']} ranks), seconds:")
         print("| | median | max |\n|---|---:|---:|")
         for key, figures in result["launches"].items():
             print(f"| {key} | {figures['median']:.2f} | {figures['max']:.2f} |")
-    print(json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ mean of ``step_time_s`` over the steps after ``--skip`` of all rounds: the mean 
 while the tracker sends. The tracker's client is imported and its store made in rank 0's background thread during
 start-up and the first steps: that one-off cost shows in the run's wall time, also reported. The tracker's history
 is read back after each tracked run: every step once. The server shares this host's cores with the ranks (on a
-cluster it runs elsewhere). Prints a table and a JSON object (``--json FILE`` writes it too).
+cluster it runs elsewhere). Prints a table and a JSON object.
 """
 
 from __future__ import annotations
@@ -26,28 +26,30 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.common import lines  # noqa: E402
+from common import (  # bench/ on sys.path
+    ROOT,
+    add_nodes_ranks,
+    add_run_length,
+    bench_parser,
+    check_run_length,
+    emit,
+    lines,
+)
 
 VARIANTS = ("off", "embedded", "server", "live")
 TRACKED = ("embedded", "server")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python bench/tracking.py", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--skip", type=int, default=60, help="warm-up steps left out of the median")
-    p.add_argument("--rounds", type=int, default=3)
+    p = bench_parser(__doc__, prog="python bench/tracking.py")
+    add_run_length(p, steps=300, skip=60, rounds=3, of="variant")
     p.add_argument("--ckpt-every", type=int, default=50)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--ranks", type=int, default=2)
+    add_nodes_ranks(p, nodes=1, ranks=2)
     p.add_argument("--set", action="append", default=[], help="more config overrides (KEY=VALUE)")
     p.add_argument("--work", type=Path, default=None, help="folder for the runs (default: a temporary one)")
-    p.add_argument("--json", type=Path, default=None)
     p.add_argument("--variants", default=",".join(VARIANTS), help="a subset, comma-separated (off is always run)")
     args = p.parse_args(argv)
+    check_run_length(p, args)
     args.variants = tuple(v for v in VARIANTS if v == "off" or v in args.variants.split(","))
     return args
 
@@ -153,12 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             server_script("wipe", state, port)
         if live:
             prometheus_script("wipe", work / "prometheus", ports, work / "live")
-    result = summarize(args, runs)
-    show(result)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit(summarize(args, runs), args.json, show)
     return 0
 
 

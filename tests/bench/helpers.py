@@ -1,4 +1,4 @@
-"""Running a benchmark script as a user would: ``python bench/NAME.py ... --json OUT`` from the repository root."""
+"""Running a benchmark script as a user would: ``python bench/NAME.py ... --json PATH`` from the repository root."""
 
 from __future__ import annotations
 
@@ -14,21 +14,26 @@ from tests.conftest import ROOT
 
 
 def run_bench(
-    name: str, args: list[str], tmp_path: Path, *, json_flag: bool = True, timeout: float = 300
-) -> tuple[dict | None, str]:
-    """Runs bench/NAME.py with ``args`` (and ``--json tmp_path/NAME.json``) under this Python, its temporary
-    folders inside ``tmp_path``; asserts it exited 0 and returns (the JSON it wrote, its stdout)."""
+    name: str, args: list[str], tmp_path: Path, *, printed_last: bool = True, timeout: float = 300
+) -> tuple[dict, str]:
+    """Runs bench/NAME.py with ``args`` and ``--json tmp_path/NAME.json`` under this Python, its temporary folders
+    inside ``tmp_path``; asserts it exited 0 and (unless ``printed_last`` is False: gpu_check.py prints its table
+    last) that the JSON object it printed last on stdout is the one ``--json`` wrote (bench/README.md's output
+    convention). Returns (the JSON it wrote, its stdout)."""
     out = tmp_path / f"{name}.json"
     scratch = tmp_path / "tmp"  # what the script leaves in its temporary folders goes with the test's
     scratch.mkdir(exist_ok=True)
     env = {**os.environ, "TMPDIR": str(scratch)}
-    cmd = [sys.executable, f"bench/{name}.py", *args, *(["--json", str(out)] if json_flag else [])]
+    cmd = [sys.executable, f"bench/{name}.py", *args, "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{tail}"
     left = leftovers(tmp_path)
     assert not left, f"processes of bench/{name}.py's runs still running after it exited:\n" + "\n".join(left)
-    return (json.loads(out.read_text()) if json_flag else None), proc.stdout
+    written = out.read_text()
+    if printed_last:
+        assert proc.stdout.rstrip().endswith("\n" + written.rstrip()), f"the JSON printed last is not --json's:\n{tail}"
+    return json.loads(written), proc.stdout
 
 
 def leftovers(tmp_path: Path, grace_s: float = 10.0) -> list[str]:

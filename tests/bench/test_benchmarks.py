@@ -1,7 +1,7 @@
-"""Every benchmark under bench/ at a toy size, run as a user would (``python bench/NAME.py ... --json OUT`` from the
-repository root): it must finish, print its table, and write the JSON fields its docstring promises, with sane
-values. A smoke test of the script, not of the figures (benchmarks never fail on a slow result). bench/preemption.py,
-which needs Slurm, is in tests/slurm/test_bench_smoke.py, on the session's cluster."""
+"""Every benchmark under bench/ at a toy size, run as a user would (``python bench/NAME.py ... --json PATH`` from the
+repository root): it must finish, print its table and its JSON object, and write that object with the fields each
+test names, with sane values. A smoke test of the script, not of the figures (benchmarks never fail on a slow
+result). bench/preemption.py, which needs Slurm, is in tests/slurm/test_bench_smoke.py, on the session's cluster."""
 
 from __future__ import annotations
 
@@ -95,13 +95,13 @@ def test_gpu_check_cpu_rehearsal(tmp_path):
     (shared_gpu, gloo_2x2) do not run on CPU; tiny, resume, gpt124m(_compile), plain_large and profile(_large) run
     there too but take a minute together, so they are left to a rehearsal by hand."""
     out_dir = tmp_path / "out"
-    _, out = run_bench(
+    res, out = run_bench(
         "gpu_check",
         ["--device", "cpu", "--small", "--rounds", "1", "--only", "env", "plain", "--out", str(out_dir)],
         tmp_path,
-        json_flag=False,
+        printed_last=False,
     )
-    res = json.loads((out_dir / "gpu_check.json").read_text())
+    assert json.loads((out_dir / "gpu_check.json").read_text()) == res  # --json's object, kept beside the logs too
     assert list(res) == ["env", "plain"]
     env = res["env"]
     assert env["ok"] is True and env["torch"] and env["python"] and env["mpirun_beside_python"] is True
