@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The project's packages first: a script run as ``python bench/NAME.py`` has bench/ as sys.path[0], where
-# bench/tracking.py (a benchmark) would shadow the tracking package for every module that imports it.
+# The project's packages first: a script run as ``python bench/NAME.py`` has bench/ as sys.path[0], where a
+# benchmark named like a package would shadow it.
 if sys.path[0] != str(ROOT):
     sys.path.insert(0, str(ROOT))
 OTHER_LOAD_LIMIT = 0.1  # cores used by other processes during a run above which its figures are suspect

@@ -428,7 +428,7 @@ def test_tracking(tmp_path):
     """Tracking off, to the embedded store and live metrics (a real Prometheus and Pushgateway), 1 node x 2 ranks,
     8 steps, one round (the server's variant is tests/mp/test_tracking.py's)."""
     res, out = run_bench(
-        "tracking",
+        "tracker_cost",
         ["--steps", "8", "--skip", "2", "--rounds", "1", "--ckpt-every", "4", "--variants", "off,embedded,live"],
         tmp_path,
     )

@@ -5,7 +5,7 @@ Rank 0 (trainer/observe/tracker_sink.py) writes operations to this process's std
 target, the run directory, the params, the log), ``begin`` (a launch's step, tags and files), ``record``,
 ``committed`` (a checkpoint's step), ``tags``, ``file`` and ``finish``; end of input is the end of the launch. A
 process of its own, at the lowest CPU priority, so that the client's imports, its store and its sending neither
-hold the trainer's GIL nor take a core the ranks need (bench/tracking.py measures what is left).
+hold the trainer's GIL nor take a core the ranks need (bench/tracker_cost.py measures what is left).
 
 A record waits until a committed checkpoint covers its step (``committed``), or the run is done: a launch that
 fails recomputes the steps after its newest checkpoint, and those were never sent, so the tracker's history equals

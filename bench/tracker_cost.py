@@ -41,7 +41,7 @@ TRACKED = ("embedded", "server")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = bench_parser(__doc__, prog="python bench/tracking.py")
+    p = bench_parser(__doc__, prog="python bench/tracker_cost.py")
     add_run_length(p, steps=300, skip=60, rounds=3, of="variant")
     p.add_argument("--ckpt-every", type=int, default=50)
     add_nodes_ranks(p, nodes=1, ranks=2)
