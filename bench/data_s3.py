@@ -79,8 +79,8 @@ def part_loader(args, work: Path, data: Path, url: str) -> dict:
     from runconfig.schema import StorageConfig
     from storage.objstore import Store
     from trainer.data.dataset import TokenShards, read_manifest
+    from trainer.data.node_cache import FETCHES, NodeCache
     from trainer.data.resolve import remote_manifest
-    from trainer.data.stream import FETCHES, ShardCache
 
     seq_len = 256
     manifest = read_manifest(data)
@@ -95,7 +95,7 @@ def part_loader(args, work: Path, data: Path, url: str) -> dict:
         remote, sizes = remote_manifest(store, url)
         folder = work / f"cache-{r}"
         for kind in ("s3, cold cache", "s3, warm cache"):
-            cache = ShardCache(store, url, remote, folder, max_bytes=0, threads=4, rank=0, sizes=sizes)
+            cache = NodeCache(store, url, remote, folder, max_bytes=0, threads=4, rank=0, sizes=sizes)
             shards = TokenShards(folder, remote, "train", seq_len, cache=cache, check_range=False)
             rates[kind].append(read_windows(shards, count, seq_len))
             shards.close()

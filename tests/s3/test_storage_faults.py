@@ -15,17 +15,17 @@ from runconfig.schema import StorageConfig
 from storage.objstore import Store, StoreError, StoreUnavailable
 from tests.conftest import PY, ROOT
 from tests.s3.conftest import BUCKET
+from trainer.data.node_cache import FETCHES, NodeCache
 from trainer.data.resolve import remote_manifest
-from trainer.data.stream import FETCHES, ShardCache
 from trainer.errors import UserError
 
 FAST = StorageConfig(retries=2, retry_backoff_s=0.05)
 
 
-def cache_of(url: str, folder: Path, **kw) -> ShardCache:
+def cache_of(url: str, folder: Path, **kw) -> NodeCache:
     store = Store(FAST)
     manifest, sizes = remote_manifest(store, url)
-    return ShardCache(store, url, manifest, folder, max_bytes=kw.pop("max_bytes", 0), threads=2, rank=0,
+    return NodeCache(store, url, manifest, folder, max_bytes=kw.pop("max_bytes", 0), threads=2, rank=0,
                       sizes=sizes, **kw)  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def test_a_corrupt_shard_in_the_bucket_is_never_cached(s3, small_dataset, tmp_pa
 def test_a_server_restart_mid_fetch_is_retried(s3, s3_small, tmp_path):
     store = Store(StorageConfig(retries=8, retry_backoff_s=0.2))
     manifest, sizes = remote_manifest(store, s3_small)
-    cache = ShardCache(store, s3_small, manifest, tmp_path / "cache", max_bytes=0, threads=1, rank=0, sizes=sizes)
+    cache = NodeCache(store, s3_small, manifest, tmp_path / "cache", max_bytes=0, threads=1, rank=0, sizes=sizes)
     name = manifest["splits"]["train"][0]["file"]
     s3.script("stop")
     restarted = threading.Timer(1.5, s3.script, ["start"])
@@ -119,7 +119,7 @@ def test_the_node_cache_evicts_least_recently_used_and_names_a_full_disk(s3_smal
     store = Store(FAST)
     manifest, sizes = remote_manifest(store, s3_small)
     bound = sizes[files[0]] + sizes[files[1]] + sizes[files[2]] // 2  # two shards fit, not three
-    cache = ShardCache(store, s3_small, manifest, tmp_path / "c", max_bytes=bound, threads=1, rank=0, sizes=sizes)
+    cache = NodeCache(store, s3_small, manifest, tmp_path / "c", max_bytes=bound, threads=1, rank=0, sizes=sizes)
     cache.local(files[0])
     time.sleep(0.01)
     cache.local(files[1])
@@ -136,7 +136,7 @@ def test_the_node_cache_evicts_least_recently_used_and_names_a_full_disk(s3_smal
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        cache = ShardCache(store, s3_small, manifest, small / "c", max_bytes=0, threads=1, rank=0, sizes=sizes)
+        cache = NodeCache(store, s3_small, manifest, small / "c", max_bytes=0, threads=1, rank=0, sizes=sizes)
         with pytest.raises(UserError, match=r"the node cache .*small/c \(data.cache_dir\) is full: data shard"):
             cache.local(files[0])
         assert not list((small / "c").glob(".part-*"))
@@ -150,11 +150,11 @@ import sys
 from storage.objstore import Store
 from runconfig.schema import StorageConfig
 from trainer.data.resolve import remote_manifest
-from trainer.data.stream import ShardCache
+from trainer.data.node_cache import NodeCache
 url, folder = sys.argv[1], sys.argv[2]
 store = Store(StorageConfig())
 manifest, sizes = remote_manifest(store, url)
-cache = ShardCache(store, url, manifest, folder, max_bytes=0, threads=3, rank=0, sizes=sizes)
+cache = NodeCache(store, url, manifest, folder, max_bytes=0, threads=3, rank=0, sizes=sizes)
 names = [s["file"] for s in manifest["splits"]["train"]]
 cache.will_need(names)
 print(sum(cache.local(n).stat().st_size for n in names))

@@ -22,7 +22,7 @@ import numpy as np
 
 from storage.ioretry import RetryPolicy, is_transient, retry
 from storage.objstore import join
-from trainer.data.stream import ShardCache
+from trainer.data.node_cache import NodeCache
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class TokenShards:
         check_range: bool = True,
         retry: RetryPolicy = NO_RETRY,
         before_read: Callable[[Path], None] | None = None,
-        cache: ShardCache | None = None,
+        cache: NodeCache | None = None,
     ) -> None:
         self.folder = Path(folder) if cache is None else cache.url  # where the shards are, for messages
         self.window = seq_len + 1

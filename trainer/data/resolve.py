@@ -22,6 +22,7 @@ from runconfig.schema import DataConfig, StorageConfig
 from storage.ioretry import RetryPolicy
 from storage.objstore import Store, StoreError, StoreUnavailable, is_url, join
 from trainer.data.dataset import TokenShards, read_manifest
+from trainer.data.node_cache import NodeCache, dataset_key
 from trainer.data.prepare import (
     STDLIB,
     PrepareSpec,
@@ -30,7 +31,6 @@ from trainer.data.prepare import (
     prepare,
     tokenizer_sha256,
 )
-from trainer.data.stream import ShardCache, dataset_key
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.env import RuntimeEnv, agree
 from trainer.errors import UserError
@@ -124,7 +124,7 @@ def _open_remote(
     node = env.node_names[env.rank].replace("/", "_")
     folder = root / node / dataset_key(url, manifest)
     try:
-        cache = ShardCache(
+        cache = NodeCache(
             store, url, manifest, folder, max_bytes=int(cfg.cache_max_gb * 1e9), threads=cfg.stream_threads,
             rank=env.rank, sizes=sizes,
         )  # fmt: skip

@@ -43,7 +43,7 @@ def dataset_key(url: str, manifest: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class ShardCache:
+class NodeCache:
     """Local copies of the shards of the dataset at ``url`` (manifest ``manifest``) in ``folder``."""
 
     def __init__(
