@@ -380,24 +380,9 @@ def run_preflight(parts: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
     start = time.perf_counter()
     parts.mon.watchdog.enter("preflight")
     mib = cfg.preflight_mib or AUTO_MIB.get(parts.distributed.device.type, AUTO_MIB["cpu"])
-    mine = measure(
-        env,
-        parts.distributed.device,
-        parts.distributed.groups,
-        parts.loader,
-        position=parts.state.data_position,
-        mib=mib,
-        injector=parts.mon.injector,
-    )
-    # The nodes finish measuring at different times; ranks spinning in MPI's gather would starve the gloo transfers
-    # the others are still finishing on a shared host.
-    figures = patient_allgather(comm, mine)
-    verdict = judge(figures, ranks_per_node=env.topology.ranks_per_node, margin=cfg.preflight_margin)
-    measured = 1
-    # A first verdict that names a node is a question, not an answer: every rank measures once more and each rank's
-    # better figure of the two counts, so a node is named only when it is slow both times.
-    if verdict.named:  # every rank judged the same figures: all of them measure again, or none
-        again = measure(
+
+    def measure_once() -> dict:
+        return measure(
             env,
             parts.distributed.device,
             parts.distributed.groups,
@@ -406,6 +391,17 @@ def run_preflight(parts: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
             mib=mib,
             injector=parts.mon.injector,
         )
+
+    mine = measure_once()
+    # The nodes finish measuring at different times; ranks spinning in MPI's gather would starve the gloo transfers
+    # the others are still finishing on a shared host.
+    figures = patient_allgather(comm, mine)
+    verdict = judge(figures, ranks_per_node=env.topology.ranks_per_node, margin=cfg.preflight_margin)
+    measured = 1
+    # A first verdict that names a node is a question, not an answer: every rank measures once more and each rank's
+    # better figure of the two counts, so a node is named only when it is slow both times.
+    if verdict.named:  # every rank judged the same figures: all of them measure again, or none
+        again = measure_once()
         figures = patient_allgather(comm, better_of(mine, again))
         verdict = judge(figures, ranks_per_node=env.topology.ranks_per_node, margin=cfg.preflight_margin)
         measured = 2
