@@ -111,7 +111,7 @@ STEP_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
-class StepEnd:
+class SrunStepEnd:
     status: int  # srun's exit status (-9: the driver ended it after the grace)
     first_failed: int | None = None  # the task of srun's first failed-task line
     failed_nodes: tuple[str, ...] = ()  # nodes srun reported failed
@@ -137,7 +137,7 @@ def suspect_ranks(failure: Path) -> set[int]:
         return set()
 
 
-def run_step(command: list[str], env: dict, failure: Path | None = None, ntasks: int = 0) -> StepEnd:
+def run_srun_step(command: list[str], env: dict, failure: Path | None = None, ntasks: int = 0) -> SrunStepEnd:
     """Run srun, copying its output through; how it ended.
 
     srun's first failed-task line comes within ~0.1 s of a rank's death. Once the ranks have written their
@@ -191,7 +191,7 @@ def run_step(command: list[str], env: dict, failure: Path | None = None, ntasks:
             ended_srun = True
             failure = None
     thread.join(timeout=10)
-    return StepEnd(status, first[0] if first else None, tuple(failed), ended_srun)
+    return SrunStepEnd(status, first[0] if first else None, tuple(failed), ended_srun)
 
 
 def sweep_command(num_nodes: int) -> list[str]:
@@ -220,7 +220,7 @@ def run_complete(rundir: RunDir, cfg: RunConfig) -> bool:
 
 
 @dataclass(frozen=True)
-class StepLaunch:
+class SrunLaunch:
     """How one srun step of the ranks ended (hpc/restarts.py's Launched)."""
 
     ended: Ended
@@ -273,7 +273,7 @@ class Driver:
         )
         return self._carry_out(decision, launched, cfg, rundir, job)
 
-    def _situation(self, cfg: RunConfig, job: SlurmJob, allocation: tuple[str, ...], launched: StepLaunch) -> Situation:
+    def _situation(self, cfg: RunConfig, job: SlurmJob, allocation: tuple[str, ...], launched: SrunLaunch) -> Situation:
         return Situation(
             slurm=True,
             ending=JOB_ENDING.is_set(),
@@ -287,7 +287,7 @@ class Driver:
             stop_signal=STOP_SIGNAL.is_set(),
         )
 
-    def _carry_out(self, decision, launched: StepLaunch, cfg: RunConfig, rundir: RunDir, job: SlurmJob) -> dict:
+    def _carry_out(self, decision, launched: SrunLaunch, cfg: RunConfig, rundir: RunDir, job: SlurmJob) -> dict:
         """What the launches' decision says once no restart follows: resubmit, requeue (held), or end."""
         if decision.action != "restart" and launched.ended.how == "failed":
             # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a
@@ -312,7 +312,7 @@ class Driver:
     @staticmethod
     def _launch(
         cfg: RunConfig, rundir: RunDir, job: SlurmJob, allocation: tuple[str, ...], nodes: tuple[str, ...], attempt: int
-    ) -> StepLaunch:
+    ) -> SrunLaunch:
         """One srun step of the ranks on ``nodes`` (all of the allocation: no node list); how it ended."""
         if attempt:  # a node named or taken back since the chain's pending links were submitted: their exclusions
             exclude_pending(rundir, tuple(bad_nodes(rundir)), skip={job.job_id})
@@ -325,14 +325,14 @@ class Driver:
         rundir.clear_failure()  # an earlier launch's diagnosis is not this one's
         STOP_SIGNAL.clear()  # a signal before this launch is not what ends it
         ntasks = len(nodes or allocation) * cfg.job.ranks_per_node
-        end = run_step(command, env, rundir.failure, ntasks)
+        end = run_srun_step(command, env, rundir.failure, ntasks)
         status = end.status
         # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks were
         # killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
         ended = how_it_ended(rundir, launch_id, status)
         if ended.recorded and status not in (EXIT_DONE, EXIT_STOPPED):
             print(f"srun exit status {status}, but this launch recorded: {ended.how}", flush=True)
-        return StepLaunch(ended, launch_id, status, nodes or allocation, end.first_failed, end.failed_nodes)
+        return SrunLaunch(ended, launch_id, status, nodes or allocation, end.first_failed, end.failed_nodes)
 
     def _resubmit(self, cfg: RunConfig, rundir: RunDir, job: SlurmJob, exclude: tuple[str, ...], why: str) -> dict:
         """End this job; the run continues in a job that excludes ``exclude``: the chain's next link when one is

@@ -1,5 +1,5 @@
 """What the driver reads from srun's stderr and the ranks' diagnosis to end a step whose lost node's tasks never
-report (hpc/driver.py run_step)."""
+report (hpc/driver.py run_srun_step)."""
 
 import json
 
