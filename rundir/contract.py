@@ -8,6 +8,7 @@ import these names; a literal that names one of them anywhere else is a bug wait
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from storage.files import append_jsonl
@@ -67,3 +68,8 @@ def launches_and_restarts(events: list[dict]) -> tuple[int, int]:
     """In a run's history events: its launches so far (start and resume events) and its in-job restarts."""
     launches = sum(1 for e in events if e.get("event") in (EVENT_START, EVENT_RESUME))
     return launches, sum(1 for e in events if e.get("event") == EVENT_RESTART)
+
+
+def data_cache(environ: Mapping[str, str]) -> Path:
+    """Where datasets prepared on first use are kept: $HPC_DATA_CACHE, else ~/.cache/hpc-trainer/data."""
+    return Path(environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data")

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from mpi4py import MPI
 
-from rundir.contract import DATA_CACHE_VAR, INJECT_VAR, LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR
+from rundir.contract import INJECT_VAR, LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR, data_cache
 from rundir.slurmvars import slurm_job_id, slurm_restart_count
 from tracking import MLFLOW_URI_VAR, TRACKING_VAR
 from trainer.errors import UserError
@@ -109,7 +109,7 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         cpus=len(os.sched_getaffinity(0)),
         slurm_job_id=slurm_job_id(environ),
         slurm_restart_count=slurm_restart_count(environ),
-        data_cache=Path(environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data"),
+        data_cache=data_cache(environ),
         launch_id=environ.get(LAUNCH_VAR, ""),
         inject=inject.parse(environ.get(INJECT_VAR, "")),
         tracking_vars=tuple((k, environ[k]) for k in (TRACKING_VAR, MLFLOW_URI_VAR) if k in environ),

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
+from rundir.contract import data_cache
 from storage.digest import sha256_file
 from storage.objstore import Store, StoreError, is_url, join, local_path
 from trainer.data.passes import FORMAT, Plan, cut_parts, parts_done, run_passes
@@ -211,7 +212,7 @@ def work_folder(out: str | Path, spec: PrepareSpec, cache: Path | None = None) -
     if not is_url(str(out)):
         out = Path(local_path(str(out)))
         return out.parent / f".{out.name}.prepare-{spec.key()}"
-    base = cache or Path(os.environ.get("HPC_DATA_CACHE") or Path.home() / ".cache" / "hpc-trainer" / "data")
+    base = cache or data_cache(os.environ)
     return base / "prepare" / spec.key()
 
 
