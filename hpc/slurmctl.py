@@ -147,10 +147,13 @@ def job_states(job_ids: Iterable[str]) -> dict[str, JobState]:
             found[job] = JobState(job, state or "UNKNOWN", reason, int(restarts) if restarts.isdigit() else 0)
     missing = [j for j in ids if j not in found]
     if missing:
+        error = last_line(out.stderr or out.stdout)
+        # squeue lists the jobs it knows and leaves out the others; asked only for jobs it forgot, it fails so
+        forgotten = out.returncode == 0 or "invalid job id" in error.lower()
         why = (
             "the controller no longer knows it (it forgets finished jobs MinJobAge after they end)"
-            if out.returncode == 0
-            else f"squeue: {last_line(out.stderr or out.stdout) or 'no answer'}"
+            if forgotten
+            else f"squeue: {error or 'no answer'}"
         )
         found.update(_accounted(missing, why))
     return {j: found[j] for j in ids}
