@@ -45,11 +45,11 @@ from overhead_variants import (  # noqa: E402
 )
 
 from runconfig import load_config  # noqa: E402
+from rundir.contract import data_cache  # noqa: E402
 from rundir.paths import RunDir  # noqa: E402
 from tracking import create_store, resolve  # noqa: E402
 from trainer.data.prepare import prepare  # noqa: E402
 from trainer.data.resolve import dataset_folder, prepare_spec  # noqa: E402
-from trainer.env import DATA_CACHE_VAR  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,7 +109,7 @@ def data_folder(args: argparse.Namespace, overrides: list[str]) -> Path:
     if args.data:
         return args.data.resolve()
     cfg = load_config(args.config, overrides)
-    cache = Path(os.environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data")
+    cache = data_cache(os.environ)
     folder = dataset_folder(cfg.data, cache)
     if not (folder / "manifest.json").is_file():
         print(f"preparing {cfg.data.source} into {folder} (first use)")

@@ -1,5 +1,5 @@
-"""The one door to Slurm's commands (torch-free): scontrol, squeue, sacct and scancel (sbatch
-only through submitit, hpc/slurm.py).
+"""The one door to Slurm's commands (torch-free): scontrol, squeue, sacct, scancel, and sbatch
+outside submitit (the plain sbatch scripts' continuation job; hpc/slurm.py submits through submitit).
 
 One error policy: a command that changes something raises ``SlurmError`` naming the command and Slurm's answer
 (callers that can go on catch it and warn); a query never raises, it says UNKNOWN and why. One parser for
@@ -9,10 +9,12 @@ sacct call for those the controller no longer remembers (as submitit's watcher d
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,3 +213,49 @@ def release(job_id: str) -> None:
 def cancel(job_ids: list[str], *, signal: str | None = None) -> None:
     """scancel the jobs, or send them ``signal`` (a name without SIG) and let them go on."""
     run(["scancel", *([f"--signal={signal}"] if signal else []), *job_ids])
+
+
+def resubmit_self(job_id: str, exclude: str, environ: dict[str, str]) -> str:
+    """From inside job ``job_id`` (a plain sbatch script's): the same batch script submitted again with this job's
+    shape, limit and output, excluding ``exclude``; this job is made non-requeueable first (a node lost during it
+    makes it a NODE_FAIL that Slurm requeues, and both jobs would train the run at once). The new job's id."""
+    fields = parse_record(run(["scontrol", "-o", "show", "job", job_id]))
+    script, out, limit = fields.get("Command", ""), fields.get("StdOut", ""), fields.get("TimeLimit", "")
+    if not Path(script).is_file():
+        raise SlurmError(f"the batch script {script or '(none)'} of job {job_id} is gone")
+    try:
+        update_job(job_id, Requeue="0")
+    except SlurmError as exc:
+        print(f"warning: job {job_id} could not be made non-requeueable: {exc}", file=sys.stderr)
+    args = ["--parsable", f"--exclude={exclude}", f"--nodes={environ.get('SLURM_JOB_NUM_NODES', '')}"]
+    args += [f"--job-name={environ.get('SLURM_JOB_NAME', '')}", "--export=ALL", "--requeue", "--open-mode=append"]
+    per_node = environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    args += [f"--ntasks-per-node={per_node}"] if per_node else []
+    args += [f"--partition={environ['SLURM_JOB_PARTITION']}"] if environ.get("SLURM_JOB_PARTITION") else []
+    args += [f"--account={environ['SLURM_JOB_ACCOUNT']}"] if environ.get("SLURM_JOB_ACCOUNT") else []
+    args += [f"--time={limit}"] if limit and limit != "UNLIMITED" else []
+    args += [f"--output={out}"] if out else []
+    cwd = environ.get("SLURM_SUBMIT_DIR") or "."
+    submitted = subprocess.run(["sbatch", *args, script], capture_output=True, text=True, cwd=cwd, check=False)
+    if submitted.returncode != 0:
+        raise SlurmError(f"sbatch failed: {last_line(submitted.stderr or submitted.stdout)}")
+    return submitted.stdout.strip().split(";")[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpc.slurmctl resubmit JOB_ID EXCLUDE``: sbatch/common.sh's continuation job; prints its id."""
+    parser = argparse.ArgumentParser(prog="python -m hpc.slurmctl", description=main.__doc__.splitlines()[0])
+    parser.add_argument("verb", choices=["resubmit"])
+    parser.add_argument("job_id")
+    parser.add_argument("exclude")
+    args = parser.parse_args(argv)
+    try:
+        print(resubmit_self(args.job_id, args.exclude, dict(os.environ)))
+    except SlurmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -166,24 +166,10 @@ PY
 # hpc_resubmit EXCLUDE WHY: end this job; the run continues in a new job of the same batch script and shape that
 # excludes the run's bad nodes (a running job's exclusions cannot be changed, and a requeue could land on them).
 hpc_resubmit() {
-  local exclude=$1 why=$2 script limit out new_id
-  script=$(scontrol show job -o "$SLURM_JOB_ID" | sed -nE 's/.* Command=([^ ]+).*/\1/p')
-  out=$(scontrol show job -o "$SLURM_JOB_ID" | sed -nE 's/.* StdOut=([^ ]+).*/\1/p')
-  limit=$(squeue -h -j "$SLURM_JOB_ID" -o %l)
-  [ -f "$script" ] || hpc_die 1 "$why; the batch script $script is gone, so no new job was submitted. Resume by hand."
-  # This job ends for the new one: Slurm must not requeue it too (a node lost during the job makes it a NODE_FAIL
-  # that Slurm requeues once the node is DOWN, and both jobs would train the run at once; hpc/driver.py).
-  scontrol update "JobId=$SLURM_JOB_ID" Requeue=0 ||
-    echo "warning: scontrol could not make job $SLURM_JOB_ID non-requeueable" >&2
-  local -a args=(--parsable "--exclude=$exclude" "--nodes=$SLURM_JOB_NUM_NODES" "--job-name=$SLURM_JOB_NAME"
-    --export=ALL --requeue --open-mode=append)
-  [ -z "${SLURM_NTASKS_PER_NODE:-}" ] || args+=("--ntasks-per-node=${SLURM_NTASKS_PER_NODE%%(*}")
-  [ -z "${SLURM_JOB_PARTITION:-}" ] || args+=("--partition=$SLURM_JOB_PARTITION")
-  [ -z "${SLURM_JOB_ACCOUNT:-}" ] || args+=("--account=$SLURM_JOB_ACCOUNT")
-  [ -z "$limit" ] || [ "$limit" = UNLIMITED ] || args+=("--time=$limit")
-  [ -z "$out" ] || args+=("--output=$out")
-  new_id=$(cd "${SLURM_SUBMIT_DIR:-.}" && sbatch "${args[@]}" "$script") ||
-    hpc_die 1 "$why; submitting the continuation with --exclude=$exclude failed. Resume by hand."
+  local exclude=$1 why=$2 new_id
+  # hpc/slurmctl.py: the same script with this job's shape, limit and output; this job made non-requeueable first
+  new_id=$("$PYTHON" -m hpc.slurmctl resubmit "$SLURM_JOB_ID" "$exclude") ||
+    hpc_die 1 "$why; submitting the continuation with --exclude=$exclude failed (above). Resume by hand."
   echo "$why; the run continues in job $new_id (--exclude=$exclude)"
   exit 0
 }

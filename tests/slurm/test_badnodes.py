@@ -9,6 +9,7 @@ The cluster is tests/slurm/conftest.py's hosts_cluster (the session cluster keep
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,33 @@ def test_a_killed_ranks_node_is_excluded_in_a_new_job_and_the_run_ends_bitwise(
     resumed = events_of(run_dir, EVENT_RESUME)[-1]
     assert resumed["slurm_job_id"] == new_id and resumed["nodes"] == ["n2", "n3"], resumed
     assert f"the run continues in job {new_id} (--exclude=n1)" in job_log(run_dir, job_id)
+    assert summary(run_dir)["params_sha256"] == reference
+
+
+def test_the_plain_script_continues_in_a_new_job_without_the_named_node(on_hosts, small_dataset, reference, tmp_path):
+    """sbatch/train.sbatch, 2 nodes x 2 ranks needed: rank 1 on the first node is killed, the node is named, and
+    the script submits its continuation (hpc.slurmctl resubmit: the same script, shape, limit and output, the node
+    excluded; this job made non-requeueable), which resumes on two other nodes and ends bit-identical."""
+    from tests.slurm.test_sbatch_scripts import sbatch
+
+    run_dir, output = tmp_path / "run", tmp_path / "slurm.out"
+    sets = [*sets_for(small_dataset), "job.restart_backoff_s=0.5"]
+    env = {"CONFIG": "tiny", "RUN_DIR": str(run_dir), "HPC_SET": " ".join(sets)}
+    job_id = sbatch("train.sbatch", env, "--nodes=2", "--ntasks-per-node=2", "--time=10", f"--output={output}")
+    wait_step(run_dir, 12, output=output)
+    pids = rank_pids(run_dir)
+    first = rank_nodes(run_dir)[1]
+    os.kill(pids[1], signal.SIGKILL)
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    text = output.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Requeue"] == "0", (info, text)
+    found = re.search(rf"the run continues in job (\d+) \(--exclude={first}\)", text)
+    assert found, text
+    new = wait_state(found.group(1), {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    assert new["JobState"] == "COMPLETED" and new["ExcNodeList"] == first, (new, output.read_text())
+    assert new["TimeLimit"] == info["TimeLimit"] and new["StdOut"] == str(output), new
+    resumed = events_of(run_dir, EVENT_RESUME)[-1]
+    assert first not in resumed["nodes"] and len(resumed["nodes"]) == 2, resumed
     assert summary(run_dir)["params_sha256"] == reference
 
 
