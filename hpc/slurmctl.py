@@ -243,14 +243,18 @@ def resubmit_self(job_id: str, exclude: str, environ: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hpc.slurmctl resubmit JOB_ID EXCLUDE``: sbatch/common.sh's continuation job; prints its id."""
+    """``python -m hpc.slurmctl VERB JOB_ID [EXCLUDE]`` for sbatch/common.sh: ``requeue`` or ``requeuehold`` this
+    job, or ``resubmit`` it excluding EXCLUDE (prints the new job's id)."""
     parser = argparse.ArgumentParser(prog="python -m hpc.slurmctl", description=main.__doc__.splitlines()[0])
-    parser.add_argument("verb", choices=["resubmit"])
+    parser.add_argument("verb", choices=["requeue", "requeuehold", "resubmit"])
     parser.add_argument("job_id")
-    parser.add_argument("exclude")
+    parser.add_argument("exclude", nargs="?", default="")
     args = parser.parse_args(argv)
     try:
-        print(resubmit_self(args.job_id, args.exclude, dict(os.environ)))
+        if args.verb == "resubmit":
+            print(resubmit_self(args.job_id, args.exclude, dict(os.environ)))
+        else:
+            requeue(args.job_id, hold=args.verb == "requeuehold")
     except SlurmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

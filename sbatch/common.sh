@@ -294,7 +294,8 @@ hpc_main() {
     requeue|requeuehold)
       echo "$message; scontrol $action $SLURM_JOB_ID"
       # Requeueing from inside the job ends it at once: everything is already committed.
-      scontrol "$action" "$SLURM_JOB_ID" || hpc_die "$hpc_exit_stopped" "scontrol $action $SLURM_JOB_ID failed; resume by hand"
+      "$PYTHON" -m hpc.slurmctl "$action" "$SLURM_JOB_ID" ||
+        hpc_die "$hpc_exit_stopped" "scontrol $action $SLURM_JOB_ID failed; resume by hand"
       exit 0 ;;
     *)
       if [ "${message#error: }" = "$message" ]; then echo "$message"; else echo "$message" >&2; fi
