@@ -22,15 +22,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import h5py
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -40,18 +37,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the plain DDP script's learning-rate schedule, process-group set-up and batches (bench/ is on sys.path)
+from plain_ddp import Batches, init, lr_at  # noqa: E402
+
 from runconfig import load_config  # noqa: E402
 from trainer.loop.optim import adamw_impl  # noqa: E402
 from trainer.models.gpt import GPT  # noqa: E402
 
 LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "pp")
-
-
-def lr_at(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
 class Stage(nn.Module):
@@ -138,17 +131,6 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p.add_argument("--progress", type=Path, help="rank 0 appends a line here after every step (a live step count)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, bf16 as the trainer")
     return p, p.parse_args()
-
-
-def init(device_type: str) -> torch.device:
-    """The process group (NCCL on CUDA, else gloo) and this rank's device."""
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cuda = device_type == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return device
 
 
 @dataclasses.dataclass
@@ -281,30 +263,6 @@ def adamw(params: list, t) -> torch.optim.Optimizer:
         betas=(t.beta1, t.beta2),
         **adamw_impl(t.optimizer_impl),  # the trainer's kernels: the comparison is of everything around them
     )
-
-
-class Batches:
-    """Random windows of ``seq_len + 1`` tokens from the train split's HDF5 shards, one micro-batch a call; seeded
-    by data-parallel rank: TP and pp peers share batches."""
-
-    def __init__(self, data: Path, cfg, dp_rank: int, device: torch.device) -> None:
-        manifest = json.loads((data / "manifest.json").read_text())
-        self.files = [h5py.File(data / s["file"], "r") for s in manifest["splits"]["train"]]
-        self.shards = [f["tokens"] for f in self.files]
-        self.rng = np.random.default_rng(cfg.train.seed * 1000 + dp_rank)
-        self.rows, self.window, self.device = cfg.train.micro_batch_size, cfg.model.seq_len + 1, device
-
-    def __call__(self) -> torch.Tensor:
-        rows = []
-        for _ in range(self.rows):
-            ds = self.shards[self.rng.integers(len(self.shards))]
-            start = int(self.rng.integers(len(ds) - self.window))
-            rows.append(ds[start : start + self.window])
-        return torch.from_numpy(np.stack(rows).astype(np.int64)).to(self.device, non_blocking=True)
-
-    def close(self) -> None:
-        for f in self.files:
-            f.close()
 
 
 def forward_backward(m: Parallel, x: torch.Tensor, s: Shape, device: torch.device) -> torch.Tensor:
