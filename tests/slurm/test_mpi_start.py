@@ -37,7 +37,9 @@ def test_slurmstepd_reads_a_pmi1_request_of_at_most_1024_bytes(slurm):
     cut = srun("-N1", "-n1", PY, str(WORKERS / "pmi1_request.py"), "1022")  # as long as MPICH's segments go
     assert request_bytes(cut) > 1024, cut.stdout + cut.stderr
     assert "mpi/pmi2: value not properly terminated in client request" in cut.stderr
-    assert "full request is: 3333" in cut.stderr  # the signature the failing CI runs showed
+    # The cut tail parsed as a request of its own: slurmstepd logs either the tail (the signature the failing CI runs
+    # showed) or that it does not begin with cmd=, depending on how its reads split the bytes (seen both ways here)
+    assert "full request is: 3333" in cut.stderr or "request not begin with 'cmd='" in cut.stderr, cut.stderr
 
 
 def test_the_trainers_mpi_start_makes_short_pmi_requests(slurm, tmp_path):
