@@ -14,7 +14,7 @@ import yaml
 
 from hpc.plots import DPI, _finish, _series
 from hpc.runlog import RunLog, analyze
-from hpc.runs import RunsError, row, table
+from hpc.runs import RunsError, rows, table
 from runconfig.load import flatten
 from rundir import RunDir
 
@@ -67,7 +67,7 @@ def main(paths: list[str], *, out: str | None) -> int:
     if len(rundirs) < 2:
         raise RunsError("compare needs at least two run directories.")
     names, logs = labels(rundirs), [analyze(d) for d in rundirs]
-    print(table([{**row(d, log), "name": n} for d, log, n in zip(rundirs, logs, names, strict=True)]))
+    print(table([{**r, "name": n} for r, n in zip(rows(rundirs, logs), names, strict=True)]))
     diff = differences(rundirs)
     print(f"\nconfig keys that differ ({len(diff)}):" if diff else "\nthe configs are the same")
     if diff:

@@ -33,6 +33,13 @@ def states(rundir: RunDir) -> list[JobState]:
     return list(slurmctl.job_states(ids).values())
 
 
+def states_of(rundirs: list[RunDir]) -> list[list[JobState]]:
+    """``states`` for several runs (a sweep's elements, `hpc runs`' folders) in one batched query."""
+    ids = [job_ids(rundir) for rundir in rundirs]
+    known = slurmctl.job_states(j for run in ids for j in run)
+    return [[known[j] for j in run] for run in ids]
+
+
 def unfinished(rundir: RunDir) -> list[str]:
     return [j.job_id for j in states(rundir) if not j.finished]
 

@@ -16,7 +16,9 @@ import re
 import statistics
 from pathlib import Path
 
+from hpc.jobs import states_of
 from hpc.runlog import RunLog, analyze
+from hpc.slurmctl import JobState
 from hpc.status import VerbError, status
 from rundir import RunDir
 
@@ -45,9 +47,15 @@ def find_runs(folders: list[Path]) -> list[RunDir]:
     return out
 
 
-def row(rundir: RunDir, log: RunLog | None = None) -> dict:
-    """``log``: the run's analysis where the caller has it already."""
-    info = status(rundir)
+def rows(rundirs: list[RunDir], logs: list[RunLog] | None = None) -> list[dict]:
+    """``row`` of each run, their Slurm jobs asked for in one batch."""
+    logs = logs or [None] * len(rundirs)
+    return [row(d, log, jobs) for d, log, jobs in zip(rundirs, logs, states_of(rundirs), strict=True)]
+
+
+def row(rundir: RunDir, log: RunLog | None = None, jobs: list[JobState] | None = None) -> dict:
+    """``log``: the run's analysis where the caller has it already; ``jobs``: its job states, likewise."""
+    info = status(rundir, jobs)
     log = log or analyze(rundir)
     kept = [s.raw for s in log.kept]
     evals = [r["eval_loss"] for r in kept if isinstance(r.get("eval_loss"), (int, float))]
@@ -134,6 +142,6 @@ def main(folders: list[str], *, sort: str | None, filters: list[str], as_json: b
     rundirs = find_runs([Path(f) for f in folders or ["runs"]])
     if not rundirs:
         raise RunsError(f"no run directories (folders with a config.yaml) under {', '.join(folders or ['runs'])}.")
-    rows = sort_rows([r for r in map(row, rundirs) if keep(r, parsed)], sort)
-    print(json.dumps(rows, indent=1) if as_json else table(rows))
+    found = sort_rows([r for r in rows(rundirs) if keep(r, parsed)], sort)
+    print(json.dumps(found, indent=1) if as_json else table(found))
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 from hpc.follow import resume_notes
 from hpc.jobs import states
 from hpc.policy.badnodes import bad_node_events
+from hpc.slurmctl import JobState
 from runconfig import load_config
 from rundir import RunDir
 from rundir.checkpoints import latest_committed
@@ -32,9 +33,10 @@ def _last_metrics(rundir: RunDir) -> dict | None:
     return records[-1] if records else None
 
 
-def status(rundir: RunDir) -> dict:
+def status(rundir: RunDir, jobs: list[JobState] | None = None) -> dict:
+    """``jobs``: the run's job states where the caller asked for several runs' at once."""
     cfg = load_config(str(rundir.config))
-    jobs = states(rundir)
+    jobs = states(rundir) if jobs is None else jobs
     ckpt = latest_committed(rundir.checkpoints)
     last = _last_metrics(rundir)
     history = read_jsonl(rundir.history)

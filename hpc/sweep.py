@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from hpc.runs import row
+from hpc.runs import rows as run_rows
 from hpc.sweeptrack import finish_parent
 from runconfig import ConfigError, RunConfig, dump_yaml, from_dict, yamlread
 from runconfig.load import load_raw, set_key
@@ -248,10 +248,11 @@ def results(sweep_dir: Path, own: tuple[str, str | None] = ("", None)) -> tuple[
     Slurm still shows running while it ends."""
     spec = json.loads((sweep_dir / SPEC_FILE).read_text()) if (sweep_dir / SPEC_FILE).exists() else {}
     metric, mode = spec.get("metric", "eval_loss"), spec.get("mode", "min")
+    entries = json.loads((sweep_dir / "sweep.json").read_text())
+    rundirs = [RunDir(Path(entry["run_dir"])) for entry in entries]
     rows = []
-    for entry in json.loads((sweep_dir / "sweep.json").read_text()):
-        rundir = RunDir(Path(entry["run_dir"]))
-        r = {**row(rundir), "overrides": entry["overrides"]}
+    for entry, rundir, element in zip(entries, rundirs, run_rows(rundirs), strict=True):
+        r = {**element, "overrides": entry["overrides"]}
         if rundir.root.name == own[0] and own[1] and r["state"] not in FINAL:
             r["state"] = own[1]
         if metric not in r:

@@ -43,15 +43,14 @@ def cancel(rundir: RunDir) -> None:
 
 
 def pause(rundir: RunDir) -> None:
-    ids = unfinished(rundir)
-    if not ids:
+    jobs = [j for j in states(rundir) if not j.finished]
+    if not jobs:
         raise VerbError(f"run {rundir.root} has no unfinished Slurm job to pause.")
+    ids = [j.job_id for j in jobs]
     cfg = load_config(str(rundir.config))
     rundir.pause_marker.write_text(f"{time.time()}\n")
     signal = cfg.job.signal.removeprefix("SIG")
-    for job in states(rundir):
-        if job.finished:
-            continue
+    for job in jobs:
         if job.state == "RUNNING":  # the ranks stop at a step boundary; the driver then requeues it held
             slurmctl.cancel([job.job_id], signal=signal)
         else:
@@ -113,7 +112,7 @@ def unexclude(rundir: RunDir, nodes: list[str]) -> None:
     for node in nodes:
         take_back(rundir, node, how="by hand (python -m hpc unexclude)")
     left = tuple(n for n in bad if n not in nodes)
-    pending = exclude_pending(rundir, left, skip=set())[0] if unfinished(rundir) else []
+    pending = exclude_pending(rundir, left, skip=set())[0]  # one query: none without pending jobs
     where = f"; pending job(s) {', '.join(pending)} now exclude {', '.join(left) or 'nothing'}" if pending else ""
     print(f"taken back: {', '.join(nodes)}; the run's next launch may use them{where}")
 

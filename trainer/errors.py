@@ -19,3 +19,13 @@ def first_line(exc: BaseException) -> str:
     or from torch is quoted in a one-paragraph message."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+
+
+def error_of(check) -> str | None:
+    """The message of the UserError ``check()`` raises, or None: what a rank hands ``agree`` so that every rank
+    stops with it."""
+    try:
+        check()
+    except UserError as exc:
+        return str(exc)
+    return None

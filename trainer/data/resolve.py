@@ -33,7 +33,7 @@ from trainer.data.prepare import (
 )
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.env import RuntimeEnv, agree
-from trainer.errors import UserError
+from trainer.errors import UserError, error_of
 from trainer.observe.inject import Injector
 
 T = TypeVar("T")
@@ -90,13 +90,13 @@ def open_splits(
         nonlocal folder
         folder = dataset_folder(cfg, env.data_cache)
 
-    agree(comm, _error_of(find))
+    agree(comm, error_of(find))
     assert folder is not None
-    agree(comm, _error_of(lambda: _prepare_and_check(cfg, folder, seq_len, vocab_size)) if env.rank == 0 else None)
+    agree(comm, error_of(lambda: _prepare_and_check(cfg, folder, seq_len, vocab_size)) if env.rank == 0 else None)
     manifest = read_manifest(folder)
     checksummed = cfg.verify == "checksum"
     if checksummed:
-        agree(comm, _error_of(lambda: _check_my_shards(folder, manifest, env)))
+        agree(comm, error_of(lambda: _check_my_shards(folder, manifest, env)))
     # Shards that matched their checksum hold what prepare wrote: no need to range-check every window read.
     injector = Injector(env.inject, env.rank)
     before_read = injector.data_read if injector.injects("eio_read") else None  # tests: HPC_INJECT
@@ -118,7 +118,7 @@ def _open_remote(
         if vocab_size is not None:
             check_vocab(url, found[0], vocab_size)
 
-    agree(comm, _error_of(look) if env.rank == 0 else None)
+    agree(comm, error_of(look) if env.rank == 0 else None)
     manifest, sizes = comm.bcast(found, root=0)
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else env.data_cache / "stream"
     node = env.node_names[env.rank].replace("/", "_")
@@ -159,11 +159,11 @@ def _localized(cfg: DataConfig, env: RuntimeEnv, comm: MPI.Comm, store: Store) -
                 tmp.write_bytes(data)
                 os.replace(tmp, local)
 
-        agree(comm, _error_of(fetch))
+        agree(comm, error_of(fetch))
         changes["tokenizer"] = str(local)
     if cfg.source != STDLIB and is_url(cfg.source):
         local = env.data_cache / "sources" / _digest(cfg.source)
-        agree(comm, _error_of(lambda: mirror(store, cfg.source, local, cfg.include)) if env.rank == 0 else None)
+        agree(comm, error_of(lambda: mirror(store, cfg.source, local, cfg.include)) if env.rank == 0 else None)
         changes["source"] = str(local)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
@@ -251,14 +251,6 @@ def remote_manifest(store: Store, url: str) -> tuple[dict, dict[str, int]]:
                     f"{shard['bytes']}: the manifest does not match the shards; upload the prepared folder again."
                 )
     return manifest, sizes
-
-
-def _error_of(check: Callable[[], None]) -> str | None:
-    try:
-        check()
-    except UserError as exc:
-        return str(exc)
-    return None
 
 
 def _tokenizer_problem(exc: TokenizerError) -> str:

@@ -18,6 +18,7 @@ from trainer.checkpoint.state import TrainState
 from trainer.data.loader import BatchLoader
 from trainer.data.order import bucketing, chosen_order
 from trainer.env import RuntimeEnv, agree
+from trainer.errors import error_of
 from trainer.loop.optim import build_optimizer, lr_at
 from trainer.loop.parts import Parts
 from trainer.loop.stop import StopFlag
@@ -34,7 +35,7 @@ from trainer.parallel.distributed import Distributed
 from trainer.parallel.wrap import Wrapped
 from trainer.recipes.api import Recipe
 from trainer.startup.model import count_flops_per_sample, place_model, settle
-from trainer.startup.recipe import _error_of, check_structure, make_recipe
+from trainer.startup.recipe import check_structure, make_recipe
 
 log = logging.getLogger("trainer")
 
@@ -64,7 +65,7 @@ def build_parts(
         clock.note_memory("model_built", peak_memory_mb(distributed.device))
     model = wrapped.model  # this rank's part under pipeline parallelism
     loader = _loader(cfg, env, distributed, recipe, wrapped, stack)
-    agree(comm, _error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
+    agree(comm, error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
     settle(cfg, env, wrapped, recipe, loader, comm)
     # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
     # count the whole model's: only the recipe's own figure is used there.

@@ -72,14 +72,6 @@ def make_recipe(
     return recipe
 
 
-def _error_of(check) -> str | None:
-    try:
-        check()
-    except UserError as exc:
-        return str(exc)
-    return None
-
-
 def structure(x: Any) -> Any:
     """The shape of an item for comparison: types, tensor/array shapes and dtypes, nested."""
     if isinstance(x, torch.Tensor | np.ndarray):
