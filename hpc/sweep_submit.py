@@ -18,6 +18,7 @@ from hpc.submit import main as submit_main
 from hpc.sweeptrack import open_parent
 from runconfig import load_config
 from rundir import RunDir
+from rundir.contract import EXIT_DONE, EXIT_STOPPED
 from rundir.snapshot import locate
 
 
@@ -42,7 +43,7 @@ def submit_sweep(args: argparse.Namespace) -> int:
         statuses = []
         for d in dirs:
             statuses.append(submit_main(["--resume", str(d.root), "--local"]))
-            table = sw.element_ended(d, "failed" if statuses[-1] not in (0, 75) else None)
+            table = sw.element_ended(d, "failed" if statuses[-1] not in (EXIT_DONE, EXIT_STOPPED) else None)
             if table:
                 print(table)
         return max(statuses)
