@@ -76,11 +76,13 @@ def fsdp(tmp_path_factory, sets):
 
 
 def stop_and_resume_bitwise(tmp_path, sets, reference, *, rank: int):
-    """A run of ``sets`` (async saves) stopped by a signal to one rank after step 6, resumed at the same layout: it
-    must end bit-identical to ``reference``. Returns a copy of the stopped run, to resume at another layout."""
+    """A run of ``sets`` (async saves) stopped by a signal to one rank after step 5, resumed at the same layout: it
+    must end bit-identical to ``reference``. Returns a copy of the stopped run, to resume at another layout. That
+    rank waits after step 7 until the signal is there (HPC_INJECT await_stop): 12 steps take 3 s, and a loaded
+    machine once delayed the signal past the last one."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, [*sets, "checkpoint.async_save=true"])
-    wait_for_step(run_dir, 6, proc)
+    proc = start(run_dir, [*sets, "checkpoint.async_save=true"], inject=f"await_stop:{rank}:7")
+    wait_for_step(run_dir, 5, proc)
     os.kill(rank_pids(run_dir)[rank], signal.SIGUSR2)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, out + err

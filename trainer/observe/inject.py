@@ -44,7 +44,11 @@ KINDS = (
     # SECONDS: that rank sleeps SECONDS just before the rendezvous, in the run's first launch that reaches it (a
     # start-up that hangs; later launches start normally)
     "hang_startup",
+    # STEP: after optimizer step STEP that rank waits (at most AWAIT_STOP_S) until a stop signal reaches it, so that a
+    # test's signal, however late the test sends it, lands before the run can end
+    "await_stop",
 )
+AWAIT_STOP_S = 300.0
 _EIO_LOCK = threading.Lock()  # data reads come from several prefetch threads
 
 
@@ -102,6 +106,14 @@ class Injector:
                     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
                     bit = 1 << (3 if t.element_size() == 2 else 20)  # a mantissa bit: a small, silent change
                     t.view(-1)[:1].view(ints).bitwise_xor_(bit)
+
+    def await_stop(self, step: int, stop) -> None:
+        """Called after optimizer step ``step`` (``await_stop``): wait until ``stop`` (the StopFlag) is requested."""
+        for f in self.faults:
+            if f.kind == "await_stop" and step == int(f.value):
+                deadline = time.monotonic() + AWAIT_STOP_S
+                while not stop.requested and time.monotonic() < deadline:
+                    time.sleep(0.01)
 
     def before_verdict(self, step: int) -> None:
         """Called at rung ``step`` after its checkpoint committed, before the verdict (``exit_at_rung``)."""
