@@ -6,27 +6,43 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# With accounting: tests/slurm/test_accounting.py also runs slurmdbd + MariaDB (Debian packages).
+# Debian's packages, in one apt pass (envs/debian.sh): Slurm and munge, with slurmdbd + MariaDB for
+# tests/slurm/test_accounting.py; Lmod and Open MPI with PMIx for a site's way of starting (tests/slurm/test_site.py);
+# nodejs and npm for the S3 server; Prometheus and its Pushgateway (tests/mp/test_live.py); shellcheck, which
+# tests/slurm/test_sbatch_scripts.py runs on every shell script.
+# shellcheck disable=SC2046  # each script prints its packages as words
+bash envs/debian.sh $(HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh packages) $(bash envs/site/build.sh packages) \
+  $(bash envs/s3/server.sh packages) $(bash envs/prometheus/server.sh packages) shellcheck
 HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh install >/dev/null
-# A site's way of starting (tests/slurm/test_site.py): Debian's Lmod and Open MPI with PMIx, and a venv with mpi4py
-# built against that Open MPI behind modulefiles, in /opt/hpc-site (envs/site/build.sh; ~3 min the first time).
-bash envs/site/build.sh install
-bash envs/site/build.sh build >/dev/null
-# The S3-compatible server the object-storage tests start (envs/s3/server.sh: nodejs and npm from Debian, s3rver).
-bash envs/s3/server.sh install
-# Prometheus and its Pushgateway (Debian's), which tests/mp/test_live.py starts with envs/prometheus/server.sh.
 bash envs/prometheus/server.sh install
-# Debian's shellcheck, which tests/slurm/test_sbatch_scripts.py runs on every shell script.
-if ! command -v shellcheck >/dev/null; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null
-fi
+# Then three installs side by side (network, a compile, disk; none needs another): the site's venv with mpi4py
+# compiled against that Open MPI, behind modulefiles in /opt/hpc-site (envs/site/build.sh; ~3 min the first time,
+# mostly the compile), s3rver from npm (envs/s3/server.sh), and the Python packages of .venv.
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check -r envs/requirements-cpu.txt -r envs/requirements-test.txt -e .
-# bench/data.py's litdata comparison (its smoke test runs it): without the dependencies litdata does not need.
-.venv/bin/pip install --quiet --disable-pip-version-check --no-deps -r envs/requirements-bench.txt
+python_packages() {
+  .venv/bin/pip install --quiet --disable-pip-version-check -r envs/requirements-cpu.txt -r envs/requirements-test.txt -e .
+  # bench/data.py's litdata comparison (its smoke test runs it): without the dependencies litdata does not need.
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps -r envs/requirements-bench.txt
+}
+logs=$(mktemp -d)
+bash envs/site/build.sh build >"$logs/site" 2>&1 &
+site=$!
+bash envs/s3/server.sh install >"$logs/s3" 2>&1 &
+s3=$!
+python_packages >"$logs/python" 2>&1 &
+python=$!
+failed=0
+for job in "site:$site" "s3:$s3" "python:$python"; do
+  if ! wait "${job#*:}"; then
+    echo "tests/run.sh: the ${job%%:*} install failed:" >&2
+    cat "$logs/${job%%:*}" >&2
+    failed=1
+  fi
+done
+rm -rf "$logs"
+[ "$failed" = 0 ] || exit 1
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Two workers (pytest-xdist): the Slurm tests on one, every other test module on either (tests/conftest.py, WorkUnits).

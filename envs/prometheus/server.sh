@@ -21,18 +21,22 @@ TARGETS=${HPC_PROMETHEUS_TARGETS:-$PWD/runs/prometheus/*.json}
 START_TIMEOUT=${HPC_PROMETHEUS_START_TIMEOUT:-30}
 STATE=${2:-${HPC_PROMETHEUS_STATE:-/tmp/hpc-prometheus}}
 
+PACKAGES=(prometheus prometheus-pushgateway curl)
+
 die() { echo "server.sh: $*" >&2; exit 1; }
 
 pid_of() { [ -f "$STATE/$1.pid" ] && kill -0 "$(cat "$STATE/$1.pid")" 2>/dev/null && cat "$STATE/$1.pid"; }
 
 answers() { curl -fsS -o /dev/null --max-time 2 "$1" 2>/dev/null; }
 
+cmd_packages() {  # Debian's, unless both servers are there already
+  command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null || echo "${PACKAGES[@]}"
+}
+
 cmd_install() {
-  command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null && return 0
-  apt-get update -qq
-  # The packages' services are not started (no systemd here; policy-rc.d may deny them): this script starts them.
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus prometheus-pushgateway curl \
-    >/dev/null
+  # The packages' services are not started (policy-rc.d): this script starts them.
+  # shellcheck disable=SC2046  # words
+  bash "$(dirname "$0")/../debian.sh" $(cmd_packages)
 }
 
 # A start that fails stops what it started: nothing is left holding a port for the next start to mistake for its own.
@@ -114,9 +118,10 @@ cmd_status() {
 
 case "${1:-}" in
   install) cmd_install ;;
+  packages) cmd_packages ;;
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   wipe) cmd_stop; rm -rf -- "$STATE" ;;
-  *) die "usage: $0 install|start|stop|status|wipe [STATE]" ;;
+  *) die "usage: $0 install|packages|start|stop|status|wipe [STATE]" ;;
 esac

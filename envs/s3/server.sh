@@ -20,14 +20,17 @@ BUCKETS=${HPC_S3_BUCKETS:-hpc-test}
 START_TIMEOUT=${HPC_S3_START_TIMEOUT:-30}
 STATE=${2:-${HPC_S3_STATE:-/tmp/hpc-s3}}
 BIN=$HOME_DIR/node_modules/.bin/s3rver
+PACKAGES=(nodejs npm)  # Debian's, where node and npm are missing
 
 die() { echo "server.sh: $*" >&2; exit 1; }
 
+cmd_packages() {  # Debian's node and npm, unless both are there already (from any source)
+  command -v node >/dev/null && command -v npm >/dev/null || echo "${PACKAGES[@]}"
+}
+
 cmd_install() {
-  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
-  fi
+  # shellcheck disable=SC2046  # words
+  bash "$(dirname "$0")/../debian.sh" $(cmd_packages)
   if [ ! -x "$BIN" ] || ! grep -q "\"version\": \"$S3RVER_VERSION\"" "$HOME_DIR/node_modules/s3rver/package.json"; then
     mkdir -p "$HOME_DIR"
     npm install --prefix "$HOME_DIR" --no-audit --no-fund --loglevel=error "s3rver@$S3RVER_VERSION" >/dev/null
@@ -82,9 +85,10 @@ cmd_status() {
 
 case "${1:-}" in
   install) cmd_install ;;
+  packages) cmd_packages ;;
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   wipe) cmd_stop; rm -rf "$STATE" ;;
-  *) die "usage: server.sh install|start|stop|status|wipe [STATE_DIR]" ;;
+  *) die "usage: server.sh install|packages|start|stop|status|wipe [STATE_DIR]" ;;
 esac

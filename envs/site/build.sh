@@ -3,6 +3,7 @@
 # the project's environment in a venv whose mpi4py is compiled against that Open MPI, behind two modulefiles.
 #
 #   bash envs/site/build.sh install          # Debian's lmod, openmpi-bin, libopenmpi-dev (root; idempotent)
+#   bash envs/site/build.sh packages         # print those Debian packages
 #   bash envs/site/build.sh build [PREFIX]   # PREFIX/venv and PREFIX/modulefiles (idempotent; ~3 min the first
 #                                            # time, mostly mpi4py's compile; pip caches the wheel after that)
 #   bash envs/site/build.sh check [PREFIX]   # module load hpc-trainer, then say which MPI mpi4py uses
@@ -24,12 +25,10 @@ MPI4PY=$(grep -E '^mpi4py==' "$REPO/envs/requirements-cpu.txt")
 
 die() { echo "build.sh: $*" >&2; exit 1; }
 
+PACKAGES=(lmod openmpi-bin libopenmpi-dev)
+
 cmd_install() {
-  if [ -f /usr/share/lmod/lmod/init/bash ] && command -v mpicc >/dev/null && mpirun --version 2>/dev/null | grep -q "Open MPI"; then
-    return 0
-  fi
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lmod openmpi-bin libopenmpi-dev >/dev/null
+  bash "$HERE/../debian.sh" "${PACKAGES[@]}"
 }
 
 write_modulefiles() {
@@ -87,7 +86,8 @@ cmd_check() {
 
 case "${1:-}" in
   install) cmd_install ;;
+  packages) echo "${PACKAGES[@]}" ;;
   build) cmd_build ;;
   check) PYTHON=python cmd_check ;;
-  *) die "usage: build.sh install|build|check [PREFIX]" ;;
+  *) die "usage: build.sh install|packages|build|check [PREFIX]" ;;
 esac

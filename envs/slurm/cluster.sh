@@ -3,6 +3,7 @@
 # slurmd per fake node, all on this host, all state, config and logs in one directory. Run as root.
 #
 #   bash envs/slurm/cluster.sh install            # apt packages + the libpmix.so symlink (idempotent)
+#   bash envs/slurm/cluster.sh packages           # print the Debian packages `install` needs
 #   bash envs/slurm/cluster.sh start  [STATE_DIR] # write config, start daemons, wait for the nodes (idempotent)
 #   bash envs/slurm/cluster.sh stop   [STATE_DIR] # cancel all jobs, stop the daemons; keep state and logs
 #   bash envs/slurm/cluster.sh status [STATE_DIR] # sinfo
@@ -46,22 +47,8 @@ BRIDGE=hpcbr$CTLD_PORT
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 
 # ---------------------------------------------------------------------------------------------------- install
-installed() { dpkg-query -W -f='${Status}\n' "$@" 2>/dev/null | grep -c '^install ok installed$' || true; }
-
 cmd_install() {
-  if [ "$(installed "${PACKAGES[@]}")" -ne "${#PACKAGES[@]}" ]; then
-    # Keep the packages' init scripts from starting system daemons (there is no init system here); `start` runs
-    # its own. Docker images usually ship this file already; only add (and remove) it when absent.
-    local added_policy=0
-    if [ ! -e /usr/sbin/policy-rc.d ]; then
-      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && added_policy=1
-    fi
-    apt-get update
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${PACKAGES[@]}"
-    if [ "$added_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
-  else
-    echo "packages already installed: ${PACKAGES[*]}"
-  fi
+  bash "$(dirname "$0")/../debian.sh" "${PACKAGES[@]}"
   # Slurm's mpi/pmix plugin dlopens the unversioned libpmix.so, which only libpmix-dev would provide. A symlink
   # to the versioned library does the same. (A running slurmd must be restarted after this, or pmix steps hang.)
   local lib
@@ -573,11 +560,12 @@ case "${1:-}" in
 esac
 case "${1:-}" in
   install) cmd_install ;;
+  packages) echo "${PACKAGES[@]}" ;;
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   wipe) cmd_wipe ;;
   node-down) cmd_node_down ;;
   node-up) cmd_node_up ;;
-  *) echo "usage: $0 {install|start|stop|status|wipe} [STATE_DIR] | {node-down|node-up} NODE [STATE_DIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 {install|packages|start|stop|status|wipe} [STATE_DIR] | {node-down|node-up} NODE [STATE_DIR]" >&2; exit 2 ;;
 esac

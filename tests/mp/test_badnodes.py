@@ -14,12 +14,21 @@ from tests.mp.test_checkpoint import assert_close_to, common, env, run, start, s
 pytestmark = pytest.mark.mp
 
 
-def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(tmp_path, small_dataset):
-    sets = [*common(small_dataset), "model.dropout=0", "job.min_nodes=1", "job.restart_backoff_s=0.2"]
-    reference = tmp_path / "uninterrupted"
-    done = run(reference, sets)
-    assert done.returncode == 0, done.stdout + done.stderr
+@pytest.fixture(scope="module")
+def sets(small_dataset):
+    return [*common(small_dataset), "model.dropout=0", "job.min_nodes=1", "job.restart_backoff_s=0.2"]
 
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, sets):
+    """The uninterrupted run on both nodes, whose loss curve the shrunk (and grown back) runs follow."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = run(run_dir, sets)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return run_dir
+
+
+def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(tmp_path, sets, reference):
     run_dir = tmp_path / "run"
     proc = start(run_dir, sets)
     wait_for_step(run_dir, 6, proc)
@@ -43,24 +52,22 @@ def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(tmp_path
     assert_close_to(run_dir, reference)
 
 
-def test_a_node_taken_back_by_hand_grows_the_run_back(tmp_path, small_dataset):
+def test_a_node_taken_back_by_hand_grows_the_run_back(tmp_path, sets, reference):
     """The run shrinks to node0 when node1's rank is killed, is stopped (SIGUSR2), node1 is taken back with
     `python -m hpc unexclude`, and `hpc resume` runs it on both nodes again: world 4, the gradient accumulation of
     the start, the same global batch and sample order (the loss curve follows the uninterrupted run's); the history
     and the report record the node named bad and taken back."""
-    sets = [*common(small_dataset), "model.dropout=0", "job.min_nodes=1", "job.restart_backoff_s=0.2",
-            "train.steps=60"]  # fmt: skip
-    reference = tmp_path / "uninterrupted"
-    done = run(reference, sets)
-    assert done.returncode == 0, done.stdout + done.stderr
     run_dir = tmp_path / "run"
     refused = run_cli(["-m", "hpc", "unexclude", str(tmp_path), "node1"])
     assert refused.returncode != 0
-    proc = start(run_dir, sets)
+    # rank 0 waits after step 16 for the stop signal (HPC_INJECT await_stop): the shrunk launch, resumed at step 4
+    # or 8, cannot finish before the test's signal, however loaded the machine
+    proc = start(run_dir, sets, inject="await_stop:0:16")
     wait_for_step(run_dir, 6, proc)
     os.kill(rank_pids(run_dir)[2], signal.SIGKILL)
     resumed_at = wait_for_event(run_dir, "resume", 1, proc)["step"]
-    wait_for_step(run_dir, resumed_at + 4, proc)
+    assert resumed_at <= 12, resumed_at
+    wait_for_step(run_dir, resumed_at + 2, proc)
     for pid in rank_pids(run_dir).values():
         os.kill(pid, signal.SIGUSR2)
     out, err = proc.communicate(timeout=300)
@@ -77,7 +84,7 @@ def test_a_node_taken_back_by_hand_grows_the_run_back(tmp_path, small_dataset):
     assert launches[1][:2] == (["node0"], 2) and launches[-1] == first, launches
     changes = [(e["event"], e["node"]) for e in events if e["event"] in ("bad_node", "node_back")]
     assert changes == [("bad_node", "node1"), ("node_back", "node1")], changes
-    assert summary(run_dir)["world_size"] == 4 and summary(run_dir)["final_step"] == 60
+    assert summary(run_dir)["world_size"] == 4 and summary(run_dir)["final_step"] == 24
     assert_close_to(run_dir, reference)
     report = run_cli(["-m", "hpc", "report", str(run_dir)])
     assert report.returncode == 0, report.stderr
