@@ -45,7 +45,7 @@ from runconfig import RunConfig, load_config
 from rundir import RunDir
 from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
 from rundir.paths import read_jsonl
-from rundir.slurmvars import slurm_job_id, slurm_restart_count
+from rundir.slurmvars import slurm_job_id, slurm_job_nodes, slurm_restart_count
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
 
@@ -62,12 +62,12 @@ class SlurmJob:
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> SlurmJob:
         environ = dict(os.environ if environ is None else environ)
-        nodes = environ.get("SLURM_JOB_NUM_NODES", "")
+        num_nodes, nodelist = slurm_job_nodes(environ)
         return cls(
             job_id=slurm_job_id(environ) or "",
             restart_count=slurm_restart_count(environ) or 0,
-            num_nodes=int(nodes) if nodes.isdigit() else 1,
-            nodelist=environ.get("SLURM_JOB_NODELIST", ""),
+            num_nodes=num_nodes or 1,
+            nodelist=nodelist,
         )
 
     def nodes(self) -> tuple[str, ...]:

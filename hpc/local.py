@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -73,10 +74,12 @@ class LaunchResult:
         return None
 
 
-def node_wraps(cfg: RunConfig, nodes: tuple[str, ...]) -> list[list[str]] | None:
+def node_wraps(
+    cfg: RunConfig, nodes: tuple[str, ...], environ: Mapping[str, str] = os.environ
+) -> list[list[str]] | None:
     """The command prefix of each simulated node's ranks from HPC_LOCAL_NODE_WRAP (one per node of the job,
     "|"-separated; benchmarks put each emulated node in a network namespace of its own), None where unset."""
-    text = os.environ.get(NODE_WRAP_VAR)
+    text = environ.get(NODE_WRAP_VAR)
     if not text:
         return None
     wraps = [shlex.split(part) for part in text.split("|")]

@@ -15,9 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from rundir.slurmvars import slurm_conf, slurm_job_nodes
 
 #: node states (scontrol's State=, '+'-separated) in which Slurm holds a node failed
 FAILED_STATES = {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING"}
@@ -33,13 +35,10 @@ class SlurmError(RuntimeError):
     """A Slurm command that was to change something failed; the message names the command and Slurm's answer."""
 
 
-def available() -> bool:
+def available(environ: Mapping[str, str] = os.environ) -> bool:
     """Slurm is the target when sbatch is on PATH and a cluster config is there (installed client packages alone,
     as on a machine that ran the tests, do not count)."""
-    if shutil.which("sbatch") is None:
-        return False
-    conf = os.environ.get("SLURM_CONF")
-    return Path(conf).is_file() if conf else Path("/etc/slurm/slurm.conf").is_file()
+    return shutil.which("sbatch") is not None and slurm_conf(environ).is_file()
 
 
 def _call(args: list[str]) -> subprocess.CompletedProcess:
@@ -227,7 +226,7 @@ def resubmit_self(job_id: str, exclude: str, environ: dict[str, str]) -> str:
         update_job(job_id, Requeue="0")
     except SlurmError as exc:
         print(f"warning: job {job_id} could not be made non-requeueable: {exc}", file=sys.stderr)
-    args = ["--parsable", f"--exclude={exclude}", f"--nodes={environ.get('SLURM_JOB_NUM_NODES', '')}"]
+    args = ["--parsable", f"--exclude={exclude}", f"--nodes={slurm_job_nodes(environ)[0] or ''}"]
     args += [f"--job-name={environ.get('SLURM_JOB_NAME', '')}", "--export=ALL", "--requeue", "--open-mode=append"]
     per_node = environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
     args += [f"--ntasks-per-node={per_node}"] if per_node else []

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 JOB_ID_VAR = "SLURM_JOB_ID"
 RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"
 PROCID_VAR, NTASKS_VAR = "SLURM_PROCID", "SLURM_NTASKS"
 NODE_NAME_VAR = "SLURMD_NODENAME"
+JOB_NUM_NODES_VAR, JOB_NODELIST_VAR = "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST"
+CONF_VAR = "SLURM_CONF"
+DEFAULT_CONF = "/etc/slurm/slurm.conf"
 
 
 def slurm_job_id(environ: Mapping[str, str]) -> str | None:
@@ -33,3 +37,14 @@ def slurm_task(environ: Mapping[str, str]) -> tuple[int, int]:
 def slurm_node_name(environ: Mapping[str, str]) -> str | None:
     """The Slurm node this task runs on (slurmd's name for it); None outside a Slurm step."""
     return environ.get(NODE_NAME_VAR) or None
+
+
+def slurm_job_nodes(environ: Mapping[str, str]) -> tuple[int | None, str]:
+    """(the job's number of nodes, its node list as Slurm compresses it, e.g. ``n[1-4]``); (None, "") outside a job."""
+    count = environ.get(JOB_NUM_NODES_VAR, "")
+    return (int(count) if count.isdigit() else None), environ.get(JOB_NODELIST_VAR, "")
+
+
+def slurm_conf(environ: Mapping[str, str]) -> Path:
+    """The cluster configuration Slurm's commands read: SLURM_CONF, else Slurm's default path."""
+    return Path(environ.get(CONF_VAR) or DEFAULT_CONF)
