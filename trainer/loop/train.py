@@ -110,8 +110,7 @@ class _Run:
         parts, mon = self.parts, self.parts.mon
         step_start = time.perf_counter()
         result = train_step(parts, step)
-        mon.injector.after_optimizer(step, parts.model)
-        mon.injector.await_stop(step, parts.stop)
+        mon.injector.after_optimizer(step, parts.model, parts.stop)
         mon.watchdog.enter("metric all-reduce", step)
         decision = self.boundary.decide(step, result.loss, result.grad_norm)
         agreed, step_s = time.time(), time.perf_counter() - step_start

@@ -94,8 +94,9 @@ class Injector:
         """What this rank's loss of the ``batch``-th batch of the data order is multiplied by (``spike``)."""
         return 50.0 if any(f.kind == "spike" and batch == int(f.value) for f in self.faults) else 1.0
 
-    def after_optimizer(self, step: int, model) -> None:
-        """Called after optimizer step ``step`` (``bitflip``): one bit of this rank's first parameter flipped."""
+    def after_optimizer(self, step: int, model, stop) -> None:
+        """Called after optimizer step ``step``: ``bitflip`` flips one bit of this rank's first parameter;
+        ``await_stop`` waits until ``stop`` (the StopFlag) is requested."""
         for f in self.faults:
             if f.kind == "bitflip" and step == int(f.value):
                 import torch
@@ -106,11 +107,7 @@ class Injector:
                     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
                     bit = 1 << (3 if t.element_size() == 2 else 20)  # a mantissa bit: a small, silent change
                     t.view(-1)[:1].view(ints).bitwise_xor_(bit)
-
-    def await_stop(self, step: int, stop) -> None:
-        """Called after optimizer step ``step`` (``await_stop``): wait until ``stop`` (the StopFlag) is requested."""
-        for f in self.faults:
-            if f.kind == "await_stop" and step == int(f.value):
+            elif f.kind == "await_stop" and step == int(f.value):
                 deadline = time.monotonic() + AWAIT_STOP_S
                 while not stop.requested and time.monotonic() < deadline:
                     time.sleep(0.01)
