@@ -141,13 +141,13 @@ def tiny_data(isolated_data_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_startup_s(tmp_path_factory, small_dataset) -> float:
-    """This machine's normal start-up of a tiny local launch (the tiny preset, 2 simulated nodes x 2 ranks), as
+    """This machine's normal start-up of a tiny local launch (the tiny preset on 2 simulated nodes x 1 rank), as
     monitor.startup_timeout_s counts it: from the ranks' process start through the rendezvous (its start event's
     imports, mpi and rendezvous phases), measured once per worker, beside whatever the other worker runs. Tests set
     the limits a normal launch must meet as a multiple of it, not as a guess at this machine's speed."""
     run_dir = tmp_path_factory.mktemp("startup") / "run"
     sets = [f"data.path={small_dataset}", "train.steps=1", "train.eval_every=0", "model.d_model=64",
-            "model.n_layers=2", "model.seq_len=64", "monitor.preflight=off"]  # fmt: skip
+            "model.n_layers=2", "model.seq_len=64", "monitor.preflight=off", "job.ranks_per_node=1"]  # fmt: skip
     proc = run_cli(["-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir), *(f"--set={s}" for s in sets)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     phases = next(e for e in history(run_dir) if e["event"] == EVENT_START)["startup_s"]

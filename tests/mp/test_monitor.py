@@ -34,6 +34,12 @@ def small(data, steps=20) -> list[str]:
     ]  # fmt: skip
 
 
+#: 2 simulated nodes x 1 rank: the watchdog's verdicts name ranks the same way whatever the ranks of a node, and a
+#: launch of 2 ranks costs under half the CPU of 4 on the test machine's 2 cores. The straggler test keeps 2 x 2
+#: (a median of several other ranks to compare with).
+TWO_NODES = ["job.ranks_per_node=1"]
+
+
 def records(run_dir) -> list[dict]:
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -103,22 +109,22 @@ def test_breakdown_tensorboard_and_a_slowed_rank_flagged(tmp_path, small_dataset
 
 def test_a_hung_rank_is_named_and_every_rank_dumps_its_stack(tmp_path, small_dataset):
     run_dir = tmp_path / "run"
-    sets = [*small(small_dataset, steps=40), "monitor.hang_timeout_s=6", "monitor.heartbeat_s=1"]
+    sets = [*small(small_dataset, steps=40), *TWO_NODES, "monitor.hang_timeout_s=6", "monitor.heartbeat_s=1"]
     sets.append("job.max_failures=0")  # the diagnosis itself (a restart after a hang: test_checkpoint.py)
     start = time.monotonic()
-    proc = launch(run_dir, sets, inject="hang:3:4", timeout=180)
+    proc = launch(run_dir, sets, inject="hang:1:4", timeout=180)
     took = time.monotonic() - start
     assert proc.returncode == EXIT_FAILED  # the job failed (not "bad input", not "stopped")
     assert took < 90, took  # ended by the watchdog, not by the one-hour sleep
     failure = json.loads((run_dir / "failure.json").read_text())["message"]
-    assert "rank 3 (" in failure and "did not arrive" in failure and "of step 4" in failure, failure
-    assert "rank(s) 0, 1, 2 waited" in failure, failure
+    assert "rank 1 (" in failure and "did not arrive" in failure and "of step 4" in failure, failure
+    assert "rank(s) 0 waited" in failure, failure
     assert failure in proc.stderr  # the launcher prints it
-    for rank in range(4):
+    for rank in range(2):
         text = (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
         assert "Python stacks of all threads (hang watchdog)" in text, rank
         assert "trainer/loop/" in text, rank  # the main thread's stack, in the training loop
-    assert "in_compute" in (run_dir / "logs" / "rank_00003.log").read_text()  # where rank 3 is stuck
+    assert "in_compute" in (run_dir / "logs" / "rank_00001.log").read_text()  # where rank 1 is stuck
     events = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == EVENT_HANG and events[-1]["step"] == 4
 
@@ -145,14 +151,14 @@ def test_profile_steps_write_a_trace_and_a_table_per_rank(tmp_path, small_datase
     assert "profile of steps 3-4 written to" in (run_dir / "logs" / "rank_00000.log").read_text()
 
 
-@pytest.mark.parametrize("frozen", [3, 0])
+@pytest.mark.parametrize("frozen", [1, 0])
 def test_a_frozen_rank_is_named_by_its_silence(tmp_path, small_dataset, frozen):
     """A rank frozen whole (SIGSTOP: its connections stay open, as when a node and its link are lost) leaves the
     others blocked in a collective; with the hang watchdog out of reach (600 s), its stopped heartbeats end the
-    launch within monitor.peer_timeout_s, naming it. Rank 3: rank 0 reads the beats and claims it. Rank 0 (which
-    hosts the store): the others lose the store and end, naming it."""
+    launch within monitor.peer_timeout_s, naming it. Rank 1: rank 0 reads the beats and claims it. Rank 0 (which
+    hosts the store): the other loses the store and ends, naming it."""
     run_dir = tmp_path / "run"
-    sets = [*small(small_dataset, steps=400), "train.eval_every=0", "monitor.peer_timeout_s=6",
+    sets = [*small(small_dataset, steps=400), *TWO_NODES, "train.eval_every=0", "monitor.peer_timeout_s=6",
             "monitor.heartbeat_s=1", "job.max_failures=0"]  # fmt: skip
     args = [PY, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
     for s in sets:
@@ -190,7 +196,7 @@ def test_a_start_up_that_hangs_before_the_rendezvous_ends_and_is_restarted(tmp_p
     worker's load ends the restart too."""
     run_dir = tmp_path / "run"
     deadline = round(4 * tiny_startup_s, 1)
-    sets = [*small(small_dataset, steps=4), f"monitor.startup_timeout_s={deadline}", "job.max_failures=1",
+    sets = [*small(small_dataset, steps=4), *TWO_NODES, f"monitor.startup_timeout_s={deadline}", "job.max_failures=1",
             "job.restart_backoff_s=0.2"]  # fmt: skip
     # Within the subprocess's timeout: not the hour the hung rank would have slept.
     proc = launch(run_dir, sets, inject="hang_startup:1:3600", timeout=deadline + 240)

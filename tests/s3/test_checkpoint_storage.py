@@ -51,8 +51,8 @@ def test_checkpoints_in_a_bucket_resume_bitwise_without_the_run_directorys(tmp_p
 
 
 def test_a_corrupt_object_in_the_bucket_falls_back_and_the_older_generation_reshards(tmp_path, s3, small_dataset):
-    """Saved in the background (checkpoint.async_save) by 4 ranks; the newest generation in the bucket damaged and
-    the run directory's copies gone: the resume on 2 ranks skips it, downloads the one before and reshards it."""
+    """Saved in the background (checkpoint.async_save) by 2 ranks; the newest generation in the bucket damaged and
+    the run directory's copies gone: the resume on 1 rank skips it, downloads the one before and reshards it."""
     run_dir, url = tmp_path / "run", f"s3://{BUCKET}/{UNIQUE}/b"
     args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage={url}", "train.steps=8",
             "checkpoint.keep_last=3", "checkpoint.async_save=true"]  # fmt: skip
@@ -66,13 +66,13 @@ def test_a_corrupt_object_in_the_bucket_falls_back_and_the_older_generation_resh
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(victim, bytes(data))
     shutil.rmtree(run_dir / "checkpoints")
-    again = run(run_dir, ["train.steps=10", "job.nodes=1"], resume=True)
+    again = run(run_dir, ["train.steps=10", "job.nodes=1"], resume=True)  # 1 node x 1 rank
     assert again.returncode == 0, again.stdout + again.stderr
     log = (run_dir / "logs" / "rank_00000.log").read_text()
     assert f"skipping checkpoint s3://{BUCKET}/{UNIQUE}/b/step_00000008:" in log and "(corrupt)" in log, log
     assert "checkpoint step_00000004 downloaded" in log, log
-    assert "resumed from step_00000004 (step 4, saved by 4 ranks)" in log, log
-    assert history(run_dir)[-2]["world_size"] == 2 and summary(run_dir)["final_step"] == 10
+    assert "resumed from step_00000004 (step 4, saved by 2 ranks)" in log, log
+    assert history(run_dir)[-2]["world_size"] == 1 and summary(run_dir)["final_step"] == 10
     assert fs.exists(f"{newest}/manifest.json")  # nothing was deleted from the bucket
 
 
@@ -97,7 +97,7 @@ def test_a_sigkill_during_an_upload_leaves_the_previous_generation_the_newest(tm
                                                                              disk_reference):  # fmt: skip
     run_dir, prefix = tmp_path / "run", f"{UNIQUE}/d"
     args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage=s3://{BUCKET}/{prefix}"]
-    proc = start(run_dir, args, inject="slow_upload:0:0.5,slow_upload:1:0.5,slow_upload:2:0.5,slow_upload:3:0.5")
+    proc = start(run_dir, args, inject="slow_upload:0:0.5,slow_upload:1:0.5")
     deadline = time.monotonic() + 120
     while not any(not committed for committed in remote(s3, prefix).values()):  # an upload under way
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

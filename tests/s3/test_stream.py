@@ -27,11 +27,11 @@ def fetches(cache: Path) -> dict[str, Counter]:
     return out
 
 
-def test_training_from_s3_matches_disk_with_one_download_per_shard_per_node(tmp_path, s3_small, disk_reference):
+def test_training_from_s3_matches_disk_with_one_download_per_shard_per_node(tmp_path, s3_small, disk_reference_2x2):
     cache = tmp_path / "cache"
-    proc = run(tmp_path / "run", sets(s3_small, cache))
+    proc = run(tmp_path / "run", sets(s3_small, cache, ranks_per_node=2))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert summary(tmp_path / "run")["params_sha256"] == summary(disk_reference)["params_sha256"]
+    assert summary(tmp_path / "run")["params_sha256"] == summary(disk_reference_2x2)["params_sha256"]
     counts = fetches(cache)
     assert sorted(counts) == ["node0", "node1"], counts  # one cache per (simulated) node, 2 ranks on each
     for node, files in counts.items():
@@ -48,9 +48,9 @@ def test_a_stop_and_a_sigkill_from_s3_resume_bitwise(tmp_path, s3_small, disk_re
     args = sets(s3_small, cache)
     stopped = stopped_by_a_signal(run_dir, args, at_step=5, rank=1)
     # resumed: a SIGKILL of one rank mid-run is restarted in the job from the newest checkpoint
-    proc = start(run_dir, ["job.max_failures=2"], resume=True)
+    proc = start(run_dir, ["job.max_failures=2"], resume=True, inject="slow:0:0.1")  # room for the kill
     wait_for_step(run_dir, stopped + 6, proc)
-    os.kill(rank_pids(run_dir)[2], signal.SIGKILL)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, out + err
     events = [e["event"] for e in history(run_dir) if e["event"] != "preflight"]

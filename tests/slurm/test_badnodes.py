@@ -72,16 +72,18 @@ def test_a_killed_ranks_node_is_excluded_in_a_new_job_and_the_run_ends_bitwise(
     assert summary(run_dir)["params_sha256"] == reference
 
 
-def test_the_plain_script_continues_in_a_new_job_without_the_named_node(on_hosts, small_dataset, reference, tmp_path):
-    """sbatch/train.sbatch, 2 nodes x 2 ranks needed: rank 1 on the first node is killed, the node is named, and
-    the script submits its continuation (hpc.slurmctl resubmit: the same script, shape, limit and output, the node
-    excluded; this job made non-requeueable), which resumes on two other nodes and ends bit-identical."""
+def test_the_plain_script_continues_in_a_new_job_without_the_named_node(
+    on_hosts, small_dataset, reference_2x1, tmp_path
+):
+    """sbatch/train.sbatch, 2 nodes x 1 rank needed: rank 1 is killed, its node is named, and the script submits
+    its continuation (hpc.slurmctl resubmit: the same script, shape, limit and output, the node excluded; this job
+    made non-requeueable), which resumes on two other nodes and ends bit-identical."""
     from tests.slurm.test_sbatch_scripts import sbatch
 
     run_dir, output = tmp_path / "run", tmp_path / "slurm.out"
-    sets = [*sets_for(small_dataset), "job.restart_backoff_s=0.5"]
+    sets = [*sets_for(small_dataset), *TWO_NODES, "job.restart_backoff_s=0.5"]
     env = {"CONFIG": "tiny", "RUN_DIR": str(run_dir), "HPC_SET": " ".join(sets)}
-    job_id = sbatch("train.sbatch", env, "--nodes=2", "--ntasks-per-node=2", "--time=10", f"--output={output}")
+    job_id = sbatch("train.sbatch", env, "--nodes=2", "--ntasks-per-node=1", "--time=10", f"--output={output}")
     wait_step(run_dir, 12, output=output)
     pids = rank_pids(run_dir)
     first = rank_nodes(run_dir)[1]
@@ -96,28 +98,29 @@ def test_the_plain_script_continues_in_a_new_job_without_the_named_node(on_hosts
     assert new["TimeLimit"] == info["TimeLimit"] and new["StdOut"] == str(output), new
     resumed = events_of(run_dir, EVENT_RESUME)[-1]
     assert first not in resumed["nodes"] and len(resumed["nodes"]) == 2, resumed
-    assert summary(run_dir)["params_sha256"] == reference
+    assert summary(run_dir)["params_sha256"] == reference_2x1
 
 
-def test_a_chain_continues_in_its_next_link_without_the_named_node(on_hosts, small_dataset, reference, tmp_path):
-    """A chain of 2 jobs: rank 1 on n1 is killed in the first; no new job is submitted (it would train the run beside
-    the second link, which starts once the first ends): the pending link gets ExcNodeList=n1 and finishes the run on
-    n2 and n3, bit-identical."""
+def test_a_chain_continues_in_its_next_link_without_the_named_node(on_hosts, small_dataset, reference_2x1, tmp_path):
+    """A chain of 2 jobs of 2 nodes x 1 rank: rank 1 (on n2) is killed in the first; no new job is submitted (it
+    would train the run beside the second link, which starts once the first ends): the pending link gets
+    ExcNodeList=n2 and finishes the run on two other nodes, bit-identical."""
     run_dir = tmp_path / "run"
-    last = submit(run_dir, [*sets_for(small_dataset), "job.restart_backoff_s=0.5"], "--chain", "2")
+    last = submit(run_dir, [*sets_for(small_dataset), *TWO_NODES, "job.restart_backoff_s=0.5"], "--chain", "2")
     first = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[0])["job_id"]
     wait_step(run_dir, 12)
+    assert rank_nodes(run_dir) == {0: "n1", 1: "n2"}
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
     info = wait_state(first, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
     assert info["JobState"] == "COMPLETED", f"{info}\n{job_log(run_dir, first)}"
-    assert f"the run continues in job {last}, the chain's next link (--exclude=n1)" in job_log(run_dir, first)
+    assert f"the run continues in job {last}, the chain's next link (--exclude=n2)" in job_log(run_dir, first)
     info = wait_state(last, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
     assert info["JobState"] == "COMPLETED", f"{info}\n{job_log(run_dir, last)}"
-    assert info["ExcNodeList"] == "n1" and info["NodeList"] == "n[2-3]", info
+    assert info["ExcNodeList"] == "n2", info
     assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 2
-    resumed = events_of(run_dir, EVENT_RESUME)
-    assert [(e["slurm_job_id"], e["nodes"]) for e in resumed] == [(last, ["n2", "n3"])], resumed
-    assert summary(run_dir)["params_sha256"] == reference
+    (resumed,) = events_of(run_dir, EVENT_RESUME)
+    assert resumed["slurm_job_id"] == last and len(resumed["nodes"]) == 2 and "n2" not in resumed["nodes"], resumed
+    assert summary(run_dir)["params_sha256"] == reference_2x1
 
 
 def test_a_nodes_ranks_all_killed_shrink_the_run_in_the_job(on_hosts, small_dataset, tmp_path):

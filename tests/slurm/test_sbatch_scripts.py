@@ -17,7 +17,7 @@ import pytest
 
 from rundir.contract import EVENT_DONE, EVENT_RESTART, EVENT_RESUME, EVENT_START, EVENT_STOPPED
 from tests.conftest import ROOT, history, rank_pids, summary
-from tests.slurm.conftest import rank_nodes, sets_for, wait_state, wait_step
+from tests.slurm.conftest import TWO_NODES, rank_nodes, sets_for, wait_state, wait_step
 
 pytestmark = pytest.mark.slurm
 
@@ -67,12 +67,13 @@ def test_train_creates_the_run_and_completes_on_two_nodes(slurm, small_dataset, 
     assert [e for e in history(run_dir) if e["event"] == "start"][0]["slurm_job_id"] == job_id
 
 
-def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(slurm, small_dataset, reference, tmp_path):
+def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(slurm, small_dataset, reference_2x1, tmp_path):
     # Submitted from elsewhere, default --output (slurm-%j.out in the submit directory): common.sh is found via
-    # the submitted script's path that `scontrol show job` records.
+    # the submitted script's path that `scontrol show job` records. 2 nodes x 1 rank (how the ranks of a node share
+    # it under this script: the test above).
     run_dir = tmp_path / "run"
-    env = {"CONFIG": "tiny", "RUN_DIR": str(run_dir), "HPC_SET": " ".join(sets_for(small_dataset))}
-    job_id = sbatch("train.sbatch", env, "--nodes=2", "--ntasks-per-node=2", cwd=tmp_path)
+    env = {"CONFIG": "tiny", "RUN_DIR": str(run_dir), "HPC_SET": " ".join([*sets_for(small_dataset), *TWO_NODES])}
+    job_id = sbatch("train.sbatch", env, "--nodes=2", "--ntasks-per-node=1", cwd=tmp_path)
     wait_step(run_dir, 10, output=tmp_path / f"slurm-{job_id}.out")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # to the job's steps: every rank
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
@@ -87,7 +88,7 @@ def test_stopped_by_the_job_signal_requeues_and_resumes_bitwise(slurm, small_dat
     assert len(stopped) == 1 and 10 <= stopped[0]["step"] < 60, events
     assert resumes and resumes[0]["step"] == stopped[0]["step"], events
     assert resumes[0]["slurm_job_id"] == job_id and resumes[0]["slurm_restart_count"] >= 1, events
-    assert summary(run_dir)["params_sha256"] == reference
+    assert summary(run_dir)["params_sha256"] == reference_2x1
 
 
 def test_a_killed_ranks_node_is_left_out_and_the_run_shrinks_in_the_job(slurm, small_dataset, tmp_path):

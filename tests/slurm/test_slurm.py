@@ -133,18 +133,18 @@ def test_restart_cap_and_real_errors_are_not_requeued(slurm, small_dataset, tmp_
 
 
 def test_a_vanished_rank_is_named_and_the_job_ends(slurm, small_dataset, tmp_path):
-    """Rank 3's process ends (status 0) in step 5: srun waits for the others, whose collective fails; they name
-    rank 3 by a roll call (it does not answer) and abort the MPI job instead of hanging in MPI_Finalize."""
+    """Rank 1's process (on n2) ends (status 0) in step 5: srun waits for the other, whose collective fails; it
+    names rank 1 by a roll call (it does not answer) and aborts the MPI job instead of hanging in MPI_Finalize."""
     run_dir = tmp_path / "run"
-    sets = [*sets_for(small_dataset), "monitor.heartbeat_s=1", "monitor.hang_timeout_s=30"]
+    sets = [*sets_for(small_dataset), *TWO_NODES, "monitor.heartbeat_s=1", "monitor.hang_timeout_s=30"]
     sets += ["job.max_failures=1", "job.restart_backoff_s=1"]  # the fault is injected in every launch
     sets += ["job.exclude_bad_nodes=false"]  # restarted on the same nodes (tests/slurm/test_badnodes.py: elsewhere)
-    job_id = submit(run_dir, [*sets, f"job.env={json.dumps({INJECT_VAR: 'exit:3:5'})}"])
+    job_id = submit(run_dir, [*sets, f"job.env={json.dumps({INJECT_VAR: 'exit:1:5'})}"])
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{job_log(run_dir, job_id)}"
     message = json.loads((run_dir / "failure.json").read_text())["message"]
     assert "a collective failed at step 5" in message, message
-    assert "rank(s) 3 did not answer within 1 s (ended or frozen)" in message, message
+    assert "rank(s) 1 did not answer within 1 s (ended or frozen)" in message, message
     restarts = [e for e in history(run_dir) if e["event"] == EVENT_RESTART]  # restarted once in the job, then given up
     assert len(restarts) == 1 and "a collective failed at step 5" in restarts[0]["cause"], restarts
     assert "1 in-job restarts already: job.max_failures=1" in job_log(run_dir, job_id)
@@ -152,12 +152,13 @@ def test_a_vanished_rank_is_named_and_the_job_ends(slurm, small_dataset, tmp_pat
     assert "(slurm node n1): removed" in log and "(slurm node n2): removed" in log, log
 
 
-def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference, tmp_path):
+def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference_2x1, tmp_path):
     """SIGKILL to one rank of a submitted job, its node not left out (job.exclude_bad_nodes: false): the driver
     restarts the ranks in the same allocation (no requeue) from the newest checkpoint; the run ends bit-identical
     and history names the restart's cause."""
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, [*sets_for(small_dataset), "job.restart_backoff_s=0.5", "job.exclude_bad_nodes=false"])
+    sets = [*sets_for(small_dataset), *TWO_NODES, "job.restart_backoff_s=0.5", "job.exclude_bad_nodes=false"]
+    job_id = submit(run_dir, sets)
     wait_step(run_dir, 12)
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
     info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
@@ -168,7 +169,7 @@ def test_a_killed_rank_is_restarted_in_the_job(slurm, small_dataset, reference, 
     resumed = [e for e in events if e["event"] == EVENT_RESUME]
     assert resumed and resumed[-1]["slurm_job_id"] == job_id and resumed[-1]["step"] >= 10, events
     assert resumed[-1]["nodes"] == ["n1", "n2"], resumed
-    assert summary(run_dir)["params_sha256"] == reference
+    assert summary(run_dir)["params_sha256"] == reference_2x1
     # the survivors, blocked in a collective with the dead rank, ended at srun's SIGTERM, not at KillWait's SIGKILL
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank_*.log"))
     assert "SIGTERM arrived" in logs and "rather than at the scheduler's SIGKILL" in logs, logs[-3000:]
