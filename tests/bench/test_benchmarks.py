@@ -165,27 +165,28 @@ def test_overhead_trainer_vs_plain(tmp_path, small_dataset):
 
 @pytest.mark.mp
 def test_overhead_a_layout_against_its_plain_peer(tmp_path, small_dataset):
-    """``--layout hsdp`` on 2 simulated nodes x 2 ranks, one round of 6 steps of a 2-layer GPT: plain is
-    bench/plain_layouts.py's HSDP script under torchrun, the trainer gets the layout's parallel.* settings;
-    trainer-nodims is the trainer with its per-collective timing off (monitor.comm_by_dim=false)."""
+    """``--layout fsdp`` on 1 node x 2 ranks, one round of 6 steps of a 2-layer GPT: plain is
+    bench/plain_layouts.py's FSDP script under torchrun, the trainer gets the layout's parallel.* settings;
+    trainer-nodims is the trainer with its per-collective timing off (monitor.comm_by_dim=false). (The layouts of
+    2 x 2 ranks are the same scripts with another mesh; their trainer runs are tests/mp/test_parallel.py's.)"""
     res, out = run_bench(
         "overhead",
-        ["--layout", "hsdp", "--nodes", "2", "--ranks", "2", "--variants", "trainer-flat,trainer-nodims",
+        ["--layout", "fsdp", "--nodes", "1", "--ranks", "2", "--variants", "trainer-flat,trainer-nodims",
          "--rounds", "1", "--steps", "6", "--skip", "1", "--data", str(small_dataset), "--set", "model.d_model=64",
          "--set", "model.n_layers=2", "--quiet-wait-s", "0"],
         tmp_path,
     )  # fmt: skip
     setup = res["setup"]
-    assert setup["layout"] == "hsdp" and "parallel.dp_shard=2" in setup["overrides"]
+    assert setup["layout"] == "fsdp" and "parallel.dp_shard=-1" in setup["overrides"]
     summary = res["summary"]
     assert list(summary) == ["plain", "trainer-flat", "trainer-nodims"]
     assert positive(summary["trainer-flat"]["ratio_vs_plain"]) and positive(summary["trainer-nodims"]["ratio_vs_plain"])
-    # HSDP's collectives block the training thread on CPU: timed, they are most of its exposed communication;
+    # FSDP2's collectives block the training thread on CPU: timed, they are most of its exposed communication;
     # untimed, only the tail after the last gradient is left (counted as for DDP)
     flat, nodims = summary["trainer-flat"]["median_exposed_comm_s"], summary["trainer-nodims"]["median_exposed_comm_s"]
     assert flat > 0.005 and nodims < flat / 3, (flat, nodims)
-    table_lines(out, "tiny, layout hsdp: 2 node(s) x 2 ranks", "plain ", "trainer-flat ", "trainer-nodims ")
-    assert "plain_layouts.py --layout hsdp" in out
+    table_lines(out, "tiny, layout fsdp: 1 node(s) x 2 ranks", "plain ", "trainer-flat ", "trainer-nodims ")
+    assert "plain_layouts.py --layout fsdp" in out
 
 
 def load_nanogpt():
