@@ -10,7 +10,7 @@ import yaml
 from runconfig import load_config
 from rundir.contract import EVENT_RESUME, EVENT_START, EVENT_STOPPED, EXIT_USER_ERROR, INJECT_VAR
 from tests.conftest import history, run_cli
-from tests.slurm.conftest import job_info, sets_for, submit, wait_state
+from tests.slurm.conftest import TWO_NODES, job_info, sets_for, submit, wait_state
 
 pytestmark = pytest.mark.slurm
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
@@ -108,14 +108,15 @@ def test_chain_of_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path)
 
     slurmctld sends a job's --signal from its time-limit pass, which runs every 30 s: with a 1-minute limit and a
     40 s lead the signal is due 20 s after the job starts and comes 20-50 s after it. So one job must need more than
-    50 s: 200 steps in which rank 0 sleeps 0.2 s (about 48 s of training after 10-16 s of start-up; 150 steps, 36 s,
-    once finished inside one job whose time-limit pass came late). The sleep, not computation, sets the run's
+    50 s: 200 steps in which rank 0 sleeps 0.2 s (0.1 s in each of its 2 micro-batches; about 48 s of training after
+    10-16 s of start-up; 150 steps, 36 s, once finished inside one job whose time-limit pass came late), on 2 nodes x
+    1 rank (the ranks of a node under Slurm: the other tests). The sleep, not computation, sets the run's
     length, so that another launch on the same 2 cores (tests/run.sh's second worker) lengthens it little; a link
     that trains only a few seconds under such load leaves the rest to the next, and the last link requeues itself
     until the run is complete."""
     run_dir = tmp_path / "run"
-    sets = [*sets_for(small_dataset), "train.steps=200", "checkpoint.every_steps=50", "train.eval_every=0",
-            "job.time=1", "job.signal_lead_s=40", f"job.env.{INJECT_VAR}=slow:0:0.2"]  # fmt: skip
+    sets = [*sets_for(small_dataset), *TWO_NODES, "train.steps=200", "checkpoint.every_steps=50", "train.eval_every=0",
+            "job.time=1", "job.signal_lead_s=40", f"job.env.{INJECT_VAR}=slow:0:0.1"]  # fmt: skip
     last = submit(run_dir, sets, "--chain", "4")
     ids = [json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()]
     assert len(ids) == 4 and ids[-1] == last
