@@ -51,7 +51,7 @@ def test_every_rank_receives_the_signal_and_the_lead_covers_the_stop(slurm, smal
 def test_a_wrapper_that_swallows_the_signal_is_caught_and_named(slurm, small_dataset, tmp_path):
     run_dir = tmp_path / "run"
     sets = [
-        *sets_for(small_dataset), "job.ranks_per_node=1", "job.signal_lead_s=15",
+        *sets_for(small_dataset), "job.ranks_per_node=1", "job.signal_lead_s=10",
         f"job.launch_prefix=[{PY}, {WRAPPER}, SIGUSR2]",
     ]  # fmt: skip
     proc = selftest(run_dir, sets)
