@@ -4,6 +4,7 @@ that is killed leaves the previous generation the bucket's newest; a server rest
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -13,7 +14,7 @@ import uuid
 
 import pytest
 
-from rundir.checkpoints import generations
+from rundir.checkpoints import generations, manifest_digest
 from tests.conftest import history, rank_pids, summary, wait_for_step
 from tests.mp.test_checkpoint import run, start, stopped_by_a_signal
 from tests.s3.conftest import BUCKET, sets
@@ -51,28 +52,37 @@ def test_checkpoints_in_a_bucket_resume_bitwise_without_the_run_directorys(tmp_p
 
 
 def test_a_corrupt_object_in_the_bucket_falls_back_and_the_older_generation_reshards(tmp_path, s3, small_dataset):
-    """Saved in the background (checkpoint.async_save) by 2 ranks; the newest generation in the bucket damaged and
-    the run directory's copies gone: the resume on 1 rank skips it, downloads the one before and reshards it."""
+    """Saved in the background (checkpoint.async_save) by 2 ranks; in the bucket the newest generation's manifest
+    (its self-checksum made again) names a file that climbs out of the download folder, and the one before has a
+    damaged object; the run directory's copies are gone: the resume on 1 rank skips both, the damaged file removed,
+    downloads the oldest and reshards it; nothing lands outside checkpoints/."""
     run_dir, url = tmp_path / "run", f"s3://{BUCKET}/{UNIQUE}/b"
-    args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage={url}", "train.steps=8",
+    args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage={url}", "train.steps=12",
             "checkpoint.keep_last=3", "checkpoint.async_save=true"]  # fmt: skip
     done = run(run_dir, args)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert remote(s3, f"{UNIQUE}/b") == {"step_00000004": True, "step_00000008": True}
+    assert remote(s3, f"{UNIQUE}/b") == {f"step_{s:08d}": True for s in (4, 8, 12)}
     fs = s3.fs()
+    hostile = f"{BUCKET}/{UNIQUE}/b/step_00000012/manifest.json"
+    manifest = json.loads(fs.cat_file(hostile))
+    manifest["files"]["../../planted.py"] = next(iter(manifest["files"].values()))
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    fs.pipe_file(hostile, json.dumps(manifest).encode())
     newest = f"{BUCKET}/{UNIQUE}/b/step_00000008"
     victim = next(f for f in fs.find(newest) if f.endswith(".distcp"))
     data = bytearray(fs.cat_file(victim))
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(victim, bytes(data))
     shutil.rmtree(run_dir / "checkpoints")
-    again = run(run_dir, ["train.steps=10", "job.nodes=1"], resume=True)  # 1 node x 1 rank
+    again = run(run_dir, ["train.steps=14", "job.nodes=1"], resume=True)  # 1 node x 1 rank
     assert again.returncode == 0, again.stdout + again.stderr
     log = (run_dir / "logs" / "rank_00000.log").read_text()
-    assert f"skipping checkpoint s3://{BUCKET}/{UNIQUE}/b/step_00000008:" in log and "(corrupt)" in log, log
+    assert f"skipping checkpoint {url}/step_00000012: its manifest names a file '../../planted.py'" in log, log
+    assert not list(tmp_path.rglob("planted.py"))
+    assert f"skipping checkpoint s3://{BUCKET}/{UNIQUE}/b/step_00000008:" in log and "(corrupt), removed" in log, log
     assert "checkpoint step_00000004 downloaded" in log, log
     assert "resumed from step_00000004 (step 4, saved by 2 ranks)" in log, log
-    assert history(run_dir)[-2]["world_size"] == 1 and summary(run_dir)["final_step"] == 10
+    assert history(run_dir)[-2]["world_size"] == 1 and summary(run_dir)["final_step"] == 14
     assert fs.exists(f"{newest}/manifest.json")  # nothing was deleted from the bucket
 
 

@@ -57,3 +57,20 @@ def test_a_stop_and_a_sigkill_from_s3_resume_bitwise(tmp_path, s3_small, disk_re
     assert events.count("restart") == 1 and events[-1] == "done", events
     assert summary(run_dir)["params_sha256"] == summary(disk_reference)["params_sha256"]
     assert all(max(files.values()) == 1 for files in fetches(cache).values())  # the restart reused the caches
+
+
+def test_a_manifest_naming_a_shard_outside_the_cache_is_refused(tmp_path, s3, small_dataset):
+    """A shared bucket's dataset manifest whose shard name climbs out of the node cache (``../``): every rank
+    refuses it before fetching anything, naming the shard and the URL; nothing is written outside the cache."""
+    manifest = json.loads((small_dataset / "manifest.json").read_text())
+    manifest["splits"]["train"][0]["file"] = "../../planted.h5"
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    (hostile / "manifest.json").write_text(json.dumps(manifest))
+    url = s3.upload(hostile, "hostile-manifest")
+    cache = tmp_path / "cache"
+    proc = run(tmp_path / "run", [*sets(url, cache), "job.nodes=1"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"the manifest of {url} names a shard '../../planted.h5'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("planted.h5")) and not (cache.parent.parent / "planted.h5").exists()

@@ -33,6 +33,7 @@ from rundir.checkpoints import (
 from storage.digest import sha256_file
 from storage.ioretry import GaveUp
 from storage.objstore import Store, StoreError, StoreUnavailable, join
+from storage.safepath import UnsafeName, safe_join
 from trainer.checkpoint.agreement import Agreement, Failed
 from trainer.checkpoint.reader import shares
 from trainer.errors import UserError
@@ -171,12 +172,17 @@ class RemoteGenerations:
         problem = crash = fatal = None
         for rel in shares(sizes, self.world_size)[self.rank]:
             url = join(self.url, name, rel)
-            dest = tmp / rel
+            try:  # the manifest comes from the bucket: its names never become paths outside the generation
+                dest = safe_join(tmp, rel)
+            except UnsafeName as exc:
+                problem = f"its manifest names a file {exc} (refused)"
+                break
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 self.store.download(url, str(dest), what="checkpoint file")
                 if sha256_file(dest) != manifest["files"][rel]["sha256"]:
-                    problem = f"{url} does not match its SHA-256 in the manifest (corrupt)"
+                    dest.unlink()
+                    problem = f"{url} does not match its SHA-256 in the manifest (corrupt), removed"
             except StoreError as exc:  # a missing object: this generation is unusable
                 problem = str(exc)
             except StoreUnavailable as exc:  # says nothing about the generation: a crash, restarted

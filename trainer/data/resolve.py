@@ -21,6 +21,7 @@ from mpi4py import MPI
 from runconfig.schema import DataConfig, StorageConfig
 from storage.ioretry import RetryPolicy
 from storage.objstore import Store, StoreError, StoreUnavailable, is_url, join
+from storage.safepath import UnsafeName, check_name, safe_join
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.node_cache import NodeCache, dataset_key
 from trainer.data.prepare import (
@@ -178,6 +179,11 @@ def mirror(store: Store, url: str, folder: Path, include: list[str]) -> int:
     for name, info in listing.items():
         rel = name[len(base) :] if name.startswith(base) else name.rsplit("/", 1)[-1]
         if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pat) for pat in include):
+            try:  # a key of a shared bucket never becomes a path outside the mirror
+                safe_join(folder, rel)
+            except UnsafeName as exc:
+                raise UserError(f"data.source {url}: the object {name} cannot be mirrored into {folder}: its name "
+                                f"{exc}. Nothing was fetched.") from None  # fmt: skip
             wanted[rel] = int(info.get("size") or 0)
     if not wanted:
         raise UserError(f"data.source {url}: no objects under it match data.include {list(include)}.")
@@ -236,6 +242,12 @@ def remote_manifest(store: Store, url: str) -> tuple[dict, dict[str, int]]:
         manifest["splits"]["train"], manifest["splits"]["val"], manifest["vocab_size"]  # noqa: B018
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"data manifest {url}/manifest.json is malformed ({type(exc).__name__}: {exc}).") from None
+    for split in ("train", "val"):
+        for shard in manifest["splits"][split]:
+            try:  # the manifest comes from the bucket: a shard name is a plain file name of the node cache
+                check_name(shard["file"], flat=True)
+            except UnsafeName as exc:
+                raise UserError(f"the manifest of {url} names a shard {exc}; refused, nothing fetched.") from None
     sizes = store.sizes(url, what="data.path listing of", key="data.path")
     for split in ("train", "val"):
         for shard in manifest["splits"][split]:
