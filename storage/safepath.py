@@ -33,7 +33,9 @@ def safe_join(root: Path, name: str, *, flat: bool = False) -> Path:
 
 
 def _problem(name: str, flat: bool) -> str | None:
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):
+        return "is not a string"
+    if not name:
         return "is empty"
     if "\0" in name or "\\" in name:
         return "holds a NUL or a backslash"

@@ -15,6 +15,7 @@ import pytest
 
 from rundir.contract import EVENT_HANG, EXIT_FAILED, INJECT_VAR, PART_KEYS
 from tests.conftest import PY, ROOT, history, rank_pids, wait_for_step
+from tests.mp.test_checkpoint import TWO_NODES
 
 pytestmark = pytest.mark.mp
 
@@ -34,10 +35,9 @@ def small(data, steps=20) -> list[str]:
     ]  # fmt: skip
 
 
-#: 2 simulated nodes x 1 rank: the watchdog's verdicts name ranks the same way whatever the ranks of a node, and a
-#: launch of 2 ranks costs under half the CPU of 4 on the test machine's 2 cores. The straggler test keeps 2 x 2
-#: (a median of several other ranks to compare with).
-TWO_NODES = ["job.ranks_per_node=1"]
+# TWO_NODES (2 simulated nodes x 1 rank): the watchdog's verdicts name ranks the same way whatever the ranks of a
+# node, and a launch of 2 ranks costs under half the CPU of 4 on the test machine's 2 cores. The straggler test keeps
+# 2 x 2 (a median of several other ranks to compare with).
 
 
 def records(run_dir) -> list[dict]:

@@ -242,16 +242,14 @@ def remote_manifest(store: Store, url: str) -> tuple[dict, dict[str, int]]:
         manifest["splits"]["train"], manifest["splits"]["val"], manifest["vocab_size"]  # noqa: B018
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"data manifest {url}/manifest.json is malformed ({type(exc).__name__}: {exc}).") from None
-    for split in ("train", "val"):
-        for shard in manifest["splits"][split]:
-            try:  # the manifest comes from the bucket: a shard name is a plain file name of the node cache
-                check_name(shard["file"], flat=True)
-            except UnsafeName as exc:
-                raise UserError(f"the manifest of {url} names a shard {exc}; refused, nothing fetched.") from None
     sizes = store.sizes(url, what="data.path listing of", key="data.path")
     for split in ("train", "val"):
         for shard in manifest["splits"][split]:
             name = shard["file"]
+            try:  # from the bucket: the node cache (NodeCache, fed only from here) makes it a path of its folder
+                check_name(name, flat=True)
+            except UnsafeName as exc:
+                raise UserError(f"the manifest of {url} names a shard {exc}; refused, nothing fetched.") from None
             if name not in sizes:
                 raise UserError(
                     f"data shard {url}/{name}, listed in {url}/manifest.json, is missing from the bucket: the "
