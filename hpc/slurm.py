@@ -47,7 +47,7 @@ def sbatch_parameters(cfg: RunConfig, *, dependency: str | None = None, exclude:
     if job.no_kill:
         extra["no_kill"] = True
     if exclude:
-        bad = [n for n in exclude if not SLURM_NAMES_RE.match(n)]
+        bad = [n for n in exclude if not SLURM_NAMES_RE.fullmatch(n)]
         if bad:  # names come from Slurm itself; still, nothing unchecked reaches an #SBATCH line
             raise ValueError(f"node names {bad} from the run's history are not valid Slurm node names")
         extra["exclude"] = ",".join(exclude)

@@ -50,7 +50,7 @@ def generations(root: Path) -> list[tuple[int, Path]]:
         return []
     out = []
     for p in root.iterdir():
-        m = STEP_RE.match(p.name)
+        m = STEP_RE.fullmatch(p.name)
         if m and p.is_dir():
             out.append((int(m.group(1)), p))
     return sorted(out)

@@ -83,7 +83,7 @@ def project_repository(source: str | Path | None) -> tuple[dict | None, str]:
 def next_number(folder: Path, prefix: str) -> int:
     """The number after the highest ``prefix``-NNN.json in ``folder`` (0 in an empty one)."""
     pattern = re.compile(rf"{prefix}-(\d+)\.json$")
-    taken = [int(m.group(1)) for p in folder.glob(f"{prefix}-*.json") if (m := pattern.match(p.name))]
+    taken = [int(m.group(1)) for p in folder.glob(f"{prefix}-*.json") if (m := pattern.fullmatch(p.name))]
     return max(taken, default=-1) + 1
 
 

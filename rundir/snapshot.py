@@ -63,7 +63,7 @@ def search_path(config_file: Path | None) -> list[Path]:
 
 def _module_of(recipe: str) -> list[str]:
     """The dotted module path of ``module.path:function``, as its parts."""
-    if not RECIPE_RE.match(recipe):
+    if not RECIPE_RE.fullmatch(recipe):
         raise ConfigError(f"recipe {recipe!r} must be 'gpt' or 'package.module:function'.")
     return recipe.partition(":")[0].split(".")
 

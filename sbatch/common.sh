@@ -152,7 +152,7 @@ try:
 
     plugin = mpi_plugin(cfg)
 except Exception as exc:  # no mpirun beside this Python: say so, and fall back to the mpich wheel's plugin
-    print(f"note: job.mpi={job.mpi} could not be resolved ({exc}); using pmi2")
+    print(f"note: job.mpi={job.mpi} could not be resolved ({exc}); using pmi2", file=sys.stderr)  # not eval'd
     plugin = "pmi2"
 print(f"hpc_mpi_cfg={q(plugin)}")
 print(f"hpc_srun_args=({' '.join(q(a) for a in job.srun_args)})")

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from runconfig.schema.fields import Problems, Range, Section, doc
 from runconfig.schema.slurm_syntax import SIGNAL_NAMES
 
+# scheme://bucket/prefix on one line (no whitespace or control characters: it is logged and passed to fsspec)
+STORAGE_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^/\s][^\s]*")
+
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig(Section):
@@ -73,7 +76,7 @@ class CheckpointConfig(Section):
             for name in self.stop_signals
             if name not in SIGNAL_NAMES
         ]
-        if self.storage is not None and not re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^/]", self.storage):
+        if self.storage is not None and not STORAGE_RE.fullmatch(self.storage):
             out.append(("storage", f"must be an object-storage URL such as s3://bucket/prefix, got {self.storage!r} "
                         "(unset it to keep the checkpoints in the run directory)"))  # fmt: skip
         return out

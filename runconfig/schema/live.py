@@ -46,9 +46,9 @@ class LiveConfig(Section):
         if gateway:
             if "@" in gateway.split("//", 1)[-1].split("/", 1)[0]:
                 out.append(("pushgateway", "holds credentials (user:password@): put an authenticating proxy in front"))
-            elif not GATEWAY_RE.match(gateway):
+            elif not GATEWAY_RE.fullmatch(gateway):
                 out.append(("pushgateway", f"must be an http(s)://host:port URL of a Pushgateway, got {gateway!r}"))
-        if not JOB_RE.match(self.job):
+        if not JOB_RE.fullmatch(self.job):
             out.append(("job", f"must be a Prometheus label value of letters, digits, '_', '.', '-', got {self.job!r}"))
         if self.port and not self.serve:
             out.append(("port", "is set but live.serve is false: nothing would listen on it"))

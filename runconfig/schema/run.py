@@ -68,7 +68,7 @@ class RunConfig:
 
     def _recipe_problems(self) -> Problems:
         out: Problems = []
-        if not RECIPE_RE.match(self.recipe):
+        if not RECIPE_RE.fullmatch(self.recipe):
             out.append(("recipe", f"{self.recipe!r} must be 'gpt' or 'package.module:function'"))
         elif self.recipe != BUILTIN_RECIPE and self.model != ModelConfig():
             out.append(

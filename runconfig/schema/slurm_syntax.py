@@ -23,7 +23,7 @@ Problems = list[tuple[str, str]]
 def slurm_minutes(text: str) -> int | None:
     """Minutes in a Slurm time limit, read as Slurm reads it: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
     (seconds round up); None if bad. Two fields without days are minutes:seconds (``25:00`` is 25 minutes)."""
-    m = TIME_RE.match(text)
+    m = TIME_RE.fullmatch(text)
     if not m:
         return None
     days, first, second, third = m.groups()
@@ -47,15 +47,15 @@ def single_line_problem(text: str) -> str | None:
 def names_problems(job) -> Problems:
     """The job's name and the Slurm names and formats of partition, account, qos, constraint, mem and time."""
     out: Problems = []
-    if not NAME_RE.match(job.name):
+    if not NAME_RE.fullmatch(job.name):
         out.append(("name", f"{job.name!r} must match {NAME_RE.pattern}"))
     for key in ("partition", "account", "qos"):
         value = getattr(job, key)
-        if value is not None and not SLURM_NAMES_RE.match(value):
+        if value is not None and not SLURM_NAMES_RE.fullmatch(value):
             out.append((key, f"{value!r} must be names of letters, digits, '_', '.', '-' (comma-separated)"))
-    if job.constraint is not None and not CONSTRAINT_RE.match(job.constraint):
+    if job.constraint is not None and not CONSTRAINT_RE.fullmatch(job.constraint):
         out.append(("constraint", f"{job.constraint!r} may hold only feature names and & | , [ ] * : ! ( )"))
-    if job.mem is not None and not MEM_RE.match(job.mem):
+    if job.mem is not None and not MEM_RE.fullmatch(job.mem):
         out.append(("mem", f"{job.mem!r} must look like 64G, 512M or 1000"))
     minutes = slurm_minutes(job.time)
     if minutes is None or minutes < 1:
@@ -76,12 +76,12 @@ def words_problems(job) -> Problems:
         if problem:
             out.append((f"setup[{i}]", f"{line!r} {problem}"))
     for name, value in job.env.items():
-        if not ENV_NAME_RE.match(name):
+        if not ENV_NAME_RE.fullmatch(name):
             out.append((f"env.{name}", "is not a valid environment variable name"))
         elif single_line_problem(value):
             out.append((f"env.{name}", f"{value!r} must be a single line"))
     for i, arg in enumerate(job.srun_args):
-        if not SRUN_ARG_RE.match(arg):
+        if not SRUN_ARG_RE.fullmatch(arg):
             out.append(
                 (
                     f"srun_args[{i}]",
@@ -89,7 +89,7 @@ def words_problems(job) -> Problems:
                 )
             )
     for i, word in enumerate(job.launch_prefix):
-        if not word or not OPTION_VALUE_RE.match(word):
+        if not word or not OPTION_VALUE_RE.fullmatch(word):
             out.append(
                 (
                     f"launch_prefix[{i}]",
@@ -98,8 +98,8 @@ def words_problems(job) -> Problems:
                 )
             )
     for key, value in job.sbatch_extra.items():
-        if not OPTION_KEY_RE.match(key):
+        if not OPTION_KEY_RE.fullmatch(key):
             out.append((f"sbatch_extra.{key}", "is not a valid sbatch option name"))
-        elif not OPTION_VALUE_RE.match(value):
+        elif not OPTION_VALUE_RE.fullmatch(value):
             out.append((f"sbatch_extra.{key}", f"{value!r} may hold only letters, digits and _ . , : / = + @ % -"))
     return out

@@ -40,7 +40,7 @@ class StorageConfig(Section):
 
     def relations(self) -> Problems:
         url = self.endpoint_url
-        if url is not None and not ENDPOINT_RE.match(url):
+        if url is not None and not ENDPOINT_RE.fullmatch(url):
             why = "holds credentials (user:password@): they go in the environment" if "@" in url else ""
             return [("endpoint_url", why or f"must be an http:// or https:// URL of the store, got {url!r}")]
         return []

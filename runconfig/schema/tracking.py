@@ -45,7 +45,7 @@ class TrackingConfig(Section):
             return []
         if "@" in uri.split("//", 1)[-1].split("/", 1)[0]:
             return [("uri", "holds credentials (user:password@): they go in MLFLOW_TRACKING_USERNAME/PASSWORD")]
-        if not URI_RE.match(uri):
+        if not URI_RE.fullmatch(uri):
             return [("uri", f"must be an http(s):// URL of an MLflow server or a SQLite store path, got {uri!r}")]
         if uri.startswith("/") and not uri.endswith(".db"):
             return [("uri", f"{uri!r}: a store path must end in .db (a SQLite file), or use sqlite:////...")]

@@ -67,6 +67,20 @@ def test_dry_run_matches_golden_file():
         ("env", {"A-B": "x"}, "job.env.A-B"),
         ("env", {"A": "x\ny"}, "job.env.A"),
         ("signal", "SIGUSR1", "job.signal"),
+        # a trailing newline ends sbatch's directive parsing: every check matches the whole value
+        ("name", "demo\n", "job.name"),
+        ("partition", "debug\n", "job.partition"),
+        ("account", "a\n", "job.account"),
+        ("qos", "q\n", "job.qos"),
+        ("constraint", "ib\n", "job.constraint"),
+        ("mem", "64G\n", "job.mem"),
+        ("time", "30\n", "job.time"),
+        ("sbatch_extra", {"reservation": "x\n"}, "job.sbatch_extra.reservation"),
+        ("sbatch_extra", {"reservation\n": "x"}, "job.sbatch_extra.reservation\n"),
+        ("srun_args", ["--x=1\n"], "job.srun_args[0]"),
+        ("launch_prefix", ["nsys\n"], "job.launch_prefix[0]"),
+        ("env", {"A\n": "x"}, "job.env.A\n"),
+        ("env", {"A": "x\n"}, "job.env.A"),
     ],
 )
 def test_unsafe_values_are_rejected_with_the_key(tmp_path, field, value, key):
@@ -116,7 +130,7 @@ def test_time_limits(text, minutes):
     assert slurm_minutes(text) == minutes
 
 
-@pytest.mark.parametrize("text", ["", "1h", "10:60", "1:61:00", "-5", "1-2-3"])
+@pytest.mark.parametrize("text", ["", "1h", "10:60", "1:61:00", "-5", "1-2-3", "30\n"])
 def test_bad_time_limits(text):
     assert slurm_minutes(text) is None
 
@@ -136,3 +150,29 @@ def test_submitit_is_pinned_to_the_range_that_is_tested():
     assert installed in spec and "1.6.0" not in spec, (str(spec), installed)
     cuda = [line for line in (root / "envs" / "requirements-cuda.txt").read_text().splitlines() if "submitit" in line]
     assert [str(Requirement(line).specifier) for line in cuda] == [str(spec)]
+
+
+def test_the_mpi_note_stays_out_of_the_evaled_block(tmp_path):
+    """sbatch/common.sh eval's everything hpc_prepare prints after #HPC-VARS: where job.mpi=auto cannot be resolved
+    (no mpirun beside the Python or on PATH), the note saying so goes to stderr, and the block holds only the
+    assignments (a note there would abort the eval and drop srun's arguments, the setup and the environment)."""
+    # The project's Python without an mpirun beside it: a venv-like folder whose lib is the real venv's.
+    venv = Path(sys.prefix)
+    bare = tmp_path / "py"
+    (bare / "bin").mkdir(parents=True)
+    (bare / "bin" / "python").symlink_to(Path(sys.executable).resolve())
+    (bare / "lib").symlink_to(venv / "lib")
+    (bare / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text())
+    root = Path(__file__).resolve().parents[2]
+    script = 'source sbatch/common.sh; PATH=/nonexistent hpc_prepare train "$1"'
+    env = {**os.environ, "PYTHON": str(bare / "bin" / "python"), "CONFIG": "tiny", "PYTHONPATH": str(root),
+           "HPC_SET": "job.setup=['echo kept'] job.srun_args=[--cpu-bind=cores]"}  # fmt: skip
+    proc = subprocess.run(["bash", "-c", script, "bash", str(tmp_path / "run")], capture_output=True, text=True,
+                          env=env, cwd=root)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "note: job.mpi=auto could not be resolved" in proc.stderr, proc.stderr
+    block = proc.stdout.split("#HPC-VARS", 1)[1]
+    assert block.strip() and all(line.startswith("hpc_") for line in block.strip().splitlines()), block
+    shown = f'{block}\necho "$hpc_mpi_cfg ${{hpc_srun_args[*]}} ${{hpc_setup[*]}}"'
+    shown = subprocess.run(["bash", "-c", shown], capture_output=True, text=True)
+    assert shown.stdout.strip() == "pmi2 --cpu-bind=cores echo kept", shown

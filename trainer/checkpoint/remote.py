@@ -228,7 +228,7 @@ class RemoteGenerations:
         committed, partial = [], []
         for full in names:
             name = full.rstrip("/").rsplit("/", 1)[-1]
-            m = STEP_RE.match(name)
+            m = STEP_RE.fullmatch(name)
             if not m:
                 continue
             has = self.store.call(lambda fs, p: fs.exists(p), join(self.url, name, MANIFEST), what="checkpoint")
