@@ -127,12 +127,22 @@ def reconcile(backend, state: TrackingState) -> bool:
     return True
 
 
+ENV_PREFIX = "job.env."  # its values never become params
+
+
 def flat_params(data: object) -> dict[str, str]:
-    """A config as MLflow parameters: dotted keys, JSON values (cut at MLflow's length)."""
+    """A config as MLflow parameters: dotted keys, JSON values (cut at MLflow's length). job.env's values are left
+    out (everyone on a shared tracking server reads the params): ``job.env`` lists the variables' names."""
     from runconfig.load import flatten
 
     out = {}
+    env_names = []
     for key, value in flatten(data).items():
+        if key.startswith(ENV_PREFIX):
+            env_names.append(key[len(ENV_PREFIX) :])
+            continue
         text = value if isinstance(value, str) else json.dumps(value, default=str)
         out[key] = text[:PARAM_CHARS]
+    if env_names:
+        out[ENV_PREFIX.rstrip(".")] = json.dumps(sorted(env_names))[:PARAM_CHARS]
     return out
