@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc import slurmctl
+from hpc import runlock, slurmctl
 from hpc.jobs import exclude_pending, never_requeue, record_job
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
@@ -45,7 +45,7 @@ from runconfig import RunConfig, load_config
 from rundir import RunDir
 from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
 from rundir.paths import read_jsonl
-from rundir.slurmvars import slurm_job_id, slurm_job_nodes, slurm_restart_count
+from rundir.slurmvars import slurm_job_id, slurm_job_nodes, slurm_queue_id, slurm_restart_count
 
 PLUGIN_FOR_FLAVOUR = {"mpich": "pmi2", "openmpi": "pmix"}
 
@@ -56,6 +56,7 @@ class SlurmJob:
 
     job_id: str
     restart_count: int
+    queue_id: str = ""  # as squeue names it: ARRAY_TASK for an array's task
     num_nodes: int = 1
     nodelist: str = ""  # SLURM_JOB_NODELIST, compressed (n[1-4])
 
@@ -65,6 +66,7 @@ class SlurmJob:
         num_nodes, nodelist = slurm_job_nodes(environ)
         return cls(
             job_id=slurm_job_id(environ) or "",
+            queue_id=slurm_queue_id(environ) or "",
             restart_count=slurm_restart_count(environ) or 0,
             num_nodes=num_nodes or 1,
             nodelist=nodelist,
@@ -235,6 +237,7 @@ class SrunLaunch:
 class Driver:
     run_dir: str
     last_in_chain: bool = True  # earlier jobs of a chain leave the continuation to the next one
+    lock_token: str = ""  # the submission's hold on the run (hpc/runlock.py), which this job takes over
 
     def __call__(self) -> dict:
         # submitit's own handlers would checkpoint and requeue from inside a handler: the ranks handle the
@@ -244,6 +247,14 @@ class Driver:
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, _note_stop_signal)
         rundir = RunDir(Path(self.run_dir))
+        job = SlurmJob.from_environ()
+        problem = rundir.owner_error()
+        if problem:
+            raise RuntimeError(problem)
+        try:  # refused while another launch trains the run (another job of a plain sbatch, a local launch)
+            runlock.join(rundir, job.queue_id, self.lock_token)
+        except runlock.RunLocked as exc:
+            raise RuntimeError(f"job {job.job_id} ends without work: {exc}") from None
         cfg = load_config(str(rundir.config))
         if cfg.job.signal not in ("SIGUSR1", "SIGUSR2", "SIGTERM"):  # the job's own stop signal too
             signal.signal(getattr(signal, cfg.job.signal), _note_stop_signal)
@@ -251,7 +262,6 @@ class Driver:
         # it itself). The ranks get it too; the driver only notes it, so that it neither restarts nor resubmits.
         signal.signal(signal.SIGTERM, _note_job_ending)
         os.umask(0o077)
-        job = SlurmJob.from_environ()
         if run_complete(rundir, cfg):
             print(f"run {rundir.root} is already complete; job {job.job_id} ends without work", flush=True)
             return {"status": "complete"}
@@ -349,7 +359,9 @@ class Driver:
             )
             return {"status": "resubmitted", "job_id": pending[0]}
         try:
-            new_id = submit_link(cfg, rundir, last_in_chain=self.last_in_chain, exclude=exclude, reason="exclude")
+            new_id = submit_link(cfg, rundir, last_in_chain=self.last_in_chain, exclude=exclude, reason="exclude",
+                                 lock_token=self.lock_token)  # fmt: skip
+            runlock.hand_over(rundir, None, [new_id])
         except Exception as exc:  # sbatch refused (say, too few nodes left in the partition): the run ends here
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise RuntimeError(
@@ -422,12 +434,13 @@ def submit_link(
     exclude: tuple[str, ...] = (),
     chain: tuple[int, int] = (0, 1),
     reason: str = "",
+    lock_token: str = "",
 ) -> str:
     """Submit one job of the run (a Driver), record it in jobs.jsonl, keep its script; the job id."""
     from hpc.slurm import make_executor
 
     executor = make_executor(cfg, rundir, dependency=dependency, exclude=exclude)
-    submitted = executor.submit(Driver(str(rundir.root), last_in_chain=last_in_chain))
+    submitted = executor.submit(Driver(str(rundir.root), last_in_chain=last_in_chain, lock_token=lock_token))
     shutil.copyfile(submitted.paths.submission_file, rundir.job_script(submitted.job_id))
     record_job(rundir, submitted.job_id, chain=chain, exclude=exclude, reason=reason)
     return submitted.job_id

@@ -28,6 +28,7 @@ from hpc.options import add_set_option
 from hpc.policy.badnodes import bad_nodes
 from hpc.policy.decide import Situation, restarts_so_far
 from hpc.restarts import take_back_due_nodes, until_settled
+from hpc.runlock import Holder, RunLocked, hand_over, release, take, this_process
 from hpc.slurm import sbatch_script
 from hpc.slurmctl import held_by_slurm
 from runconfig import ConfigError, RunConfig, dump_yaml, load_config
@@ -35,6 +36,10 @@ from runconfig.schema import BUILTIN_RECIPE
 from rundir import RunDir, record
 from rundir import snapshot as codesnap
 from rundir.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
+from storage.files import write_atomic
+
+#: What a new run's directory may already hold: the lock a concurrent submission made there.
+LOCK_FILES = ("lock.json", ".lock")
 
 
 class SubmitError(Exception):
@@ -78,11 +83,26 @@ def default_run_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def prepare_run_dir(path: Path) -> RunDir:
-    rundir = RunDir(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise SubmitError(f"run directory {path} already exists and is not empty; choose another --run-dir.")
+def prepare_run_dir(path: Path, *, default: bool) -> RunDir:
+    """A new run's directory: made here (``default``: the first free one of NAME-TIME, NAME-TIME-2, ...: two
+    submissions in one second get one each), or an empty one of the user's that --run-dir names."""
     try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for n in range(1, 1000 if default else 2):
+            candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+            try:
+                candidate.mkdir(mode=0o700)
+                path = candidate
+                break
+            except FileExistsError:
+                if not default:
+                    break
+        rundir = RunDir(path)
+        problem = rundir.owner_error()
+        if problem:
+            raise SubmitError(problem)
+        if not path.is_dir() or any(p.name not in LOCK_FILES for p in path.iterdir()):
+            raise SubmitError(f"run directory {path} already exists and is not empty; choose another --run-dir.")
         rundir.create()
     except OSError as exc:
         raise SubmitError(f"run directory {path} cannot be created: {exc.strerror}.") from None
@@ -94,6 +114,9 @@ def resume_target(args: argparse.Namespace) -> Path | None:
     path = Path(args.config)
     if not (args.resume or path.is_dir()):
         return None
+    problem = RunDir(path).owner_error()  # before anything is read from it
+    if problem:
+        raise SubmitError(problem)
     if not RunDir(path).config.is_file():
         raise SubmitError(f"{path} is not a run directory (it has no config.yaml); nothing to resume.")
     if args.run_dir and Path(args.run_dir).resolve() != path.resolve():
@@ -155,13 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(planned)
             return 0
-        rundir = write_run_dir(planned, args, argv)
-    except (ConfigError, SubmitError, LauncherError) as exc:
+        rundir, holder = write_run_dir(planned, args, argv)
+    except (ConfigError, SubmitError, LauncherError, RunLocked) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     if planned.launcher is None:
-        return submit_slurm(planned.cfg, rundir, chain=args.chain)
-    return run_here(planned, rundir)
+        return submit_slurm(planned.cfg, rundir, chain=args.chain, holder=holder)
+    try:
+        return run_here(planned, rundir)
+    finally:
+        release(rundir, holder)
 
 
 @dataclass(frozen=True)
@@ -170,6 +196,7 @@ class Planned:
 
     cfg: RunConfig
     run_path: Path
+    default_path: bool  # run_path is default_run_dir's: the first free one of its name is taken
     resume: bool
     search: list[Path] | None  # where a new run's recipe module is looked for (None: a resume keeps its snapshot)
     launcher: MpiLauncher | None  # this machine's mpirun; None: Slurm
@@ -193,7 +220,8 @@ def plan(args: argparse.Namespace) -> Planned:
     launcher = None if use_slurm else find_launcher()
     if launcher is not None and not args.dry_run:
         node_wraps(cfg, simulated_nodes(cfg))  # refused here, before the run directory, if malformed
-    return Planned(cfg=cfg, run_path=run_path, resume=bool(resume_dir), search=search, launcher=launcher)
+    default_path = not (resume_dir or args.run_dir)
+    return Planned(cfg, run_path, default_path, bool(resume_dir), search, launcher)
 
 
 def dry_run(planned: Planned) -> None:
@@ -207,33 +235,40 @@ def dry_run(planned: Planned) -> None:
         print(f"# launch: {shlex.join(command)}\n{dump_yaml(cfg)}", end="")
 
 
-def write_run_dir(planned: Planned, args: argparse.Namespace, argv: list[str]) -> RunDir:
-    """The run directory with its code snapshot, resolved config and the record of this submission
-    (rundir/record.py); a new one is removed again when it cannot be completed."""
+def write_run_dir(planned: Planned, args: argparse.Namespace, argv: list[str]) -> tuple[RunDir, Holder]:
+    """The run directory, taken for this submission (hpc/runlock.py: refused while another launch trains it), with
+    its code snapshot, resolved config and the record of this submission (rundir/record.py); a new one is removed
+    again when it cannot be completed."""
     cfg, run_path = planned.cfg, planned.run_path
-    created = snap = None
+    created = snap = holder = None
     try:
         if planned.resume:
             rundir = RunDir(run_path)
         else:
-            created = None if run_path.exists() else run_path
-            rundir = prepare_run_dir(run_path)
+            existed = run_path.exists()
+            rundir = prepare_run_dir(run_path, default=planned.default_path)
+            created = None if existed and not planned.default_path else rundir.root
         problem = rundir.writable_error()
         if problem:
             raise SubmitError(problem + "; nothing was changed.")
+        holder = take(rundir, this_process("a local launch" if planned.launcher else "a submission to Slurm"))
+        if not planned.resume and rundir.config.exists():  # made by another submission since the check above
+            raise SubmitError(f"run directory {rundir.root} was just taken by another submission; choose another.")
         if planned.resume and args.refresh_code:
             snap = refresh_code(rundir, cfg.recipe)
         elif not planned.resume:
             snap = snapshot_new_run(rundir, cfg.recipe, planned.search)
             created = None  # the run directory is complete once its config is written below
-        rundir.config.write_text(dump_yaml(cfg))
+        write_atomic(rundir.config, dump_yaml(cfg), fsync=True)
         record.write_submission(rundir.record, record.command_line("hpc.submit", argv), resumed=planned.resume,
                                 project_source=snap.source if snap else None)  # fmt: skip
-    except (ConfigError, SubmitError, LauncherError):
+    except (ConfigError, SubmitError, LauncherError, RunLocked):
+        if holder is not None:
+            release(rundir, holder)
         if created is not None:  # a new run directory left without its code snapshot: remove what was made
             shutil.rmtree(created, ignore_errors=True)
         raise
-    return rundir
+    return rundir, holder
 
 
 def run_here(planned: Planned, rundir: RunDir) -> int:
@@ -277,9 +312,10 @@ def run_here(planned: Planned, rundir: RunDir) -> int:
     return report(rundir, result)
 
 
-def submit_slurm(cfg, rundir: RunDir, *, chain: int) -> int:
+def submit_slurm(cfg, rundir: RunDir, *, chain: int, holder: Holder) -> int:
     """Submit the run as ``chain`` jobs linked by afterany dependencies; each continues from the newest
-    checkpoint, and once training is complete the rest end at once without work."""
+    checkpoint, and once training is complete the rest end at once without work. The jobs take the run's lock
+    over from this submission (``holder``)."""
     os.umask(0o077)  # submitit's job folders, pickles and logs: private like the run directory
     try:
         job_ids = []
@@ -293,11 +329,17 @@ def submit_slurm(cfg, rundir: RunDir, *, chain: int) -> int:
                 dependency=f"afterany:{job_ids[-1]}" if job_ids else None,
                 exclude=exclude,
                 chain=(position, chain),
+                lock_token=holder.token,
             )
             job_ids.append(job_id)
     except Exception as exc:  # sbatch refusals come back as submitit/subprocess errors: one clear line
+        if job_ids:
+            hand_over(rundir, holder, job_ids)
+        else:
+            release(rundir, holder)
         print(f"error: submitting to Slurm failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
         return EXIT_USER_ERROR
+    hand_over(rundir, holder, job_ids)
     print(
         f"submitted {cfg.job.name} as Slurm job{'s' if chain > 1 else ''} {', '.join(job_ids)}: {cfg.job.nodes} "
         f"nodes x {cfg.job.ranks_per_node} ranks; run directory {rundir.root}\n"

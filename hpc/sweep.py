@@ -212,7 +212,7 @@ def create(sweep_dir: Path, elements: list[tuple[dict, RunConfig]]) -> list[RunD
     for i, (point, cfg) in enumerate(elements):
         rundir = RunDir(sweep_dir / element_name(i, point))
         rundir.create()
-        rundir.config.write_text(dump_yaml(cfg))
+        write_atomic(rundir.config, dump_yaml(cfg), fsync=True)
         write_submission(rundir.record, command_line("hpc", sys.argv[1:]), resumed=False, project_source=None)
         dirs.append(rundir)
     return dirs

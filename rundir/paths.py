@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -129,6 +131,16 @@ class RunDir:
         """Held (flock) by the process that sends to the tracker, so that a report does not send beside a launch."""
         return self.root / ".tracking.lock"
 
+    @property
+    def lock(self) -> Path:
+        """Who trains the run now (hpc/runlock.py): a local launch's process, or the run's Slurm jobs."""
+        return self.root / "lock.json"
+
+    @property
+    def lock_guard(self) -> Path:
+        """flock-ed for the moment a launch reads and writes ``lock``."""
+        return self.root / ".lock"
+
     def job_script(self, job_id: str) -> Path:
         """The batch script a Slurm job of the run was submitted with (kept for `hpc selftest` and by hand)."""
         return self.root / f"job_{job_id}.sbatch"
@@ -176,8 +188,38 @@ class RunDir:
         message = self.failure_record().get("message")
         return None if message is None else str(message)
 
+    def owner_error(self) -> str | None:
+        """None when the run directory (if it exists) and its config are this user's and no one else may write
+        them, else what is wrong (one line): a folder someone else made or can write would run their recipe and
+        config with this user's credentials."""
+        uid = os.geteuid()
+        for path in (self.root, self.config):
+            try:
+                st = os.stat(path) if path == self.root else os.lstat(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                return f"run directory {self.root} cannot be checked ({path}: {exc.strerror or exc})"
+            if path != self.root and not stat.S_ISREG(st.st_mode):
+                return f"run directory {self.root}: {path.name} is not a regular file (a link?); refused"
+            if st.st_uid != uid:
+                return (
+                    f"run directory {self.root} is not yours ({path} belongs to {_user(st.st_uid)}, you are "
+                    f"{_user(uid)}): refused, nothing run or written. Choose a directory of your own."
+                )
+            if st.st_mode & 0o022:
+                return (
+                    f"run directory {self.root}: {path} may be written by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                    f"refused, nothing run or written. Make it private: chmod 700 {self.root}"
+                )
+        return None
+
     def writable_error(self) -> str | None:
-        """None when the run directory and its sub-folders accept new files, else what is wrong (one line)."""
+        """None when the run directory is the user's (``owner_error``) and it and its sub-folders accept new files,
+        else what is wrong (one line)."""
+        problem = self.owner_error()
+        if problem:
+            return problem
         for path in (self.root, self.logs, self.checkpoints):
             try:
                 path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -215,3 +257,10 @@ def iter_jsonl(path: Path) -> Iterator[dict]:
                 continue
             if isinstance(obj, dict):
                 yield obj
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"

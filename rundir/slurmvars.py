@@ -10,6 +10,7 @@ RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"
 PROCID_VAR, NTASKS_VAR = "SLURM_PROCID", "SLURM_NTASKS"
 NODE_NAME_VAR = "SLURMD_NODENAME"
 JOB_NUM_NODES_VAR, JOB_NODELIST_VAR = "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST"
+ARRAY_JOB_VAR, ARRAY_TASK_VAR = "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"
 CONF_VAR = "SLURM_CONF"
 DEFAULT_CONF = "/etc/slurm/slurm.conf"
 
@@ -17,6 +18,12 @@ DEFAULT_CONF = "/etc/slurm/slurm.conf"
 def slurm_job_id(environ: Mapping[str, str]) -> str | None:
     """This Slurm job's id; None outside a Slurm job."""
     return environ.get(JOB_ID_VAR) or None
+
+
+def slurm_queue_id(environ: Mapping[str, str]) -> str | None:
+    """This job as squeue names it: ARRAY_TASK (``7_3``) for an array's task, else its id; None outside a job."""
+    array, task = environ.get(ARRAY_JOB_VAR), environ.get(ARRAY_TASK_VAR)
+    return f"{array}_{task}" if array and task else slurm_job_id(environ)
 
 
 def slurm_restart_count(environ: Mapping[str, str]) -> int | None:

@@ -46,6 +46,8 @@ from rundir import RunDir
 from hpc.policy.badnodes import bad_nodes, take_back_due
 from rundir.snapshot import search_path, take
 from rundir.contract import EVENT_CODE, EXIT_STOPPED, append_event
+from rundir.slurmvars import slurm_queue_id
+from hpc import runlock
 
 mode, root = sys.argv[1], Path(sys.argv[2])
 rundir = RunDir(root)
@@ -73,6 +75,23 @@ def allocation_shape():  # --nodes / --ntasks-per-node of this job, as job.* ove
     return shape + ([f"job.ranks_per_node={per_node}"] if per_node.isdigit() else [])
 
 
+
+
+def hold_run():  # this job trains the run: refused while another launch does (hpc/runlock.py)
+    job_id = slurm_queue_id(os.environ)
+    if job_id:
+        try:
+            runlock.join(rundir, job_id)
+        except runlock.RunLocked as exc:
+            fail(exc)
+
+
+# Before anything is read from it: a RUN_DIR that someone else made or can write is refused (rundir/paths.py).
+problem = rundir.owner_error()
+if problem:
+    fail(problem)
+if rundir.config.is_file():
+    hold_run()
 try:
     if rundir.config.is_file():
         if mode == "train" and (os.environ.get("CONFIG") or overrides):
@@ -101,6 +120,7 @@ try:
         problem = rundir.writable_error()
         if problem:
             fail(problem)
+        hold_run()
         # The recipe's code before the config: config.yaml marks the run as made, and its code must be there then.
         config_file = Path(os.environ["CONFIG"])
         snap = take(rundir, cfg.recipe, search_path(config_file if config_file.is_file() else None))
@@ -170,6 +190,7 @@ hpc_resubmit() {
   # hpc/slurmctl.py: the same script with this job's shape, limit and output; this job made non-requeueable first
   new_id=$("$PYTHON" -m hpc.slurmctl resubmit "$SLURM_JOB_ID" "$exclude") ||
     hpc_die 1 "$why; submitting the continuation with --exclude=$exclude failed (above). Resume by hand."
+  "$PYTHON" -m hpc.runlock hand-over "$RUN_DIR" "$new_id"  # the run's lock: the continuation's, not a stranger's
   echo "$why; the run continues in job $new_id (--exclude=$exclude)"
   exit 0
 }

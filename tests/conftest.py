@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -222,3 +225,35 @@ def example_reference(tmp_path_factory):
         return done[name]
 
     return get
+
+
+#: The second Unix user of the attack tests: another user of the same cluster (tests/*/test_*other_user*).
+OTHER_USER = "hpc-other"
+
+
+@pytest.fixture(scope="session")
+def other_user() -> pwd.struct_passwd:
+    """A real second Unix user, made with useradd where the suite runs as root (CI does); skipped elsewhere."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("making a second Unix user needs root and useradd")
+    try:
+        return pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", OTHER_USER], check=True)
+        return pwd.getpwnam(OTHER_USER)
+
+
+def as_user(user: pwd.struct_passwd, args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``args`` run as ``user``, with only that user's group (none of root's)."""
+    env = {"PATH": os.environ["PATH"], "HOME": "/tmp", "LANG": "C.UTF-8", **kwargs.pop("env", {})}
+    return subprocess.run(args, user=user.pw_uid, group=user.pw_gid, extra_groups=[], env=env, capture_output=True,
+                          text=True, **kwargs)  # fmt: skip
+
+
+@pytest.fixture
+def shared_scratch():
+    """A world-writable, sticky folder outside the tests' private temp folders, as a cluster's /scratch is."""
+    folder = Path(tempfile.mkdtemp(prefix="hpc-scratch-", dir="/tmp"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -98,12 +98,19 @@ def wait_for_event(run_dir, event, count, proc, timeout=120) -> dict:
     raise AssertionError(f"no {event} event #{count}")
 
 
-def stopped_by_a_signal(run_dir, sets, *, at_step, rank) -> int:
+def stopped_by_a_signal(run_dir, sets, *, at_step, rank, second_launch=False) -> int:
     """Start a run, send SIGUSR2 to one rank once ``at_step`` is logged; return the step it stopped at. That rank
     waits after step ``at_step`` + 2 until the signal is there (HPC_INJECT await_stop): a loaded machine may
-    otherwise let a short run end before the signal reaches it."""
+    otherwise let a short run end before the signal reaches it. ``second_launch``: meanwhile, a ``--resume`` of the
+    running run is refused (hpc/runlock.py), naming the launch, and changes nothing."""
     proc = start(run_dir, sets, inject=f"await_stop:{rank}:{at_step + 2}")
     wait_for_step(run_dir, at_step, proc)
+    if second_launch:
+        config = (run_dir / "config.yaml").read_bytes()
+        second = run(run_dir, ["train.steps=99"], resume=True)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"is being trained by a local launch {proc.pid} on this host" in second.stderr, second.stderr
+        assert (run_dir / "config.yaml").read_bytes() == config and proc.poll() is None
     os.kill(rank_pids(run_dir)[rank], signal.SIGUSR2)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, out + err
@@ -394,7 +401,7 @@ def test_resume_on_more_ranks_keeps_the_sample_order(tmp_path, small_dataset):
     done = run(reference, sets)
     assert done.returncode == 0, done.stdout + done.stderr
     run_dir = tmp_path / "run"
-    stop_step = stopped_by_a_signal(run_dir, sets, at_step=9, rank=0)
+    stop_step = stopped_by_a_signal(run_dir, sets, at_step=9, rank=0, second_launch=True)
     assert validate(run_dir / "checkpoints" / f"step_{stop_step:08d}")["world_size"] == 2
 
     done = run(run_dir, ["job.nodes=2"], resume=True)

@@ -38,6 +38,9 @@ def test_status_pause_release_logs_cancel_resume(slurm, small_dataset, tmp_path)
     sets = [*sets_for(small_dataset), *TWO_NODES, "train.steps=200", "checkpoint.every_steps=50"]
     job_id = submit(run_dir, sets)
     wait_step(run_dir, 10)
+    # A second launch of the running run (the command a stopped run's message prints) is refused, naming the job.
+    second = run_cli(["-m", "hpc.submit", "--resume", str(run_dir)])
+    assert second.returncode == EXIT_USER_ERROR and f"Slurm job {job_id} (RUNNING)" in second.stderr, second.stderr
 
     info = status(run_dir)
     assert info["state"] == "running" and info["jobs"][0]["job_id"] == job_id and info["steps"] == 200
