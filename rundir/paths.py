@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from storage.private import user_name
 
 
 @dataclass(frozen=True)
@@ -204,8 +205,8 @@ class RunDir:
                 return f"run directory {self.root}: {path.name} is not a regular file (a link?); refused"
             if st.st_uid != uid:
                 return (
-                    f"run directory {self.root} is not yours ({path} belongs to {_user(st.st_uid)}, you are "
-                    f"{_user(uid)}): refused, nothing run or written. Choose a directory of your own."
+                    f"run directory {self.root} is not yours ({path} belongs to {user_name(st.st_uid)}, you are "
+                    f"{user_name(uid)}): refused, nothing run or written. Choose a directory of your own."
                 )
             if st.st_mode & 0o022:
                 return (
@@ -257,10 +258,3 @@ def iter_jsonl(path: Path) -> Iterator[dict]:
                 continue
             if isinstance(obj, dict):
                 yield obj
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"

@@ -250,6 +250,25 @@ def as_user(user: pwd.struct_passwd, args: list[str], **kwargs) -> subprocess.Co
                           text=True, **kwargs)  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def other_user_python(other_user) -> list[str]:
+    """A Python the other user can run with this project's packages (torch): this interpreter where they may run it
+    (a pyenv build under /root is not theirs to run), else the system's of the same version, on this venv's
+    site-packages. Run it with ``as_user(..., env=OTHER_USER_ENV)``."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (os.path.realpath(sys.executable), f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
+        try:
+            if as_user(other_user, [python, "-c", "import torch.distributed"], env=OTHER_USER_ENV).returncode == 0:
+                return [python]
+        except OSError:  # not theirs to run
+            continue
+    pytest.skip(f"no {version} that {other_user.pw_name} may run with this venv's packages")
+
+
+#: The other user's environment for ``other_user_python``: this venv's packages and the project.
+OTHER_USER_ENV = {"PYTHONPATH": os.pathsep.join([*(p for p in sys.path if p.endswith("site-packages")), str(ROOT)])}
+
+
 @pytest.fixture
 def shared_scratch():
     """A world-writable, sticky folder outside the tests' private temp folders, as a cluster's /scratch is."""

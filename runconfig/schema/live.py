@@ -26,7 +26,11 @@ class LiveConfig(Section):
         0,
         bounds=Range(ge=0, le=65535),
     )
-    bind: str = doc("Address the endpoints listen on; empty = every interface.", "")
+    bind: str = doc(
+        "Address the endpoints listen on; empty = the node's own address (what its hostname resolves to: the "
+        "cluster network, not every interface); 0.0.0.0 = every interface.",
+        "",
+    )
     pushgateway: str = doc(
         "http(s)://host:port of a Prometheus Pushgateway: the first rank of every node pushes the same metrics "
         "every live.push_every_s and once at the end (grouped by job, run and node). Empty = no pushes. A gateway "

@@ -13,7 +13,7 @@ import pytest
 
 from runconfig.schema import StorageConfig
 from storage.objstore import Store, StoreError, StoreUnavailable
-from tests.conftest import PY, ROOT
+from tests.conftest import PY, ROOT, as_user
 from tests.s3.conftest import BUCKET
 from trainer.data.node_cache import FETCHES, NodeCache
 from trainer.data.resolve import remote_manifest
@@ -136,10 +136,10 @@ def test_the_node_cache_evicts_least_recently_used_and_names_a_full_disk(s3_smal
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        cache = NodeCache(store, s3_small, manifest, small / "c", max_bytes=0, threads=1, rank=0, sizes=sizes)
-        with pytest.raises(UserError, match=r"the node cache .*small/c \(data.cache_dir\) is full: data shard"):
+        cache = NodeCache(store, s3_small, manifest, small / "node0" / "c", max_bytes=0, threads=1, rank=0, sizes=sizes)
+        with pytest.raises(UserError, match=r"the node cache .*small/node0/c \(data.cache_dir\) is full: data shard"):
             cache.local(files[0])
-        assert not list((small / "c").glob(".part-*"))
+        assert not list((small / "node0" / "c").glob(".part-*"))
         cache.close()
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
@@ -177,3 +177,48 @@ def test_two_runs_sharing_a_cache_folder_download_each_shard_once(s3_small, tmp_
 def test_store_errors_name_the_url(s3):
     with pytest.raises(StoreError, match=f"checkpoint s3://{BUCKET}/none/x \\(checkpoint.storage\\): no such object"):
         Store(FAST).read_bytes(f"s3://{BUCKET}/none/x", what="checkpoint", key="checkpoint.storage")
+
+
+def test_a_shared_cache_folder_of_another_user_or_a_planted_shard_is_never_used(s3_small, other_user, shared_scratch):
+    """data.cache_dir on a shared scratch disk: the node folder another user made first is refused, naming them;
+    this user's folders are 0700 (the other user cannot plant a shard in them); a bad copy found in the cache (a
+    crafted file, a link) is removed and downloaded again, and no link is followed."""
+    store = Store(FAST)
+    manifest, sizes = remote_manifest(store, s3_small)
+    name = train_files(s3_small)[0]
+    taken = shared_scratch / "node0"  # data.cache_dir=shared_scratch: the other user's run made node0 first
+    assert as_user(other_user, ["mkdir", "-m", "755", str(taken)]).returncode == 0
+    with pytest.raises(UserError, match=f"node cache .*{taken} belongs to {other_user.pw_name} .*, not to you"):
+        NodeCache(store, s3_small, manifest, taken / "key", max_bytes=0, threads=1, rank=0, sizes=sizes)
+    assert list(taken.iterdir()) == []
+
+    folder = shared_scratch / "mine" / "node0" / "key"
+    cache = NodeCache(store, s3_small, manifest, folder, max_bytes=0, threads=1, rank=0, sizes=sizes)
+    good = cache.local(name).read_bytes()
+    cache.close()
+    assert all((p.stat().st_mode & 0o777) == 0o700 for p in (folder.parent.parent, folder.parent, folder))
+    planted = as_user(
+        other_user, ["sh", "-c", f"echo x > {folder}/{name}.new && mv {folder}/{name}.new {folder}/{name}"]
+    )
+    assert planted.returncode != 0 and (folder / name).read_bytes() == good  # 0700: nothing planted
+    # Bad copies in the cache all the same (an old version's folder, a damaged disk): a crafted shard, and a link to
+    # a private file of this user's. Each is checked before its first use, removed, downloaded again.
+    secret = shared_scratch / "private.txt"
+    secret.write_text("this user's own file")
+    (folder / name).write_bytes(b"crafted" + good[7:])
+    others = train_files(s3_small)[1]
+    (folder / others).symlink_to(secret)
+    cache = NodeCache(store, s3_small, manifest, folder, max_bytes=0, threads=1, rank=0, sizes=sizes)
+    assert cache.local(name).read_bytes() == good
+    assert not cache.local(others).is_symlink() and secret.read_text() == "this user's own file"
+    cache.close()
+    fetched = [json.loads(line)["file"] for line in (folder / FETCHES).read_text().splitlines()]
+    assert sorted(fetched) == sorted([name, name, others]), fetched  # downloaded again, not taken as found
+    # A checked copy is known by its record (size, inode, time): another process does not download it again.
+    cache = NodeCache(store, s3_small, manifest, folder, max_bytes=0, threads=1, rank=0, sizes=sizes)
+    assert cache.local(name).read_bytes() == good
+    cache.close()
+    assert len((folder / FETCHES).read_text().splitlines()) == 3
+    folder.chmod(0o777)  # this user's cache made writable by all: never used again as it is
+    with pytest.raises(UserError, match=f"node cache .*{folder} may be written by others \\(mode 777\\)"):
+        NodeCache(store, s3_small, manifest, folder, max_bytes=0, threads=1, rank=0, sizes=sizes)

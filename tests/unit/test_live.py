@@ -150,3 +150,20 @@ def test_a_gateway_that_is_down_warns_once_and_is_retried(tmp_path, caplog):
             live.close()
     warnings = [r for r in caplog.records if "cannot push" in r.getMessage()]
     assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage() and live.pushes == 0
+
+
+def test_the_endpoint_listens_on_the_nodes_address_not_every_interface(tmp_path):
+    """live.bind unset: the address the node's hostname resolves to (here, as on many hosts, a loopback one), not
+    0.0.0.0; the listening socket's local address in /proc/net/tcp says which."""
+    run = RunDir(tmp_path / "r")
+    run.root.mkdir()
+    live = LiveMetrics(load_config("tiny", ["live.serve=true"]).live, node1_env(), run, None)
+    address = live.serve()
+    try:
+        port = int(address.rsplit(":", 1)[1])
+        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        local = {r[1].split(":")[0] for r in rows if r[3] == "0A" and int(r[1].split(":")[1], 16) == port}
+        node = socket.gethostbyname(socket.gethostname())
+        assert local == {socket.inet_aton(node)[::-1].hex().upper()} and "00000000" not in local, local
+    finally:
+        live.close()

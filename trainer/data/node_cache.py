@@ -2,10 +2,12 @@
 on it, verified against the manifest's SHA-256, written atomically, fetched ahead of the order by background
 threads, and evicted least-recently-used under a size bound.
 
-Layout: ``CACHE_DIR/<node>/<dataset key>/`` holds the shards under their own names, ``.locks/<name>`` (one flock
-per shard: the rank that holds it downloads, the others on the node wait and find the file), ``.part-*`` (a
-download in progress; a killed one is removed by the next process) and ``fetches.jsonl`` (one line per download,
-which the tests and the benchmark count). The key is a digest of the dataset's URL and manifest, so two runs on
+Layout: ``CACHE_DIR/<node>/<dataset key>/`` (both folders the user's own, 0700: storage/private.py) holds the shards
+under their own names, ``.locks/<name>`` (one flock per shard: the rank that holds it downloads, the others on the
+node wait and find the file), ``.verified/<name>`` (the size, inode and time of a copy whose SHA-256 was checked: a
+copy found in the cache is hashed again unless it is that very file), ``.part-*`` (a download in progress; a killed
+one is removed by the next process) and ``fetches.jsonl`` (one line per download, which the tests and the benchmark
+count). The key is a digest of the dataset's URL and manifest, so two runs on
 one dataset share it, and a changed dataset is a new folder. Per node: a file lock is only reliable between
 processes of one host, and a cache on a shared file system would otherwise be a second copy that serves nobody.
 """
@@ -20,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,8 +31,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from storage.digest import sha256_file
-from storage.files import append_jsonl
+from storage.files import append_jsonl, write_json_atomic
 from storage.objstore import Store, StoreError, join
+from storage.private import UnsafeFolder, private_dir
 from trainer.errors import UserError
 
 T = TypeVar("T")
@@ -62,8 +66,13 @@ class NodeCache:
         self.max_bytes = max_bytes
         self.expected = {s["file"]: s.get("sha256") for split in manifest["splits"].values() for s in split}
         self.sizes = sizes or {}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / ".locks").mkdir(exist_ok=True)
+        what = f"rank {rank}: the node cache (data.cache_dir)"
+        try:
+            for folder in (self.folder.parent, self.folder, self.folder / ".locks", self.folder / ".verified"):
+                private_dir(folder, what=what)
+        except UnsafeFolder as exc:
+            raise UserError(str(exc), collective=False) from None
+        self._verified: set[str] = set()  # names this process checked (or downloaded) this launch
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="shard-fetch")
         self._pending: dict[str, Future] = {}
         self._wanted: set[str] = set()  # this process's upcoming shards: never evicted by it
@@ -71,12 +80,15 @@ class NodeCache:
         self._remove_dead_parts()
 
     def local(self, name: str) -> Path:
-        """The local copy of shard ``name``, downloaded now if no process on this node has it yet."""
+        """The local copy of shard ``name``, downloaded now if no process on this node has it yet. A copy found in the
+        cache is checked against the manifest's SHA-256 before this process first uses it (unless it is the very
+        file a check recorded): one that fails is removed and downloaded again."""
         final = self.folder / name
-        if final.is_file():
+        if name in self._verified or self._found_good(name, final):
             with contextlib.suppress(OSError):
                 os.utime(final)  # most recently used
-            return final
+            if final.is_file():
+                return final
         with self._mutex:
             pending = self._pending.get(name)
         if pending is not None:
@@ -140,6 +152,7 @@ class NodeCache:
                 os.replace(part, final)
             finally:
                 part.unlink(missing_ok=True)
+            self._record_verified(name, final)
             nbytes = final.stat().st_size
             record = {"file": name, "bytes": nbytes, "seconds": round(time.monotonic() - started, 3)}
             record |= {"pid": os.getpid(), "rank": self.rank, "time": time.time()}
@@ -162,6 +175,47 @@ class NodeCache:
                     raise
                 part.unlink(missing_ok=True)
                 self._make_room(self.sizes.get(name, 0) or _CHUNK, keep=name, everything=True)
+
+    def _found_good(self, name: str, final: Path) -> bool:
+        """Whether a copy of ``name`` is in the cache and holds what the manifest says; a bad one is removed."""
+        if not os.path.lexists(final):
+            return False
+        with self._locked(name):
+            try:
+                st = os.lstat(final)
+            except FileNotFoundError:
+                return False
+            if stat.S_ISREG(st.st_mode):
+                if self._matches_record(name, st):
+                    self._verified.add(name)
+                    return True
+                expected = self.expected.get(name)
+                digest = sha256_file(final) if expected else None
+                if digest == expected:
+                    self._record_verified(name, final, digest)
+                    return True
+            why = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"SHA-256 {digest}, not {expected}"
+            log.warning("rank %d: the node cache's copy of %s is bad (%s): removed, downloaded again", self.rank,
+                        name, why)  # fmt: skip
+            final.unlink(missing_ok=True)
+            return False
+
+    def _matches_record(self, name: str, st: os.stat_result) -> bool:
+        try:
+            fd = os.open(self.folder / ".verified" / name, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return False
+        return record == {"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns,
+                          "sha256": self.expected.get(name)}  # fmt: skip
+
+    def _record_verified(self, name: str, final: Path, digest: str | None = None) -> None:
+        """``final`` holds what the manifest says (checked by this process): the other processes need not hash it."""
+        st = os.lstat(final)
+        record = {"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "sha256": self.expected.get(name)}
+        write_json_atomic(self.folder / ".verified" / name, record, fsync=False)
+        self._verified.add(name)
 
     def _check(self, name: str, part: Path) -> None:
         expected = self.expected.get(name)
@@ -208,27 +262,31 @@ class NodeCache:
                 used -= size
 
     def _evict(self, path: Path) -> bool:
-        lock = self.folder / ".locks" / path.name
-        with open(lock, "a") as fd:
+        fd = self._lock_file(path.name)
+        try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False
-            try:
-                path.unlink(missing_ok=True)
-                log.info("evicted %s from the node cache", path.name)
-                return True
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            path.unlink(missing_ok=True)
+            with self._mutex:
+                self._verified.discard(path.name)
+            log.info("evicted %s from the node cache", path.name)
+            return True
+        finally:
+            os.close(fd)  # the flock goes with it
+
+    def _lock_file(self, name: str) -> int:
+        return os.open(self.folder / ".locks" / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 
     @contextlib.contextmanager
     def _locked(self, name: str, shared: bool = False) -> Iterator[None]:
-        with open(self.folder / ".locks" / name, "a") as fd:
+        fd = self._lock_file(name)
+        try:
             fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            yield
+        finally:
+            os.close(fd)
 
     def _remove_dead_parts(self) -> None:
         """Downloads of processes that died (their pid gone) are removed; live ones are another rank's."""

@@ -21,6 +21,7 @@ from mpi4py import MPI
 from runconfig.schema import DataConfig, StorageConfig
 from storage.ioretry import RetryPolicy
 from storage.objstore import Store, StoreError, StoreUnavailable, is_url, join
+from storage.private import UnsafeFolder, private_dir
 from storage.safepath import UnsafeName, check_name, safe_join
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.node_cache import NodeCache, dataset_key
@@ -153,8 +154,8 @@ def _localized(cfg: DataConfig, env: RuntimeEnv, comm: MPI.Comm, store: Store) -
         local = env.data_cache / "remote" / _digest(cfg.tokenizer) / "tokenizer.json"
 
         def fetch() -> None:
+            private(local.parent)
             if not local.is_file():
-                local.parent.mkdir(parents=True, exist_ok=True)
                 data = _user_error(lambda: store.read_bytes(cfg.tokenizer, what="tokenizer", key="data.tokenizer"))
                 tmp = local.with_name(f".{local.name}.{os.getpid()}")
                 tmp.write_bytes(data)
@@ -164,7 +165,7 @@ def _localized(cfg: DataConfig, env: RuntimeEnv, comm: MPI.Comm, store: Store) -
         changes["tokenizer"] = str(local)
     if cfg.source != STDLIB and is_url(cfg.source):
         local = env.data_cache / "sources" / _digest(cfg.source)
-        agree(comm, error_of(lambda: mirror(store, cfg.source, local, cfg.include)) if env.rank == 0 else None)
+        agree(comm, error_of(lambda: mirror(store, cfg.source, private(local), cfg.include)) if env.rank == 0 else None)
         changes["source"] = str(local)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
@@ -203,6 +204,14 @@ def mirror(store: Store, url: str, folder: Path, include: list[str]) -> int:
     log.info("data.source %s: %d object(s) fetched into %s (%d already there)", url, len(todo), folder,
              len(wanted) - len(todo))  # fmt: skip
     return len(todo)
+
+
+def private(folder: Path) -> Path:
+    """``folder`` of the data cache, the user's own (storage/private.py), or the error that says whose it is."""
+    try:
+        return private_dir(folder, what="the data cache's folder")
+    except UnsafeFolder as exc:
+        raise UserError(str(exc)) from None
 
 
 def _user_error(fn: Callable[[], T]) -> T:

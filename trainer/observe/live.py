@@ -165,7 +165,8 @@ class LiveMetrics:
         from prometheus_client import start_http_server
 
         try:
-            self._server, _ = start_http_server(self.cfg.port, addr=self.cfg.bind or "0.0.0.0", registry=self.registry)
+            addr = self.cfg.bind or socket.gethostbyname(socket.gethostname())  # the node's address, not every one
+            self._server, _ = start_http_server(self.cfg.port, addr=addr, registry=self.registry)
         except OSError as exc:
             log.warning("live.serve: node %s cannot listen on port %d (%s): its metrics are not served; the run goes "
                         "on", self.labels["node"], self.cfg.port, exc)  # fmt: skip

@@ -22,6 +22,7 @@ from trainer.observe.timing import StepClock, memory_now_mb, peak_tflops
 from trainer.observe.tracker_sink import Tracker
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import Distributed
+from trainer.parallel.storeseal import Seal
 
 
 @dataclass
@@ -71,6 +72,7 @@ def build_monitors(
         rundir,
         distributed.store_addr,
         distributed.store_port,
+        Seal(distributed.store_secret, env.rank),
         heartbeats=cfg.live.enabled,  # live metrics show each rank's heartbeat
         memory=lambda: memory_now_mb(distributed.device),
     )

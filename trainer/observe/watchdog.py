@@ -16,6 +16,10 @@ A collective that fails outright (gloo notices a peer's closed connection) is di
 A rank that goes silent without a failed collective (its node lost with its link) is caught by heartbeats: rank 0
 claims one silent for ``monitor.peer_timeout_s`` like a hang (``_lost_peers``); a rank that cannot reach the store
 that long ends too (rank 0's node lost).
+
+Every value written to the store is sealed with the launch's secret and every value read is opened
+(trainer/parallel/storeseal.py): anything another user wrote (forged, replayed, garbage) is ignored and counted, and
+a rank whose keys someone else wrote to or deleted lately is not judged by its heartbeats.
 """
 
 from __future__ import annotations
@@ -36,11 +40,15 @@ from runconfig.schema import MonitorConfig
 from rundir import RunDir
 from rundir.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event
 from trainer.env import RuntimeEnv
+from trainer.parallel.storeseal import Seal
 
 HANG_KEY = "hpc/watchdog/hang"
 REPORTED_KEY = "hpc/watchdog/reported"  # the claiming rank has written failure.json and the hang event
 ANSWERS_KEY = "hpc/watchdog/answers"  # how many ranks answered the roll call
 ROLL_CALL, CLOSE = "roll call", "close"  # what wakes a rank's answering thread
+# compare_set's answer for a key that is not there: a read that never waits (a get waits for a missing key, and
+# someone else may delete one between a check and a get)
+MISSING = "\0hpc-missing"
 log = logging.getLogger(__name__)
 
 
@@ -58,6 +66,7 @@ class Watchdog:
         rundir: RunDir,
         store_addr: str,
         store_port: int,
+        seal: Seal,
         *,
         heartbeats: bool = False,
         memory: Callable[[], dict] | None = None,
@@ -70,6 +79,8 @@ class Watchdog:
         self.sigterm_at: float | None = None
         self._memory = memory
         self._addr, self._port = store_addr, store_port
+        self.seal = seal
+        self._last_beats: dict[int, dict] = {}  # rank 0's last opened heartbeat of each rank
         self.seq = 0
         self.phase = "start-up"
         self.step = 0
@@ -116,11 +127,13 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.cfg.heartbeat_s + 5)
         with contextlib.suppress(Exception):
-            self._client().set(self._key(self.env.rank), self._beat())
+            self._set(self._client(), self._key(self.env.rank), self._beat())
         with contextlib.suppress(Exception):
-            self._client().set(self._call_key(self.env.rank), CLOSE)
+            self._set(self._client(), self._call_key(self.env.rank), CLOSE)
         if self._answerer.is_alive():
             self._answerer.join(timeout=2.0)
+        if any(self.seal.rejected.values()):
+            log.warning("rendezvous store: in all, %s ignored (values not written by this launch)", self.seal.counts())
 
     def diagnose(self, error: BaseException) -> tuple[str, list[dict]]:
         """Why a collective failed: which ranks did not answer a roll call (ended or frozen), as text and as
@@ -132,17 +145,14 @@ class Watchdog:
         window = answer_window(self.cfg)
         try:
             store = self._connect(timedelta(seconds=max(5.0, 2 * window)))  # the heartbeat thread owns _client()
-            store.set(self._answer_key(self.env.rank), "1")  # this rank is alive whatever its answering thread does
+            self._set(store, self._answer_key(self.env.rank), "1")  # alive whatever its answering thread does
             ranks = range(self.env.world_size)
-            store.multi_set([self._call_key(r) for r in ranks], [ROLL_CALL] * len(ranks))
+            calls = [self._call_key(r) for r in ranks]
+            store.multi_set(calls, [self.seal.seal(key, ROLL_CALL) for key in calls])
             deadline = time.monotonic() + window
             while time.monotonic() < deadline and store.add(ANSWERS_KEY, 0) < self.env.world_size:
                 time.sleep(0.05)
-            silent = [
-                r
-                for r in range(self.env.world_size)
-                if not store.check([self._answer_key(r)]) and not self._finished(store, r)
-            ]
+            silent = [r for r in ranks if self._get(store, self._answer_key(r)) != "1" and not self._finished(store, r)]
         except Exception:
             why = "its rendezvous store became unreachable during a failed collective (rank 0 ended?)"
             return "; the rendezvous store on rank 0's host is unreachable too (rank 0 ended?)", [
@@ -167,8 +177,15 @@ class Watchdog:
 
     def _finished(self, store: dist.TCPStore, rank: int) -> bool:
         """The rank closed its watchdog after its last step (it left, but not by failing)."""
-        key = self._key(rank)
-        return bool(store.check([key])) and json.loads(store.get(key))["phase"] == "finished"
+        beat = _beat_of(self._get(store, self._key(rank)))
+        return beat is not None and beat["phase"] == "finished"
+
+    def _set(self, store: dist.TCPStore, key: str, value: str) -> None:
+        store.set(key, self.seal.seal(key, value))
+
+    def _get(self, store: dist.TCPStore, key: str) -> str | None:
+        """The launch's value under ``key``, or None (none there, or one that someone else wrote: counted)."""
+        return self.seal.open(key, peek(store, key), now=time.time())
 
     def _connect(self, timeout: timedelta) -> dist.TCPStore:
         return dist.TCPStore(self._addr, self._port, self.env.world_size, is_master=False, timeout=timeout)
@@ -179,10 +196,16 @@ class Watchdog:
         with contextlib.suppress(Exception):
             store = self._connect(timedelta(seconds=max(60.0, 2 * self.cfg.heartbeat_s)))
             key = self._call_key(self.env.rank)
-            store.wait([key], timedelta(days=30))
-            if store.get(key).decode() == ROLL_CALL:
-                store.set(self._answer_key(self.env.rank), "1")
-                store.add(ANSWERS_KEY, 1)
+            while True:
+                store.wait([key], timedelta(days=30))
+                value = self._get(store, key)
+                if value == ROLL_CALL:
+                    self._set(store, self._answer_key(self.env.rank), "1")
+                    store.add(ANSWERS_KEY, 1)
+                if value is not None:
+                    return
+                store.delete_key(key)  # someone else's value: wait for the launch's own
+                time.sleep(0.05)
 
     # -- watchdog thread --------------------------------------------------------------------------------------
     def _key(self, rank: int) -> str:
@@ -203,16 +226,18 @@ class Watchdog:
 
     def reader(self) -> BeatReader:
         """Reads ranks' latest heartbeats on a store connection of its own (for another thread)."""
-        return BeatReader(lambda: self._connect(timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s))), self._key)
+        connect = lambda: self._connect(timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s)))  # noqa: E731
+        return BeatReader(connect, self._key, self.seal)
 
     def _run(self) -> None:
         started = time.time()  # a rank that never published is silent from here
         while not self._stop.wait(self.cfg.heartbeat_s):
             try:
                 store = self._client()
-                store.set(self._key(self.env.rank), self._beat())
-                if store.check([HANG_KEY]):
-                    self._follow(store)
+                self._set(store, self._key(self.env.rank), self._beat())
+                claim = _claim_of(self._get(store, HANG_KEY))
+                if claim is not None:
+                    self._follow(store, claim)
                     return
                 seq = self.seq  # before `since`: enter() sets seq first, so a phase that begins now is not claimed
                 late = self.watching and self.phase != "finished" and time.time() - self.since > self.cfg.hang_timeout_s
@@ -264,6 +289,13 @@ class Watchdog:
                 else beats[r]["phase"] != "finished" and now - beats[r]["beat"] > limit
             )
         ]
+        # Heartbeats that someone else overwrote or deleted lately say nothing about their rank: not judged by them
+        # (a rank that is gone in fact stops the collectives, and the hang watchdog names it).
+        contested = [r for r in lost if self.seal.recently_contested(self._key(r), now - limit)]
+        if contested:
+            log.warning("rank(s) %s: heartbeats overwritten or deleted by someone else in the last %g s (%s so "
+                        "far): not judged by them", _ranks(contested), limit, self.seal.counts())  # fmt: skip
+            lost = [r for r in lost if r not in contested]
         if not lost:
             return False
         where = "; ".join(
@@ -279,9 +311,7 @@ class Watchdog:
             f"in a collective with them."
         )
         why = f"stopped publishing heartbeats for more than {limit:g} s (process ended, node down or link lost)"
-        claim = json.dumps({"rank": self.env.rank, "message": message})
-        if store.compare_set(HANG_KEY, "", claim) != claim.encode():
-            self._follow(store)
+        if not self._won_claim(store, message):
             return True
         log.error("%s", message)
         self.dump_stacks()
@@ -294,14 +324,24 @@ class Watchdog:
     def _wait_dumped(self, store: dist.TCPStore, ranks: list[int]) -> None:
         """Wait until ``ranks`` have seen the claim and dumped their stacks (at most 3 beats + 5 s)."""
         deadline = time.time() + 3 * self.cfg.heartbeat_s + 5
-        while time.time() < deadline and not all(store.check([f"hpc/watchdog/dumped/{r}"]) for r in ranks):
+        while time.time() < deadline and not all(self._get(store, f"hpc/watchdog/dumped/{r}") for r in ranks):
             time.sleep(0.2)
 
     def _where(self) -> str:
         return f"'{self.phase}' of step {self.step}"
 
     def _read_beats(self) -> dict[int, dict]:
-        return read_beats(self._client(), self._key, range(self.env.world_size))
+        """Every rank's latest heartbeat that this launch wrote; a key that held one and is gone now was deleted by
+        someone else (the package never deletes one): its last beat stands, and the deletion is counted."""
+        beats = read_beats(self._client(), self._key, range(self.env.world_size), self.seal)
+        now = time.time()
+        for r, beat in self._last_beats.items():
+            if r not in beats:
+                if not self.seal.recently_contested(self._key(r), now - 1.0):  # not a refused value: none at all
+                    self.seal.note_deleted(self._key(r), now)
+                beats[r] = beat
+        self._last_beats.update(beats)
+        return beats
 
     def _silent(self, beats: dict[int, dict]) -> list[int]:
         now, limit = time.time(), 3 * self.cfg.heartbeat_s
@@ -349,25 +389,40 @@ class Watchdog:
         suspects = [self.env.suspect(r, f"did not arrive in '{live[r]['phase']}' of step {live[r]['step']}")
                     for r in behind]  # fmt: skip
         suspects += [self.env.suspect(r, "stopped publishing heartbeats (ended or frozen)") for r in silent]
-        # The claim names this rank: two ranks that compose the same message must not both think they won it.
-        claim = json.dumps({"rank": self.env.rank, "message": message})
-        if store.compare_set(HANG_KEY, "", claim) != claim.encode():
-            self._follow(store)  # another rank claimed it first
-            return True
+        if not self._won_claim(store, message):
+            return True  # another rank claimed it first
         log.error("%s", message)
         self.dump_stacks()
         self._wait_dumped(store, [r for r in live if r != self.env.rank])
         self._fail(message, suspects, store)
         return True
 
-    def _follow(self, store: dist.TCPStore) -> None:
-        message = json.loads(store.get(HANG_KEY))["message"]
-        log.error("hang declared by another rank: %s", message)
+    def _won_claim(self, store: dist.TCPStore, message: str) -> bool:
+        """Claim the hang for this rank (the first claim wins), or follow the rank that claimed it first. A value
+        under the key that this launch did not write is no claim: overwritten."""
+        # The claim names this rank: two ranks that compose the same message must not both think they won it.
+        claim = json.dumps({"rank": self.env.rank, "message": message})
+        sealed = self.seal.seal(HANG_KEY, claim)
+        found = store.compare_set(HANG_KEY, "", sealed)  # a missing key is set: the first claim wins
+        if found == sealed.encode():
+            return True
+        other = _claim_of(self.seal.open(HANG_KEY, found, now=time.time()))
+        if other is not None:
+            self._follow(store, other)
+        store.set(HANG_KEY, sealed)
+        return True
+
+    def _follow(self, store: dist.TCPStore, claim: dict) -> None:
+        log.error("hang declared by another rank: %s", claim["message"])
         self.dump_stacks()
         with contextlib.suppress(Exception):
-            store.set(f"hpc/watchdog/dumped/{self.env.rank}", "1")
-        with contextlib.suppress(Exception):  # let the claiming rank write the report (at most 3 beats + 5 s), then end
-            store.wait([REPORTED_KEY], timedelta(seconds=3 * self.cfg.heartbeat_s + 5))
+            self._set(store, f"hpc/watchdog/dumped/{self.env.rank}", "1")
+        # let the claiming rank write the report (at most 3 beats + 5 s), then end
+        deadline = time.time() + 3 * self.cfg.heartbeat_s + 5
+        with contextlib.suppress(Exception):
+            while time.time() < deadline and self._get(store, REPORTED_KEY) is None:
+                store.wait([REPORTED_KEY], timedelta(seconds=max(0.1, deadline - time.time())))
+                time.sleep(0.05)
         os._exit(EXIT_HANG)
 
     def dump_stacks(self, why: str = "hang watchdog") -> None:
@@ -391,26 +446,40 @@ class Watchdog:
             append_event(self.rundir.history, EVENT_HANG, step=self.step, launch=self.env.launch_id, message=message)
         if store is not None:
             with contextlib.suppress(Exception):
-                store.set(REPORTED_KEY, str(self.env.rank))  # the other ranks may end now
+                self._set(store, REPORTED_KEY, str(self.env.rank))  # the other ranks may end now
         print(f"error: {message}", flush=True)
         os._exit(EXIT_HANG)
 
 
-def read_beats(store: dist.TCPStore, key: Callable[[int], str], ranks: Iterable[int]) -> dict[int, dict]:
-    """The latest heartbeat of each of ``ranks`` that has published one."""
-    ranks = list(ranks)
-    keys = [key(r) for r in ranks]
-    if keys and store.check(keys):  # every rank has published: one round trip
-        return {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys), strict=True)}
-    return {r: json.loads(store.get(key(r))) for r in ranks if store.check([key(r)])}
+def read_beats(store: dist.TCPStore, key: Callable[[int], str], ranks: Iterable[int], seal: Seal) -> dict[int, dict]:
+    """The latest heartbeat of each of ``ranks`` that has published one (values this launch did not write left out,
+    counted by ``seal``)."""
+    now = time.time()
+    beats = {r: _beat_of(seal.open(key(r), peek(store, key(r)), now=now)) for r in ranks}
+    return {r: b for r, b in beats.items() if b is not None}
+
+
+def peek(store: dist.TCPStore, key: str) -> bytes | None:
+    """The value under ``key`` now, None if there is none, without waiting."""
+    value = store.compare_set(key, MISSING, MISSING)
+    return None if value == MISSING.encode() else value
+
+
+def _beat_of(value: str | None) -> dict | None:
+    """A heartbeat's fields, or None when ``value`` is none (a sealed value is the launch's own, so well formed)."""
+    return json.loads(value) if value is not None else None
+
+
+def _claim_of(value: str | None) -> dict | None:
+    return json.loads(value) if value is not None else None
 
 
 class BeatReader:
     """The latest heartbeat of given ranks, read from the rendezvous store on a connection opened at first use (and
     again after a failure). Safe for several threads (a lock); an unreachable store reads as no beats."""
 
-    def __init__(self, connect: Callable[[], dist.TCPStore], key: Callable[[int], str]) -> None:
-        self._connect, self._key = connect, key
+    def __init__(self, connect: Callable[[], dist.TCPStore], key: Callable[[int], str], seal: Seal) -> None:
+        self._connect, self._key, self._seal = connect, key, seal
         self._store: dist.TCPStore | None = None
         self._lock = threading.Lock()
 
@@ -419,7 +488,7 @@ class BeatReader:
             try:
                 if self._store is None:
                     self._store = self._connect()
-                return read_beats(self._store, self._key, ranks)
+                return read_beats(self._store, self._key, ranks, self._seal)
             except Exception:
                 self._store = None
                 return {}

@@ -7,6 +7,9 @@ This is the one place process groups are created; every rank creates them in the
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import logging
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +23,7 @@ from trainer.env import RuntimeEnv, patient_barrier
 from trainer.errors import UserError
 from trainer.parallel.comm import HierGroups
 from trainer.parallel.commtime import CommLedger
+from trainer.parallel.storeseal import new_secret
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,9 @@ class Distributed:
     groups: HierGroups
     store_addr: str  # the rendezvous TCPStore (on rank 0's host): the hang watchdog's heartbeats go there too
     store_port: int
+    # This launch's key for the values the package writes to the store (trainer/parallel/storeseal.py): made by
+    # rank 0, handed over by MPI; never written anywhere.
+    store_secret: bytes = field(default=b"", repr=False, compare=False)
     # Exposed communication per parallel dimension where the layout's collectives block this thread (CPU mesh
     # layouts); built here, on the training thread, whose sleep it measures.
     ledger: CommLedger = field(default_factory=CommLedger, compare=False)
@@ -86,10 +93,30 @@ def check_one_rank_per_gpu(env: RuntimeEnv, device: torch.device, comm: MPI.Comm
     )
 
 
+log = logging.getLogger(__name__)
+_LISTENERS: list[socket.socket | None] = []
+
+
 def rendezvous_address(env: RuntimeEnv, cfg: CommConfig) -> str:
     if cfg.master_addr:
         return cfg.master_addr
     return "127.0.0.1" if env.single_host else env.hosts[0]
+
+
+def store_listener(addr: str, env: RuntimeEnv) -> socket.socket | None:
+    """A socket listening on ``addr`` (what the other ranks connect to) for rank 0's store, which torch would
+    otherwise open on every interface; None (every interface, with a warning) where ``addr`` resolves to a loopback
+    address but ranks run on other hosts (a hostname mapped to 127.0.1.1 on rank 0's host alone)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    if ipaddress.ip_address(sockaddr[0]).is_loopback and not env.single_host:
+        log.warning("rendezvous address %s is %s on rank 0's host: the store listens on every interface (set "
+                    "comm.master_addr to the host's cluster address)", addr, sockaddr[0])  # fmt: skip
+        return None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(sockaddr[:2] if family == socket.AF_INET else sockaddr)
+    sock.listen(min(socket.SOMAXCONN * 16, 65535))
+    return sock
 
 
 def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, comm: MPI.Comm) -> Distributed:
@@ -102,13 +129,21 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
     addr = rendezvous_address(env, cfg)
     port = None
     error = None
+    secret = new_secret() if env.rank == 0 else None
     if env.rank == 0:
         try:
-            store = dist.TCPStore(addr, 0, env.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+            listener = store_listener(addr, env)
+            _LISTENERS.append(listener)  # the store uses its descriptor: kept open as long as the process
+            fd = {"master_listen_fd": listener.fileno()} if listener is not None else {}
+            port = listener.getsockname()[1] if listener is not None else 0
+            store = dist.TCPStore(addr, port, env.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                                  **fd)  # fmt: skip
             port = store.port
+            where = listener.getsockname()[0] if listener is not None else "every interface"
+            log.info("rendezvous store on %s:%d (listening on %s)", addr, port, where)
         except (RuntimeError, OSError) as exc:
             error = f"rank 0 on {env.hostname} cannot open the rendezvous store on {addr}: {exc}"
-    port, error = comm.bcast((port, error), root=0)
+    port, error, secret = comm.bcast((port, error, secret), root=0)
     if error:
         raise UserError(error + " (set comm.master_addr to an address of rank 0's host).")
     if env.rank != 0:
@@ -124,7 +159,7 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
         chunk_bytes=int(cfg.chunk_kb * 1024),
         world=dist.new_group(),  # the flat algorithm's inside hooks (apart from the default group's traffic)
     )
-    return Distributed(backend=backend, device=device, groups=groups, store_addr=addr, store_port=int(port))
+    return Distributed(backend, device, groups, store_addr=addr, store_port=int(port), store_secret=secret)
 
 
 def gloo_threads() -> int:

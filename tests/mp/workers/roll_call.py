@@ -18,6 +18,7 @@ from rundir import RunDir
 from trainer.env import from_mpi
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import init_distributed, shutdown
+from trainer.parallel.storeseal import Seal
 
 
 def stopped(pid: int) -> bool:
@@ -30,7 +31,9 @@ comm = MPI.COMM_WORLD
 env = from_mpi(comm)
 out, frozen = Path(sys.argv[1]), int(sys.argv[2])
 d = init_distributed(env, CommConfig(timeout_s=60), torch.device("cpu"), comm)
-watchdog = Watchdog(env, MonitorConfig(heartbeat_s=1.0, hang_timeout_s=30.0), RunDir(out), d.store_addr, d.store_port)
+seal = Seal(d.store_secret, env.rank)
+watchdog = Watchdog(env, MonitorConfig(heartbeat_s=1.0, hang_timeout_s=30.0), RunDir(out), d.store_addr, d.store_port,
+                    seal)  # fmt: skip
 watchdog.start()
 pids = comm.allgather(os.getpid())
 time.sleep(0.5)  # the answering threads are waiting in the store
