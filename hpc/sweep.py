@@ -194,6 +194,10 @@ def expand(config: str, sweep_path: Path, overrides: list[str], sweep_dir: Path 
                 set_key(raw, "prune.eta", spec.prune["eta"], what=what)
             if sweep_dir is not None:
                 set_key(raw, "prune.rungs", str(sweep_dir / "rungs.jsonl"), what=what)
+        storage = (raw.get("checkpoint") or {}).get("storage")
+        if storage:  # a prefix belongs to one run (trainer/checkpoint/remote.py): each element gets its own
+            prefix = f"{str(storage).rstrip('/')}/{element_name(i, point)}"
+            set_key(raw, "checkpoint.storage", prefix, what=f"sweep file {sweep_path}: element {i}")
         out.append((point, from_dict(raw, source=f"{sweep_path} element {i}")))
     return spec, out
 

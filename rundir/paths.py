@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rundir.identity import ensure_identity
 from storage.private import user_name
 
 
@@ -133,6 +134,11 @@ class RunDir:
         return self.root / ".tracking.lock"
 
     @property
+    def identity(self) -> Path:
+        """The run's id and key (rundir/identity.py): made with the directory, read by rank 0 for checkpoints."""
+        return self.root / "identity.json"
+
+    @property
     def lock(self) -> Path:
         """Who trains the run now (hpc/runlock.py): a local launch's process, or the run's Slurm jobs."""
         return self.root / "lock.json"
@@ -236,6 +242,7 @@ class RunDir:
         for path in (self.root, self.logs, self.checkpoints):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(path, 0o700)
+        ensure_identity(self.identity)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -4,6 +4,7 @@ that is killed leaves the previous generation the bucket's newest; a server rest
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -49,13 +50,26 @@ def test_checkpoints_in_a_bucket_resume_bitwise_without_the_run_directorys(tmp_p
     assert summary(run_dir)["params_sha256"] == summary(disk_reference)["params_sha256"]
     final = remote(s3, f"{UNIQUE}/a")
     assert len(final) == 2 and all(final.values()) and "step_00000016" in final, final
+    # Another run given the same prefix (a copied config) is refused as it starts, naming both runs; the first
+    # run's generations stay as they were.
+    other = tmp_path / "other"
+    refused = run(other, [*args, "job.nodes=1"])
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    owner = json.loads(s3.fs().cat_file(f"{BUCKET}/{UNIQUE}/a/OWNER.json"))
+    first = json.loads((run_dir / "identity.json").read_text())["run_id"]
+    assert owner["run_dir"] == str(run_dir) and owner["run_id"] == first
+    both = f"belongs to run {run_dir} (run id {first[:12]}), not to this run {other}"
+    assert f"checkpoint.storage {url} {both}" in refused.stderr, refused.stderr
+    assert remote(s3, f"{UNIQUE}/a") == final and not generations(other / "checkpoints")
 
 
 def test_a_corrupt_object_in_the_bucket_falls_back_and_the_older_generation_reshards(tmp_path, s3, small_dataset):
-    """Saved in the background (checkpoint.async_save) by 2 ranks; in the bucket the newest generation's manifest
-    (its self-checksum made again) names a file that climbs out of the download folder, and the one before has a
-    damaged object; the run directory's copies are gone: the resume on 1 rank skips both, the damaged file removed,
-    downloads the oldest and reshards it; nothing lands outside checkpoints/."""
+    """Saved in the background (checkpoint.async_save) by 2 ranks; in the bucket someone rewrote the newest
+    generation: its pickled ``.metadata``, with the manifest's SHA-256 and self-checksum made again to match, and a
+    file name that climbs out of the download folder; the one before has a damaged object; the run directory's copies
+    are gone. The resume on 1 rank skips both (the first not authenticated by the run's key: nothing of it downloaded
+    or unpickled; the damaged file removed), downloads the oldest and reshards it; nothing lands outside
+    checkpoints/."""
     run_dir, url = tmp_path / "run", f"s3://{BUCKET}/{UNIQUE}/b"
     args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage={url}", "train.steps=12",
             "checkpoint.keep_last=3", "checkpoint.async_save=true"]  # fmt: skip
@@ -65,6 +79,11 @@ def test_a_corrupt_object_in_the_bucket_falls_back_and_the_older_generation_resh
     fs = s3.fs()
     hostile = f"{BUCKET}/{UNIQUE}/b/step_00000012/manifest.json"
     manifest = json.loads(fs.cat_file(hostile))
+    assert "dcp/.metadata" in manifest["files"]
+    pickled = f"{BUCKET}/{UNIQUE}/b/step_00000012/dcp/.metadata"
+    crafted = b"\x80\x04crafted pickle that must never be loaded"
+    fs.pipe_file(pickled, crafted)
+    manifest["files"]["dcp/.metadata"] = {"size": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()}
     manifest["files"]["../../planted.py"] = next(iter(manifest["files"].values()))
     manifest["manifest_sha256"] = manifest_digest(manifest)
     fs.pipe_file(hostile, json.dumps(manifest).encode())
@@ -77,8 +96,8 @@ def test_a_corrupt_object_in_the_bucket_falls_back_and_the_older_generation_resh
     again = run(run_dir, ["train.steps=14", "job.nodes=1"], resume=True)  # 1 node x 1 rank
     assert again.returncode == 0, again.stdout + again.stderr
     log = (run_dir / "logs" / "rank_00000.log").read_text()
-    assert f"skipping checkpoint {url}/step_00000012: its manifest names a file '../../planted.py'" in log, log
-    assert not list(tmp_path.rglob("planted.py"))
+    assert f"skipping checkpoint {url}/step_00000012: its manifest is not authenticated by this run's key" in log, log
+    assert not list(tmp_path.rglob("planted.py")) and not list(tmp_path.rglob(".tmp-step_00000012"))
     assert f"skipping checkpoint s3://{BUCKET}/{UNIQUE}/b/step_00000008:" in log and "(corrupt), removed" in log, log
     assert "checkpoint step_00000004 downloaded" in log, log
     assert "resumed from step_00000004 (step 4, saved by 2 ranks)" in log, log

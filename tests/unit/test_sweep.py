@@ -50,6 +50,16 @@ def test_prune_goes_into_every_elements_config(tmp_path):
         expand("tiny", spec_file(tmp_path, data), ["train.steps=6"], tmp_path / "sw")
 
 
+def test_each_element_checkpoints_under_a_prefix_of_its_own(tmp_path):
+    """A checkpoint prefix belongs to one run: the sweep's storage is each element's parent prefix."""
+    data = {"grid": {"train.lr": [1e-3, 2e-3]}}
+    _, elements = expand("tiny", spec_file(tmp_path, data), ["checkpoint.storage=s3://b/sweep/"], tmp_path / "sw")
+    prefixes = [cfg.checkpoint.storage for _, cfg in elements]
+    assert prefixes == ["s3://b/sweep/000-lr=0.001", "s3://b/sweep/001-lr=0.002"], prefixes
+    _, plain = expand("tiny", spec_file(tmp_path, data), [], tmp_path / "sw")
+    assert all(cfg.checkpoint.storage is None for _, cfg in plain)
+
+
 @pytest.mark.parametrize(
     "data,message",
     [

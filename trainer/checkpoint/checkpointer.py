@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from runconfig import RunConfig
 from rundir import RunDir
 from rundir.checkpoints import step_name
+from rundir.identity import ensure_identity
 from storage.ioretry import BUDGET_S, RetryPolicy
 from storage.objstore import Store
 from trainer.checkpoint.agreement import Agreement, Failed
@@ -71,6 +72,10 @@ class Checkpointer:
         self.cfg, self.env, self.ccfg = cfg, env, cfg.checkpoint
         self.model, self.optimizer, self.code_sha256 = model, optimizer, code_sha256
         self.root = rundir.checkpoints
+        # Rank 0 names and authenticates the generations (rundir/identity.py); a run directory older than identities
+        # gets one now.
+        self.run = ensure_identity(rundir.identity) if env.rank == 0 else None
+        self.rundir = rundir
         self.identity = {
             "recipe": cfg.recipe,
             "architecture": dict(architecture or {}),
@@ -117,7 +122,7 @@ class Checkpointer:
             return None
         return RemoteGenerations(
             store=Store(self.cfg.storage), url=self.ccfg.storage, agreement=self.agreement, root=self.root,
-            keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every,
+            keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every, identity=self.run, run_dir=self.rundir.root,
             before_upload=injector.before_upload if injector and injector.injects("slow_upload") else None,
         )  # fmt: skip
 
@@ -129,6 +134,7 @@ class Checkpointer:
             keep_every=self.ccfg.keep_every,
             param_names=[name for name, _ in self.model.named_parameters() if name not in aliases],
             verified=verified,
+            identity=self.run,
             injector=injector,
         )
 

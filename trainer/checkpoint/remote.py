@@ -7,15 +7,21 @@ upload (manifest first, so a half-deleted generation is never taken for one); th
 (every rank its share, each file checked against the manifest's SHA-256), committed there, and restored from as
 any local one: resharding included.
 
-Layout under the prefix: ``step_00000120/manifest.json`` and the files it lists, at the same relative paths.
+Layout under the prefix: ``step_00000120/manifest.json`` and the files it lists, at the same relative paths, and
+``OWNER.json``: the run the prefix belongs to (rundir/identity.py), made by its first launch with a conditional write
+(If-None-Match) and read back. A launch of another run refuses the prefix, and a generation whose manifest names
+another run, or that the run's key does not authenticate, is never downloaded (so never unpickled).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import getpass
 import json
 import logging
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +36,7 @@ from rundir.checkpoints import (
     manifest_digest,
     validate,
 )
+from rundir.identity import RunIdentity, manifest_problem
 from storage.digest import sha256_file
 from storage.ioretry import GaveUp
 from storage.objstore import Store, StoreError, StoreUnavailable, join
@@ -39,6 +46,7 @@ from trainer.checkpoint.reader import shares
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
+OWNER = "OWNER.json"
 
 
 class RemoteGenerations:
@@ -51,9 +59,14 @@ class RemoteGenerations:
         root: Path,
         keep_last: int,
         keep_every: int,
+        identity: RunIdentity | None = None,
+        run_dir: Path | None = None,
         before_upload: Callable[[], None] | None = None,
     ) -> None:
+        """``identity`` and ``run_dir`` (rank 0): the run the prefix must belong to."""
         self.store, self.url, self.agreement, self.root = store, url.rstrip("/"), agreement, root
+        self.identity, self.run_dir = identity, run_dir
+        self._owned = False  # rank 0: the prefix's owner record is this run's (checked once a launch)
         self.before_upload = before_upload  # tests: HPC_INJECT slow_upload
         self.rank, self.world_size = agreement.rank, agreement.world_size
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -62,6 +75,7 @@ class RemoteGenerations:
     def upload(self, final: Path, step: int) -> None:
         """Upload the committed local generation ``final``: every rank its share, then rank 0 the manifest.
         Collective; raises Failed (transient, or not) as a save does."""
+        self._claim()
         manifest = self.agreement.from_rank0(json.loads((final / MANIFEST).read_text()) if self.rank == 0 else None)
         sizes = {rel: int(meta["size"]) for rel, meta in manifest["files"].items()}
         mine = shares(sizes, self.world_size)[self.rank]
@@ -109,6 +123,7 @@ class RemoteGenerations:
     def fetch_newest(self, warn) -> str | None:
         """Before a restore: download the newest remote generation that is newer than every local one and verifies,
         into checkpoints/, and commit it there; its name, or None. Collective."""
+        self._claim()
         plan = None
         if self.rank == 0:
             plan = self._remote_newer_than_local()
@@ -153,8 +168,62 @@ class RemoteGenerations:
             except (ValueError, AttributeError) as exc:
                 log.warning("skipping checkpoint %s: its manifest is damaged (%s)", join(self.url, name), exc)
                 continue
+            problem = manifest_problem(manifest, self.identity) if self.identity is not None else None
+            if problem and problem[0] == "other":
+                return (f"checkpoint.storage {self.url}: generation {name} belongs to another run: {problem[1]}; this "
+                        f"run is {self.run_dir} (run id {self.identity.short()}). Two runs must not share a prefix: "
+                        "give this run one of its own.")  # fmt: skip
+            if problem:
+                log.warning("skipping checkpoint %s: %s", join(self.url, name), problem[1])
+                continue
             out.append((name, manifest))
         return out
+
+    # -- the owner record -----------------------------------------------------------------------------------------
+    def _claim(self) -> None:
+        """The prefix is this run's: its owner record made if there is none (a conditional write, read back), else
+        it must name this run. Collective: every rank learns rank 0's verdict; another run's prefix stops the run."""
+        problem = None
+        if self.rank == 0 and not self._owned and self.identity is not None:
+            try:
+                problem = self._owner_problem()
+            except (StoreError, OSError) as exc:
+                problem = f"checkpoint.storage {self.url}: its owner record cannot be read or made: {exc}"
+            self._owned = problem is None
+        problem = self.agreement.from_rank0(problem)
+        if problem:
+            raise UserError(problem, collective=True)
+
+    def _owner_problem(self) -> str | None:
+        url = join(self.url, OWNER)
+        record = self._owner()
+        if record is None:
+            mine = {"run_id": self.identity.run_id, "run_dir": str(self.run_dir), "user": getpass.getuser(),
+                    "host": socket.gethostname(), "time": time.time()}  # fmt: skip
+            data = json.dumps(mine, indent=2).encode()
+
+            def create(fs, path) -> None:
+                with contextlib.suppress(FileExistsError):  # If-None-Match: another run made it first (read below)
+                    fs.pipe_file(path, data, mode="create")
+
+            self.store.call(create, url, what="checkpoint owner record")
+            record = self._owner()  # read back: a server that ignores If-None-Match lets the last writer win
+        if record is not None and record.get("run_id") == self.identity.run_id:
+            return None
+        owner = f"run {record.get('run_dir')} (run id {str(record.get('run_id'))[:12]})" if record else "no run"
+        return (f"checkpoint.storage {self.url} belongs to {owner}, not to this run {self.run_dir} (run id "
+                f"{self.identity.short()}): two runs given one prefix would resume from, overwrite and prune each "
+                "other's checkpoints. Give this run a prefix of its own (a sweep's elements get theirs).")  # fmt: skip
+
+    def _owner(self) -> dict | None:
+        url = join(self.url, OWNER)
+        if not self.store.call(lambda fs, p: fs.exists(p), url, what="owner record"):
+            return None
+        try:
+            record = json.loads(self.store.read_bytes(url, what="checkpoint owner record"))
+        except ValueError:
+            return {"run_dir": "unknown (a damaged record)", "run_id": "?"}
+        return record if isinstance(record, dict) else {"run_dir": "unknown (a damaged record)", "run_id": "?"}
 
     def _download(self, name: str, manifest: dict) -> str | None:
         """Every rank downloads and checks its share into checkpoints/.tmp-NAME; rank 0 commits it. The problem

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from rundir.checkpoints import TMP_PREFIX, commit, prune, sha256_file
+from rundir.identity import RunIdentity, seal_manifest
 from storage.files import fsync_path
 from storage.ioretry import GaveUp
 from trainer.checkpoint.agreement import Agreement, Failed, notes, root_cause
@@ -52,9 +53,12 @@ class GenerationWriter:
         keep_every: int,
         param_names: list[str],
         verified: set[str],
+        identity: RunIdentity | None = None,
         injector: Injector | None = None,
     ) -> None:
+        """``identity`` (rank 0): the run whose name and key every manifest carries (rundir/identity.py)."""
         self.root, self.agreement, self.injector = root, agreement, injector
+        self.identity = identity
         self.rank = agreement.rank
         self.keep_last, self.keep_every = keep_last, keep_every
         self.param_names, self.verified = param_names, verified
@@ -130,6 +134,8 @@ class GenerationWriter:
             alone = self.agreement.alone
             try:
                 manifest = alone(lambda: {**meta, "files": self._files_of(tmp), "committed_at": time.time()}, tmp)
+                if self.identity is not None:
+                    manifest = seal_manifest(manifest, self.identity)
                 alone(lambda: commit(tmp, final, manifest), final)
             except OSError as exc:
                 error = (exc, f"committing {final} failed: {exc.strerror or exc}{notes(exc)}")
