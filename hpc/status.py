@@ -61,16 +61,23 @@ def status(rundir: RunDir, jobs: list[JobState] | None = None) -> dict:
             {"job_id": j.job_id, "state": j.state, "reason": j.reason, "restarts": j.restarts, "source": j.source}
             for j in jobs
         ],
-        "restarts": sum(1 for e in history if e["event"] == EVENT_RESUME),
-        "step": (last or {}).get("step", 0),
+        "restarts": sum(1 for e in history if e.get("event") == EVENT_RESUME),
+        "step": int(number((last or {}).get("step")) or 0),
         "steps": cfg.train.steps,
-        "loss": (last or {}).get("loss"),
-        "checkpoint": {"step": ckpt["step"], "loss": ckpt.get("loss")} if ckpt else None,
+        "loss": number((last or {}).get("loss")),
+        "checkpoint": {"step": ckpt["step"], "loss": number(ckpt.get("loss"))} if ckpt else None,
         "failure": failure,
         "bad_nodes": [{k: e.get(k) for k in ("node", "evidence", "launch")} for e in bad_node_events(rundir)],
         "stop_lead": {**budget.fields(), "message": budget.describe()} if budget else None,
-        "resume_warnings": resume_notes(next((e for e in reversed(history) if e["event"] == EVENT_RESUME), {})),
+        "resume_warnings": resume_notes(next((e for e in reversed(history) if e.get("event") == EVENT_RESUME), {})),
     }
+
+
+def number(value: object) -> float | None:
+    """A figure read from a run's files, or None when it is none (a line written by hand, a field cut short)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value
 
 
 def _failure(rundir: RunDir, history: list[dict]) -> str | None:

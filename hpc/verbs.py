@@ -8,7 +8,6 @@ jobs (MinJobAge after they end), then from sacct when accounting is there; else 
 
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,14 @@ def sbatch_args(config: str, overrides: list[str]) -> list[str]:
         cfg, exclude = load_config(str(rundir.config), overrides), tuple(bad_nodes(rundir))
     else:
         cfg, exclude = load_config(config, overrides), ()
-    return [shlex.quote(option) for option in sbatch_options(cfg, exclude=exclude)]
+    # Printed for `sbatch $(python -m hpc sbatch-args CONFIG)`: a command substitution splits words but removes no
+    # quotes, so none are added; every value is checked whole to hold no blank (runconfig/schema/slurm_syntax.py).
+    options = sbatch_options(cfg, exclude=exclude)
+    spaced = [option for option in options if any(c.isspace() for c in option)]
+    if spaced:
+        raise VerbError(f"sbatch-args: {spaced[0]!r} holds a blank, which $(...) would split: set it in the job "
+                        "script's #SBATCH lines instead.")  # fmt: skip
+    return options
 
 
 def cancel(rundir: RunDir) -> None:

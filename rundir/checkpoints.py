@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from storage.ioretry import is_transient
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
+SET_ASIDE = ".invalid-"  # step_N.invalid-PID-NS: an invalid generation a new commit of its step replaced
 STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
@@ -169,7 +171,7 @@ def commit(tmp: Path, final: Path, manifest: dict) -> None:
         write_json_atomic(tmp / MANIFEST, manifest)
         fsync_path(tmp)
         if final.exists():
-            final.rename(final.with_name(f"{final.name}.invalid-{os.getpid()}"))
+            final.rename(final.with_name(f"{final.name}{SET_ASIDE}{os.getpid()}-{time.time_ns()}"))
         tmp.rename(final)
     fsync_path(final.parent)
     write_latest(final.parent, final.name)
@@ -216,6 +218,12 @@ def prune(root: Path, *, keep_last: int, keep_every: int, verified: set[str] | N
         shutil.rmtree(doomed)
         verified.discard(path.name)
         removed.append(path)
+    kept = [step for step, path in valid if path not in removed]
+    for path in root.glob(f"step_*{SET_ASIDE}*") if kept else []:  # set aside, now older than every kept one
+        m = STEP_RE.fullmatch(path.name.split(SET_ASIDE, 1)[0])
+        if m and int(m.group(1)) < min(kept):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     return sorted(removed)
 
 

@@ -62,13 +62,17 @@ def project_repository(source: str | Path | None) -> tuple[dict | None, str]:
     if top is None:
         return None, ""
     root = Path(top.strip())  # paths below are the root's
-    status = (_git(root, "status", "--porcelain=v2", "--branch") or "").splitlines()  # commit, branch, changes
+    # Changes and diff of the project's own folder only: the rest of a checkout (another project's work, files with
+    # secrets) is none of the run's record.
+    project = os.path.relpath(folder.resolve(), root.resolve())
+    status = (_git(root, "status", "--porcelain=v2", "--branch", "--", project) or "").splitlines()
     head = dict(line[2:].split(" ", 1) for line in status if line.startswith("# branch.") and " " in line[2:])
     commit = head.get("branch.oid") if head.get("branch.oid") != "(initial)" else None
     changes = [line for line in status if not line.startswith("#")]
-    diff = (_git(root, "diff", "HEAD", "--no-color") or "") if commit else ""
+    diff = (_git(root, "diff", "HEAD", "--no-color", "--", project) or "") if commit else ""
     facts = {
         "root": str(root),
+        "project": project,
         "commit": commit,
         "branch": head.get("branch.head") if head.get("branch.head") != "(detached)" else None,
         "dirty": bool(changes),

@@ -151,3 +151,19 @@ def test_a_damaged_newer_generation_does_not_push_a_good_one_out(tmp_path, damag
     assert removed == [tmp_path / "step_00000020"]
     assert [s for s, _ in generations(tmp_path)] == [22, 23, 24]
     assert verified == {"step_00000022", "step_00000023"}
+
+
+def test_a_set_aside_generation_gets_a_name_of_its_own_and_goes_once_older_than_every_kept_one(tmp_path):
+    """An invalid generation replaced by a new commit of its step is set aside under a unique name (a PID of an
+    earlier process reused makes no clash), and pruning removes it once every kept generation is newer."""
+    for _ in range(2):  # step 4 committed again over its copies, in one process (the same PID each time)
+        path = make_generation(tmp_path, 4)
+        (path / "manifest.json").unlink()
+        make_generation(tmp_path, 4)
+    aside = sorted(tmp_path.glob("step_00000004.invalid-*"))
+    assert len(aside) == 3 and validate(tmp_path / "step_00000004")["step"] == 4
+    make_generation(tmp_path, 8)
+    assert prune(tmp_path, keep_last=2, keep_every=0) == []  # step 4 still kept: its set-aside copies stay
+    make_generation(tmp_path, 12)
+    removed = prune(tmp_path, keep_last=2, keep_every=0)
+    assert removed == sorted([tmp_path / "step_00000004", *aside]) and not list(tmp_path.glob("*.invalid-*"))

@@ -30,6 +30,8 @@ def test_the_project_repository_is_recorded_with_its_uncommitted_diff(tmp_path):
     project = tmp_path / "proj"
     (project / "pkg").mkdir(parents=True)
     (project / "pkg" / "model.py").write_text("WIDTH = 1\n")
+    (project / "other").mkdir()
+    (project / "other" / "settings.py").write_text("TOKEN = None\n")
     git(project, "init", "-q", "-b", "main")
     git(project, "add", ".")
     git(project, "commit", "-q", "-m", "first")
@@ -38,13 +40,18 @@ def test_the_project_repository_is_recorded_with_its_uncommitted_diff(tmp_path):
     assert facts["commit"] == head.strip() and facts["branch"] == "main" and not facts["dirty"] and diff == ""
 
     (project / "pkg" / "model.py").write_text("WIDTH = 2\n")
-    (project / "notes.txt").write_text("new\n")
+    (project / "pkg" / "notes.txt").write_text("new\n")
+    (project / "other" / "settings.py").write_text("TOKEN = 'another project's work, not this run's'\n")
+    (project / "scratch.txt").write_text("new\n")
     path = write_submission(tmp_path / "record", "python -m hpc.submit cfg.yaml", resumed=False,
                             project_source=str(project / "pkg"))  # fmt: skip
     record = json.loads(path.read_text())
     assert path.name == "submit-000.json" and record["command"] == "python -m hpc.submit cfg.yaml"
-    assert record["project"]["dirty"] and record["project"]["untracked"] == ["notes.txt"]
-    assert "+WIDTH = 2" in (tmp_path / "record" / "submit-000.diff").read_text()
+    # the project's own folder only: the rest of the checkout is none of the run's record
+    assert record["project"]["dirty"] and record["project"]["untracked"] == ["pkg/notes.txt"]
+    assert record["project"]["project"] == "pkg"
+    recorded = (tmp_path / "record" / "submit-000.diff").read_text()
+    assert "+WIDTH = 2" in recorded and "TOKEN" not in recorded and "settings.py" not in recorded
     again = write_submission(tmp_path / "record", "x", resumed=True, project_source=None)
     assert again.name == "submit-001.json" and json.loads(again.read_text())["project"] is None
     assert project_repository(tmp_path / "record") == (None, "")  # no checkout there
