@@ -23,11 +23,13 @@ def user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def private_dir(path: Path, *, what: str) -> Path:
-    """``path`` as a folder of this user's that no one else may enter: the missing folders on the way made 0700.
-    Refused (``UnsafeFolder``) when it is a link, another user's, or writable by others, or when the folder holding
-    it is another user's (root's excepted) or may be written by anyone without the sticky bit; one of the user's
-    that others may only read is made 0700."""
+def private_dir(path: Path, *, what: str, readable: bool = False) -> Path:
+    """``path`` as a folder of this user's that no one else may enter (``readable``: may read, 0755, for a file
+    another user's service reads, as Prometheus does its targets): the missing folders on the way made so. Refused
+    (``UnsafeFolder``) when it is a link, another user's, or writable by others, or when the folder holding it is
+    another user's (root's excepted) or may be written by anyone without the sticky bit; one of the user's that
+    others may only read is made 0700 unless ``readable``."""
+    mode = 0o755 if readable else 0o700
     path = Path(path)
     missing = []
     probe = path
@@ -50,7 +52,7 @@ def private_dir(path: Path, *, what: str) -> Path:
         )
     for folder in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made meanwhile: checked below as any existing folder is
-            folder.mkdir(mode=0o700)
+            folder.mkdir(mode=mode)
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise UnsafeFolder(f"{what} {path} is not a folder but a link or a file: refused, nothing read from it.")
@@ -64,6 +66,6 @@ def private_dir(path: Path, *, what: str) -> Path:
             f"{what} {path} may be written by others (mode {stat.S_IMODE(st.st_mode):o}): refused, nothing read "
             f"from it; remove it or make it private (chmod 700 {path})."
         )
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    if stat.S_IMODE(st.st_mode) & ~mode & 0o777:
+        os.chmod(path, mode)
     return path

@@ -34,7 +34,8 @@ def create_store(target: Target) -> None:
         return
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+    lock_fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(lock_fd) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process is killed
         if path.exists() and path.stat().st_size > 0:  # made by another run meanwhile
             return

@@ -24,6 +24,7 @@ from rundir import RunDir
 from rundir.contract import launches_and_restarts
 from rundir.paths import read_jsonl
 from storage.files import write_json_atomic
+from storage.private import UnsafeFolder, private_dir
 from trainer.env import RuntimeEnv, agree, patient_allgather
 from trainer.observe.watchdog import BeatReader
 
@@ -253,11 +254,11 @@ def open_live(cfg: LiveConfig, env: RuntimeEnv, rundir: RunDir, beats: BeatReade
 def _announce(rundir: RunDir, addresses: list[str]) -> Path | None:
     """Write the file_sd target file (readable by a Prometheus running as another user: it holds no secret)."""
     path = target_file(rundir)
-    try:
-        path.parent.mkdir(mode=0o755, exist_ok=True)
+    try:  # a folder of this user's that others may read, never one they may write (links, replaced files)
+        private_dir(path.parent, what="the Prometheus target folder", readable=True)
         write_json_atomic(path, [{"targets": addresses, "labels": {}}])
-        path.chmod(0o644)
-    except OSError as exc:
+        path.chmod(0o644)  # no one else may write in the folder: this is the file just written
+    except (OSError, UnsafeFolder) as exc:
         log.warning("live.serve: could not write the Prometheus target file %s: %s", path, exc)
         return None
     return path
