@@ -33,6 +33,7 @@ from storage.files import write_json_atomic
 CODE_MANIFEST = "manifest.json"  # inside RUN_DIR/code/
 MAX_FILE_BYTES = 20 * 1024 * 1024  # one file of the snapshot: code, not data
 MAX_TOTAL_BYTES = 100 * 1024 * 1024  # the whole snapshot
+MAX_FILES = 10_000  # files of the snapshot: a package, not a data tree
 #: This project's own packages: installed with the trainer, never snapshotted (a copy would shadow them).
 OWN_PACKAGES = frozenset({"hpc", "runconfig", "rundir", "storage", "tracking", "trainer"})
 
@@ -131,16 +132,22 @@ def _installed(top: str, *, regular: bool = False) -> bool:
     return not regular or spec.origin not in (None, "namespace")
 
 
-def _files(source: Path, skip: Path | None) -> list[tuple[str, Path]]:
+def _files(source: Path, skip: Path | None, recipe: str = "") -> list[tuple[str, Path]]:
     """(path relative to the snapshot's root, file) of everything to copy from ``source``, sorted by path: no
-    __pycache__, hidden files or folders, *.pyc; symlinks followed (each real folder once); ``skip`` (the run
-    directory, should it lie inside the package) left out."""
+    __pycache__, hidden files or folders, *.pyc; ``skip`` (the run directory, should it lie inside the package) left
+    out. A link is followed only to what lies inside the package (one pointing out of it is a ConfigError: the
+    snapshot is the recipe's own code); the sizes and the count are checked as the walk goes, so a package holding
+    a data tree is refused before all of it is read."""
     if source.is_file():
+        _check_size(recipe, source, source.stat().st_size, source.stat().st_size, 1)
         return [(source.name, source)]
     out: list[tuple[str, Path]] = []
     seen: set[Path] = set()
+    inside = source.resolve()
+    total = 0
 
     def walk(folder: Path, rel: str) -> None:
+        nonlocal total
         real = folder.resolve()
         if real in seen or (skip is not None and (real == skip or skip in real.parents)):
             return
@@ -148,13 +155,38 @@ def _files(source: Path, skip: Path | None) -> list[tuple[str, Path]]:
         for entry in sorted(folder.iterdir(), key=lambda p: p.name):
             if entry.name.startswith(".") or entry.name == "__pycache__":
                 continue
+            target = entry.resolve()
+            if entry.is_symlink() and target != inside and inside not in target.parents:
+                raise ConfigError(
+                    f"recipe {recipe}: {entry} links to {target}, outside the recipe's package {source}: the code "
+                    "snapshot copies the package's own files only; copy what it needs into the package, or install it."
+                )
             if entry.is_dir():
                 walk(entry, f"{rel}/{entry.name}")
             elif entry.is_file() and not entry.name.endswith((".pyc", ".pyo")):
+                size = entry.stat().st_size
+                total += size
                 out.append((f"{rel}/{entry.name}", entry))
+                _check_size(recipe, entry, size, total, len(out), source)
 
     walk(source, source.name)
     return sorted(out)
+
+
+def _check_size(recipe: str, path: Path, size: int, total: int, count: int, source: Path | None = None) -> None:
+    source = source or path
+    if size > MAX_FILE_BYTES:
+        raise ConfigError(
+            f"recipe {recipe}: {path} is {size / 2**20:.1f} MB, over the {MAX_FILE_BYTES // 2**20} MB a file of the "
+            f"code snapshot may have (the snapshot of {source} is code, not data); move data files out of the recipe's "
+            "package and read them from a path given in recipe_args."
+        )
+    if total > MAX_TOTAL_BYTES or count > MAX_FILES:
+        limit = f"{MAX_TOTAL_BYTES // 2**20} MB" if total > MAX_TOTAL_BYTES else f"{MAX_FILES} files"
+        raise ConfigError(
+            f"recipe {recipe}: the files of {source} add up to more than {limit} (at {path}); the code snapshot is "
+            "code, not data: move data files out of the recipe's package."
+        )
 
 
 def _digest(files: list[tuple[str, Path]]) -> str:
@@ -175,22 +207,7 @@ def take(rundir: RunDir, recipe: str, search: list[Path]) -> Snapshot | None:
     source = locate(recipe, search)
     if source is None:
         return None
-    files = _files(source, rundir.root.resolve())
-    total = 0
-    for _, path in files:
-        size = path.stat().st_size
-        total += size
-        if size > MAX_FILE_BYTES:
-            raise ConfigError(
-                f"recipe {recipe}: {path} is {size / 2**20:.1f} MB, over the {MAX_FILE_BYTES // 2**20} MB a file "
-                f"of the code snapshot may have (the snapshot of {source} is code, not data); move data files out "
-                "of the recipe's package and read them from a path given in recipe_args."
-            )
-        if total > MAX_TOTAL_BYTES:
-            raise ConfigError(
-                f"recipe {recipe}: the files of {source} add up to more than {MAX_TOTAL_BYTES // 2**20} MB (at "
-                f"{path}); the code snapshot is code, not data: move data files out of the recipe's package."
-            )
+    files = _files(source, rundir.root.resolve(), recipe)
     tmp = rundir.root / f".code.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

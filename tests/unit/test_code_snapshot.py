@@ -306,3 +306,26 @@ def test_resume_with_a_recipe_outside_the_snapshot_asks_for_refresh(proj, tmp_pa
     assert proc.returncode == EXIT_USER_ERROR and "--refresh-code" in proc.stderr, proc.stderr
     proc = run_submit(["--resume", str(rundir.root), "--local", "--dry-run"], proj)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_link_out_of_the_package_is_refused_and_one_inside_is_followed(proj, tmp_path):
+    """The snapshot is the recipe's own code: a link to a folder outside the package (a home directory, a shared
+    tree) would copy what it points at, so it is refused by name; a link between the package's own folders is kept."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "id_rsa").write_text("not code")
+    (proj / "mypkg" / "alias.py").symlink_to(proj / "mypkg" / "util" / "helpers.py")
+    snap = codesnap.take(RunDir(tmp_path / "run1"), RECIPE, [proj])
+    assert snap is not None and (tmp_path / "run1" / "code" / "mypkg" / "alias.py").read_text() == "X = 1\n"
+    (proj / "mypkg" / "outside").symlink_to(tmp_path / "elsewhere")
+    rundir = RunDir(tmp_path / "run2")
+    with pytest.raises(ConfigError, match=f"{proj}/mypkg/outside links to {tmp_path}/elsewhere, outside the recipe"):
+        codesnap.take(rundir, RECIPE, [proj])
+    assert not rundir.code.exists()
+
+
+def test_too_many_files_are_refused(proj, tmp_path, monkeypatch):
+    monkeypatch.setattr(codesnap, "MAX_FILES", 5)
+    for i in range(6):
+        (proj / "mypkg" / f"part{i}.txt").write_text("x")
+    with pytest.raises(ConfigError, match="add up to more than 5 files"):
+        codesnap.take(RunDir(tmp_path / "run"), RECIPE, [proj])
