@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from runconfig.load import ConfigError
 from runconfig.schema import BUILTIN_RECIPE, RECIPE_RE
 from rundir.paths import RunDir
 from storage.files import write_json_atomic
+from storage.private import user_name
 
 CODE_MANIFEST = "manifest.json"  # inside RUN_DIR/code/
 MAX_FILE_BYTES = 20 * 1024 * 1024  # one file of the snapshot: code, not data
@@ -104,6 +106,7 @@ def locate(recipe: str, search: list[Path]) -> Path | None:
             "its parent folder), or submit from the folder that holds it."
         )
     found = found.absolute()
+    _check_trusted(recipe, found)
     if len(parts) > 1:
         if found.is_file():
             raise ConfigError(
@@ -117,6 +120,23 @@ def locate(recipe: str, search: list[Path]) -> Path | None:
                 f"{sub.with_suffix('.py')} nor {sub / '__init__.py'}; fix the recipe's module path."
             )
     return found
+
+
+def _check_trusted(recipe: str, found: Path) -> None:
+    """A recipe found beside a config or in its parent folder is code this user runs: refused when another user
+    (root excepted) owns it or its folder, or anyone may write its folder without the sticky bit (a config kept in a
+    shared folder must not pick up a package someone else put next to it). The submit folder is the user's choice."""
+    if found.parent == Path.cwd().absolute():
+        return
+    for path in (found, found.parent):
+        st = path.stat()
+        if st.st_uid not in (os.geteuid(), 0) or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX):
+            owner = user_name(st.st_uid)
+            raise ConfigError(
+                f"recipe {recipe}: {found} was found beside the config, but {path} belongs to {owner} or anyone may "
+                "write it: the code snapshot takes only the user's own code from there. Submit from the folder "
+                "that holds the recipe's package (it is searched too), or move it to a folder of your own."
+            )
 
 
 def _installed(top: str, *, regular: bool = False) -> bool:

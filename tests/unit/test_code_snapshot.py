@@ -17,6 +17,7 @@ from rundir import RunDir
 from rundir import snapshot as codesnap
 from rundir.contract import EVENT_CODE, EXIT_USER_ERROR
 from rundir.paths import read_jsonl
+from tests.conftest import as_user
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "mypkg.train:recipe"
@@ -329,3 +330,20 @@ def test_too_many_files_are_refused(proj, tmp_path, monkeypatch):
         (proj / "mypkg" / f"part{i}.txt").write_text("x")
     with pytest.raises(ConfigError, match="add up to more than 5 files"):
         codesnap.take(RunDir(tmp_path / "run"), RECIPE, [proj])
+
+
+def test_a_package_another_user_put_beside_a_shared_config_is_refused(other_user, shared_scratch, monkeypatch):
+    """A config kept in a shared folder: the recipe's package found beside it (or in its parent) must be the
+    user's own (or root's), in a folder no one else may write; from the submit folder it is the user's choice."""
+    (shared_scratch / "configs").mkdir()
+    config = shared_scratch / "configs" / "run.yaml"
+    config.write_text(f"recipe: {RECIPE}\n")
+    planted = shared_scratch / "mypkg"
+    assert as_user(other_user, ["mkdir", str(planted)]).returncode == 0
+    for name in ("__init__.py", "train.py"):
+        assert as_user(other_user, ["sh", "-c", f"echo 'def recipe(ctx): pass' > {planted / name}"]).returncode == 0
+    monkeypatch.chdir("/")
+    with pytest.raises(ConfigError, match=f"{planted} belongs to {other_user.pw_name}"):
+        codesnap.locate(RECIPE, codesnap.search_path(config))
+    monkeypatch.chdir(shared_scratch)  # submitted from the folder that holds it: the user chose it
+    assert codesnap.locate(RECIPE, codesnap.search_path(config)) == planted
