@@ -87,7 +87,7 @@ def prepare_run_dir(path: Path, *, default: bool) -> RunDir:
     """A new run's directory: made here (``default``: the first free one of NAME-TIME, NAME-TIME-2, ...: two
     submissions in one second get one each), or an empty one of the user's that --run-dir names."""
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)  # a runs folder as the umask makes it (Prometheus reads in it)
         for n in range(1, 1000 if default else 2):
             candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
             try:
