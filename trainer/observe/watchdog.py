@@ -177,7 +177,7 @@ class Watchdog:
 
     def _finished(self, store: dist.TCPStore, rank: int) -> bool:
         """The rank closed its watchdog after its last step (it left, but not by failing)."""
-        beat = _beat_of(self._get(store, self._key(rank)))
+        beat = _json_of(self._get(store, self._key(rank)))
         return beat is not None and beat["phase"] == "finished"
 
     def _set(self, store: dist.TCPStore, key: str, value: str) -> None:
@@ -235,7 +235,7 @@ class Watchdog:
             try:
                 store = self._client()
                 self._set(store, self._key(self.env.rank), self._beat())
-                claim = _claim_of(self._get(store, HANG_KEY))
+                claim = _json_of(self._get(store, HANG_KEY))
                 if claim is not None:
                     self._follow(store, claim)
                     return
@@ -333,11 +333,12 @@ class Watchdog:
     def _read_beats(self) -> dict[int, dict]:
         """Every rank's latest heartbeat that this launch wrote; a key that held one and is gone now was deleted by
         someone else (the package never deletes one): its last beat stands, and the deletion is counted."""
-        beats = read_beats(self._client(), self._key, range(self.env.world_size), self.seal)
+        absent: set[int] = set()
+        beats = read_beats(self._client(), self._key, range(self.env.world_size), self.seal, absent)
         now = time.time()
         for r, beat in self._last_beats.items():
             if r not in beats:
-                if not self.seal.recently_contested(self._key(r), now - 1.0):  # not a refused value: none at all
+                if r in absent:  # no value at all (a refused one is counted as what it was)
                     self.seal.note_deleted(self._key(r), now)
                 beats[r] = beat
         self._last_beats.update(beats)
@@ -406,7 +407,7 @@ class Watchdog:
         found = store.compare_set(HANG_KEY, "", sealed)  # a missing key is set: the first claim wins
         if found == sealed.encode():
             return True
-        other = _claim_of(self.seal.open(HANG_KEY, found, now=time.time()))
+        other = _json_of(self.seal.open(HANG_KEY, found, now=time.time()))
         if other is not None:
             self._follow(store, other)
         store.set(HANG_KEY, sealed)
@@ -451,11 +452,14 @@ class Watchdog:
         os._exit(EXIT_HANG)
 
 
-def read_beats(store: dist.TCPStore, key: Callable[[int], str], ranks: Iterable[int], seal: Seal) -> dict[int, dict]:
+def read_beats(
+    store: dist.TCPStore, key: Callable[[int], str], ranks: Iterable[int], seal: Seal, absent: set[int] | None = None
+) -> dict[int, dict]:
     """The latest heartbeat of each of ``ranks`` that has published one (values this launch did not write left out,
-    counted by ``seal``)."""
-    now = time.time()
-    beats = {r: _beat_of(seal.open(key(r), peek(store, key(r)), now=now)) for r in ranks}
+    counted by ``seal``); ``absent`` collects the ranks whose key holds nothing."""
+    now, raw = time.time(), {r: peek(store, key(r)) for r in ranks}
+    (absent if absent is not None else set()).update(r for r, v in raw.items() if v is None)
+    beats = {r: _json_of(seal.open(key(r), v, now=now)) for r, v in raw.items()}
     return {r: b for r, b in beats.items() if b is not None}
 
 
@@ -465,12 +469,8 @@ def peek(store: dist.TCPStore, key: str) -> bytes | None:
     return None if value == MISSING.encode() else value
 
 
-def _beat_of(value: str | None) -> dict | None:
-    """A heartbeat's fields, or None when ``value`` is none (a sealed value is the launch's own, so well formed)."""
-    return json.loads(value) if value is not None else None
-
-
-def _claim_of(value: str | None) -> dict | None:
+def _json_of(value: str | None) -> dict | None:
+    """A heartbeat's or claim's fields; None for none (a sealed value is the launch's own, so well formed)."""
     return json.loads(value) if value is not None else None
 
 
