@@ -38,9 +38,6 @@ from rundir import snapshot as codesnap
 from rundir.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
 from storage.files import write_atomic
 
-#: What a new run's directory may already hold: the lock a concurrent submission made there.
-LOCK_FILES = ("lock.json", ".lock")
-
 
 class SubmitError(Exception):
     pass
@@ -101,7 +98,8 @@ def prepare_run_dir(path: Path, *, default: bool) -> RunDir:
         problem = rundir.owner_error()
         if problem:
             raise SubmitError(problem)
-        if not path.is_dir() or any(p.name not in LOCK_FILES for p in path.iterdir()):
+        lock_files = {rundir.lock.name, rundir.lock_guard.name}  # what a concurrent submission may have made there
+        if not path.is_dir() or any(p.name not in lock_files for p in path.iterdir()):
             raise SubmitError(f"run directory {path} already exists and is not empty; choose another --run-dir.")
         rundir.create()
     except OSError as exc:
