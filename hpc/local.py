@@ -48,7 +48,10 @@ def trainer_environment(
     env[LAUNCH_VAR] = launch_id
     if simulate_nodes:
         env[SIMULATE_VAR] = str(cfg.job.ranks_per_node)
-    # Make the repository importable when running from a checkout without `pip install -e .`.
+    # The ranks' import path never holds the folder they start in (Python 3.11's safe path: a `trainer/` or
+    # `torch.py` someone put in a shared submit folder would shadow the real one); the recipe's code comes from the
+    # run directory's snapshot. And the repository importable from a checkout without `pip install -e .`.
+    env["PYTHONSAFEPATH"] = "1"
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env

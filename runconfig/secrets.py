@@ -71,9 +71,16 @@ def _words(key: str) -> list[str]:
     return [w for w in re.split(r"[_\-.\s]+", spaced.lower()) if w]
 
 
+#: Last words that make a credential's name say where the credential is (``token_file``, ``password_env``,
+#: ``--token-file PATH``): such a key is only suspect (refused when its value looks random, not when it is a path).
+POINTER_WORDS = {"file", "path", "dir", "env", "var", "variable"}
+
+
 def key_is_secret(key: str) -> bool:
     """Whether a key's name says it holds a credential (whatever its value)."""
     words = _words(key)
+    if len(words) > 1 and words[-1] in POINTER_WORDS:
+        return False
     pairs = set(zip(words, words[1:], strict=False))
     if SECRET_WORDS.intersection(words) or SECRET_PAIRS.intersection(pairs):
         return True
@@ -84,6 +91,21 @@ def key_is_suspect(key: str) -> bool:
     """Whether a key's name suggests a credential without saying so (``wandb_key``, ``auth``, ``sig``)."""
     words = _words(key)
     return bool(SUSPECT_WORDS.intersection(words)) and not BENIGN_WORDS.intersection(words)
+
+
+def points_to_secret(key: str) -> bool:
+    """Whether a key names where a credential is (``token_file``, ``password_env``), not the credential."""
+    words = _words(key)
+    return len(words) > 1 and words[-1] in POINTER_WORDS and key_is_secret("_".join(words[:-1]))
+
+
+def pointer_misused(key: str, value: str) -> bool:
+    """Whether the value of such a key is not what its name says: a variable's name for ``_env``/``_var``, a path
+    or file name for the others (a password or a random key in its place is refused)."""
+    if _words(key)[-1] in ("env", "var", "variable"):
+        return not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value) or looks_random(value)
+    pathlike = "/" in value or value.startswith("~") or re.fullmatch(r"[\w.-]+\.[A-Za-z0-9]{1,8}", value)
+    return not pathlike or looks_random(value.rsplit("/", 1)[-1])
 
 
 def looks_random(value: str) -> bool:
@@ -106,7 +128,11 @@ def value_secret(value: str) -> str | None:
     for pattern in ASSIGNMENTS:
         for match in pattern.finditer(value):
             name, assigned = match.groups()
-            if key_is_secret(name) or (key_is_suspect(name) and looks_random(assigned)):
+            if (
+                key_is_secret(name)
+                or (points_to_secret(name) and pointer_misused(name, assigned))
+                or (key_is_suspect(name) and looks_random(assigned))
+            ):
                 return f"an assignment to {name}"
     return None
 
@@ -115,6 +141,8 @@ def entry_secret(key: str, value: Any) -> str | None:
     """Why the config entry ``key: value`` looks like a credential, or None."""
     if key_is_secret(key) and value not in (None, "", [], {}):
         return "its name says it holds a credential"
+    if points_to_secret(key) and value not in (None, "") and pointer_misused(key, str(value)):
+        return "its name says where a credential is, but its value is not a file path or a variable's name"
     if isinstance(value, str) and key_is_suspect(key) and looks_random(value):
         return "its name suggests a credential and its value looks like a random key"
     return None

@@ -3,8 +3,9 @@ and put first on the import path by every launch of the trainer.
 
 Users edit their code while jobs wait in the queue; a queued or requeued job must run exactly the code that was
 submitted. So ``python -m hpc.submit`` (and ``sbatch/train.sbatch``) copy the top-level package of the config's
-``recipe: module.path:function`` into the run directory, with a manifest holding a SHA-256 over the copy; the
-trainer calls :func:`activate` on each launch, which checks the hash and puts ``RUN_DIR/code`` at ``sys.path[0]``.
+``recipe: module.path:function`` (a single module with the other modules of its folder) into the run directory,
+with a manifest holding a SHA-256 over the copy; the trainer calls :func:`activate` on each launch, which checks the
+hash and puts ``RUN_DIR/code`` at ``sys.path[0]``.
 Only the source files are copied, never imported (importing the user's module would load torch on the login
 node). The built-in recipe (``gpt``) and modules that are only installed (found in none of the searched folders)
 have no snapshot: they are part of the environment, not of the user's project.
@@ -159,8 +160,7 @@ def _files(source: Path, skip: Path | None, recipe: str = "") -> list[tuple[str,
     snapshot is the recipe's own code); the sizes and the count are checked as the walk goes, so a package holding
     a data tree is refused before all of it is read."""
     if source.is_file():
-        _check_size(recipe, source, source.stat().st_size, source.stat().st_size, 1)
-        return [(source.name, source)]
+        return _module_files(source, recipe)
     out: list[tuple[str, Path]] = []
     seen: set[Path] = set()
     inside = source.resolve()
@@ -191,6 +191,28 @@ def _files(source: Path, skip: Path | None, recipe: str = "") -> list[tuple[str,
 
     walk(source, source.name)
     return sorted(out)
+
+
+def _module_files(source: Path, recipe: str) -> list[tuple[str, Path]]:
+    """A single-file recipe and the other modules (``*.py`` files, not folders) of its folder: the ranks' import
+    path does not hold the submit folder (they run with PYTHONSAFEPATH), so a module the recipe imports from beside
+    it must come from the snapshot. A link among them must stay inside that folder."""
+    out: list[tuple[str, Path]] = []
+    total = 0
+    folder = source.parent.resolve()
+    for entry in sorted(source.parent.iterdir(), key=lambda p: p.name):
+        if entry.name.startswith(".") or entry.suffix != ".py" or not entry.is_file():
+            continue
+        if entry.is_symlink() and entry.resolve().parent != folder:
+            raise ConfigError(
+                f"recipe {recipe}: {entry} links to {entry.resolve()}, outside the recipe's folder {source.parent}: "
+                "the code snapshot copies the recipe's own modules only; copy the file there, or install it."
+            )
+        size = entry.stat().st_size
+        total += size
+        out.append((entry.name, entry))
+        _check_size(recipe, entry, size, total, len(out), source.parent)
+    return out
 
 
 def _check_size(recipe: str, path: Path, size: int, total: int, count: int, source: Path | None = None) -> None:
@@ -300,11 +322,12 @@ def read(rundir: RunDir) -> Snapshot | None:
 
 
 def _snapshot_files(rundir: RunDir, module: str) -> list[tuple[str, Path]]:
+    """What the snapshot holds: the package's files, or the single module's and its sibling modules' files."""
     folder, single = rundir.code / module, rundir.code / f"{module}.py"
     if folder.is_dir():
         return _files(folder, None)
     if single.is_file():
-        return [(single.name, single)]
+        return [(p.name, p) for p in sorted(rundir.code.iterdir()) if p.suffix == ".py" and p.is_file()]
     return []
 
 

@@ -221,6 +221,8 @@ hpc_main() {
   RUN_DIR=$(realpath -m -- "$RUN_DIR")
   # The checkout comes first on the import path (as hpc/local.py does), so no `pip install -e .` is needed.
   export PYTHONPATH="$HPC_REPO${PYTHONPATH:+:$PYTHONPATH}"
+  # Nor is the submit folder on the ranks' import path (Python 3.11+): the recipe comes from the code snapshot.
+  export PYTHONSAFEPATH=1
 
   out=$(hpc_prepare "$mode" "$RUN_DIR") || exit "$?"  # its error line went to stderr already
   printf '%s\n' "${out%%#HPC-VARS*}" | sed '/^$/d'

@@ -121,10 +121,19 @@ def rank_log(run_dir: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
+PLANTED = "import os, sys; open(os.path.join({folder!r}, 'imported'), 'a').write(__name__); sys.exit('planted')\n"
+
+
 def test_another_user_writing_to_the_store_ends_no_launch_and_names_no_node(
-    tmp_path, small_dataset, other_user, other_user_python
+    tmp_path, small_dataset, other_user, other_user_python, shared_scratch
 ):
     run_dir = tmp_path / "run"
+    # The user submits from a shared folder where the other user put a torch.py and a trainer package: the ranks
+    # start there, but never import from it (their import path is safe: hpc/local.py).
+    planted = PLANTED.format(folder=str(shared_scratch))
+    files = ("torch.py", "trainer/__init__.py", "trainer/__main__.py")
+    plant = f"import os; os.mkdir('trainer'); [open(p, 'w').write({planted!r}) for p in {files!r}]"
+    assert as_user(other_user, [*other_user_python, "-c", plant], cwd=shared_scratch).returncode == 0
     sets = [f"data.path={small_dataset}", "train.steps=45", "train.eval_every=0", "model.d_model=64",
             "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=30", "job.nodes=1",
             "monitor.heartbeat_s=0.5", "monitor.peer_timeout_s=3", "monitor.hang_timeout_s=20"]  # fmt: skip
@@ -132,7 +141,7 @@ def test_another_user_writing_to_the_store_ends_no_launch_and_names_no_node(
     # rank 1 0.3 s slower a step: 45 steps (13 s) outlast the attack (the port scan and 8 s of writes)
     env = {**os.environ, "PYTHONPATH": str(ROOT), INJECT_VAR: "slow:1:0.3"}
     proc = subprocess.Popen([*args, *(f"--set={s}" for s in sets)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)  # fmt: skip
+                            text=True, env=env, cwd=shared_scratch)  # fmt: skip
     deadline = time.monotonic() + 120
     started = lambda: (run_dir / "history.jsonl").exists() and any(e["event"] == "start" for e in history(run_dir))  # noqa: E731
     while not started():  # the ranks train: their heartbeats are out
@@ -153,6 +162,7 @@ def test_another_user_writing_to_the_store_ends_no_launch_and_names_no_node(
     events = [e["event"] for e in history(run_dir)]
     assert EVENT_HANG not in events and EVENT_BAD_NODE not in events and events.count("start") == 1, events
     assert summary(run_dir)["final_step"] == 45
+    assert not (shared_scratch / "imported").exists(), "a rank imported the other user's module"
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank_*.log"))
     assert "someone else is writing to the store" in logs, logs[-3000:]
     # rank 0 reads every rank's heartbeat: it met the kinds, and says so as its launch ends (a replayed value is

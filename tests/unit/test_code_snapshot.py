@@ -127,6 +127,40 @@ def test_take_single_module_and_nothing_for_builtin(tmp_path):
         sys.path[:] = old
 
 
+def test_a_single_module_takes_the_modules_beside_it_which_the_launch_imports_from_the_snapshot(tmp_path):
+    """The ranks' import path does not hold the submit folder (PYTHONSAFEPATH), so a single-file recipe's helper
+    modules come with it: the .py files of its folder, not its subfolders, verified like the recipe."""
+    src = tmp_path / "src"
+    (src / "data").mkdir(parents=True)
+    (src / "solo.py").write_text("import solohelp\n\ndef recipe(ctx):\n    return solohelp.X\n")
+    (src / "solohelp.py").write_text("X = 'from the snapshot'\n")
+    (src / "data" / "big.py").write_text("")
+    (src / "notes.txt").write_text("")
+    (tmp_path / "elsewhere.py").write_text("")
+    (src / "linked.py").symlink_to(tmp_path / "elsewhere.py")
+    rundir = RunDir(tmp_path / "run")
+    rundir.create()
+    with pytest.raises(ConfigError, match="linked.py links to .*outside the recipe's folder"):
+        codesnap.take(rundir, "solo:recipe", [src])
+    (src / "linked.py").unlink()
+    snap = codesnap.take(rundir, "solo:recipe", [src])
+    assert snap.files == 2 and names(rundir.code) == ["manifest.json", "solo.py", "solohelp.py"]
+    (src / "solohelp.py").write_text("X = 'edited original'\n")
+    old_path, old_modules = sys.path[:], set(sys.modules)
+    try:
+        assert codesnap.activate(rundir) == snap.sha256
+        import solo
+
+        assert solo.recipe(None) == "from the snapshot"
+    finally:
+        sys.path[:] = old_path
+        for name in set(sys.modules) - old_modules:
+            del sys.modules[name]
+    (rundir.code / "solohelp.py").write_text("X = 'changed in the run directory'\n")
+    with pytest.raises(ConfigError, match="was changed after submit"):
+        codesnap.activate(rundir)
+
+
 def test_hash_stable_and_content_sensitive(proj, tmp_path):
     a, b, c = (RunDir(tmp_path / name) for name in ("a", "b", "c"))
     first = codesnap.take(a, RECIPE, [proj])
