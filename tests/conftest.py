@@ -45,6 +45,13 @@ class WorkUnits:
 
         return Units(config, log)
 
+    def pytest_collection_modifyitems(self, items) -> None:
+        """Long units first, short ones last (the longest-first rule): the Slurm unit (about 13 minutes) starts at
+        once, the multi-process modules follow, and the single-process modules, seconds each, fill both workers'
+        ends, so that neither waits long for the other's last module."""
+        group = {"tests/slurm/": 0, "tests/unit/": 2}
+        items.sort(key=lambda item: next((g for p, g in group.items() if item.nodeid.startswith(p)), 1))
+
 
 def pytest_configure(config) -> None:
     if config.pluginmanager.hasplugin("xdist"):  # its hooks exist only then

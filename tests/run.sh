@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm, munge,
 # slurmdbd, MariaDB, shellcheck, Prometheus, nodejs, Lmod and Open MPI from Debian's packages, s3rver from npm; Python
-# packages into .venv and the site venv of envs/site/build.sh), then lints and runs the whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local
-# clusters and servers that the tests start and stop.
+# packages into .venv and the site venv of envs/site/build.sh, the latter beside the tests), then lints and runs the
+# whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local clusters and servers that
+# the tests start and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -15,9 +16,11 @@ bash envs/debian.sh $(HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh packages
   $(bash envs/s3/server.sh packages) $(bash envs/prometheus/server.sh packages) shellcheck
 HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh install >/dev/null
 bash envs/prometheus/server.sh install
-# Then three installs side by side (network, a compile, disk; none needs another): the site's venv with mpi4py
-# compiled against that Open MPI, behind modulefiles in /opt/hpc-site (envs/site/build.sh; ~3 min the first time,
-# mostly the compile), s3rver from npm (envs/s3/server.sh), and the Python packages of .venv.
+# Then the installs side by side (network, a compile, disk; none needs another): s3rver from npm
+# (envs/s3/server.sh) and the Python packages of .venv, waited for; and the site's venv with mpi4py compiled
+# against that Open MPI, behind modulefiles in /opt/hpc-site (envs/site/build.sh), not waited for: the first time
+# it takes ~3 minutes (mostly the compile, at a lower priority than the tests), and only tests/slurm/test_site.py,
+# minutes into the Slurm tests, needs it (its own `build.sh build` waits for this one, then finds the work done).
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
@@ -27,14 +30,15 @@ python_packages() {
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps -r envs/requirements-bench.txt
 }
 logs=$(mktemp -d)
-bash envs/site/build.sh build >"$logs/site" 2>&1 &
-site=$!
+site_log=$(mktemp -t hpc-site-build.XXXXXX.log)
+echo "tests/run.sh: building the site environment beside the tests (envs/site/build.sh; its output: $site_log)"
+nice -n 10 bash envs/site/build.sh build >"$site_log" 2>&1 &
 bash envs/s3/server.sh install >"$logs/s3" 2>&1 &
 s3=$!
 python_packages >"$logs/python" 2>&1 &
 python=$!
 failed=0
-for job in "site:$site" "s3:$s3" "python:$python"; do
+for job in "s3:$s3" "python:$python"; do
   if ! wait "${job#*:}"; then
     echo "tests/run.sh: the ${job%%:*} install failed:" >&2
     cat "$logs/${job%%:*}" >&2

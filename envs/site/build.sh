@@ -62,6 +62,11 @@ EOF
 
 cmd_build() {
   command -v mpicc >/dev/null || die "no mpicc: run \`bash envs/site/build.sh install\` first"
+  # One build at a time: a second waits for the first (tests/run.sh starts one beside the suite, and
+  # tests/slurm/test_site.py's own build waits for it here), then finds the work done.
+  mkdir -p "$(dirname "$PREFIX")"
+  exec 9>"$PREFIX.build-lock"
+  flock 9
   [ -x "$PREFIX/venv/bin/python" ] || "$PYTHON" -m venv "$PREFIX/venv"
   local pip=("$PREFIX/venv/bin/pip" install --quiet --disable-pip-version-check)
   # Everything of the pinned set but the MPICH wheel and the binary mpi4py

@@ -23,8 +23,8 @@ MODULES = ["module use " + str(PREFIX / "modulefiles"), "module load hpc-trainer
 
 @pytest.fixture(scope="module")
 def site():
-    """The site environment, built by tests/run.sh before the suite; here again (idempotent) for a run of this file
-    alone."""
+    """The site environment: tests/run.sh starts its build beside the suite, and this build waits for that one
+    (build.sh's lock), then finds the work done; alone, it builds (idempotent)."""
     for verb in ("install", "build"):
         subprocess.run(["bash", "envs/site/build.sh", verb, str(PREFIX)], check=True, cwd=ROOT,
                        stdout=subprocess.DEVNULL)  # fmt: skip
