@@ -26,7 +26,7 @@ from rundir.paths import read_jsonl
 from storage.files import write_json_atomic
 from storage.private import UnsafeFolder, private_dir
 from trainer.env import RuntimeEnv, agree, patient_allgather
-from trainer.observe.watchdog import BeatReader
+from trainer.observe.beats import BeatReader
 
 log = logging.getLogger("trainer.live")
 PUSH_TIMEOUT_S = 5.0

@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -40,15 +40,13 @@ from runconfig.schema import MonitorConfig
 from rundir import RunDir
 from rundir.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event
 from trainer.env import RuntimeEnv
+from trainer.observe.beats import BeatReader, json_of, listening, peek, read_beats
 from trainer.parallel.storeseal import Seal
 
 HANG_KEY = "hpc/watchdog/hang"
 REPORTED_KEY = "hpc/watchdog/reported"  # the claiming rank has written failure.json and the hang event
 ANSWERS_KEY = "hpc/watchdog/answers"  # how many ranks answered the roll call
 ROLL_CALL, CLOSE = "roll call", "close"  # what wakes a rank's answering thread
-# compare_set's answer for a key that is not there: a read that never waits (a get waits for a missing key, and
-# someone else may delete one between a check and a get)
-MISSING = "\0hpc-missing"
 log = logging.getLogger(__name__)
 
 
@@ -177,7 +175,7 @@ class Watchdog:
 
     def _finished(self, store: dist.TCPStore, rank: int) -> bool:
         """The rank closed its watchdog after its last step (it left, but not by failing)."""
-        beat = _json_of(self._get(store, self._key(rank)))
+        beat = json_of(self._get(store, self._key(rank)))
         return beat is not None and beat["phase"] == "finished"
 
     def _set(self, store: dist.TCPStore, key: str, value: str) -> None:
@@ -188,6 +186,10 @@ class Watchdog:
         return self.seal.open(key, peek(store, key), now=time.time())
 
     def _connect(self, timeout: timedelta) -> dist.TCPStore:
+        """A client connection of its own; refused at once when nothing listens on the store's port any more (rank 0's
+        process gone), where a TCPStore client retries until its timeout (a rank's last writes took 10 s so)."""
+        if not listening(self._addr, self._port, min(timeout.total_seconds(), 5.0)):
+            raise ConnectionRefusedError(f"nothing listens on {self._addr}:{self._port} (the rendezvous store)")
         return dist.TCPStore(self._addr, self._port, self.env.world_size, is_master=False, timeout=timeout)
 
     def _answer_roll_call(self) -> None:
@@ -213,8 +215,7 @@ class Watchdog:
 
     def _client(self) -> dist.TCPStore:
         if self._store is None:
-            timeout = timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s))
-            self._store = dist.TCPStore(self._addr, self._port, self.env.world_size, is_master=False, timeout=timeout)
+            self._store = self._connect(timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s)))
         return self._store
 
     def _beat(self) -> str:
@@ -235,7 +236,7 @@ class Watchdog:
             try:
                 store = self._client()
                 self._set(store, self._key(self.env.rank), self._beat())
-                claim = _json_of(self._get(store, HANG_KEY))
+                claim = json_of(self._get(store, HANG_KEY))
                 if claim is not None:
                     self._follow(store, claim)
                     return
@@ -407,7 +408,7 @@ class Watchdog:
         found = store.compare_set(HANG_KEY, "", sealed)  # a missing key is set: the first claim wins
         if found == sealed.encode():
             return True
-        other = _json_of(self.seal.open(HANG_KEY, found, now=time.time()))
+        other = json_of(self.seal.open(HANG_KEY, found, now=time.time()))
         if other is not None:
             self._follow(store, other)
         store.set(HANG_KEY, sealed)
@@ -450,48 +451,6 @@ class Watchdog:
                 self._set(store, REPORTED_KEY, str(self.env.rank))  # the other ranks may end now
         print(f"error: {message}", flush=True)
         os._exit(EXIT_HANG)
-
-
-def read_beats(
-    store: dist.TCPStore, key: Callable[[int], str], ranks: Iterable[int], seal: Seal, absent: set[int] | None = None
-) -> dict[int, dict]:
-    """The latest heartbeat of each of ``ranks`` that has published one (values this launch did not write left out,
-    counted by ``seal``); ``absent`` collects the ranks whose key holds nothing."""
-    now, raw = time.time(), {r: peek(store, key(r)) for r in ranks}
-    (absent if absent is not None else set()).update(r for r, v in raw.items() if v is None)
-    beats = {r: _json_of(seal.open(key(r), v, now=now)) for r, v in raw.items()}
-    return {r: b for r, b in beats.items() if b is not None}
-
-
-def peek(store: dist.TCPStore, key: str) -> bytes | None:
-    """The value under ``key`` now, None if there is none, without waiting."""
-    value = store.compare_set(key, MISSING, MISSING)
-    return None if value == MISSING.encode() else value
-
-
-def _json_of(value: str | None) -> dict | None:
-    """A heartbeat's or claim's fields; None for none (a sealed value is the launch's own, so well formed)."""
-    return json.loads(value) if value is not None else None
-
-
-class BeatReader:
-    """The latest heartbeat of given ranks, read from the rendezvous store on a connection opened at first use (and
-    again after a failure). Safe for several threads (a lock); an unreachable store reads as no beats."""
-
-    def __init__(self, connect: Callable[[], dist.TCPStore], key: Callable[[int], str], seal: Seal) -> None:
-        self._connect, self._key, self._seal = connect, key, seal
-        self._store: dist.TCPStore | None = None
-        self._lock = threading.Lock()
-
-    def read(self, ranks: Iterable[int]) -> dict[int, dict]:
-        with self._lock:
-            try:
-                if self._store is None:
-                    self._store = self._connect()
-                return read_beats(self._store, self._key, ranks, self._seal)
-            except Exception:
-                self._store = None
-                return {}
 
 
 def _ranks(ranks: list[int]) -> str:

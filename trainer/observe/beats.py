@@ -1,0 +1,70 @@
+"""Reading the rendezvous store without waiting: the ranks' heartbeats (sealed by trainer/parallel/storeseal.py)
+for the watchdog and the live endpoints, and whether anything still listens on the store's port at all."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch.distributed as dist
+
+from trainer.parallel.storeseal import Seal
+
+# compare_set's answer for a key that is not there: a read that never waits (a get waits for a missing key, and
+# someone else may delete one between a check and a get)
+MISSING = "\0hpc-missing"
+
+
+def listening(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts connections on ``addr:port`` within ``timeout_s``. A refused connection answers at
+    once (the store's process is gone, its host up), where a TCPStore client retries until its own timeout."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def read_beats(
+    store: dist.TCPStore, key: Callable[[int], str], ranks: Iterable[int], seal: Seal, absent: set[int] | None = None
+) -> dict[int, dict]:
+    """The latest heartbeat of each of ``ranks`` that has published one (values this launch did not write left out,
+    counted by ``seal``); ``absent`` collects the ranks whose key holds nothing."""
+    now, raw = time.time(), {r: peek(store, key(r)) for r in ranks}
+    (absent if absent is not None else set()).update(r for r, v in raw.items() if v is None)
+    beats = {r: json_of(seal.open(key(r), v, now=now)) for r, v in raw.items()}
+    return {r: b for r, b in beats.items() if b is not None}
+
+
+def peek(store: dist.TCPStore, key: str) -> bytes | None:
+    """The value under ``key`` now, None if there is none, without waiting."""
+    value = store.compare_set(key, MISSING, MISSING)
+    return None if value == MISSING.encode() else value
+
+
+def json_of(value: str | None) -> dict | None:
+    """A heartbeat's or claim's fields; None for none (a sealed value is the launch's own, so well formed)."""
+    return json.loads(value) if value is not None else None
+
+
+class BeatReader:
+    """The latest heartbeat of given ranks, read from the rendezvous store on a connection opened at first use (and
+    again after a failure). Safe for several threads (a lock); an unreachable store reads as no beats."""
+
+    def __init__(self, connect: Callable[[], dist.TCPStore], key: Callable[[int], str], seal: Seal) -> None:
+        self._connect, self._key, self._seal = connect, key, seal
+        self._store: dist.TCPStore | None = None
+        self._lock = threading.Lock()
+
+    def read(self, ranks: Iterable[int]) -> dict[int, dict]:
+        with self._lock:
+            try:
+                if self._store is None:
+                    self._store = self._connect()
+                return read_beats(self._store, self._key, ranks, self._seal)
+            except Exception:
+                self._store = None
+                return {}
