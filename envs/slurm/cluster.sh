@@ -40,6 +40,8 @@ MIN_JOB_AGE=${HPC_SLURM_MIN_JOB_AGE:-300}         # s a finished job stays in sc
 NETNS=${HPC_SLURM_NETNS:-0}                       # 1: every node its own network namespace (see above)
 LINK_RATE=${HPC_SLURM_LINK_RATE:-}                # tbf rate of each node's link (netns only); empty: unshaped
 SLURMD_TIMEOUT=${HPC_SLURM_SLURMD_TIMEOUT:-300}   # s without an answer before a node is marked DOWN (Slurm's default)
+MESSAGE_TIMEOUT=${HPC_SLURM_MESSAGE_TIMEOUT:-10} # s an RPC waits for its answer (Slurm's default); a ping to a lost node
+                                                  # waits this long, and the next ping round waits for it
 # A /24 per cluster, told apart by the controller's port (16817 -> 10.65.177.0/24); the bridge is named after it.
 SUBNET=${HPC_SLURM_SUBNET:-10.$(((CTLD_PORT >> 8) & 255)).$((CTLD_PORT & 255))}
 BRIDGE=hpcbr$CTLD_PORT
@@ -126,6 +128,7 @@ KillWait=5
 # A node that does not answer for this long is marked DOWN and its jobs end with NODE_FAIL (or, with --no-kill,
 # continue without it).
 SlurmdTimeout=$SLURMD_TIMEOUT
+MessageTimeout=$MESSAGE_TIMEOUT
 
 # Preemption: a job in a higher-PriorityTier partition requeues the jobs of a lower one on the same nodes.
 # preempt_send_user_signal delivers the job's --signal when it is picked; SIGTERM follows after GraceTime.

@@ -50,7 +50,10 @@ HOSTS = {
     "HPC_SLURM_NODES": "4",
     "HPC_SLURM_NETNS": "1",
     "HPC_SLURM_LINK_RATE": "1gbit",
-    "HPC_SLURM_SLURMD_TIMEOUT": "10",  # a lost node is DOWN ~30 s later (Slurm's default: 300 s)
+    "HPC_SLURM_SLURMD_TIMEOUT": "10",  # a lost node is DOWN this long after its last answer (Slurm's default: 300 s)
+    # the controller's ping of a lost node gives up after this (Slurm's default: 10 s), and the next round of pings
+    # waits for it: with 10 s a lost node was DOWN ~30 s after its loss
+    "HPC_SLURM_MESSAGE_TIMEOUT": "5",
 }
 
 

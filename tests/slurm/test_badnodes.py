@@ -238,9 +238,10 @@ def test_a_node_taken_back_by_hand_grows_the_run_back_in_the_chains_next_link(on
     the first link is stopped by its signal, and the next link trains on all 4 nodes again, n2 among them, with the
     same global batch (gradient accumulation 3 -> 4 -> 3)."""
     run_dir = tmp_path / "run"
-    # 60 steps: the first link resumes at its step-10 checkpoint and must not finish before the hand's work (a few
-    # steps); the next link trains the rest on 4 nodes again, which proves nothing more per step
-    shape = ["job.nodes=4", "job.ranks_per_node=1", "job.min_nodes=3", "train.steps=60"]
+    # 36 steps: the first link resumes at its step-10 checkpoint and must not finish before the hand's work (a few
+    # steps: measured under a second); the next link trains the rest on 4 nodes again, which proves nothing more per
+    # step
+    shape = ["job.nodes=4", "job.ranks_per_node=1", "job.min_nodes=3", "train.steps=36"]
     batch = ["train.global_batch_size=24", "train.micro_batch_size=2", "job.restart_backoff_s=0.5"]
     slow = f"job.env={json.dumps({INJECT_VAR: 'slow:0:0.05'})}"  # 0.05 s a micro-batch: the hand's work fits
     last = submit(run_dir, [*sets_for(small_dataset), *shape, *batch, slow], "--chain", "2")
@@ -271,4 +272,4 @@ def test_a_node_taken_back_by_hand_grows_the_run_back_in_the_chains_next_link(on
     assert started[-1]["slurm_job_id"] == last
     back = events_of(run_dir, "node_back")
     assert [(e["node"], e["how"]) for e in back] == [("n2", "by hand (python -m hpc unexclude)")], back
-    assert summary(run_dir)["world_size"] == 4 and summary(run_dir)["final_step"] == 60
+    assert summary(run_dir)["world_size"] == 4 and summary(run_dir)["final_step"] == 36
