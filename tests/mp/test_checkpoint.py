@@ -227,9 +227,9 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     # reused the one its checkpoint recorded instead of measuring another reduction order.
     plan = summary(reference)["allreduce_plan"]
     assert summary(reference)["allreduce"] == "auto" and plan["topology"] == [2, 2] and plan["sizes"]
-    # simulated nodes on one host in one network namespace: measured and recorded, flat chosen for every size
+    # simulated nodes on one host in one network namespace: flat chosen for every size, nothing measured
     assert plan["one_network"] and {row["choice"] for row in plan["sizes"]} == {"flat"}, plan
-    assert all(set(row["seconds"]) == {"flat", "hierarchical", "leader", "two_level"} for row in plan["sizes"]), plan
+    assert all(row["seconds"] == {} for row in plan["sizes"]) and plan["measured_s"] == 0.0, plan
     # measured for the buckets training reduces (~0.1 MB: comm.bucket_mb), not the one 471 KiB bucket of DDP's first
     # backward, whose initial layout has a 1 MB first bucket
     assert len(plan["sizes"]) >= 2 and all(row["bytes"] < 200_000 for row in plan["sizes"]), plan

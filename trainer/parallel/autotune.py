@@ -113,11 +113,16 @@ def _leads(per_round: dict[str, list[float]], alive: list[str]) -> bool:
 
 def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_network: bool = False) -> dict:
     """The plan for these bucket sizes (bytes): see rundir/allreduce_plan.py for its use and table. With
-    ``one_network`` (every rank on one host in one network namespace: every "inter-node" link is loopback) the
-    figures are measured and recorded but flat is chosen for every size: there the other algorithms, faster when
-    timed alone, lost in training (docs/measurements/overhead.md, "one host, more rounds, and the CPU a step
-    costs")."""
+    ``one_network`` (every rank on one host in one network namespace: every "inter-node" link is loopback) flat is
+    chosen for every size without measuring: there the other algorithms, faster when timed alone, lost in training
+    (docs/measurements/overhead.md, "one host, more rounds, and the CPU a step costs"), and the measurement cost
+    every rank start-up time for figures no choice used."""
     names = list(ALGORITHMS)
+    if one_network:
+        rows = [{"bytes": size, "seconds": {}, "choice": "flat", "rounds": 0, "calls": 0, "per_round_s": {}}
+                for size in sizes]  # fmt: skip
+        return {**setup_of(groups), "one_network": True, "algorithms": names, "sizes": rows, "measured_s": 0.0,
+                "timing": "not measured: flat for every size"}  # fmt: skip
     start = time.perf_counter()
     rows: list[dict] = []
     for i, size in enumerate(sizes):
@@ -151,7 +156,7 @@ def measure(groups: HierGroups, sizes: list[int], device: torch.device, *, one_n
             if len(alive) == 1 or (done >= 2 and elapsed > BUDGET_S and enough):
                 break
         seconds = {name: statistics.median(t) for name, t in per_round.items()}
-        choice = "flat" if one_network else choose_algorithm({n: per_round[n] for n in {*alive, "flat"}})
+        choice = choose_algorithm({n: per_round[n] for n in {*alive, "flat"}})
         rounds = max(len(t) for t in per_round.values())
         per_round_s = {n: [round(v, 6) for v in t] for n, t in per_round.items()}
         rows.append({"bytes": size, "seconds": seconds, "choice": choice, "rounds": rounds, "calls": calls,

@@ -47,7 +47,7 @@ def plan_allreduce(parts: Parts, rundir: RunDir) -> None:
         plan, how = _plan_from(source, wanted), f"from {source}"
     if plan is None:
         plan = measure(groups, dispatch.sizes, parts.distributed.device, one_network=parts.env.one_network)
-        how = measured + ("; one host, one network: flat chosen" if plan["one_network"] else "")
+        how = "one host, one network" if plan["one_network"] else measured
         if parts.env.rank == 0:
             write_json_atomic(rundir.allreduce_plan, plan)
     parts.state.allreduce_plan = plan
@@ -62,13 +62,9 @@ def plan_allreduce(parts: Parts, rundir: RunDir) -> None:
         parts.wrapped.dispatch = None
         runs = "every bucket flat: DDP's own all-reduce runs, no hook"
     if parts.env.rank == 0:
+        figures = f"measured in {plan['measured_s']:.2f} s, {plan['timing']}" if plan["measured_s"] else plan["timing"]
         log.info(
-            "all-reduce plan (comm.allreduce=auto, %s; measured in %.2f s, %s; %s):\n%s",
-            how,
-            plan["measured_s"],
-            plan["timing"],
-            runs,
-            "\n".join(plan_table(plan)),
+            "all-reduce plan (comm.allreduce=auto, %s; %s; %s):\n%s", how, figures, runs, "\n".join(plan_table(plan))
         )
 
 
