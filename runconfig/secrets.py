@@ -94,9 +94,12 @@ def key_is_suspect(key: str) -> bool:
 
 
 def points_to_secret(key: str) -> bool:
-    """Whether a key names where a credential is (``token_file``, ``password_env``), not the credential."""
+    """Whether a key names where a credential is (``token_file``, ``password_env``, ``token_file_path``), not the
+    credential."""
     words = _words(key)
-    return len(words) > 1 and words[-1] in POINTER_WORDS and key_is_secret("_".join(words[:-1]))
+    while len(words) > 1 and words[-1] in POINTER_WORDS:
+        words.pop()
+    return len(words) < len(_words(key)) and key_is_secret("_".join(words))
 
 
 def pointer_misused(key: str, value: str) -> bool:

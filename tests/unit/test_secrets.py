@@ -59,6 +59,7 @@ SHAPES = [
     ("recipe_args.apikey", "abc", "its name says"),
     ("job.env.PGPASSWORD", "hunter2", "its name says"),
     ("recipe_args.token_file", "hunter2", "its name says where a credential is"),
+    ("recipe_args.token_file_path", "hunter2", "its name says where a credential is"),
     ("recipe_args.password_env", "correct horse battery", "its name says where a credential is"),
     ("recipe_args.api_key_path", "3f9a1c0e5b7d2f4a6c8e0b1d3f5a7c9e", "its name says where a credential is"),
     ("job.setup", ["login --token-file hunter2"], "an assignment to token-file"),
@@ -118,7 +119,8 @@ ORDINARY_ARGS = {
     "corpus": "s3://team-bucket/corpora/en?versionId=3", "ssh_key": "/home/user/.ssh/id_ed25519",
     "sort_key": "length", "key": "input_ids", "note": "the token budget follows Chinchilla", "tokenizer": "gpt2",
     "max_tokens": 4096, "auth": "none", "session": 2, "signature_dim": 64, "key_file": "keys/model.pem",
-    "token_file": "~/.config/hf/token", "password_file": "db.pass", "hf_token_env": "HF_TOKEN",
+    "token_file": "~/.config/hf/token", "token_file_path": "/run/secrets/hf", "password_file": "db.pass",
+    "hf_token_env": "HF_TOKEN",
     "setup": "login --token-file /home/user/.tok", "secret_key_path": "/run/secrets/s3",
 }  # fmt: skip
 
