@@ -174,8 +174,9 @@ class RankWatch:
                 os.close(fd)
 
     def _kill(self, fds: dict[int, int]) -> None:
-        """SIGKILL the ranks still running (through their pidfds: never a recycled pid)."""
+        """SIGKILL the ranks still running (through their pidfds: never a recycled pid). All of them are listed in
+        ``killed``: hydra ends the rest of a launch once one is killed, so a later one may be gone before its turn."""
         for fd, rank in fds.items():
-            with contextlib.suppress(OSError):
+            self.killed.append(rank)
+            with contextlib.suppress(OSError):  # gone already (ProcessLookupError)
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
-                self.killed.append(rank)

@@ -45,7 +45,10 @@ def wait_for(predicate, timeout=30.0):
         time.sleep(0.05)
 
 
-def test_the_first_rank_ended_is_named_and_the_rest_are_killed_when_the_grace_ends():
+def test_the_first_rank_ended_is_named_and_the_rest_are_killed_when_the_grace_ends(monkeypatch):
+    # A watch descheduled between two kills (a busy host): hydra ends rank 2 once rank 0 is killed, before its turn.
+    send = signal.pidfd_send_signal
+    monkeypatch.setattr(signal, "pidfd_send_signal", lambda fd, sig: (send(fd, sig), time.sleep(0.3)))
     proc = start(3, first=1)
     try:
         watch = RankWatch(proc.pid, 3, grace_s=2.0)
