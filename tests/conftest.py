@@ -92,10 +92,11 @@ def history(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "history.jsonl").read_text().splitlines()]
 
 
-def run_cli(args: list[str], *, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], *, timeout: float = 600, cwd: Path = ROOT, preexec_fn=None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([PY, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    return subprocess.run([PY, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
+                          preexec_fn=preexec_fn)  # fmt: skip
 
 
 @pytest.fixture(scope="session", autouse=True)

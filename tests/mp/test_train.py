@@ -2,6 +2,7 @@
 
 import json
 import re
+import resource
 import shutil
 import warnings
 from pathlib import Path
@@ -60,11 +61,11 @@ def cpu_key() -> str:
     return f"{model}/{torch.backends.cpu.get_cpu_capability()}"
 
 
-def submit(run_dir, *sets, config="tiny"):
+def submit(run_dir, *sets, config="tiny", preexec_fn=None):
     args = ["-m", "hpc.submit", config, "--local", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
-    return run_cli(args)
+    return run_cli(args, preexec_fn=preexec_fn)
 
 
 def metrics(run_dir) -> list[dict]:
@@ -79,8 +80,15 @@ def test_tiny_example_trains_and_loss_falls(tmp_path, tiny_data):
     # data.order too: the pins were taken with the full permutation, the order of runs before the windowed one
     sets = ("train.steps=60", "train.warmup_steps=6", "train.eval_every=30", "comm.allreduce=hierarchical",
             "data.order=permutation")  # fmt: skip
-    proc = submit(run_dir, *sets, "train.optimizer_impl=for-loop")
+    # Started as from a shell that hands the job a soft limit of 512 open files (Slurm propagates it): every rank
+    # raises its own to the hard limit before the store and gloo connect.
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    low = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))  # noqa: E731
+    proc = submit(run_dir, *sets, "train.optimizer_impl=for-loop", preexec_fn=low)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(4):
+        text = (run_dir / "logs" / f"rank_0000{rank}.log").read_text()
+        assert f"open files: soft limit raised from 512 to {hard}" in text, rank
     # The run found the session's copy of its dataset (tiny_data) instead of preparing its own inside this run.
     prepared = [line for line in (run_dir / "logs" / "rank_00000.log").read_text().splitlines() if "preparing" in line]
     assert not prepared, f"the run did not find {tiny_data}: {prepared}"

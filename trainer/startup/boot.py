@@ -25,6 +25,7 @@ from trainer.observe.inject import Injector
 from trainer.observe.startup import StartupClock
 from trainer.observe.tracker_sink import Tracker, open_tracker
 from trainer.parallel.distributed import Distributed, init_distributed, pick_device
+from trainer.parallel.fdlimit import needed, raise_open_files
 from trainer.parallel.mpi_library import is_mpich, library_name
 
 log = logging.getLogger("trainer")
@@ -93,11 +94,23 @@ def boot(
             applied = " ".join(f"{name}={value}" for name, value in mpi_defaults.items())
             log.info("MPI library defaults applied (set them in job.env to choose otherwise): %s", applied)
     Injector(env.inject, env.rank).at_rendezvous(rundir)
-    d = init_distributed(env, cfg.comm, pick_device(env, cfg.train.device), comm)
+    device = pick_device(env, cfg.train.device)
+    _open_files(env, cfg.comm.backend == "gloo" or (cfg.comm.backend == "auto" and device.type == "cpu"), comm)
+    d = init_distributed(env, cfg.comm, device, comm)
     clock.mark("rendezvous")
     if deadline is not None:
         deadline.end()
     return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, distributed=d, tracker=tracker)
+
+
+def _open_files(env: RuntimeEnv, gloo: bool, comm: MPI.Comm) -> None:
+    """Every rank's soft limit on open files raised to its hard limit before the store and gloo connect (collective:
+    a hard limit too low for the world stops every rank, naming the rank)."""
+    before, now, error = raise_open_files(env.rank, env.world_size, env.hostname, gloo=gloo)
+    if now != before:
+        log.info("open files: soft limit raised from %d to %d (about %d needed at %d ranks)", before, now,
+                 needed(env.rank, env.world_size, gloo=gloo), env.world_size)  # fmt: skip
+    agree(comm, error)
 
 
 def _stop_flag(cfg: RunConfig, early: EarlySignals) -> StopFlag:
