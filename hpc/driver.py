@@ -35,7 +35,7 @@ from hpc import runlock, slurmctl
 from hpc.jobs import exclude_pending, never_requeue, record_job
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
-from hpc.policy.badnodes import bad_nodes, record_bad_node
+from hpc.policy.badnodes import bad_nodes, record_bad_node, recorded
 from hpc.policy.decide import Situation
 from hpc.policy.outcome import Ended, how_it_ended, new_launch_id
 from hpc.restarts import take_back_due_nodes, until_settled
@@ -269,7 +269,8 @@ class Driver:
             note_lost_nodes(rundir, job)
         take_back_due_nodes(rundir, cfg.job, held_by_slurm)
         allocation = job.nodes()
-        usable = tuple(n for n in allocation if n not in bad_nodes(rundir))[: cfg.job.nodes]
+        bad = set(bad_nodes(rundir))  # read once: the history is read whole
+        usable = tuple(n for n in allocation if n not in bad)[: cfg.job.nodes]
         if allocation and len(usable) < cfg.job.min_nodes_or_all:
             # A job submitted before a node was named (a chain link, a release) got it: continue without it.
             exclude = tuple(bad_nodes(rundir))
@@ -387,7 +388,7 @@ def note_lost_nodes(rundir: RunDir, job: SlurmJob) -> list[str]:
     if not launches or not launches[-1].get("nodes"):
         return []
     last = launches[-1]
-    known = set(bad_nodes(rundir))
+    known, events = set(bad_nodes(rundir)), recorded(rundir)
     lost = []
     for node, (state, reason) in node_states([str(n) for n in last["nodes"]]).items():
         if node in known or not state & FAILED_STATES:
@@ -396,7 +397,7 @@ def note_lost_nodes(rundir: RunDir, job: SlurmJob) -> list[str]:
         evidence = f"Slurm holds it {held} since the run's last launch on it"
         launch = str(last.get("launch", ""))
         record_bad_node(rundir, node, reason="node failure (Slurm)", evidence=evidence, launch=launch,
-                        slurm_job_id=job.job_id)  # fmt: skip
+                        known=events, slurm_job_id=job.job_id)  # fmt: skip
         print(f"node {node} of the run's last launch is {held}: left out from now on", flush=True)
         lost.append(node)
     return lost

@@ -280,7 +280,8 @@ def run_here(planned: Planned, rundir: RunDir) -> int:
     )
     allocation = simulated_nodes(cfg)
     take_back_due_nodes(rundir, cfg.job)
-    nodes = tuple(n for n in allocation if n not in bad_nodes(rundir))
+    bad = set(bad_nodes(rundir))  # read once: the history is read whole
+    nodes = tuple(n for n in allocation if n not in bad)
     if len(nodes) < cfg.job.min_nodes_or_all:
         print(
             f"error: run {rundir.root} named simulated node(s) {', '.join(bad_nodes(rundir))} bad; "

@@ -86,9 +86,18 @@ def suspects_of(failure: dict) -> list[dict]:
     return out
 
 
-def record_bad_node(rundir: RunDir, node: str, *, reason: str, evidence: str, launch: str, **extra) -> None:
-    """One ``bad_node`` event (once per node and launch: several suspects on one node make one event)."""
-    for e in bad_node_events(rundir):
-        if e.get("node") == node and e.get("launch") == launch:
-            return
+def recorded(rundir: RunDir) -> set[tuple[str, str]]:
+    """(node, launch) of every ``bad_node`` event so far."""
+    return {(str(e.get("node")), str(e.get("launch"))) for e in bad_node_events(rundir)}
+
+
+def record_bad_node(
+    rundir: RunDir, node: str, *, reason: str, evidence: str, launch: str, known: set | None = None, **extra
+) -> None:
+    """One ``bad_node`` event (once per node and launch: several suspects on one node make one event). ``known``:
+    ``recorded(rundir)``, read once by a caller that records many nodes (updated here)."""
+    known = recorded(rundir) if known is None else known
+    if (node, launch) in known:
+        return
+    known.add((node, launch))
     append_event(rundir.history, EVENT_BAD_NODE, node=node, reason=reason, evidence=evidence, launch=launch, **extra)

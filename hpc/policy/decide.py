@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from hpc.policy.badnodes import bad_nodes, due_back, record_bad_node, retake_how, suspects_of, take_back
+from hpc.policy.badnodes import bad_nodes, due_back, record_bad_node, recorded, retake_how, suspects_of, take_back
 from hpc.policy.outcome import Ended, how_it_ended
 from hpc.slurmctl import held_by_slurm
 from runconfig.schema import JobConfig
@@ -294,8 +294,9 @@ def record_decision(rundir: RunDir, decision: LaunchDecision, *, failed_launch: 
     with its cause."""
     for node, how, age in decision.taken_back:
         take_back(rundir, node, how=how, named_s_ago=round(age, 1))
+    known = recorded(rundir)
     for node, evidence in decision.new_bad:
-        record_bad_node(rundir, node, reason=decision.cause, evidence=evidence, launch=failed_launch)
+        record_bad_node(rundir, node, reason=decision.cause, evidence=evidence, launch=failed_launch, known=known)
     if decision.action in ("restart", "resubmit") and decision.attempt:
         append_event(
             rundir.history,

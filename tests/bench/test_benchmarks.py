@@ -445,3 +445,29 @@ def test_tracking(tmp_path):
     assert 0 < embedded["write_us_per_record"] < 10_000 and 0 <= embedded["bound_share_of_step"] < 1
     header, row = table_lines(out, "| tracking | write()", "| embedded |")[:2]
     assert "send CPU ms/step" in header and row.startswith("| embedded |")
+
+
+@pytest.mark.mp
+def test_scale(tmp_path):
+    """64 simulated ranks on 2 hosts against rank 0's real store and watchdog: every field, the roll call answered
+    by all, and the claim naming the rank silenced (and only it)."""
+    res, out = run_bench(
+        "scale",
+        ["--ranks", "64", "--hosts", "2", "--heartbeat-s", "2", "--peer-timeout-s", "6", "--steady-s", "2"],
+        tmp_path,
+    )
+    assert res["benchmark"] == "scale" and res["setup"]["heartbeat_s"] == 2.0
+    (row,) = res["rows"]
+    assert row["ranks"] == 64 and positive(row["connect_s"])
+    rank0 = row["rank0"]
+    assert 0 <= rank0["cpu_share"] < 1 and positive(rank0["rss_mb"])
+    assert rank0["sockets"] >= 3 * 63 and rank0["fds"] >= rank0["sockets"]  # 3 store connections a rank
+    assert positive(row["store_ops_per_s"]) and row["hosts_cpu_cores"] >= 0
+    assert positive(row["probe_ms"]["p50"]) and row["probe_ms"]["p99"] >= row["probe_ms"]["p50"]
+    assert row["roll_call"]["named"] == [] and positive(row["roll_call"]["s"])
+    claim = row["claim"]
+    assert claim["silenced"] == 63 and claim["named"] == [63], claim
+    assert 0 < claim["after_silence_s"] <= claim["target_s"] == 8.0
+    assert row["claim_seen"]["missed"] == [] and row["claim_seen"]["by_all_live_s"] is not None
+    header, line = table_lines(out, "ranks", "64 ")
+    assert "rank0 cpu %" in header and "seen by all s" in header

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -16,6 +17,8 @@ from trainer.parallel.storeseal import Seal
 # compare_set's answer for a key that is not there: a read that never waits (a get waits for a missing key, and
 # someone else may delete one between a check and a get)
 MISSING = "\0hpc-missing"
+READ_CHUNK = 256  # keys a multi-key read asks for at once: a missing one costs a round trip for each of its chunk
+MULTI_GET_WAIT_S = 1.0  # a multi-key read waits for missing keys: the most it may wait for one deleted meanwhile
 
 
 def listening(addr: str, port: int, timeout_s: float) -> bool:
@@ -33,10 +36,36 @@ def read_beats(
 ) -> dict[int, dict]:
     """The latest heartbeat of each of ``ranks`` that has published one (values this launch did not write left out,
     counted by ``seal``); ``absent`` collects the ranks whose key holds nothing."""
-    now, raw = time.time(), {r: peek(store, key(r)) for r in ranks}
+    ranks = list(ranks)
+    now, raw = time.time(), dict(zip(ranks, read_all(store, [key(r) for r in ranks]), strict=True))
     (absent if absent is not None else set()).update(r for r, v in raw.items() if v is None)
     beats = {r: json_of(seal.open(key(r), v, now=now)) for r, v in raw.items()}
     return {r: b for r, b in beats.items() if b is not None}
+
+
+def read_all(store: dist.TCPStore, keys: list[str]) -> list[bytes | None]:
+    """Each key's value now (None where there is none), READ_CHUNK keys at a time: two round trips for a chunk whose
+    keys are all there, else one per key of that chunk. Rank 0 reads every rank's heartbeat each interval, and a roll
+    call every rank's answer: one round trip per key cost 13% of a core and 15 s at 4,096 ranks. A key that someone
+    else deletes between the check and the read costs at most MULTI_GET_WAIT_S, then the chunk's reads one by one."""
+    out: list[bytes | None] = []
+    for i in range(0, len(keys), READ_CHUNK):
+        chunk = keys[i : i + READ_CHUNK]
+        out += _read_chunk(store, chunk)
+    return out
+
+
+def _read_chunk(store: dist.TCPStore, keys: list[str]) -> list[bytes | None]:
+    if len(keys) > 1 and store.check(keys):
+        before = store.timeout
+        store.set_timeout(timedelta(seconds=MULTI_GET_WAIT_S))
+        try:
+            return list(store.multi_get(keys))
+        except dist.DistStoreError:
+            pass
+        finally:
+            store.set_timeout(before)
+    return [peek(store, key) for key in keys]
 
 
 def peek(store: dist.TCPStore, key: str) -> bytes | None:

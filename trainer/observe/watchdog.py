@@ -40,7 +40,7 @@ from runconfig.schema import MonitorConfig
 from rundir import RunDir
 from rundir.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event
 from trainer.env import RuntimeEnv
-from trainer.observe.beats import BeatReader, json_of, listening, peek, read_beats
+from trainer.observe.beats import BeatReader, json_of, listening, peek, read_all, read_beats
 from trainer.parallel.storeseal import Seal
 
 HANG_KEY = "hpc/watchdog/hang"
@@ -93,6 +93,7 @@ class Watchdog:
         self.watching = cfg.hang_timeout_s > 0  # hangs are claimed; else only heartbeats are published
         self.peers = cfg.peer_timeout_s > 0  # silent ranks are claimed (by rank 0)
         self.enabled = self.watching or self.peers or heartbeats
+        self.exit: Callable[[int], None] = os._exit  # how the rank ends (bench/scale.py: a simulated rank's threads)
 
     # -- main thread ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,7 +151,10 @@ class Watchdog:
             deadline = time.monotonic() + window
             while time.monotonic() < deadline and store.add(ANSWERS_KEY, 0) < self.env.world_size:
                 time.sleep(0.05)
-            silent = [r for r in ranks if self._get(store, self._answer_key(r)) != "1" and not self._finished(store, r)]
+            keys = [self._answer_key(r) for r in ranks]
+            now = time.time()
+            answers = [self.seal.open(k, v, now=now) for k, v in zip(keys, read_all(store, keys), strict=True)]
+            silent = [r for r in ranks if answers[r] != "1" and not self._finished(store, r)]
         except Exception:
             why = "its rendezvous store became unreachable during a failed collective (rank 0 ended?)"
             return "; the rendezvous store on rank 0's host is unreachable too (rank 0 ended?)", [
@@ -425,7 +429,7 @@ class Watchdog:
             while time.time() < deadline and self._get(store, REPORTED_KEY) is None:
                 store.wait([REPORTED_KEY], timedelta(seconds=max(0.1, deadline - time.time())))
                 time.sleep(0.05)
-        os._exit(EXIT_HANG)
+        self.exit(EXIT_HANG)
 
     def dump_stacks(self, why: str = "hang watchdog") -> None:
         """Every thread's Python stack into this rank's log (stderr if it cannot be opened), the log flushed first."""
@@ -450,7 +454,7 @@ class Watchdog:
             with contextlib.suppress(Exception):
                 self._set(store, REPORTED_KEY, str(self.env.rank))  # the other ranks may end now
         print(f"error: {message}", flush=True)
-        os._exit(EXIT_HANG)
+        self.exit(EXIT_HANG)
 
 
 def _ranks(ranks: list[int]) -> str:
