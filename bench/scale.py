@@ -1,6 +1,6 @@
 """The control plane at N simulated ranks: rank 0's rendezvous store and watchdog against N-1 ranks' real clients.
 
-    python bench/scale.py [--ranks 64 256 1024 4096] [--hosts 4] [--heartbeat-s 2] [--peer-timeout-s 15] [--json PATH]
+    python bench/scale.py [--ranks 64 256 1024 4096] [--hosts H] [--heartbeat-s 2] [--peer-timeout-s 15] [--json PATH]
 
 For each N: rank 0 (bench/scale_ranks.py: the store's server and rank 0's watchdog, in a process of its own) and
 ``--hosts`` processes holding ranks 1..N-1, each rank with the store connections and watchdog threads of a real one.
@@ -24,12 +24,19 @@ from pathlib import Path
 from common import ROOT, bench_parser, emit, tree_cpu_s, wait  # bench/ is on sys.path
 
 RANKS = (64, 256, 1024, 4096)
+RANKS_PER_HOST = 256  # at 1,024 a process, answering a roll call at 4,096 ranks cost 4x the CPU (its GIL)
 
 
 def parse_args(argv: list[str] | None):
     p = bench_parser(__doc__)
     p.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="world sizes (default 64 256 1024 4096)")
-    p.add_argument("--hosts", type=int, default=4, help="processes that hold the simulated ranks (default 4)")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="processes that hold the simulated ranks (default: one "
+        f"per {RANKS_PER_HOST} ranks, at least 2; more ranks a process contend for its interpreter lock)",
+    )
     p.add_argument("--per-node", type=int, default=8, help="ranks per simulated node (default 8)")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="monitor.heartbeat_s (default 2, the default)")
     p.add_argument("--peer-timeout-s", type=float, default=15.0, help="monitor.peer_timeout_s (default 15)")
@@ -82,6 +89,10 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def host_count(args, world: int) -> int:
+    return min(args.hosts or max(2, -(-world // RANKS_PER_HOST)), world - 1)
+
+
 def start(work: Path, args, world: int, secret: bytes) -> list[subprocess.Popen]:
     """Rank 0, then the hosts of ranks 1..world-1, the launch's secret on their stdin."""
     script = [sys.executable, str(ROOT / "bench" / "scale_ranks.py")]
@@ -96,7 +107,7 @@ def start(work: Path, args, world: int, secret: bytes) -> list[subprocess.Popen]
                                     text=True)  # fmt: skip
 
     procs = [spawn("rank0", [*script, "rank0", str(work), *common])]
-    hosts = min(args.hosts, world - 1)
+    hosts = host_count(args, world)
     bounds = [1 + (world - 1) * h // hosts for h in range(hosts + 1)]
     for h in range(hosts):
         argv = [*script, "ranks", str(work), *common, str(h + 1), str(bounds[h]), str(bounds[h + 1])]
@@ -116,7 +127,7 @@ def measure(args, world: int) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="hpc-scale-"))  # 0700
     (work / "go").mkdir()
-    secret, hosts = os.urandom(32), min(args.hosts, world - 1)
+    secret, hosts = os.urandom(32), host_count(args, world)
     t0 = time.perf_counter()
     procs = start(work, args, world, secret)
     try:
@@ -136,8 +147,10 @@ def measure(args, world: int) -> dict:
         hosts1 = tree_cpu_s(others)
         status = proc_status(procs[0].pid)
         (work / "go" / "rollcall_1").write_text("")
+        roll_cpu = tree_cpu_s(others)
         roll = json.loads(wait(lambda: (work / "rollcall_1.json").exists() and (work / "rollcall_1.json").read_text(),
                                timeout=120))  # fmt: skip
+        roll["hosts_cpu_s"] = tree_cpu_s(others) - roll_cpu  # what answering cost the simulated ranks, in all
         (work / "go" / f"silence_{hosts}").write_text("")
         silenced = json.loads(wait(lambda: _read(work / f"silenced_{hosts}.json"), timeout=30))
         limit = args.peer_timeout_s + 3 * args.heartbeat_s + 60
@@ -154,13 +167,15 @@ def measure(args, world: int) -> dict:
         missed = sorted(int(r) for r, t in seen.items() if t is None)
         return {
             "ranks": world,
+            "hosts": hosts,
             "connect_s": round(connect_s, 2),
             "rank0": {"cpu_share": round((cpu1 - cpu0) / (w1 - w0), 4), **status},
             "hosts_cpu_cores": round((hosts1 - hosts0) / (w1 - w0), 2),  # the simulated ranks' (machine: cpus)
             "store_ops_per_s": round((ops1 - ops0) / (w1 - w0), 1),
             "probe_ms": {"p50": round(1e3 * pct(lat, 0.5), 3), "p99": round(1e3 * pct(lat, 0.99), 3),
                          "n": len(lat)},  # fmt: skip
-            "roll_call": {"s": round(roll["s"], 3), "named": roll["named"]},
+            "roll_call": {"s": round(roll["s"], 3), "named": roll["named"],
+                          "hosts_cpu_s": round(roll["hosts_cpu_s"], 2)},
             "claim": {
                 "silenced": silenced["rank"],
                 "after_silence_s": round(claimed_at - silenced["at"], 2),

@@ -72,6 +72,7 @@ class SimRank(Counted):
             self.saw_claim = time.time()
 
     def _end(self, code: int) -> None:
+        self._stop.set()  # its guard thread ends too (a real rank's process is gone by now)
         raise SystemExit(code)  # in the watchdog thread: ends that thread only
 
 

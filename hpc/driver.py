@@ -35,7 +35,7 @@ from hpc import runlock, slurmctl
 from hpc.jobs import exclude_pending, never_requeue, record_job
 from hpc.local import trainer_command, trainer_environment
 from hpc.mpi import find_launcher
-from hpc.policy.badnodes import bad_nodes, record_bad_node, recorded
+from hpc.policy.badnodes import bad_nodes, record_bad_node, recorded, usable_nodes
 from hpc.policy.decide import Situation
 from hpc.policy.outcome import Ended, how_it_ended, new_launch_id
 from hpc.restarts import take_back_due_nodes, until_settled
@@ -269,8 +269,7 @@ class Driver:
             note_lost_nodes(rundir, job)
         take_back_due_nodes(rundir, cfg.job, held_by_slurm)
         allocation = job.nodes()
-        bad = set(bad_nodes(rundir))  # read once: the history is read whole
-        usable = tuple(n for n in allocation if n not in bad)[: cfg.job.nodes]
+        usable = usable_nodes(rundir, allocation)[: cfg.job.nodes]
         if allocation and len(usable) < cfg.job.min_nodes_or_all:
             # A job submitted before a node was named (a chain link, a release) got it: continue without it.
             exclude = tuple(bad_nodes(rundir))

@@ -25,7 +25,7 @@ from hpc.driver import submit_link
 from hpc.local import LaunchResult, node_wraps, run_local, simulated_nodes, trainer_command
 from hpc.mpi import LauncherError, MpiLauncher, find_launcher
 from hpc.options import add_set_option
-from hpc.policy.badnodes import bad_nodes
+from hpc.policy.badnodes import bad_nodes, usable_nodes
 from hpc.policy.decide import Situation, restarts_so_far
 from hpc.restarts import take_back_due_nodes, until_settled
 from hpc.runlock import Holder, RunLocked, hand_over, release, take, this_process
@@ -280,8 +280,7 @@ def run_here(planned: Planned, rundir: RunDir) -> int:
     )
     allocation = simulated_nodes(cfg)
     take_back_due_nodes(rundir, cfg.job)
-    bad = set(bad_nodes(rundir))  # read once: the history is read whole
-    nodes = tuple(n for n in allocation if n not in bad)
+    nodes = usable_nodes(rundir, allocation)
     if len(nodes) < cfg.job.min_nodes_or_all:
         print(
             f"error: run {rundir.root} named simulated node(s) {', '.join(bad_nodes(rundir))} bad; "

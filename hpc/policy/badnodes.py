@@ -86,6 +86,12 @@ def suspects_of(failure: dict) -> list[dict]:
     return out
 
 
+def usable_nodes(rundir: RunDir, allocation: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The allocation's nodes that the run has not named bad, in order (the history read once, not per node)."""
+    bad = set(bad_nodes(rundir))
+    return tuple(n for n in allocation if n not in bad)
+
+
 def recorded(rundir: RunDir) -> set[tuple[str, str]]:
     """(node, launch) of every ``bad_node`` event so far."""
     return {(str(e.get("node")), str(e.get("launch"))) for e in bad_node_events(rundir)}
