@@ -40,6 +40,7 @@ from rundir.contract import (
     EXIT_FAILED,
     EXIT_LEAD_SHORT,
     EXIT_USER_ERROR,
+    rank_ranges,
 )
 from rundir.paths import read_jsonl
 from rundir.stopsignal import (
@@ -98,19 +99,6 @@ def uses_cuda(cfg: RunConfig) -> bool:
         or cfg.train.device == "cuda"
         or (cfg.train.device == "auto" and cfg.job.gpus_per_node > 0)
     )
-
-
-def rank_ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    out, ranks = [], sorted(set(ranks))
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def missing_ranks(obs: Observed) -> list[int]:

@@ -73,3 +73,16 @@ def launches_and_restarts(events: list[dict]) -> tuple[int, int]:
 def data_cache(environ: Mapping[str, str]) -> Path:
     """Where datasets prepared on first use are kept: $HPC_DATA_CACHE, else ~/.cache/hpc-trainer/data."""
     return Path(environ.get(DATA_CACHE_VAR) or Path.home() / ".cache" / "hpc-trainer" / "data")
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """How a record's text names ranks: [0, 1, 2, 5] -> '0-2,5' (2,048 waiting ranks are one range, not 12 KB)."""
+    out, ranks = [], sorted(set(ranks))
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)

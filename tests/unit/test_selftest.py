@@ -17,11 +17,19 @@ from hpc.driver import srun_command
 from hpc.local import trainer_command
 from hpc.report import facts, markdown, summary_lines
 from hpc.runlog import analyze
-from hpc.selftest import Observed, assess, exit_status, rank_ranges, render, summary
+from hpc.selftest import Observed, assess, exit_status, render, summary
 from hpc.status import print_status, status
 from runconfig import ConfigError, dump_yaml, load_config
 from rundir import RunDir
-from rundir.contract import EVENT_START, EVENT_STOPPED, EXIT_DONE, EXIT_FAILED, EXIT_LEAD_SHORT, append_event
+from rundir.contract import (
+    EVENT_START,
+    EVENT_STOPPED,
+    EXIT_DONE,
+    EXIT_FAILED,
+    EXIT_LEAD_SHORT,
+    append_event,
+    rank_ranges,
+)
 from rundir.stopsignal import (
     SAFETY_FACTOR,
     LeadBudget,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from runconfig.schema import MonitorConfig
 from rundir import RunDir
-from rundir.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event
+from rundir.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event, rank_ranges
 from trainer.env import RuntimeEnv
 from trainer.observe.beats import BeatReader, json_of, listening, peek, read_all, read_beats
 from trainer.parallel.storeseal import Seal
@@ -47,6 +47,7 @@ HANG_KEY = "hpc/watchdog/hang"
 REPORTED_KEY = "hpc/watchdog/reported"  # the claiming rank has written failure.json and the hang event
 ANSWERS_KEY = "hpc/watchdog/answers"  # how many ranks answered the roll call
 ROLL_CALL, CLOSE = "roll call", "close"  # what wakes a rank's answering thread
+DETAILED = 8  # ranks a message describes one by one; the others by their ranges
 log = logging.getLogger(__name__)
 
 
@@ -303,13 +304,13 @@ class Watchdog:
             lost = [r for r in lost if r not in contested]
         if not lost:
             return False
-        where = "; ".join(
+        where = "; ".join(_first([
             f"rank {r} (node {self.env.node_names[r]}): " + (
                 f"last heartbeat {now - beats[r]['beat']:.0f} s ago, in '{beats[r]['phase']}' of step "
                 f"{beats[r]['step']}" if r in beats else "no heartbeat since the launch started"
             )
             for r in lost
-        )  # fmt: skip
+        ]))  # fmt: skip
         message = (
             f"rank(s) {_ranks(lost)} stopped publishing heartbeats for more than monitor.peer_timeout_s={limit:g} s "
             f"(process ended, node down or link lost): {where}. The other ranks end this launch rather than wait "
@@ -380,10 +381,10 @@ class Watchdog:
             parts.append(
                 f"rank(s) {_ranks(waiting)} waited {now - b['since']:.0f} s in '{b['phase']}' of step {b['step']}"
             )
-        for r in behind:
-            b = live[r]
-            parts.append(f"rank {r} ({self.env.hosts[r]}) did not arrive: still in '{b['phase']}' of step "
-                         f"{b['step']} for {now - b['since']:.0f} s")  # fmt: skip
+        parts += _first([f"rank {r} ({self.env.hosts[r]}) did not arrive: still in '{live[r]['phase']}' of step "
+                         f"{live[r]['step']} for {now - live[r]['since']:.0f} s" for r in behind])  # fmt: skip
+        if len(behind) > DETAILED:
+            parts.append(f"rank(s) {_ranks(behind)} did not arrive")
         if silent:
             parts.append(f"rank(s) {_ranks(silent)} stopped publishing heartbeats (ended or frozen)")
         if not parts:
@@ -461,4 +462,10 @@ class Watchdog:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+    return rank_ranges(ranks)
+
+
+def _first(items: list[str], most: int = DETAILED) -> list[str]:
+    """At most ``most`` of a message's per-rank details, then how many more (a hang at 4,096 ranks named every
+    rank behind in a sentence of its own: 24 KB into failure.json, the history and stdout)."""
+    return items if len(items) <= most else [*items[:most], f"and {len(items) - most} more"]
