@@ -151,6 +151,8 @@ def measure(args, world: int) -> dict:
         roll = json.loads(wait(lambda: (work / "rollcall_1.json").exists() and (work / "rollcall_1.json").read_text(),
                                timeout=120))  # fmt: skip
         roll["hosts_cpu_s"] = tree_cpu_s(others) - roll_cpu  # what answering cost the simulated ranks, in all
+        (work / "go" / "rearm").write_text("")
+        wait(lambda: all((work / f"rearmed_{h}").exists() for h in range(1, hosts + 1)), timeout=120)
         (work / "go" / f"silence_{hosts}").write_text("")
         silenced = json.loads(wait(lambda: _read(work / f"silenced_{hosts}.json"), timeout=30))
         limit = args.peer_timeout_s + 3 * args.heartbeat_s + 60

@@ -115,6 +115,15 @@ def rank0(work: Path, world: int, per_node: int, secret: bytes, cfg: MonitorConf
         time.sleep(STEP_S)
 
 
+def rearm(dogs: dict[int, SimRank], held: list) -> None:
+    """Each rank's roll-call thread again: a roll call ends them (it follows a failed collective, after which a real
+    rank exits), and the claim measured next reaches the ranks through them."""
+    for (r, dog), store in zip(dogs.items(), held, strict=True):
+        store.delete_key(dog._call_key(r))
+        dog._answerer = threading.Thread(target=dog._answer_roll_call, name="hpc-roll-call", daemon=True)
+        dog._answerer.start()
+
+
 def ranks(work: Path, host: int, first: int, last: int, world: int, per_node: int, secret: bytes,
           cfg: MonitorConfig) -> None:  # fmt: skip
     """Ranks first..last-1, each with its process group's store connection (held, idle) and its watchdog's."""
@@ -130,7 +139,7 @@ def ranks(work: Path, host: int, first: int, last: int, world: int, per_node: in
     wait_file(go / "start")
     for dog in dogs.values():
         dog.start()
-    step, roll_call, silenced = 0, None, None
+    step, roll_call, rearmed, silenced = 0, None, False, None
     while not (go / "end").exists():
         step += 1
         for dog in dogs.values():
@@ -140,6 +149,10 @@ def ranks(work: Path, host: int, first: int, last: int, world: int, per_node: in
             text, suspects = dogs[last - 1].diagnose(RuntimeError("a collective failed (simulated)"))
             roll_call = {"s": time.perf_counter() - t, "named": [s["rank"] for s in suspects], "text": text}
             (work / f"rollcall_{host}.json").write_text(json.dumps(roll_call))
+        if not rearmed and (go / "rearm").exists():
+            rearm(dogs, held)
+            rearmed = True
+            (work / f"rearmed_{host}").write_text("")
         if silenced is None and (go / f"silence_{host}").exists():
             silenced = last - 1
             dogs[silenced]._stop.set()  # its heartbeats stop (a node lost with its link): no "finished" beat

@@ -468,6 +468,7 @@ def test_scale(tmp_path):
     claim = row["claim"]
     assert claim["silenced"] == 63 and claim["named"] == [63], claim
     assert 0 < claim["after_silence_s"] <= claim["target_s"] == 8.0
-    assert row["claim_seen"]["missed"] == [] and row["claim_seen"]["by_all_live_s"] is not None
+    # every live rank followed the claim through its woken roll-call thread, not at its next heartbeat (up to 2 s)
+    assert row["claim_seen"]["missed"] == [] and row["claim_seen"]["by_all_live_s"] < 1.0, row["claim_seen"]
     header, line = table_lines(out, "ranks", "64 ")
     assert "rank0 cpu %" in header and "seen by all s" in header

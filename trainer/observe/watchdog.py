@@ -46,7 +46,7 @@ from trainer.parallel.storeseal import Seal
 HANG_KEY = "hpc/watchdog/hang"
 REPORTED_KEY = "hpc/watchdog/reported"  # the claiming rank has written failure.json and the hang event
 ANSWERS_KEY = "hpc/watchdog/answers"  # how many ranks answered the roll call
-ROLL_CALL, CLOSE = "roll call", "close"  # what wakes a rank's answering thread
+ROLL_CALL, CLAIMED, CLOSE = "roll call", "claimed", "close"  # what wakes a rank's answering thread
 DETAILED = 8  # ranks a message describes one by one; the others by their ranges
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,9 @@ class Watchdog:
     # -- roll-call thread -------------------------------------------------------------------------------------
     # Every live rank has a second daemon thread blocked in the store's ``wait`` on a key of its own (its own
     # connection, no polling); the failing rank sets all those keys (one ``multi_set``) and each thread answers at
-    # once; a rank that has not answered within ``answer_window(cfg)`` has ended or is frozen. ``close`` wakes the
-    # rank's own thread to end it, so that no thread is left blocked on the store of a rank 0 that leaves first.
+    # once; a rank that has not answered within ``answer_window(cfg)`` has ended or is frozen. A rank that claims a
+    # hang wakes them all the same way, to follow the claim. ``close`` wakes the rank's own thread to end it, so
+    # that no thread is left blocked on the store of a rank 0 that leaves first.
     def _answer_key(self, rank: int) -> str:
         return f"hpc/watchdog/answer/{rank}"
 
@@ -199,20 +200,32 @@ class Watchdog:
 
     def _answer_roll_call(self) -> None:
         """Block in the store (on its own connection: no traffic while nothing happens) until this rank's key is
-        set: answer a roll call, or end on ``close``. Ends quietly if the store goes away."""
+        set: answer a roll call, follow a hang another rank claimed at once (not at the next heartbeat: at 4,096
+        ranks the last rank saw a claim 2-4 s after it), or end on ``close``. Ends quietly if the store goes
+        away."""
         with contextlib.suppress(Exception):
             store = self._connect(timedelta(seconds=max(60.0, 2 * self.cfg.heartbeat_s)))
             key = self._call_key(self.env.rank)
             while True:
                 store.wait([key], timedelta(days=30))
                 value = self._get(store, key)
-                if value == ROLL_CALL:
+                if value == ROLL_CALL:  # once: each answer counts towards ANSWERS_KEY's one roll call
                     self._set(store, self._answer_key(self.env.rank), "1")
                     store.add(ANSWERS_KEY, 1)
+                elif value == CLAIMED:
+                    claim = json_of(self._get(store, HANG_KEY))
+                    if claim is not None and claim["rank"] != self.env.rank:
+                        self._follow(store, claim)
                 if value is not None:
                     return
                 store.delete_key(key)  # someone else's value: wait for the launch's own
                 time.sleep(0.05)
+
+    def _wake_all(self, store: dist.TCPStore) -> None:
+        """Every other rank's roll-call thread: follow this rank's claim now (one multi-key write)."""
+        keys = [self._call_key(r) for r in range(self.env.world_size) if r != self.env.rank]
+        with contextlib.suppress(Exception):
+            store.multi_set(keys, [self.seal.seal(k, CLAIMED) for k in keys])
 
     # -- watchdog thread --------------------------------------------------------------------------------------
     def _key(self, rank: int) -> str:
@@ -414,12 +427,12 @@ class Watchdog:
         claim = json.dumps({"rank": self.env.rank, "message": message})
         sealed = self.seal.seal(HANG_KEY, claim)
         found = store.compare_set(HANG_KEY, "", sealed)  # a missing key is set: the first claim wins
-        if found == sealed.encode():
-            return True
-        other = json_of(self.seal.open(HANG_KEY, found, now=time.time()))
-        if other is not None:
-            self._follow(store, other)
-        store.set(HANG_KEY, sealed)
+        if found != sealed.encode():
+            other = json_of(self.seal.open(HANG_KEY, found, now=time.time()))
+            if other is not None:
+                self._follow(store, other)
+            store.set(HANG_KEY, sealed)
+        self._wake_all(store)
         return True
 
     def _follow(self, store: dist.TCPStore, claim: dict) -> None:
