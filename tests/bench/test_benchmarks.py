@@ -472,3 +472,26 @@ def test_scale(tmp_path):
     assert row["claim_seen"]["missed"] == [] and row["claim_seen"]["by_all_live_s"] < 1.0, row["claim_seen"]
     header, line = table_lines(out, "ranks", "64 ")
     assert "rank0 cpu %" in header and "seen by all s" in header
+
+
+def test_scale_model(tmp_path):
+    """Two world sizes of bench/scale.py's shape, on exact lines in N: the fit gives their alpha and beta back, the
+    model carries them to 16,384 ranks, and the PNG is drawn."""
+
+    def row(n: int) -> dict:
+        return {"ranks": n, "rank0": {"cpu_share": 0.002 + 2e-5 * n, "rss_mb": 240 + 0.006 * n, "sockets": 3 * n + 9},
+                "store_ops_per_s": 1.5 * n, "roll_call": {"s": 0.01 + 2.5e-4 * n},
+                "claim_seen": {"by_all_live_s": 0.02 + 1e-5 * n}}  # fmt: skip
+
+    (tmp_path / "scale_in.json").write_text(json.dumps({"rows": [row(256), row(4096)]}))
+    png = tmp_path / "model.png"
+    res, out = run_bench("scale_model", [str(tmp_path / "scale_in.json"), "--png", str(png)], tmp_path)
+    assert res["measured_ranks"] == [256, 4096] and res["to"] == [8192, 16384]
+    sockets, roll = res["model"]["rank0_sockets"], res["model"]["roll_call_s"]
+    assert math.isclose(sockets["alpha"], 9, abs_tol=1e-6) and math.isclose(sockets["beta_per_rank"], 3)
+    assert sockets["model"]["16384"] == 3 * 16384 + 9
+    assert math.isclose(roll["beta_per_rank"], 2.5e-4) and math.isclose(roll["model"]["16384"], 0.01 + 2.5e-4 * 16384)
+    assert math.isclose(res["model"]["rank0_cpu_pct"]["model"]["8192"], 100 * (0.002 + 2e-5 * 8192), rel_tol=1e-3)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    header, line = table_lines(out, "quantity", "rank0_sockets")
+    assert header.split()[-1] == "16384" and line.split()[-1] == "4.916e+04"
