@@ -79,7 +79,7 @@ class Observed:
     started: bool = False  # every rank reached training before the signal was sent
     stopped: dict | None = None  # the stopped event after the signal, if any
     stopped_within_lead: bool = False
-    records: dict[int, dict] = field(default_factory=dict)  # rank -> logs/signal_rank_N.json
+    records: dict[int, dict] = field(default_factory=dict)  # rank -> its record in logs/signal_node_N.json
     job_state: str = ""
     nccl: bool = False  # the config would run CUDA/NCCL
     notes: list[str] = field(default_factory=list)
@@ -344,11 +344,7 @@ def run_job(cfg: RunConfig, config: str, overrides: list[str], run_dir: Path, ti
         if not slurmctl.job_state(obs.job_id).finished:
             _cancel(obs.job_id)
         obs.job_state = slurmctl.job_state(obs.job_id).state
-        for path in sorted(rundir.logs.glob("signal_rank_*.json")):
-            with contextlib.suppress(OSError, ValueError):
-                record = json.loads(path.read_text())
-                if path == rundir.signal_record(record.get("rank", -1)):
-                    obs.records[record["rank"]] = record
+        obs.records = rundir.signal_records()
     return obs
 
 

@@ -109,9 +109,25 @@ class RunDir:
         """What a stop cost, measured at the last stop (rundir/stopsignal.py)."""
         return self.root / "stop_budget.json"
 
-    def signal_record(self, rank: int) -> Path:
-        """How a stop signal reaches ``rank``: its process chain, written at start (trainer/loop/stopreport.py)."""
-        return self.logs / f"signal_rank_{rank:05d}.json"
+    def signal_record(self, node: int) -> Path:
+        """How a stop signal reaches each rank of ``node`` (its index in the launch): their process chains, written
+        at start by the node's first rank (trainer/loop/stopreport.py). One file a node, not a rank: 4,096 ranks
+        made 4,096 files a launch."""
+        return self.logs / f"signal_node_{node:05d}.json"
+
+    def signal_records(self) -> dict[int, dict]:
+        """{rank: its signal record} from every node's file; a file that is not one (unreadable, misnamed, not a
+        node's list of records) is left out."""
+        out: dict[int, dict] = {}
+        for path in sorted(self.logs.glob("signal_node_*.json")):
+            try:
+                data = json.loads(path.read_text())
+                if path != self.signal_record(int(data["node"])):
+                    continue
+                out.update({int(r["rank"]): r for r in data["records"] if isinstance(r, dict)})
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
 
     @property
     def data_skips(self) -> Path:

@@ -3,8 +3,8 @@
 The trainer records these, ``python -m hpc status`` and ``report`` warn from them, and ``python -m hpc selftest``
 checks them on the cluster:
 
-- **How a signal reaches a rank** (``rank_record``, written by every rank at start into
-  ``logs/signal_rank_NNNNN.json``): its process chain up to slurmstepd (else up to the launcher or init), each
+- **How a signal reaches a rank** (``rank_record``, made by every rank at start, a node's in
+  ``logs/signal_node_NNNNN.json``): its process chain up to slurmstepd (else up to the launcher or init), each
   process with its command line and the stop signals it blocks, ignores or catches. Slurm delivers a step's signal
   to every process of the step, so a wrapper between slurmstepd and the rank swallows it by blocking it (the rank
   inherits the blocked mask and never sees it) or by running the rank outside the step's processes; the chain names

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rundir import RunDir
 from rundir.checkpoints import generations, read_latest, validate
 from rundir.contract import EXIT_STOPPED, INJECT_VAR
 from tests.conftest import PY, ROOT, history, rank_pids, summary, wait_for_step
@@ -203,7 +204,9 @@ def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_datas
     budget = json.loads((run_dir / "stop_budget.json").read_text())
     assert budget["ok"] and not budget["measured"] and budget["step_s"] > 0 and budget["save_s"] > 0
     assert budget["needed_s"] == pytest.approx(budget["step_s"] + budget["save_s"], abs=0.002)
-    record = json.loads((run_dir / "logs" / "signal_rank_00003.json").read_text())
+    signal_files = sorted(p.name for p in (run_dir / "logs").glob("signal_*.json"))
+    assert signal_files == ["signal_node_00000.json", "signal_node_00001.json"]  # one a node, not a rank
+    record = RunDir(run_dir).signal_records()[3]
     assert record["rank"] == 3 and record["blocked"] == [] and "trainer" in record["chain"][0]["cmdline"]
 
     proc = start(run_dir, [], resume=True)

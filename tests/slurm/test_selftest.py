@@ -41,7 +41,7 @@ def test_every_rank_receives_the_signal_and_the_lead_covers_the_stop(slurm, smal
     stopped = [e for e in history(run_dir) if e["event"] == EVENT_STOPPED]
     assert len(stopped) == 1 and stopped[0]["received"] == {"SIGUSR2": [0, 1, 2, 3]} and stopped[0]["learned"] == []
     for rank in range(4):
-        record = json.loads(RunDir(run_dir).signal_record(rank).read_text())
+        record = RunDir(run_dir).signal_records()[rank]  # one file a node (ranks_per_node=2: two files)
         assert record["chain"][0]["cmdline"][-3:] == ["trainer", "--run-dir", str(run_dir)]
         assert [p["name"] for p in record["chain"]][-1] == STEPD and len(record["chain"]) == 2, record["chain"]
     assert out["wrappers"] == {str(r): [] for r in range(4)}

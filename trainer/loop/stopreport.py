@@ -1,8 +1,9 @@
 """Who received a stop signal and what a stop costs, measured by the trainer on every run (the records and the
 lead-time rule are rundir/stopsignal.py's):
 
-- ``record_signal_path`` (every rank, at start): how a signal reaches this rank, in logs/signal_rank_NNNNN.json. A
-  stop signal blocked since the process started is a warning: the rank cannot stop on it.
+- ``record_signal_path`` (every rank, at start): how a signal reaches this rank, in its node's
+  logs/signal_node_NNNNN.json. A stop signal blocked since the process started is a warning: the rank cannot stop on
+  it.
 - ``StopTimes`` (the loop's clock readings at a stop) and ``stopped_fields`` (every rank, once the stop's
   checkpoint is committed: one allgather of each rank's signal and arrival time): the stopped event's figures, and
   one log line per rank saying whether it received the signal itself.
@@ -35,9 +36,12 @@ from trainer.loop.stop import EarlySignals, StopFlag
 log = logging.getLogger(__name__)
 
 
-def record_signal_path(rundir: RunDir, env: RuntimeEnv, names: list[str], early: EarlySignals | None) -> dict:
-    """Write this rank's signal record (its process chain, the stop signals blocked in it or ignored when it
-    started) and warn about a blocked one. Never fails the run: a record that cannot be written is left out."""
+def record_signal_path(
+    rundir: RunDir, env: RuntimeEnv, names: list[str], early: EarlySignals | None, comm: MPI.Comm
+) -> dict:
+    """This rank's signal record (its process chain, the stop signals blocked in it or ignored when it started),
+    with a warning about a blocked one; the node's first rank writes its node's records in one file (collective
+    over the node's ranks). Never fails the run: a record that cannot be written is left out."""
     blocked_now = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # adds nothing: reads the mask
     numbers = {name: signal.Signals[name] for name in names}
     installed = early.installed if early is not None else {}
@@ -62,8 +66,12 @@ def record_signal_path(rundir: RunDir, env: RuntimeEnv, names: list[str], early:
             parent,
             "it" if len(record["blocked"]) == 1 else "them",
         )
-    with contextlib.suppress(OSError):
-        write_json_atomic(rundir.signal_record(env.rank), record)
+    node_comm = comm.Split(env.node, env.rank)
+    records = node_comm.gather(record, root=0)
+    if node_comm.rank == 0:
+        with contextlib.suppress(OSError):
+            write_json_atomic(rundir.signal_record(env.node), {"node": env.node, "records": records})
+    node_comm.Free()
     return record
 
 

@@ -82,7 +82,7 @@ def boot(
         torch.get_num_threads(),
         os.getpid(),
     )
-    record_signal_path(rundir, env, cfg.checkpoint.stop_signals, early)  # for `python -m hpc selftest`
+    record_signal_path(rundir, env, cfg.checkpoint.stop_signals, early, comm)  # for `python -m hpc selftest`
     if env.host_local_rank == 0:  # what ranks of an earlier, killed launch left on this host
         removed = shm.sweep()
         if removed:
