@@ -14,6 +14,7 @@ manifests of formats 1-2 and for pins taken with it.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Collection, Iterable
 
 import torch
@@ -78,14 +79,7 @@ def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]], group: dist.Proces
     if not dist.is_initialized():
         return combine({name: param_digest(name, t) for name, t in items})
     rank = dist.get_rank()
-    held: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(held, (rank, [(name, t.numel()) for name, t in items]), group=group)
-    holders: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
-    for r, names in held:
-        for name, numel in names:
-            holders.setdefault(name, []).append(r)
-            sizes[name] = numel
+    holders, sizes = _holders([(name, t.numel()) for name, t in items], group)
     who = owners_among(sorted(sizes), sizes, holders)
     mine = {}
     for name, t in items:
@@ -97,16 +91,49 @@ def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]], group: dist.Proces
     return combine({k: v for part in gathered for k, v in part.items()})
 
 
+def _holders(mine: list[tuple[str, int]], group: dist.ProcessGroup | None) -> tuple[dict, dict]:
+    """({name: the ranks that hold it}, {name: numel}) over the group: every rank gathers a digest of its (name,
+    numel) list, and one rank of each distinct list broadcasts it (a list per pipeline stage, not per rank: the
+    lists themselves, gathered, were 23 MB on every rank at 4,096 ranks). Names of one list share one holders
+    list."""
+    key = hashlib.sha256(repr(mine).encode()).hexdigest()
+    keys: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, key, group=group)
+    members: dict[str, list[int]] = {}
+    for r, k in enumerate(keys):
+        members.setdefault(k, []).append(dist.get_global_rank(group, r) if group is not None else r)
+    holders: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for k, ranks in members.items():
+        box = [mine if k == key else None]
+        dist.broadcast_object_list(box, src=ranks[0], group=group)
+        for name, numel in box[0]:
+            holders[name] = holders[name] + ranks if name in holders else ranks
+            sizes[name] = numel
+    return holders, sizes
+
+
 def owners_among(names: list, sizes: dict, holders: dict[object, list[int]]) -> dict:
     """Owner rank of each name among the ranks that hold it: largest first to the least-loaded holder (ties:
-    lowest rank). The one owner rule: ``owners`` is its case where every rank holds every name."""
+    lowest rank). The one owner rule: ``owners`` is its case where every rank holds every name. A heap of (load,
+    rank) per holders list (names that share one list share its heap; loads only grow, so an entry found stale at
+    the top is pushed back with its rank's load): O(names x log ranks), where a scan of the holders cost 3.8 s at
+    4,096 ranks' restore."""
     load: dict[int, int] = {}
+    heaps: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}  # id(holders list) -> (the list, its heap)
     out = {}
     order = {n: i for i, n in enumerate(names)}
     for name in sorted(names, key=lambda n: (-sizes[n], order[n])):
-        r = min(holders[name], key=lambda r: (load.get(r, 0), r))
+        group = holders[name]
+        if id(group) not in heaps:
+            heaps[id(group)] = (group, sorted((load.get(r, 0), r) for r in set(group)))  # sorted: a heap
+        heap = heaps[id(group)][1]
+        while heap[0][0] != load.get(heap[0][1], 0):  # stale: its rank took a name through another list since
+            heapq.heapreplace(heap, (load.get(heap[0][1], 0), heap[0][1]))
+        r = heap[0][1]
         out[name] = r
         load[r] = load.get(r, 0) + sizes[name]
+        heapq.heapreplace(heap, (load[r], r))
     return out
 
 

@@ -212,5 +212,7 @@ class GenerationReader:
 def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
     """The files each rank verifies at restore: largest first to the least-loaded rank (deterministic)."""
     names = sorted(sizes)
-    who = owners([sizes[n] for n in names], world)
-    return [[n for n, r in zip(names, who, strict=True) if r == rank] for rank in range(world)]
+    out: list[list[str]] = [[] for _ in range(world)]
+    for name, rank in zip(names, owners([sizes[n] for n in names], world), strict=True):
+        out[rank].append(name)
+    return out
