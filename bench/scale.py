@@ -21,7 +21,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from common import ROOT, bench_parser, emit, tree_cpu_s, wait  # bench/ is on sys.path
+import scale_gathers  # bench/ is on sys.path
+from common import ROOT, bench_parser, emit, tree_cpu_s, wait
 
 RANKS = (64, 256, 1024, 4096)
 RANKS_PER_HOST = 256  # at 1,024 a process, answering a roll call at 4,096 ranks cost 4x the CPU (its GIL)
@@ -209,6 +210,28 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def show_gathers(rows: list[dict]) -> None:
+    """Per gather: bytes a rank sends (the largest), in all, and the merge's milliseconds, at each N."""
+    print(f"\n{'gather':>16} {'ranks':>6} {'B/rank':>8} {'MB in all':>10} {'merge ms':>9}  (what merges)")
+    for r in rows:
+        for name, g in r["gathers"].items():
+            timed = {k: v for k, v in _flat(g).items() if k.endswith("_ms")}
+            sent = g.get("bytes_per_rank_max", g.get("agreement", {}).get("bytes_per_rank_max", 0))
+            total = g.get("bytes_in_all", g.get("agreement", {}).get("bytes_in_all", 0))
+            what = ", ".join(f"{k}={v}" for k, v in timed.items())
+            print(
+                f"{name:>16} {r['ranks']:>6} {sent:>8} {total / 1e6:>10.3f} {max(timed.values(), default=0):>9}  "
+                f"({what})"
+            )
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def show(result: dict) -> None:
     head = ("ranks", "connect s", "rank0 cpu %", "hosts cores", "rss MB", "sockets", "store ops/s", "p50 ms", "p99 ms",
             "roll call s", "claim s", "seen by all s")  # fmt: skip
@@ -219,13 +242,14 @@ def show(result: dict) -> None:
                  r["rank0"]["sockets"], r["store_ops_per_s"], r["probe_ms"]["p50"], r["probe_ms"]["p99"],
                  r["roll_call"]["s"], r["claim"]["after_silence_s"], r["claim_seen"]["by_all_live_s"])  # fmt: skip
         print(" ".join(f"{c!s:>13}" for c in cells))
+    show_gathers(result["rows"])
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup = {k: getattr(args, k) for k in ("hosts", "per_node", "heartbeat_s", "peer_timeout_s")}
     setup["cpus"] = os.cpu_count()
-    rows = [measure(args, n) for n in args.ranks]
+    rows = [{**measure(args, n), "gathers": scale_gathers.measure(n)} for n in args.ranks]
     emit({"benchmark": "scale", "setup": setup, "rows": rows}, args.json, show)
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from runconfig import ConfigError, load_config
-from trainer.observe.preflight import better_of, host_turns, judge, ring_rounds
+from trainer.observe.preflight import host_turns, ring_rounds
+from trainer.observe.preflight_verdict import better_of, judge
 from trainer.parallel.topology import Topology
 
 

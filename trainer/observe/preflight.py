@@ -5,8 +5,8 @@ all-reduce on its intra-node group and on its inter-node group (latency: one ele
 ``monitor.preflight_mib``, bus bandwidth as nccl-tests counts it), a ping-pong with its neighbours on a ring of the
 nodes (3+ nodes), and a read of the first train item it will read (any map-style dataset). Every timed figure is the
 best of a few tries: a slow device or link is slow every time, a rank that lost its core once on a shared host is
-not. One all-gather of the figures; then every rank runs the same pure decision (``judge``), so all of them act
-alike without a further collective.
+not. One all-gather of the figures; then every rank runs the same pure decision (``judge``, in preflight_verdict.py),
+so all of them act alike without a further collective.
 
 A node is named when its intra-node bandwidth, best link, compute or free memory is below the median of the *other*
 nodes by more than ``monitor.preflight_margin``, or when one of its ranks cannot read its data. Every node unable to
@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +37,7 @@ from trainer.env import RuntimeEnv, patient_allgather
 from trainer.errors import first_line
 from trainer.loop.parts import Parts
 from trainer.observe.inject import Injector
+from trainer.observe.preflight_verdict import Verdict, better_of, fmt, judge, rounded
 from trainer.parallel.comm import HierGroups
 from trainer.parallel.topology import Topology
 
@@ -48,26 +47,6 @@ TRIES = 8  # bandwidth: all-reduce and ping-pong of monitor.preflight_mib
 LATENCY_TRIES = 5  # one-element all-reduce
 COMPUTE_TRIES = 5
 AUTO_MIB = {"cuda": 64.0, "cpu": 4.0}  # monitor.preflight_mib 0: enough to be bandwidth-bound on the device's links
-# Figures where higher is better and a node far below the other nodes is named: (key, what it is, unit).
-COMPARED = (
-    ("intra_gbps", "intra-node all-reduce bandwidth", "GB/s"),
-    ("link_gbps", "best inter-node link (ring ping-pong)", "GB/s"),
-    ("compute_gflops", "compute", "GFLOP/s"),
-    ("mem_free_gb", "free memory", "GB"),
-)
-# A rank's measured figures, by which of two measurements is the better one.
-HIGHER_BETTER = ("mem_free_gb", "compute_gflops", "intra_gbps", "inter_gbps")
-LOWER_BETTER = ("intra_latency_us", "inter_latency_us", "data_read_s")
-# Rank figures summarised per node by the median of the node's ranks.
-MEDIANS = (
-    "mem_free_gb",
-    "mem_total_gb",
-    "compute_gflops",
-    "intra_gbps",
-    "intra_latency_us",
-    "inter_gbps",
-    "inter_latency_us",
-)
 
 
 # -- measuring (every rank) ---------------------------------------------------------------------------------------
@@ -267,109 +246,6 @@ def _proc_fields(path: str) -> dict[str, str]:
     return out
 
 
-# -- deciding (pure: figures in, named nodes out) -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Verdict:
-    nodes: list[dict]  # per node: its figures (the median of its ranks'; data_read_s and seconds: the slowest rank)
-    links: list[dict]  # per measured pair of neighbour nodes: {"nodes": [a, b], "gbps": x}
-    named: dict[int, list[str]]  # node -> why it is named, each reason with its figures
-    skipped: list[str]  # checks the job shape leaves out (they need peers it does not have)
-    unreadable: str | None = None  # ranks on every node cannot read their data: the data is at fault, not a node
-
-
-def judge(figures: list[dict], *, ranks_per_node: int, margin: float) -> Verdict:
-    """Per-node figures and the nodes far below the others, from every rank's ``measure`` (in rank order)."""
-    topo = Topology(len(figures), ranks_per_node)
-    nodes = []
-    for n in range(topo.num_nodes):
-        mine = [figures[r] for r in topo.node_ranks(n)]
-        row: dict = {"node": n, "ranks": topo.node_ranks(n), "device": mine[0].get("device")}
-        for key in MEDIANS:
-            row[key] = _median(f.get(key) for f in mine)
-        reads = [f["data_read_s"] for f in mine if f.get("data_read_s") is not None]
-        row["data_read_s"] = max(reads) if reads else None
-        row["seconds"] = max(f.get("seconds", 0.0) for f in mine)
-        nodes.append(row)
-    timed: dict[tuple[int, int], list[float]] = {}  # both ends of a pair time the same round trips
-    for f in figures:
-        node = topo.node_of(f["rank"])
-        for other, gbps in (f.get("links") or {}).items():
-            timed.setdefault((min(node, int(other)), max(node, int(other))), []).append(gbps)
-    links = [{"nodes": list(pair), "gbps": statistics.median(v)} for pair, v in sorted(timed.items())]
-    for row in nodes:
-        own = [link["gbps"] for link in links if row["node"] in link["nodes"]]
-        row["link_gbps"] = max(own) if own else None
-
-    named: dict[int, list[str]] = {}
-    for key, what, unit in COMPARED:
-        for row in nodes:
-            peers = [r[key] for r in nodes if r is not row and r[key] is not None]
-            if row[key] is None or not peers:
-                continue
-            median = statistics.median(peers)
-            if row[key] < (1 - margin) * median:
-                named.setdefault(row["node"], []).append(
-                    f"{what} {_fmt(row[key])} {unit} is {row[key] / median:.2f}x the median of the other nodes "
-                    f"({_fmt(median)} {unit})"
-                )
-    unreadable: dict[int, list[str]] = {}
-    for f in figures:
-        if f.get("data_error"):
-            unreadable.setdefault(topo.node_of(f["rank"]), []).append(
-                f"rank {f['rank']} cannot read its first data item: {f['data_error']}"
-            )
-    everywhere = None
-    if len(unreadable) == topo.num_nodes:
-        everywhere = unreadable[0][0]
-    else:
-        for node, whys in unreadable.items():
-            named.setdefault(node, []).extend(whys)
-
-    skipped = []
-    if topo.ranks_per_node == 1:
-        skipped.append("intra-node all-reduce: one rank per node")
-    if topo.num_nodes == 1:
-        skipped.append("inter-node all-reduce, links and the comparison of nodes: one node")
-    elif topo.num_nodes == 2:
-        skipped.append(
-            "inter-node link ping-pong: between two nodes a slow link cannot be pinned on either end (3+ nodes); "
-            "the inter-node all-reduce is reported"
-        )
-    return Verdict(nodes=nodes, links=links, named=dict(sorted(named.items())), skipped=skipped, unreadable=everywhere)
-
-
-def better_of(first: dict, second: dict) -> dict:
-    """One rank's figures from two measurements: the better of each measured figure (the higher bandwidth, compute
-    and free memory; the lower latency and read time; per link the faster), the second's data error (a read that
-    worked the second time is readable), and the time both took."""
-    out = dict(second)
-    for key in HIGHER_BETTER + LOWER_BETTER:
-        a, b = first.get(key), second.get(key)
-        if a is not None and b is not None:
-            out[key] = max(a, b) if key in HIGHER_BETTER else min(a, b)
-        elif a is not None:
-            out[key] = a
-    links = dict(first.get("links") or {})
-    for other, gbps in (second.get("links") or {}).items():
-        links[other] = max(gbps, links.get(other, gbps))
-    out["links"] = links
-    out["seconds"] = first.get("seconds", 0.0) + second.get("seconds", 0.0)
-    return out
-
-
-def _median(values: Iterable[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def _fmt(x: float | None, unit: str = "") -> str:
-    return "-" if x is None else f"{x:.3g}{' ' + unit if unit else ''}"
-
-
-def _rounded(row: dict) -> dict:
-    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}
-
-
 # -- the launch's preflight ----------------------------------------------------------------------------------------
 def run_preflight(parts: Parts, comm: MPI.Comm, rundir: RunDir) -> bool:
     """Collective: measure, gather, judge, report (rank 0). False when a node is named and monitor.preflight is
@@ -428,8 +304,8 @@ def _report(
         margin=cfg.preflight_margin,
         mib=mib,
         measured=measured,
-        nodes=[{**_rounded(row), "name": _node_name(env, row["node"])} for row in verdict.nodes],
-        links=[_rounded(link) for link in verdict.links],
+        nodes=[{**rounded(row), "name": _node_name(env, row["node"])} for row in verdict.nodes],
+        links=[rounded(link) for link in verdict.links],
         named=[{"node": n, "name": _node_name(env, n), "why": "; ".join(w)} for n, w in verdict.named.items()],
         action=action,
         unreadable=verdict.unreadable,
@@ -460,10 +336,10 @@ def _log_table(parts: Parts, verdict: Verdict, seconds: float, measured: int) ->
         log.info(
             "preflight node %d (%s): %s, %s of %s free, compute %s, intra-node %s %s, inter-node %s %s, best link "
             "%s, first item read in %s",
-            row["node"], _node_name(env, row["node"]), row["device"], _fmt(row["mem_free_gb"]),
-            _fmt(row["mem_total_gb"], "GB"), _fmt(row["compute_gflops"], "GFLOP/s"), _fmt(row["intra_gbps"], "GB/s"),
-            _fmt(row["intra_latency_us"], "us"), _fmt(row["inter_gbps"], "GB/s"), _fmt(row["inter_latency_us"], "us"),
-            _fmt(row["link_gbps"], "GB/s"), read,
+            row["node"], _node_name(env, row["node"]), row["device"], fmt(row["mem_free_gb"]),
+            fmt(row["mem_total_gb"], "GB"), fmt(row["compute_gflops"], "GFLOP/s"), fmt(row["intra_gbps"], "GB/s"),
+            fmt(row["intra_latency_us"], "us"), fmt(row["inter_gbps"], "GB/s"), fmt(row["inter_latency_us"], "us"),
+            fmt(row["link_gbps"], "GB/s"), read,
         )  # fmt: skip
 
 
