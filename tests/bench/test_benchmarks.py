@@ -472,6 +472,14 @@ def test_scale(tmp_path):
     assert row["claim_seen"]["missed"] == [] and row["claim_seen"]["by_all_live_s"] < 1.0, row["claim_seen"]
     header, line = table_lines(out, "ranks", "64 ")
     assert "rank0 cpu %" in header and "seen by all s" in header
+    gathers = row["gathers"]  # every gather over all ranks, on 64 ranks' synthetic contributions
+    assert set(gathers) == {"checkpoint", "fingerprint", "replicas", "preflight", "launch_record", "stragglers",
+                            "allreduce_plan"}  # fmt: skip
+    assert gathers["checkpoint"]["agreement"]["bytes_in_all"] > 64 * 100
+    assert gathers["stragglers"]["bytes_in_all"] == 8 * 64
+    assert gathers["fingerprint"]["bytes_per_rank_max"] < 100  # a digest of the rank's parameter list, not the list
+    assert all(positive(g[k]) for g in gathers.values() for k in g if k.endswith("_ms"))
+    table_lines(out, "gather", "preflight ")
 
 
 def test_scale_model(tmp_path):
