@@ -20,6 +20,7 @@ import torch.distributed as dist
 from runconfig.schema import MonitorConfig
 from rundir import RunDir
 from trainer.env import RuntimeEnv
+from trainer.observe.beats import READ_CHUNK
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.distributed import store_listener
 from trainer.parallel.storeseal import Seal
@@ -39,7 +40,8 @@ def make_env(rank: int, world: int, per_node: int, work: Path) -> RuntimeEnv:
 
 
 class Counted(Watchdog):
-    """A rank's watchdog whose store operations are counted (rank 0's read of every heartbeat as one per rank)."""
+    """A rank's watchdog whose store operations are counted (rank 0's read of every heartbeat as two per chunk of
+    keys, as when every key is there)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -54,7 +56,7 @@ class Counted(Watchdog):
         return super()._get(store, key)
 
     def _read_beats(self) -> dict[int, dict]:
-        self.ops += self.env.world_size
+        self.ops += 2 * -(-self.env.world_size // READ_CHUNK)  # read_all's check and multi_get per chunk
         return super()._read_beats()
 
 
