@@ -254,9 +254,7 @@ class Watchdog:
             try:
                 store = self._client()
                 self._set(store, self._key(self.env.rank), self._beat())
-                # A claim wakes the roll-call thread (``_wake_all``); once that has ended (it answered a roll call)
-                # the heartbeat looks for one: a read a beat saved on every rank (half of the store's operations).
-                claim = None if self._answerer.is_alive() else json_of(self._get(store, HANG_KEY))
+                claim = json_of(self._get(store, HANG_KEY))  # also woken by a claim (_wake_all), if still waiting
                 if claim is not None:
                     self._follow(store, claim)
                     return
