@@ -152,9 +152,7 @@ class Watchdog:
             deadline = time.monotonic() + window
             while time.monotonic() < deadline and store.add(ANSWERS_KEY, 0) < self.env.world_size:
                 time.sleep(0.05)
-            keys = [self._answer_key(r) for r in ranks]
-            now = time.time()
-            answers = [self.seal.open(k, v, now=now) for k, v in zip(keys, read_all(store, keys), strict=True)]
+            answers = self._get_all(store, [self._answer_key(r) for r in ranks])
             silent = [r for r in ranks if answers[r] != "1" and not self._finished(store, r)]
         except Exception:
             why = "its rendezvous store became unreachable during a failed collective (rank 0 ended?)"
@@ -164,7 +162,7 @@ class Watchdog:
         if not silent:
             return "", []
         why = "did not answer the roll call after a collective failed (ended or frozen)"
-        text = f"; rank(s) {_ranks(silent)} did not answer within {window:g} s (ended or frozen)"
+        text = f"; rank(s) {rank_ranges(silent)} did not answer within {window:g} s (ended or frozen)"
         return text, [self.env.suspect(r, why) for r in silent]
 
     # -- roll-call thread -------------------------------------------------------------------------------------
@@ -190,6 +188,11 @@ class Watchdog:
     def _get(self, store: dist.TCPStore, key: str) -> str | None:
         """The launch's value under ``key``, or None (none there, or one that someone else wrote: counted)."""
         return self.seal.open(key, peek(store, key), now=time.time())
+
+    def _get_all(self, store: dist.TCPStore, keys: list[str]) -> list[str | None]:
+        """``_get`` of each key, read READ_CHUNK keys a round trip or two (beats.read_all)."""
+        now = time.time()
+        return [self.seal.open(k, v, now=now) for k, v in zip(keys, read_all(store, keys), strict=True)]
 
     def _connect(self, timeout: timedelta) -> dist.TCPStore:
         """A client connection of its own; refused at once when nothing listens on the store's port any more (rank 0's
@@ -313,7 +316,7 @@ class Watchdog:
         contested = [r for r in lost if self.seal.recently_contested(self._key(r), now - limit)]
         if contested:
             log.warning("rank(s) %s: heartbeats overwritten or deleted by someone else in the last %g s (%s so "
-                        "far): not judged by them", _ranks(contested), limit, self.seal.counts())  # fmt: skip
+                        "far): not judged by them", rank_ranges(contested), limit, self.seal.counts())  # fmt: skip
             lost = [r for r in lost if r not in contested]
         if not lost:
             return False
@@ -325,9 +328,9 @@ class Watchdog:
             for r in lost
         ]))  # fmt: skip
         message = (
-            f"rank(s) {_ranks(lost)} stopped publishing heartbeats for more than monitor.peer_timeout_s={limit:g} s "
-            f"(process ended, node down or link lost): {where}. The other ranks end this launch rather than wait "
-            f"in a collective with them."
+            f"rank(s) {rank_ranges(lost)} stopped publishing heartbeats for more than "
+            f"monitor.peer_timeout_s={limit:g} s (process ended, node down or link lost): {where}. The other ranks "
+            f"end this launch rather than wait in a collective with them."
         )
         why = f"stopped publishing heartbeats for more than {limit:g} s (process ended, node down or link lost)"
         if not self._won_claim(store, message):
@@ -344,8 +347,7 @@ class Watchdog:
         """Wait until ``ranks`` have seen the claim and dumped their stacks (at most 3 beats + 5 s)."""
         deadline, keys = time.time() + 3 * self.cfg.heartbeat_s + 5, [f"hpc/watchdog/dumped/{r}" for r in ranks]
         while time.time() < deadline:
-            now = time.time()
-            if all(self.seal.open(k, v, now=now) for k, v in zip(keys, read_all(store, keys), strict=True)):
+            if all(self._get_all(store, keys)):
                 return
             time.sleep(0.2)
 
@@ -392,14 +394,14 @@ class Watchdog:
         if waiting and (behind or silent):
             b = live[waiting[0]]
             parts.append(
-                f"rank(s) {_ranks(waiting)} waited {now - b['since']:.0f} s in '{b['phase']}' of step {b['step']}"
+                f"rank(s) {rank_ranges(waiting)} waited {now - b['since']:.0f} s in '{b['phase']}' of step {b['step']}"
             )
         parts += _first([f"rank {r} ({self.env.hosts[r]}) did not arrive: still in '{live[r]['phase']}' of step "
                          f"{live[r]['step']} for {now - live[r]['since']:.0f} s" for r in behind])  # fmt: skip
         if len(behind) > DETAILED:
-            parts.append(f"rank(s) {_ranks(behind)} did not arrive")
+            parts.append(f"rank(s) {rank_ranges(behind)} did not arrive")
         if silent:
-            parts.append(f"rank(s) {_ranks(silent)} stopped publishing heartbeats (ended or frozen)")
+            parts.append(f"rank(s) {rank_ranges(silent)} stopped publishing heartbeats (ended or frozen)")
         if not parts:
             b = live.get(self.env.rank) or json.loads(self._beat())
             parts.append(f"all ranks are in '{b['phase']}' of step {b['step']} for {now - b['since']:.0f} s: the "
@@ -472,10 +474,6 @@ class Watchdog:
                 self._set(store, REPORTED_KEY, str(self.env.rank))  # the other ranks may end now
         print(f"error: {message}", flush=True)
         self.exit(EXIT_HANG)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return rank_ranges(ranks)
 
 
 def _first(items: list[str], most: int = DETAILED) -> list[str]:
