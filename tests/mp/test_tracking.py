@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -48,13 +49,43 @@ def assert_history_is_metrics_jsonl(client, run_id, run_dir, steps: int = 40) ->
     assert logged == sorted(set(logged)) and logged[-1] == steps, logged
 
 
+def logged_and_committed(run_dir) -> tuple[int, int]:
+    """(the last step in metrics.jsonl, the newest committed checkpoint's step), once neither has moved for 0.5 s."""
+    seen, since = None, time.monotonic()
+    while time.monotonic() - since < 0.5:
+        latest = read_latest(run_dir / "checkpoints")  # step_NNNNNNNN
+        logged = max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
+        now = (logged, int(latest.split("_")[1]) if latest else 0)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        time.sleep(0.05)
+    return seen
+
+
+def kill_after_a_logged_uncommitted_step(run_dir, proc, rank: int, after: int) -> int:
+    """SIGKILL ``rank`` once step ``after`` is logged, at a moment when steps logged since the newest checkpoint will
+    be computed again (a kill landing just after a commit would recompute nothing): the rank is frozen (SIGSTOP),
+    so the run cannot log or commit past the step it is in, and let go one step further while nothing would be
+    recomputed. Returns the last logged step."""
+    wait_for_step(run_dir, after, proc)
+    pid = rank_pids(run_dir)[rank]
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        logged, committed = logged_and_committed(run_dir)
+        if logged > committed:
+            os.kill(pid, signal.SIGKILL)
+            return logged
+        os.kill(pid, signal.SIGCONT)
+        wait_for_step(run_dir, logged + 1, proc)
+
+
 def test_one_tracker_run_across_a_restart_a_stop_and_a_resume(tmp_path, small_dataset):
     run_dir = tmp_path / "runs" / "run"
     sets = tracked(small_dataset, "job.max_failures=2", "job.restart_backoff_s=0.2")
     proc = start(run_dir, sets, inject=SLOW)
-    wait_for_step(run_dir, 6, proc)
-    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # the launch fails after step 6: restarted from step 4
+    logged = kill_after_a_logged_uncommitted_step(run_dir, proc, rank=1, after=6)  # the launch fails: restarted
     resumed = wait_for_event(run_dir, "resume", 1, proc)
+    assert resumed["step"] < logged and resumed["discarded_records"] == logged - resumed["step"], (resumed, logged)
     wait_for_step(run_dir, resumed["step"] + 6, proc)
     os.kill(rank_pids(run_dir)[0], signal.SIGUSR2)  # a stop with a committed checkpoint
     out, err = proc.communicate(timeout=180)
