@@ -182,9 +182,10 @@ def test_overhead_a_layout_against_its_plain_peer(tmp_path, small_dataset):
     assert list(summary) == ["plain", "trainer-flat", "trainer-nodims"]
     assert positive(summary["trainer-flat"]["ratio_vs_plain"]) and positive(summary["trainer-nodims"]["ratio_vs_plain"])
     # FSDP2's collectives block the training thread on CPU: timed, they are most of its exposed communication;
-    # untimed, only the tail after the last gradient is left (counted as for DDP)
+    # untimed, only the tail after the last gradient is left (counted as for DDP). Measured: 11-14 ms against 0.07 ms
+    # alone, 4.7 ms against 0.06 ms beside the other test worker
     flat, nodims = summary["trainer-flat"]["median_exposed_comm_s"], summary["trainer-nodims"]["median_exposed_comm_s"]
-    assert flat > 0.005 and nodims < flat / 3, (flat, nodims)
+    assert flat > 0.001 and nodims < flat / 3, (flat, nodims)
     table_lines(out, "tiny, layout fsdp: 1 node(s) x 2 ranks", "plain ", "trainer-flat ", "trainer-nodims ")
     assert "plain_layouts.py --layout fsdp" in out
 
