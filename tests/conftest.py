@@ -23,8 +23,8 @@ PY = sys.executable
 
 
 class WorkUnits:
-    """Work units for ``pytest -n N --dist loadfile`` (tests/run.sh runs two workers: the suite's processes leave a
-    core idle about half of the time, waiting on Slurm's passes and on sleeps): every Slurm test in one unit, so
+    """Work units for ``pytest -n N --dist loadfile`` (tests/run.sh runs three workers on two cores: with two, the
+    cores were idle 14% of the time, waiting on Slurm's passes and on sleeps): every Slurm test in one unit, so
     that one worker starts the session's clusters (on their fixed ports) and runs those tests in file order, every
     S3 test in another (one server), and every other test module a unit of its own, so that a module's fixtures
     (its reference runs) are made once.
@@ -47,8 +47,8 @@ class WorkUnits:
 
     def pytest_collection_modifyitems(self, items) -> None:
         """Long units first, short ones last (the longest-first rule): the Slurm unit (about 13 minutes) starts at
-        once, the multi-process modules follow, and the single-process modules, seconds each, fill both workers'
-        ends, so that neither waits long for the other's last module."""
+        once, the multi-process modules follow, and the single-process modules, seconds each, fill the workers'
+        ends, so that none waits long for another's last module."""
         group = {"tests/slurm/": 0, "tests/unit/": 2}
         items.sort(key=lambda item: next((g for p, g in group.items() if item.nodeid.startswith(p)), 1))
 
