@@ -390,3 +390,27 @@ def test_the_reports_analysis_of_a_4096_rank_run(big):
     assert log.stragglers.checks == (len(log.kept) + len(log.discarded)) // 5 and f["world_size"] == WORLD
     assert "# Run report" in md and lines
     within(seconds, 0.25, "the report's analysis and text")
+
+
+def test_the_reports_per_rank_chart_of_a_4096_rank_run(big, tmp_path):
+    """hpc/plots.py's straggler figure: one line per rank in a single collection above MANY_RANKS (a bar per rank
+    took 1.5 CPU-s to build and draw at 4,096), the straggler's rank red and marked."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.figure import Figure
+
+    from hpc.plots import MANY_RANKS, _ranks
+
+    log = analyze(big.rundir)
+
+    def draw():
+        fig = _ranks(Figure, log, "run")
+        fig.savefig(tmp_path / "ranks.png")
+        return fig
+
+    fig, seconds = timed(draw)
+    (lines,) = [c for c in fig.axes[1].collections if isinstance(c, LineCollection)]
+    assert WORLD > MANY_RANKS and len(lines.get_segments()) == WORLD and not fig.axes[1].patches
+    red = [i for i, c in enumerate(lines.get_colors()) if c[0] > 0.8 and c[2] < 0.3]
+    assert red == [137], red  # the straggler metrics_record flags
+    assert (tmp_path / "ranks.png").stat().st_size > 0
+    within(seconds, 1.0, "the per-rank chart")
