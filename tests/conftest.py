@@ -46,7 +46,7 @@ class WorkUnits:
         return Units(config, log)
 
     def pytest_collection_modifyitems(self, items) -> None:
-        """Long units first, short ones last (the longest-first rule): the Slurm unit (about 13 minutes) starts at
+        """Long units first, short ones last (the longest-first rule): the Slurm unit (about 16 minutes) starts at
         once, the multi-process modules follow, and the single-process modules, seconds each, fill the workers'
         ends, so that none waits long for another's last module."""
         group = {"tests/slurm/": 0, "tests/unit/": 2}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rundir.checkpoints import read_latest, validate
+from rundir.checkpoints import latest_committed, read_latest, validate
 from rundir.contract import EXIT_STOPPED, EXIT_USER_ERROR
 from rundir.paths import read_jsonl
 from tests.conftest import PY, ROOT, rank_pids, wait_for_step
@@ -53,9 +53,8 @@ def logged_and_committed(run_dir) -> tuple[int, int]:
     """(the last step in metrics.jsonl, the newest committed checkpoint's step), once neither has moved for 0.5 s."""
     seen, since = None, time.monotonic()
     while time.monotonic() - since < 0.5:
-        latest = read_latest(run_dir / "checkpoints")  # step_NNNNNNNN
-        logged = max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
-        now = (logged, int(latest.split("_")[1]) if latest else 0)
+        manifest = latest_committed(run_dir / "checkpoints")
+        now = (max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")), manifest["step"] if manifest else 0)
         if now != seen:
             seen, since = now, time.monotonic()
         time.sleep(0.05)

@@ -257,7 +257,7 @@ class Watchdog:
             try:
                 store = self._client()
                 self._set(store, self._key(self.env.rank), self._beat())
-                claim = json_of(self._get(store, HANG_KEY))  # also woken by a claim (_wake_all), if still waiting
+                claim = json_of(self._get(store, HANG_KEY))  # _wake_all brings it sooner while roll call waits
                 if claim is not None:
                     self._follow(store, claim)
                     return
