@@ -1,9 +1,11 @@
 """The control plane at N simulated ranks: rank 0's rendezvous store and watchdog against N-1 ranks' real clients.
 
-    python bench/scale.py [--ranks 64 256 1024 4096] [--hosts H] [--heartbeat-s 2] [--peer-timeout-s 15] [--json PATH]
+    python bench/scale.py [--ranks 64 256 1024 4096] [--hosts H] [--per-rank] [--heartbeat-s 2] [--peer-timeout-s 15]
+        [--json PATH]
 
 For each N: rank 0 (bench/scale_ranks.py: the store's server and rank 0's watchdog, in a process of its own) and
-``--hosts`` processes holding ranks 1..N-1, each rank with the store connections and watchdog threads of a real one.
+``--hosts`` processes holding ranks 1..N-1, each rank with the store connection, relay and watchdog threads of a real
+one (a simulated node's ranks relay through its first rank, across processes where a node spans two).
 Measured: rank 0's CPU share, memory, descriptors and sockets in steady training; the store's operations per second
 and the latency of a probe's sealed write and read; a roll call's time; the time from a rank's silence to the claim
 that names it; the time until every live rank has seen that claim (what ends a launch everywhere).
@@ -39,6 +41,8 @@ def parse_args(argv: list[str] | None):
         f"per {RANKS_PER_HOST} ranks, at least 2; more ranks a process contend for its interpreter lock)",
     )
     p.add_argument("--per-node", type=int, default=8, help="ranks per simulated node (default 8)")
+    p.add_argument("--per-rank", action="store_true", help="every rank its own store connections and heartbeat key "
+                   "(no node relay: trainer/observe/noderelay.py), as before 2026-12-06")  # fmt: skip
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="monitor.heartbeat_s (default 2, the default)")
     p.add_argument("--peer-timeout-s", type=float, default=15.0, help="monitor.peer_timeout_s (default 15)")
     p.add_argument("--steady-s", type=float, default=0.0, help="steady window (default: 4 heartbeats, at least 8 s)")
@@ -97,7 +101,8 @@ def host_count(args, world: int) -> int:
 def start(work: Path, args, world: int, secret: bytes) -> list[subprocess.Popen]:
     """Rank 0, then the hosts of ranks 1..world-1, the launch's secret on their stdin."""
     script = [sys.executable, str(ROOT / "bench" / "scale_ranks.py")]
-    common = [str(world), str(args.per_node), str(args.heartbeat_s), str(args.peer_timeout_s)]
+    relay = str(int(not args.per_rank))
+    common = [str(world), str(args.per_node), str(args.heartbeat_s), str(args.peer_timeout_s), relay]
     # This machine reaches no DNS server: a name lookup that torch's socket layer makes when many clients connect at
     # once waits out the resolver (5 s by default); 1 s here. A cluster's resolver answers.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RES_OPTIONS": "timeout:1 attempts:1"}
@@ -247,7 +252,7 @@ def show(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setup = {k: getattr(args, k) for k in ("hosts", "per_node", "heartbeat_s", "peer_timeout_s")}
+    setup = {k: getattr(args, k) for k in ("hosts", "per_node", "per_rank", "heartbeat_s", "peer_timeout_s")}
     setup["cpus"] = os.cpu_count()
     rows = [{**measure(args, n), "gathers": scale_gathers.measure(n)} for n in args.ranks]
     emit({"benchmark": "scale", "setup": setup, "rows": rows}, args.json, show)

@@ -40,8 +40,8 @@ def make_env(rank: int, world: int, per_node: int, work: Path) -> RuntimeEnv:
 
 
 class Counted(Watchdog):
-    """A rank's watchdog whose store operations are counted (rank 0's read of every heartbeat as two per chunk of
-    keys, as when every key is there)."""
+    """A rank's watchdog whose store operations are counted (rank 0's read of every heartbeat record as two per
+    chunk of keys, as when every key is there; a member's messages to its node's first rank are not the store's)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -56,7 +56,7 @@ class Counted(Watchdog):
         return super()._get(store, key)
 
     def _read_beats(self) -> dict[int, dict]:
-        self.ops += 2 * -(-self.env.world_size // READ_CHUNK)  # read_all's check and multi_get per chunk
+        self.ops += 2 * -(-self.beat_records() // READ_CHUNK)  # read_all's check and multi_get per chunk
         return super()._read_beats()
 
 
@@ -96,7 +96,7 @@ def wait_file(path: Path, timeout_s: float = 600.0) -> str:
     return path.read_text()
 
 
-def rank0(work: Path, world: int, per_node: int, secret: bytes, cfg: MonitorConfig) -> None:
+def rank0(work: Path, world: int, per_node: int, secret: bytes, cfg: MonitorConfig, relay: bool) -> None:
     """Rank 0 as in a launch: the store's server in this process, its own client and its watchdog. Ends when its
     watchdog claims a silent rank (os._exit, as a real rank 0 does) or when the orchestrator kills it."""
     env = make_env(0, world, per_node, work)
@@ -105,7 +105,7 @@ def rank0(work: Path, world: int, per_node: int, secret: bytes, cfg: MonitorConf
                           timeout=timedelta(seconds=60), master_listen_fd=listener.fileno())  # fmt: skip
     rundir = RunDir(work / "run")
     rundir.logs.mkdir(parents=True, exist_ok=True)
-    dog = Counted(env, cfg, rundir, "127.0.0.1", store.port, Seal(secret, 0))
+    dog = Counted(env, cfg, rundir, "127.0.0.1", store.port, Seal(secret, 0), relay=relay)
     write_ops(work, "port", store.port)
     wait_file(work / "go" / "start")  # every simulated rank is connected: the watchdogs start together
     dog.start()
@@ -121,13 +121,15 @@ def rearm(dogs: dict[int, SimRank], held: list) -> None:
     """Each rank's roll-call thread again: a roll call ends them (it follows a failed collective, after which a real
     rank exits), and the claim measured next reaches the ranks through them."""
     for (r, dog), store in zip(dogs.items(), held, strict=True):
+        if dog._answerer.is_alive():  # a node's member: its thread reads its hub, and answered it
+            continue
         store.delete_key(dog._call_key(r))
         dog._answerer = threading.Thread(target=dog._answer_roll_call, name="hpc-roll-call", daemon=True)
         dog._answerer.start()
 
 
 def ranks(work: Path, host: int, first: int, last: int, world: int, per_node: int, secret: bytes,
-          cfg: MonitorConfig) -> None:  # fmt: skip
+          cfg: MonitorConfig, relay: bool) -> None:  # fmt: skip
     """Ranks first..last-1, each with its process group's store connection (held, idle) and its watchdog's."""
     threading.stack_size(256 * 1024)
     port = int(wait_file(work / "port"))
@@ -135,7 +137,8 @@ def ranks(work: Path, host: int, first: int, last: int, world: int, per_node: in
     held, dogs = [], {}
     for r in range(first, last):
         held.append(dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60)))
-        dogs[r] = SimRank(make_env(r, world, per_node, work), cfg, rundir, "127.0.0.1", port, Seal(secret, r))
+        dogs[r] = SimRank(make_env(r, world, per_node, work), cfg, rundir, "127.0.0.1", port, Seal(secret, r),
+                          relay=relay)  # fmt: skip
     (work / f"ready_{host}").write_text("")
     go = work / "go"
     wait_file(go / "start")
@@ -170,13 +173,14 @@ def ranks(work: Path, host: int, first: int, last: int, world: int, per_node: in
 def main(argv: list[str]) -> None:
     role, work = argv[0], Path(argv[1])
     world, per_node, heartbeat_s, peer_timeout_s = int(argv[2]), int(argv[3]), float(argv[4]), float(argv[5])
+    relay = argv[6] == "1"
     secret = bytes.fromhex(sys.stdin.readline().strip())  # never on a command line or in a file
     cfg = monitor(heartbeat_s, peer_timeout_s)
     if role == "rank0":
-        rank0(work, world, per_node, secret, cfg)
+        rank0(work, world, per_node, secret, cfg, relay)
     else:
-        host, first, last = (int(x) for x in argv[6:9])
-        ranks(work, host, first, last, world, per_node, secret, cfg)
+        host, first, last = (int(x) for x in argv[7:10])
+        ranks(work, host, first, last, world, per_node, secret, cfg, relay)
 
 
 if __name__ == "__main__":

@@ -462,7 +462,9 @@ def test_scale(tmp_path):
     assert row["ranks"] == 64 and positive(row["connect_s"])
     rank0 = row["rank0"]
     assert 0 <= rank0["cpu_share"] < 1 and positive(rank0["rss_mb"])
-    assert rank0["sockets"] >= 3 * 63 and rank0["fds"] >= rank0["sockets"]  # 3 store connections a rank
+    # a process group's store connection a rank, a node's watchdog connections shared by its 8 ranks, and rank 0's
+    # node's Unix sockets (3 x 63 and more when every rank held its own)
+    assert 63 <= rank0["sockets"] < 2 * 63 and rank0["fds"] >= rank0["sockets"], rank0
     assert positive(row["store_ops_per_s"]) and row["hosts_cpu_cores"] >= 0
     assert positive(row["probe_ms"]["p50"]) and row["probe_ms"]["p99"] >= row["probe_ms"]["p50"]
     assert row["roll_call"]["named"] == [] and positive(row["roll_call"]["s"])

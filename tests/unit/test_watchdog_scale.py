@@ -1,7 +1,8 @@
 """Rank 0's watchdog at 4,096 ranks on a real store (trainer/observe/watchdog.py, beats.py): a hang claim whose
 half of the ranks are behind names them by their ranges in a message of a few hundred bytes (it named each in a
 sentence of its own: 24 KB into failure.json, the history and stdout), and its reads of every heartbeat and every
-dump take a round trip per 256 ranks, not one per rank. bench/scale.py measures the rest with simulated ranks."""
+dump take a round trip per 256 keys (a node's record holds its ranks' beats), not one per rank. bench/scale.py
+measures the rest with simulated ranks."""
 
 import json
 import os
@@ -29,14 +30,18 @@ def test_a_hang_with_2048_ranks_behind_is_named_by_ranges_and_claimed_in_a_fract
     dog = Watchdog(env_of(WORLD, PER_NODE), cfg, rundir, "127.0.0.1", store.port, Seal(secret, 0))
     dog.exit = lambda code: (_ for _ in ()).throw(SystemExit(code))  # this process is the test's
     now, seals = time.time(), [Seal(secret, r) for r in range(WORLD)]
-    beats, dumped = [], []
+    records, dumped = {}, []
     for r in range(WORLD):  # the upper half is a phase behind the rest, who wait in the all-reduce since 70 s
         seq, phase = (7, "forward/backward") if r >= WORLD // 2 else (8, "gradient all-reduce")
         beat = {"seq": seq, "phase": phase, "step": 12, "since": now - 70, "beat": now}
-        beats.append((f"hpc/watchdog/beat/{r}", seals[r].seal(f"hpc/watchdog/beat/{r}", json.dumps(beat))))
+        records.setdefault(r // PER_NODE, {})[str(r)] = beat  # a node's first rank writes its node's record
         if r:
             dumped.append((f"hpc/watchdog/dumped/{r}", seals[r].seal(f"hpc/watchdog/dumped/{r}", "1")))
-    store.multi_set(*zip(*beats, strict=True))
+    keys = [f"hpc/watchdog/beat/n{n}" for n in records]
+    values = [
+        seals[n * PER_NODE].seal(k, json.dumps({"beats": b})) for k, (n, b) in zip(keys, records.items(), strict=True)
+    ]
+    store.multi_set(keys, values)
     store.multi_set(*zip(*dumped, strict=True))  # every live rank has written its stacks: no wait for them
     dog.seq, dog.phase, dog.step, dog.since = 8, "gradient all-reduce", 12, now - 70
 

@@ -83,8 +83,10 @@ class BeatReader:
     """The latest heartbeat of given ranks, read from the rendezvous store on a connection opened at first use (and
     again after a failure). Safe for several threads (a lock); an unreachable store reads as no beats."""
 
-    def __init__(self, connect: Callable[[], dist.TCPStore], key: Callable[[int], str], seal: Seal) -> None:
-        self._connect, self._key, self._seal = connect, key, seal
+    def __init__(
+        self, connect: Callable[[], dist.TCPStore], read: Callable[[dist.TCPStore, list[int]], dict[int, dict]]
+    ) -> None:
+        self._connect, self._read = connect, read
         self._store: dist.TCPStore | None = None
         self._lock = threading.Lock()
 
@@ -93,7 +95,7 @@ class BeatReader:
             try:
                 if self._store is None:
                     self._store = self._connect()
-                return read_beats(self._store, self._key, ranks, self._seal)
+                return self._read(self._store, list(ranks))
             except Exception:
                 self._store = None
                 return {}

@@ -17,6 +17,10 @@ A rank that goes silent without a failed collective (its node lost with its link
 claims one silent for ``monitor.peer_timeout_s`` like a hang (``_lost_peers``); a rank that cannot reach the store
 that long ends too (rank 0's node lost).
 
+The ranks of a node share their first rank's store connections (trainer/observe/noderelay.py): it writes one
+heartbeat record for the node and relays roll calls and claims to the others over a private Unix socket; a rank
+whose node's first rank goes away or falls silent talks to the store itself from then on.
+
 Every value written to the store is sealed with the launch's secret and every value read is opened
 (trainer/parallel/storeseal.py): anything another user wrote (forged, replayed, garbage) is ignored and counted, and
 a rank whose keys someone else wrote to or deleted lately is not judged by its heartbeats.
@@ -41,6 +45,7 @@ from rundir import RunDir
 from rundir.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event, rank_ranges
 from trainer.env import RuntimeEnv
 from trainer.observe.beats import BeatReader, json_of, listening, peek, read_all, read_beats
+from trainer.observe.noderelay import Hub, Spoke, relay_path
 from trainer.parallel.storeseal import Seal
 
 HANG_KEY = "hpc/watchdog/hang"
@@ -69,9 +74,11 @@ class Watchdog:
         *,
         heartbeats: bool = False,
         memory: Callable[[], dict] | None = None,
+        relay: bool = True,
     ) -> None:
         """``heartbeats``: publish heartbeats even with the hang watchdog off (live metrics read them);
-        ``memory``: this rank's memory now, published with each heartbeat."""
+        ``memory``: this rank's memory now, published with each heartbeat; ``relay``: a node's ranks share its
+        first rank's store connections (off: each rank holds its own, as bench/scale.py compares)."""
         self.env, self.cfg, self.rundir = env, cfg, rundir
         # When SIGTERM reached this rank (TermWatch): the launcher is ending the step, and from then on ranks end on
         # purpose (on that SIGTERM), so a rank or a store gone is no evidence against its node.
@@ -95,11 +102,24 @@ class Watchdog:
         self.peers = cfg.peer_timeout_s > 0  # silent ranks are claimed (by rank 0)
         self.enabled = self.watching or self.peers or heartbeats
         self.exit: Callable[[int], None] = os._exit  # how the rank ends (bench/scale.py: a simulated rank's threads)
+        node = env.topology.node_ranks(env.node)
+        self.relayed = relay and len(node) > 1  # the same on every rank: readers look for node records
+        self.leader = node[0] if self.relayed else env.rank
+        self.direct = env.rank == self.leader  # this rank talks to the store itself (a member: once its hub is gone)
+        self.hub: Hub | None = None
+        self.spoke: Spoke | None = None
+        self._held: set[str] = set()  # rank 0: beat keys that held this launch's value (one gone was deleted)
 
     # -- main thread ------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self.enabled:
             self.store_ok = time.time()
+            if self.relayed and self.env.rank == self.leader:
+                members = self.env.topology.node_ranks(self.env.node)[1:]
+                try:
+                    self.hub = Hub(self._relay_path(), members)
+                except (OSError, ValueError) as exc:  # the members find no hub and talk to the store themselves
+                    log.warning("node %d: no relay for its ranks' heartbeats (%s)", self.env.node, exc)
             self._thread.start()
             self._answerer.start()
             self._guarder.start()
@@ -126,12 +146,19 @@ class Watchdog:
             return
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.cfg.heartbeat_s + 5)
-        with contextlib.suppress(Exception):
-            self._set(self._client(), self._key(self.env.rank), self._beat())
-        with contextlib.suppress(Exception):
-            self._set(self._client(), self._call_key(self.env.rank), CLOSE)
+        if self.hub is not None:  # the members' last heartbeats go out with the node's record
+            self.hub.wait_finished(2 * self.cfg.heartbeat_s + 2)
+        if not self.direct and self.spoke is not None and self.spoke.send({"beat": self._beat_dict()}):
+            self.spoke.close()  # its reading thread ends
+        else:
+            with contextlib.suppress(Exception):
+                self._publish(self._client())
+            with contextlib.suppress(Exception):
+                self._set(self._client(), self._call_key(self.env.rank), CLOSE)
         if self._answerer.is_alive():
             self._answerer.join(timeout=2.0)
+        if self.hub is not None:
+            self.hub.close()
         if any(self.seal.rejected.values()):
             log.warning("rendezvous store: in all, %s ignored (values not written by this launch)", self.seal.counts())
 
@@ -153,7 +180,9 @@ class Watchdog:
             while time.monotonic() < deadline and store.add(ANSWERS_KEY, 0) < self.env.world_size:
                 time.sleep(0.05)
             answers = self._get_all(store, [self._answer_key(r) for r in ranks])
-            silent = [r for r in ranks if answers[r] != "1" and not self._finished(store, r)]
+            silent = [r for r in ranks if answers[r] != "1"]
+            beats = self.beats_of(store, silent) if silent else {}
+            silent = [r for r in silent if beats.get(r, {}).get("phase") != "finished"]
         except Exception:
             why = "its rendezvous store became unreachable during a failed collective (rank 0 ended?)"
             return "; the rendezvous store on rank 0's host is unreachable too (rank 0 ended?)", [
@@ -176,11 +205,6 @@ class Watchdog:
 
     def _call_key(self, rank: int) -> str:
         return f"hpc/watchdog/call/{rank}"
-
-    def _finished(self, store: dist.TCPStore, rank: int) -> bool:
-        """The rank closed its watchdog after its last step (it left, but not by failing)."""
-        beat = json_of(self._get(store, self._key(rank)))
-        return beat is not None and beat["phase"] == "finished"
 
     def _set(self, store: dist.TCPStore, key: str, value: str) -> None:
         store.set(key, self.seal.seal(key, value))
@@ -205,7 +229,9 @@ class Watchdog:
         """Block in the store (on its own connection: no traffic while nothing happens) until this rank's key is
         set: answer a roll call, follow a hang another rank claimed at once (not at the next heartbeat: at 4,096
         ranks the last rank saw a claim 2-4 s after it), or end on ``close``. Ends quietly if the store goes
-        away."""
+        away. A node's member reads its hub instead (``_relayed``)."""
+        if not self.direct and self._relayed():
+            return
         with contextlib.suppress(Exception):
             store = self._connect(timedelta(seconds=max(60.0, 2 * self.cfg.heartbeat_s)))
             key = self._call_key(self.env.rank)
@@ -215,6 +241,12 @@ class Watchdog:
                 if value == ROLL_CALL:  # once: each answer counts towards ANSWERS_KEY's one roll call
                     self._set(store, self._answer_key(self.env.rank), "1")
                     store.add(ANSWERS_KEY, 1)
+                    if self.hub is not None:  # the node's members answer through this rank
+                        answered = sorted(self.hub.roll_call(answer_window(self.cfg) / 2))
+                        if answered:
+                            keys = [self._answer_key(r) for r in answered]
+                            store.multi_set(keys, [self.seal.seal(k, "1") for k in keys])
+                            store.add(ANSWERS_KEY, len(answered))
                 elif value == CLAIMED:
                     claim = json_of(self._get(store, HANG_KEY))
                     if claim is not None and claim["rank"] != self.env.rank:
@@ -224,8 +256,53 @@ class Watchdog:
                 store.delete_key(key)  # someone else's value: wait for the launch's own
                 time.sleep(0.05)
 
-    def _wake_all(self, store: dist.TCPStore) -> None:
-        """Every other rank's roll-call thread: follow this rank's claim now (one multi-key write)."""
+    def _relayed(self) -> bool:
+        """A member's roll-call thread: answer its hub's roll calls, follow the claims it relays and take the store's
+        health from it, until this rank closes (True: done) or the hub goes away or falls silent for three beats
+        (False: this rank talks to the store itself from now on)."""
+        silence = 3 * self.cfg.heartbeat_s + 2
+        try:
+            self.spoke = Spoke(self._relay_path(), self.env.rank, max(5.0, 2 * self.cfg.heartbeat_s))
+        except OSError as exc:
+            return self._go_direct(f"its node's first rank {self.leader} took no connection ({exc})")
+        following: float | None = None  # until when this rank waits for the claiming rank's report
+        while True:
+            try:
+                message = self.spoke.recv(silence if following is None else max(0.0, following - time.time()))
+            except TimeoutError:
+                message = None
+            if self._stop.is_set():
+                return True
+            if following is not None and (message is None or "reported" in message or time.time() > following):
+                self.exit(EXIT_HANG)
+                return True
+            if message is None:
+                self.spoke.close()
+                return self._go_direct(f"its node's first rank {self.leader} went away or fell silent")
+            if "ok" in message:
+                self.store_ok = float(message["ok"])
+            elif "call" in message:
+                self.spoke.send({"answer": 1})
+            elif "claim" in message and message["claim"]["rank"] != self.env.rank and following is None:
+                log.error("hang declared by another rank: %s", message["claim"]["message"])
+                self.dump_stacks()
+                self.spoke.send({"dumped": 1})
+                following = time.time() + 3 * self.cfg.heartbeat_s + 5
+
+    def _go_direct(self, why: str) -> bool:
+        if not self._stop.is_set():
+            log.warning("rank %d: %s; it talks to the rendezvous store itself from now on", self.env.rank, why)
+        self.direct = True
+        return False
+
+    def _relay_path(self):  # noqa: ANN202
+        return relay_path(self.seal.token(f"relay/{self.env.launch_id}"), self.env.node)
+
+    def _wake_all(self, store: dist.TCPStore, claim: dict) -> None:
+        """Every other rank's roll-call thread: follow this rank's claim now (one multi-key write; a node's first
+        rank relays it to its members)."""
+        if self.hub is not None:
+            self.hub.send_all({"claim": claim})
         keys = [self._call_key(r) for r in range(self.env.world_size) if r != self.env.rank]
         with contextlib.suppress(Exception):
             store.multi_set(keys, [self.seal.seal(k, CLAIMED) for k in keys])
@@ -234,38 +311,89 @@ class Watchdog:
     def _key(self, rank: int) -> str:
         return f"hpc/watchdog/beat/{rank}"
 
+    def _node_key(self, node: int) -> str:
+        return f"hpc/watchdog/beat/n{node}"
+
+    def beat_records(self) -> int:
+        """How many heartbeat records rank 0 reads each interval when every rank publishes."""
+        return self.env.topology.num_nodes if self.relayed else self.env.world_size
+
     def _client(self) -> dist.TCPStore:
         if self._store is None:
             self._store = self._connect(timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s)))
         return self._store
 
-    def _beat(self) -> str:
+    def _beat_dict(self) -> dict:
         beat = {"seq": self.seq, "phase": self.phase, "step": self.step, "since": self.since, "beat": time.time()}
         if self._memory is not None:
             with contextlib.suppress(Exception):
                 beat.update(self._memory())
-        return json.dumps(beat)
+        return beat
+
+    def _beat(self) -> str:
+        return json.dumps(self._beat_dict())
+
+    def _publish(self, store: dist.TCPStore) -> None:
+        """This rank's heartbeat into the store: with its members' latest, as the node's record, on a hub."""
+        if self.hub is None:
+            self._set(store, self._key(self.env.rank), self._beat())
+            return
+        beats = {str(r): b for r, b in self.hub.snapshot().items()}
+        beats[str(self.env.rank)] = self._beat_dict()
+        self._set(store, self._node_key(self.env.node), json.dumps({"beats": beats}))
+
+    def beats_of(self, store: dist.TCPStore, ranks, found: dict[str, bool] | None = None) -> dict[int, dict]:  # noqa: ANN001
+        """The latest heartbeat of each of ``ranks`` that this launch wrote: from its node's record, or from the
+        rank's own key where that is newer (a rank whose hub went away); ``found`` notes which keys held a value."""
+        ranks, now, beats = list(ranks), time.time(), {}
+        found = found if found is not None else {}
+        if self.relayed:
+            nodes = sorted({self.env.topology.node_of(r) for r in ranks})
+            keys = [self._node_key(n) for n in nodes]
+            for key, raw in zip(keys, read_all(store, keys), strict=True):
+                found[key] = raw is not None
+                record = json_of(self.seal.open(key, raw, now=now))
+                beats.update((int(r), b) for r, b in (record or {}).get("beats", {}).items())
+        stale = now - 2 * self.cfg.heartbeat_s
+        own = [r for r in ranks if r not in beats or (beats[r]["phase"] != "finished" and beats[r]["beat"] < stale)]
+        if own:
+            absent: set[int] = set()
+            for r, beat in read_beats(store, self._key, own, self.seal, absent).items():
+                if r not in beats or beat["beat"] > beats[r]["beat"]:
+                    beats[r] = beat
+            found.update((self._key(r), r not in absent) for r in own)
+        wanted = set(ranks)
+        return {r: b for r, b in beats.items() if r in wanted}
 
     def reader(self) -> BeatReader:
         """Reads ranks' latest heartbeats on a store connection of its own (for another thread)."""
         connect = lambda: self._connect(timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s)))  # noqa: E731
-        return BeatReader(connect, self._key, self.seal)
+        return BeatReader(connect, self.beats_of)
 
     def _run(self) -> None:
         started = time.time()  # a rank that never published is silent from here
         while not self._stop.wait(self.cfg.heartbeat_s):
             try:
-                store = self._client()
-                self._set(store, self._key(self.env.rank), self._beat())
-                claim = json_of(self._get(store, HANG_KEY))  # _wake_all brings it sooner while roll call waits
-                if claim is not None:
-                    self._follow(store, claim)
-                    return
+                if not self.direct:  # relayed (once connected): the store only for a claim of this rank's own
+                    if self.spoke is not None:
+                        self.spoke.send({"beat": self._beat_dict()})
+                    store = None
+                else:
+                    store = self._client()
+                    self._publish(store)
+                    claim = json_of(self._get(store, HANG_KEY))  # _wake_all brings it sooner while roll call waits
+                    if claim is not None:
+                        self._follow(store, claim)
+                        return
                 seq = self.seq  # before `since`: enter() sets seq first, so a phase that begins now is not claimed
                 late = self.watching and self.phase != "finished" and time.time() - self.since > self.cfg.hang_timeout_s
-                if late and self._claim(store, seq):
+                if late and self._claim(self._client(), seq):
                     return
+                if store is None:
+                    continue
                 self.store_ok = time.time()
+                if self.hub is not None:
+                    self.hub.send_all({"ok": self.store_ok})
                 if self.peers and self.env.rank == 0 and self.phase != "finished" and self._lost_peers(store, started):
                     return
             except Exception as exc:  # the store went away with rank 0 (the guard thread ends this rank in time)
@@ -313,7 +441,7 @@ class Watchdog:
         ]
         # Heartbeats that someone else overwrote or deleted lately say nothing about their rank: not judged by them
         # (a rank that is gone in fact stops the collectives, and the hang watchdog names it).
-        contested = [r for r in lost if self.seal.recently_contested(self._key(r), now - limit)]
+        contested = [r for r in lost if self._contested(r, now - limit)]
         if contested:
             log.warning("rank(s) %s: heartbeats overwritten or deleted by someone else in the last %g s (%s so "
                         "far): not judged by them", rank_ranges(contested), limit, self.seal.counts())  # fmt: skip
@@ -343,11 +471,18 @@ class Watchdog:
         self._fail(message, [self.env.suspect(r, why) for r in lost], store)
         return True
 
+    def _contested(self, rank: int, since: float) -> bool:
+        keys = [self._key(rank), *([self._node_key(self.env.topology.node_of(rank))] if self.relayed else [])]
+        return any(self.seal.recently_contested(k, since) for k in keys)
+
     def _wait_dumped(self, store: dist.TCPStore, ranks: list[int]) -> None:
-        """Wait until ``ranks`` have seen the claim and dumped their stacks (at most 3 beats + 5 s)."""
-        deadline, keys = time.time() + 3 * self.cfg.heartbeat_s + 5, [f"hpc/watchdog/dumped/{r}" for r in ranks]
+        """Wait until ``ranks`` have seen the claim and dumped their stacks (at most 3 beats + 5 s); this node's
+        members say so to its hub."""
+        deadline = time.time() + 3 * self.cfg.heartbeat_s + 5
+        mine = set(self.hub.connected()) if self.hub is not None else set()
+        keys = [f"hpc/watchdog/dumped/{r}" for r in ranks if r not in mine]
         while time.time() < deadline:
-            if all(self._get_all(store, keys)):
+            if all(self._get_all(store, keys)) and (self.hub is None or mine & set(ranks) <= self.hub.dumped):
                 return
             time.sleep(0.2)
 
@@ -357,14 +492,17 @@ class Watchdog:
     def _read_beats(self) -> dict[int, dict]:
         """Every rank's latest heartbeat that this launch wrote; a key that held one and is gone now was deleted by
         someone else (the package never deletes one): its last beat stands, and the deletion is counted."""
-        absent: set[int] = set()
-        beats = read_beats(self._client(), self._key, range(self.env.world_size), self.seal, absent)
+        found: dict[str, bool] = {}
+        beats = self.beats_of(self._client(), range(self.env.world_size), found)
         now = time.time()
+        for key, there in found.items():
+            if there:
+                self._held.add(key)
+            elif key in self._held:  # no value at all (a refused one is counted as what it was)
+                self._held.discard(key)
+                self.seal.note_deleted(key, now)
         for r, beat in self._last_beats.items():
-            if r not in beats:
-                if r in absent:  # no value at all (a refused one is counted as what it was)
-                    self.seal.note_deleted(self._key(r), now)
-                beats[r] = beat
+            beats.setdefault(r, beat)
         self._last_beats.update(beats)
         return beats
 
@@ -434,20 +572,34 @@ class Watchdog:
             if other is not None:
                 self._follow(store, other)
             store.set(HANG_KEY, sealed)
-        self._wake_all(store)
+        self._wake_all(store, json.loads(claim))
         return True
 
     def _follow(self, store: dist.TCPStore, claim: dict) -> None:
         log.error("hang declared by another rank: %s", claim["message"])
+        if self.hub is not None:
+            self.hub.send_all({"claim": claim})
         self.dump_stacks()
         with contextlib.suppress(Exception):
             self._set(store, f"hpc/watchdog/dumped/{self.env.rank}", "1")
+        if self.hub is not None:  # the members' acknowledgements, as their keys
+            dumped = sorted(self.hub.wait_dumped(2.0, skip={claim["rank"]}))
+            keys = [f"hpc/watchdog/dumped/{r}" for r in dumped]
+            with contextlib.suppress(Exception):
+                if keys:
+                    store.multi_set(keys, [self.seal.seal(k, "1") for k in keys])
         # let the claiming rank write the report (at most 3 beats + 5 s), then end
         deadline = time.time() + 3 * self.cfg.heartbeat_s + 5
         with contextlib.suppress(Exception):
             while time.time() < deadline and self._get(store, REPORTED_KEY) is None:
                 store.wait([REPORTED_KEY], timedelta(seconds=max(0.1, deadline - time.time())))
                 time.sleep(0.05)
+        self._end()
+
+    def _end(self) -> None:
+        """End this rank after a hang; its members end with it (they wait for the report, or for their hub)."""
+        if self.hub is not None:
+            self.hub.send_all({"reported": 1})
         self.exit(EXIT_HANG)
 
     def dump_stacks(self, why: str = "hang watchdog") -> None:
@@ -473,7 +625,7 @@ class Watchdog:
             with contextlib.suppress(Exception):
                 self._set(store, REPORTED_KEY, str(self.env.rank))  # the other ranks may end now
         print(f"error: {message}", flush=True)
-        self.exit(EXIT_HANG)
+        self._end()
 
 
 def _first(items: list[str], most: int = DETAILED) -> list[str]:

@@ -39,6 +39,10 @@ class Seal:
         text = json.dumps([key, value, rank, n], separators=(",", ":"))
         return hmac.new(self._secret, text.encode(), hashlib.sha256).hexdigest()
 
+    def token(self, label: str) -> str:
+        """A name derived from the launch's secret (the same on every rank; no one else can guess it)."""
+        return hmac.new(self._secret, label.encode(), hashlib.sha256).hexdigest()[:20]
+
     def seal(self, key: str, value: str) -> str:
         n = next(self._counter)
         return json.dumps({"v": value, "r": self._rank, "n": n, "m": self._mac(key, value, self._rank, n)})
