@@ -135,10 +135,11 @@ def test_another_user_writing_to_the_store_ends_no_launch_and_names_no_node(
     plant = f"import os; os.mkdir('trainer'); [open(p, 'w').write({planted!r}) for p in {files!r}]"
     assert as_user(other_user, [*other_user_python, "-c", plant], cwd=shared_scratch).returncode == 0
     sets = [f"data.path={small_dataset}", "train.steps=45", "train.eval_every=0", "model.d_model=64",
-            "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=30", "job.nodes=1",
+            "model.n_layers=2", "model.seq_len=64", "checkpoint.every_steps=30", "job.nodes=2",
             "monitor.heartbeat_s=0.5", "monitor.peer_timeout_s=3", "monitor.hang_timeout_s=20"]  # fmt: skip
     args = [PY, "-m", "hpc.submit", "tiny", "--local", "--run-dir", str(run_dir)]
-    # rank 1 0.3 s slower a step: 45 steps (13 s) outlast the attack (the port scan and 8 s of writes)
+    # 2 simulated nodes of 2 ranks, rank 1 0.3 s slower a step: 45 steps (13 s) outlast the attack (the port scan
+    # and 8 s of writes)
     env = {**os.environ, "PYTHONPATH": str(ROOT), INJECT_VAR: "slow:1:0.3"}
     proc = subprocess.Popen([*args, *(f"--set={s}" for s in sets)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=shared_scratch)  # fmt: skip
@@ -165,8 +166,9 @@ def test_another_user_writing_to_the_store_ends_no_launch_and_names_no_node(
     assert not (shared_scratch / "imported").exists(), "a rank imported the other user's module"
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank_*.log"))
     assert "someone else is writing to the store" in logs, logs[-3000:]
-    # rank 0 reads every rank's heartbeat: it met the kinds, and says so as its launch ends (a replayed value is
-    # met only when rank 0 reads between the attacker's replay and rank 1's next beat: tests/unit/test_storeseal.py)
+    # rank 0 reads node 1's record of its ranks' heartbeats (node 0's it holds): it met the kinds, and says so as its
+    # launch ends (a replayed value is met only when rank 0 reads between the attacker's replay and rank 2's next
+    # record: tests/unit/test_storeseal.py)
     total = re.search(r"rank 0 WARNING rendezvous store: in all, (.*) ignored", logs)
     assert total and all(f" {kind}" in total.group(1) for kind in ("forged", "garbage", "deleted")), total
-    assert "rank(s) 1: heartbeats overwritten or deleted by someone else" in logs  # and not judged by them
+    assert "rank(s) 2-3: heartbeats overwritten or deleted by someone else" in logs  # and not judged by them

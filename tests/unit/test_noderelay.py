@@ -161,3 +161,20 @@ def test_another_user_can_neither_reach_a_hub_nor_plant_its_folder(tmp_path, oth
             Spoke(planted, 1, 0.2)
     finally:
         as_user(other_user, ["rmdir", str(planted.parent)])
+
+
+def test_a_frozen_first_rank_is_claimed_alone_its_node_talking_to_the_store_itself(tmp_path):
+    cfg = MonitorConfig(heartbeat_s=0.2, hang_timeout_s=0, peer_timeout_s=4.0)
+    store, dogs = watchdogs(tmp_path, 4, 2, cfg)
+    for dog in dogs:
+        dog.start()
+    until(lambda: len(dogs[0].beats_of(store, range(4))) == 4)
+    dogs[2]._stop.set()  # node 1's first rank stops beating and relaying, its socket still open (frozen)
+    until(lambda: dogs[0].exits, 20.0)
+    assert dogs[3].direct  # three beats without a word from its hub: it talks to the store itself
+    failure = json.loads(RunDir(tmp_path / "run").failure.read_text())
+    assert [s["rank"] for s in failure["suspects"]] == [2], failure["message"]
+    until(lambda: dogs[1].exits and dogs[3].exits)  # the others followed the claim, rank 3 through the store
+    for dog in dogs:
+        if dog.hub is not None:
+            dog.hub.close()

@@ -49,6 +49,7 @@ class Hub:
         self.dumped: set[int] = set()
         self._conns: dict[int, socket.socket] = {}
         self._cond = threading.Condition()
+        self._send = threading.Lock()
         self._sel = selectors.DefaultSelector()
         private_dir(path.parent, what="the node's relay folder")
         with contextlib.suppress(FileNotFoundError):
@@ -160,11 +161,12 @@ class Hub:
         line = _line(message)
         with self._cond:
             conns = list(self._conns.values())
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.settimeout(SEND_TIMEOUT_S)  # blocking with a bound, while the hub's thread reads it too
-                conn.sendall(line)
-                conn.setblocking(False)
+        with self._send:  # the leader's threads send in turn: lines never interleave
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    conn.settimeout(SEND_TIMEOUT_S)  # blocking with a bound, while the hub's thread reads it too
+                    conn.sendall(line)
+                    conn.setblocking(False)
 
     def roll_call(self, window_s: float) -> set[int]:
         """The members that answer a roll call within ``window_s``."""

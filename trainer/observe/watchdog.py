@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from runconfig.schema import MonitorConfig
 from rundir import RunDir
 from rundir.contract import EVENT_HANG, EXIT_HANG, FAILURE_HANG, append_event, rank_ranges
 from trainer.env import RuntimeEnv
-from trainer.observe.beats import BeatReader, json_of, listening, peek, read_all, read_beats
+from trainer.observe.beats import BeatReader, BeatTable, json_of, listening, peek, read_all, read_beats
 from trainer.observe.noderelay import Hub, Spoke, relay_path
 from trainer.parallel.storeseal import Seal
 
@@ -86,7 +86,7 @@ class Watchdog:
         self._memory = memory
         self._addr, self._port = store_addr, store_port
         self.seal = seal
-        self._last_beats: dict[int, dict] = {}  # rank 0's last opened heartbeat of each rank
+        self._table: BeatTable | None = None  # rank 0's last opened heartbeat of each rank (made at first read)
         self.seq = 0
         self.phase = "start-up"
         self.step = 0
@@ -345,25 +345,46 @@ class Watchdog:
     def beats_of(self, store: dist.TCPStore, ranks, found: dict[str, bool] | None = None) -> dict[int, dict]:  # noqa: ANN001
         """The latest heartbeat of each of ``ranks`` that this launch wrote: from its node's record, or from the
         rank's own key where that is newer (a rank whose hub went away); ``found`` notes which keys held a value."""
-        ranks, now, beats = list(ranks), time.time(), {}
+        ranks, wanted = list(ranks), set(ranks)
         found = found if found is not None else {}
-        if self.relayed:
-            nodes = sorted({self.env.topology.node_of(r) for r in ranks})
-            keys = [self._node_key(n) for n in nodes]
-            for key, raw in zip(keys, read_all(store, keys), strict=True):
-                found[key] = raw is not None
-                record = json_of(self.seal.open(key, raw, now=now))
-                beats.update((int(r), b) for r, b in (record or {}).get("beats", {}).items())
-        stale = now - 2 * self.cfg.heartbeat_s
-        own = [r for r in ranks if r not in beats or (beats[r]["phase"] != "finished" and beats[r]["beat"] < stale)]
-        if own:
-            absent: set[int] = set()
-            for r, beat in read_beats(store, self._key, own, self.seal, absent).items():
-                if r not in beats or beat["beat"] > beats[r]["beat"]:
+        beats = {r: b for r, b in self._records(store, ranks, found) if r in wanted}
+        self._own_keys(store, ranks, beats, found)
+        return beats
+
+    def _records(self, store: dist.TCPStore, ranks: list[int], found: dict[str, bool]) -> Iterator[tuple[int, dict]]:
+        """(rank, beat) from the records of the nodes that hold ``ranks``, parsed one record at a time; a hub's own
+        node's from its memory."""
+        if not self.relayed:
+            return
+        nodes = sorted({self.env.topology.node_of(r) for r in ranks})
+        if self.hub is not None and self.env.node in nodes:  # this node's are here: none of the store's, or another's
+            nodes.remove(self.env.node)
+            yield from self.hub.snapshot().items()
+            yield self.env.rank, self._beat_dict()
+        keys, now = [self._node_key(n) for n in nodes], time.time()
+        for key, raw in zip(keys, read_all(store, keys), strict=True):
+            found[key] = raw is not None
+            record = json_of(self.seal.open(key, raw, now=now))
+            yield from ((int(r), b) for r, b in (record or {}).get("beats", {}).items())
+
+    def _own_keys(self, store: dist.TCPStore, ranks: list[int], beats, found: dict[str, bool]) -> None:  # noqa: ANN001
+        """Into ``beats`` (a dict or a BeatTable), the beats of ranks that write their own key (their node's record
+        has none of theirs, or an old one) where that is newer."""
+        stale = time.time() - 2 * self.cfg.heartbeat_s
+        if isinstance(beats, BeatTable):
+            own = [r for r in ranks if beats.old(r, stale)]
+        else:
+            own = [r for r in ranks if r not in beats or (beats[r]["phase"] != "finished" and beats[r]["beat"] < stale)]
+        if not own:
+            return
+        absent: set[int] = set()
+        for r, beat in read_beats(store, self._key, own, self.seal, absent).items():
+            if r not in beats or beat["beat"] > beats[r]["beat"]:
+                if isinstance(beats, BeatTable):
+                    beats.put(r, beat)
+                else:
                     beats[r] = beat
-            found.update((self._key(r), r not in absent) for r in own)
-        wanted = set(ranks)
-        return {r: b for r, b in beats.items() if r in wanted}
+        found.update((self._key(r), r not in absent) for r in own)
 
     def reader(self) -> BeatReader:
         """Reads ranks' latest heartbeats on a store connection of its own (for another thread)."""
@@ -432,12 +453,7 @@ class Watchdog:
         lost = [
             r
             for r in range(self.env.world_size)
-            if r != self.env.rank
-            and (
-                now - started > limit
-                if r not in beats
-                else beats[r]["phase"] != "finished" and now - beats[r]["beat"] > limit
-            )
+            if r != self.env.rank and (now - started > limit if r not in beats else beats.old(r, now - limit))
         ]
         # Heartbeats that someone else overwrote or deleted lately say nothing about their rank: not judged by them
         # (a rank that is gone in fact stops the collectives, and the hang watchdog names it).
@@ -489,30 +505,28 @@ class Watchdog:
     def _where(self) -> str:
         return f"'{self.phase}' of step {self.step}"
 
-    def _read_beats(self) -> dict[int, dict]:
-        """Every rank's latest heartbeat that this launch wrote; a key that held one and is gone now was deleted by
-        someone else (the package never deletes one): its last beat stands, and the deletion is counted."""
+    def _read_beats(self) -> BeatTable:
+        """Every rank's latest heartbeat that this launch wrote, into the table of each rank's last; a key that held
+        one and is gone now was deleted by someone else (the package never deletes one): its last beat stands, and
+        the deletion is counted."""
         found: dict[str, bool] = {}
-        beats = self.beats_of(self._client(), range(self.env.world_size), found)
+        if self._table is None:
+            self._table = BeatTable(self.env.world_size)
+        beats, store, ranks = self._table, self._client(), list(range(self.env.world_size))
+        for r, beat in self._records(store, ranks, found):
+            beats.put(r, beat)
+        self._own_keys(store, ranks, beats, found)
         now = time.time()
         for key, there in found.items():
             if there:
                 self._held.add(key)
-            elif key in self._held:  # no value at all (a refused one is counted as what it was)
-                self._held.discard(key)
+            elif key in self._held:  # no value at all, each read (a refused one is counted as what it was)
                 self.seal.note_deleted(key, now)
-        for r, beat in self._last_beats.items():
-            beats.setdefault(r, beat)
-        self._last_beats.update(beats)
         return beats
 
-    def _silent(self, beats: dict[int, dict]) -> list[int]:
+    def _silent(self, beats: BeatTable) -> list[int]:
         now, limit = time.time(), 3 * self.cfg.heartbeat_s
-        return [
-            r
-            for r in range(self.env.world_size)
-            if r not in beats or (beats[r]["phase"] != "finished" and now - beats[r]["beat"] > limit)
-        ]
+        return [r for r in range(self.env.world_size) if beats.old(r, now - limit)]
 
     def _claim(self, store: dist.TCPStore, seq: int) -> bool:
         """Declare the hang this rank found in its phase number ``seq``: unless that phase ended meanwhile (reading

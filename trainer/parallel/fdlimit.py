@@ -10,8 +10,8 @@ from __future__ import annotations
 import resource
 
 BASE_FILES = 1024  # a rank's own: logs, data shards, checkpoint files, the MPI library's and the tracker's
-# Each rank's clients of rank 0's store: the process group's, the heartbeat thread's and the roll call's
-# (trainer/observe/watchdog.py).
+# Each rank's clients of rank 0's store: the process group's, and the heartbeat thread's and the roll call's where
+# its node's relay fails (trainer/observe/noderelay.py: else one node's first rank holds those two for its node).
 STORE_CONNECTIONS = 3
 # Groups over every rank that gloo connects in full: the default group, the flat all-reduce's and the checkpoint
 # agreement's; with NCCL only the last (trainer/checkpoint/checkpointer.py) is gloo's.
