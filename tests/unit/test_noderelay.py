@@ -1,7 +1,7 @@
 """A node's ranks through their first rank's store connections (trainer/observe/noderelay.py and the watchdog's use
 of it): the hub keeps each member's latest heartbeat and names the members that answer a roll call; rank 0 reads one
 record a node and no key a rank; a member whose hub goes away talks to the store itself; a claim reaches the members
-through their hub; another user can neither reach a hub nor plant its folder."""
+through their hub; another user can neither reach a hub nor plant its folder; a killed launch's folder is swept."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -22,8 +24,8 @@ from rundir.contract import EXIT_HANG
 from storage.private import UnsafeFolder
 from tests.conftest import OTHER_USER_ENV, as_user
 from tests.unit.test_replicas import env_of
-from trainer.observe.noderelay import Hub, Spoke, relay_path
-from trainer.observe.watchdog import HANG_KEY, Watchdog
+from trainer.observe.noderelay import Hub, Spoke, relay_path, sweep
+from trainer.observe.watchdog import CLOSE, HANG_KEY, Watchdog
 from trainer.parallel.storeseal import Seal
 
 
@@ -66,6 +68,19 @@ def end(dog: Watchdog, code: int) -> None:
     """A rank's end in this process: its threads stop (a real rank's process is gone)."""
     dog.exits.append(code)
     dog._stop.set()
+
+
+def release(store: dist.TCPStore, dogs: list[Watchdog]) -> None:
+    """The threads of ranks that ended in this process, woken and ended before their store goes with the test."""
+    for dog in dogs:
+        dog._stop.set()
+        key = dog._call_key(dog.env.rank)
+        store.set(key, dog.seal.seal(key, CLOSE))
+        if dog.hub is not None:
+            dog.hub.close()
+    for dog in dogs:
+        for thread in (dog._thread, dog._answerer, dog._guarder):
+            thread.join(timeout=5)
 
 
 def watchdogs(tmp_path, world: int, per_node: int, cfg: MonitorConfig) -> tuple[dist.TCPStore, list[Watchdog]]:
@@ -138,9 +153,7 @@ def test_a_hang_claimed_by_a_member_reaches_every_rank_through_the_hubs(tmp_path
     message = json.loads(RunDir(tmp_path / "run").failure.read_text())["message"]
     assert "rank 3" in message and "did not arrive" in message, message
     assert "hpc/watchdog/dumped/1" in store.list_keys()  # written by its hub, rank 0, for it
-    for dog in dogs:
-        if dog.hub is not None:
-            dog.hub.close()
+    release(store, dogs)
 
 
 def test_another_user_can_neither_reach_a_hub_nor_plant_its_folder(tmp_path, other_user, other_user_python):
@@ -175,6 +188,24 @@ def test_a_frozen_first_rank_is_claimed_alone_its_node_talking_to_the_store_itse
     failure = json.loads(RunDir(tmp_path / "run").failure.read_text())
     assert [s["rank"] for s in failure["suspects"]] == [2], failure["message"]
     until(lambda: dogs[1].exits and dogs[3].exits)  # the others followed the claim, rank 3 through the store
-    for dog in dogs:
-        if dog.hub is not None:
-            dog.hub.close()
+    release(store, dogs)
+
+
+def test_a_killed_launchs_relay_folder_is_swept_and_a_live_or_new_one_kept(tmp_path):
+    def folder(name: str, listening: bool, age_s: float) -> Path:
+        path = tmp_path / f"hpc-relay-{name}"
+        path.mkdir(mode=0o700)
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path / "n0.sock"))  # the file stays after the socket closes, as a killed hub's does
+        if listening:
+            sock.listen()
+            kept.append(sock)
+        else:
+            sock.close()
+        os.utime(path, (time.time() - age_s,) * 2)
+        return path
+
+    kept: list[socket.socket] = []
+    killed, live, young = folder("killed", False, 120), folder("live", True, 120), folder("young", False, 5)
+    assert sweep(tmp_path) == [killed]
+    assert not killed.exists() and live.exists() and young.exists()

@@ -13,6 +13,7 @@ import json
 import os
 import selectors
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -22,11 +23,44 @@ from pathlib import Path
 from storage.private import private_dir
 
 SEND_TIMEOUT_S = 1.0  # a member that does not read its socket (frozen) is skipped, not waited for
+PREFIX = "hpc-relay-"
+STALE_S = 60.0  # a relay folder this old with no hub listening in it is a killed launch's
+
+
+def sweep(root: Path | None = None, *, older_s: float = STALE_S) -> list[Path]:
+    """Remove this user's relay folders that a killed launch left (its hubs ended without closing: os._exit, SIGKILL):
+    older than ``older_s`` and with no socket that takes a connection. Another live launch's folder is kept."""
+    root = root if root is not None else Path(tempfile.gettempdir())
+    removed, now = [], time.time()
+    for folder in root.glob(f"{PREFIX}*"):
+        try:
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < older_s:
+                continue
+            socks = list(folder.iterdir())
+            if any(_listening(s) for s in socks):
+                continue
+            for s in socks:
+                s.unlink()
+            folder.rmdir()
+            removed.append(folder)
+        except OSError:  # another rank of the host swept it first, or it is in use after all
+            continue
+    return removed
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(path))
+            return True
+        except OSError:
+            return False
 
 
 def relay_path(token: str, node: int) -> Path:
     """Where node ``node``'s hub listens: node-local ($TMPDIR, else /tmp), one folder a launch."""
-    return Path(tempfile.gettempdir()) / f"hpc-relay-{token}" / f"n{node}.sock"
+    return Path(tempfile.gettempdir()) / f"{PREFIX}{token}" / f"n{node}.sock"
 
 
 def peer_uid(sock: socket.socket) -> int:

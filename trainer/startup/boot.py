@@ -19,6 +19,7 @@ from trainer.env import RuntimeEnv, agree, from_mpi
 from trainer.errors import UserError
 from trainer.loop.stop import EarlySignals, StopFlag
 from trainer.loop.stopreport import record_signal_path
+from trainer.observe import noderelay
 from trainer.observe.deadline import StartupDeadline
 from trainer.observe.hostmem import fix_mmap_threshold
 from trainer.observe.inject import Injector
@@ -85,6 +86,9 @@ def boot(
     record_signal_path(rundir, env, cfg.checkpoint.stop_signals, early, comm)  # for `python -m hpc selftest`
     if env.host_local_rank == 0:  # what ranks of an earlier, killed launch left on this host
         removed = shm.sweep()
+        relays = noderelay.sweep()
+        if relays:
+            log.info("removed %d stale relay folder(s) of killed launches from %s", len(relays), relays[0].parent)
         if removed:
             log.info("removed %d stale MPI shared-memory segment(s) from %s", len(removed), shm.SHM_DIR)
     if env.rank == 0:
