@@ -110,10 +110,11 @@ def boot(
 def _open_files(env: RuntimeEnv, gloo: bool, comm: MPI.Comm) -> None:
     """Every rank's soft limit on open files raised to its hard limit before the store and gloo connect (collective:
     a hard limit too low for the world stops every rank, naming the rank)."""
-    before, now, error = raise_open_files(env.rank, env.world_size, env.hostname, gloo=gloo)
+    per_node = env.topology.ranks_per_node
+    before, now, error = raise_open_files(env.rank, env.world_size, env.hostname, gloo=gloo, ranks_per_node=per_node)
     if now != before:
         log.info("open files: soft limit raised from %d to %d (about %d needed at %d ranks)", before, now,
-                 needed(env.rank, env.world_size, gloo=gloo), env.world_size)  # fmt: skip
+                 needed(env.rank, env.world_size, gloo=gloo, ranks_per_node=per_node), env.world_size)  # fmt: skip
     agree(comm, error)
 
 
