@@ -35,7 +35,13 @@ def in_a_login_shell(script: str, cwd: Path) -> subprocess.CompletedProcess:
     """``script`` in bash after Lmod's init and the module loads, as a user types it on a login node: nothing of
     this test's venv on PATH or the import path."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if Path(p) != Path(sys.executable).parent)
+    # this test's venv, and one activated in the shell that started the tests (its mpirun, MPICH's, would be found
+    # before the system's Open MPI and pick srun's pmi2 plugin)
+    venvs = {
+        Path(sys.executable).parent,
+        *([Path(os.environ["VIRTUAL_ENV"]) / "bin"] if "VIRTUAL_ENV" in os.environ else []),
+    }
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if Path(p) not in venvs)
     lines = ["set -eo pipefail", "source /usr/share/lmod/lmod/init/bash", *MODULES, script]
     return subprocess.run(["bash", "-c", "\n".join(lines)], capture_output=True, text=True, env=env, cwd=cwd,
                           timeout=120)  # fmt: skip
