@@ -45,6 +45,7 @@ def test_a_hang_with_2048_ranks_behind_is_named_by_ranges_and_claimed_in_a_fract
     ]
     store.multi_set(keys, values)
     store.multi_set(*zip(*dumped, strict=True))  # every live rank has written its stacks: no wait for them
+    store.get(dumped[-1][0])  # a round trip on this connection: the writes are in before rank 0 reads on its own
     dog.seq, dog.phase, dog.step, dog.since = 8, "gradient all-reduce", 12, now - 70
 
     started = time.perf_counter()
@@ -77,6 +78,7 @@ def test_rank_0_keeps_34_bytes_a_rank_of_4096_ranks_heartbeats(tmp_path):
             keys.append(f"hpc/watchdog/beat/n{n}")
             values.append(Seal(secret, ranks[0]).seal(keys[-1], json.dumps({"beats": beats})))
         store.multi_set(keys, values)
+        store.get(keys[-1])  # a round trip on this connection: the writes are in before rank 0 reads on its own
 
     publish(1)
     table = dog._read_beats()  # the table is made at the first read
