@@ -56,7 +56,8 @@ class Counted(Watchdog):
         return super()._get(store, key)
 
     def _read_beats(self) -> dict[int, dict]:
-        self.ops += 2 * -(-self.beat_records() // READ_CHUNK)  # read_all's check and multi_get per chunk
+        records = self.env.topology.num_nodes if self.relayed else self.env.world_size  # a node's, or a rank's
+        self.ops += 2 * -(-records // READ_CHUNK)  # read_all's check and multi_get per chunk
         return super()._read_beats()
 
 

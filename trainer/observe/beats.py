@@ -106,7 +106,7 @@ class BeatReader:
 class BeatTable:
     """The last heartbeat of every rank, as rank 0's watchdog keeps it between reads: in arrays, 34 bytes a rank
     (a dict a rank took about 350, and parsing them all at once 900 more at the peak). Reads like a dict of beats
-    (``in``, ``[]``, ``items``), each beat made when asked for."""
+    (``in``, ``[]``, ``[] =``, ``items``), each beat made when asked for."""
 
     def __init__(self, world_size: int) -> None:
         self.beat = array("d", [math.nan]) * world_size  # NaN: none yet
@@ -127,6 +127,8 @@ class BeatTable:
                 self._index[phase] = index
         self.beat[rank], self.since[rank] = float(beat["beat"]), float(beat["since"])
         self.seq[rank], self.step[rank], self.phase[rank] = int(beat["seq"]), int(beat["step"]), index
+
+    __setitem__ = put
 
     def finished(self, rank: int) -> bool:
         return self._phases[self.phase[rank]] == "finished"

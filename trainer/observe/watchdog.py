@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -314,10 +314,6 @@ class Watchdog:
     def _node_key(self, node: int) -> str:
         return f"hpc/watchdog/beat/n{node}"
 
-    def beat_records(self) -> int:
-        """How many heartbeat records rank 0 reads each interval when every rank publishes."""
-        return self.env.topology.num_nodes if self.relayed else self.env.world_size
-
     def _client(self) -> dist.TCPStore:
         if self._store is None:
             self._store = self._connect(timedelta(seconds=max(5.0, 2 * self.cfg.heartbeat_s)))
@@ -342,7 +338,9 @@ class Watchdog:
         beats[str(self.env.rank)] = self._beat_dict()
         self._set(store, self._node_key(self.env.node), json.dumps({"beats": beats}))
 
-    def beats_of(self, store: dist.TCPStore, ranks, found: dict[str, bool] | None = None) -> dict[int, dict]:  # noqa: ANN001
+    def beats_of(
+        self, store: dist.TCPStore, ranks: Iterable[int], found: dict[str, bool] | None = None
+    ) -> dict[int, dict]:
         """The latest heartbeat of each of ``ranks`` that this launch wrote: from its node's record, or from the
         rank's own key where that is newer (a rank whose hub went away); ``found`` notes which keys held a value."""
         ranks, wanted = list(ranks), set(ranks)
@@ -380,10 +378,7 @@ class Watchdog:
         absent: set[int] = set()
         for r, beat in read_beats(store, self._key, own, self.seal, absent).items():
             if r not in beats or beat["beat"] > beats[r]["beat"]:
-                if isinstance(beats, BeatTable):
-                    beats.put(r, beat)
-                else:
-                    beats[r] = beat
+                beats[r] = beat
         found.update((self._key(r), r not in absent) for r in own)
 
     def reader(self) -> BeatReader:

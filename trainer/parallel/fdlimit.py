@@ -22,7 +22,8 @@ CEILING = 1 << 20  # what "unlimited" is raised to (select-free code; close_rang
 
 
 def store_clients(world_size: int, ranks_per_node: int) -> int:
-    """Clients of rank 0's store at ``world_size``: one a rank, and two a node (a rank, with one rank a node)."""
+    """Clients of rank 0's store at ``world_size``: one a rank and two a node (three a rank where a node holds one
+    rank: no relay)."""
     if ranks_per_node <= 1:
         return STORE_CONNECTIONS * world_size
     return world_size + 2 * (-(-world_size // ranks_per_node) + RELAY_MARGIN)
