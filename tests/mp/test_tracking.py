@@ -80,7 +80,8 @@ def kill_after_a_logged_uncommitted_step(run_dir, proc, rank: int, after: int) -
 
 def test_one_tracker_run_across_a_restart_a_stop_and_a_resume(tmp_path, small_dataset):
     run_dir = tmp_path / "runs" / "run"
-    sets = tracked(small_dataset, "job.max_failures=2", "job.restart_backoff_s=0.2")
+    # a flush long enough for a loaded machine: a tracker that took the queue late would be noise in the logs
+    sets = tracked(small_dataset, "job.max_failures=2", "job.restart_backoff_s=0.2", "tracking.flush_timeout_s=120")
     proc = start(run_dir, sets, inject=SLOW)
     logged = kill_after_a_logged_uncommitted_step(run_dir, proc, rank=1, after=6)  # the launch fails: restarted
     resumed = wait_for_event(run_dir, "resume", 1, proc)
@@ -115,7 +116,8 @@ def test_one_tracker_run_across_a_restart_a_stop_and_a_resume(tmp_path, small_da
     manifest = validate(run_dir / "checkpoints" / read_latest(run_dir / "checkpoints"))
     assert manifest["tracking_run_id"] == run_id
     text = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert "tracking:" not in text and "mlflow.store" not in text, text[-2000:]  # nothing to warn of, no noise
+    noise = [line for line in text.splitlines() if "tracking:" in line or "mlflow.store" in line]
+    assert not noise, noise  # nothing to warn of, no noise
 
 
 def free_port() -> int:

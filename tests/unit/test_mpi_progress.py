@@ -29,7 +29,7 @@ def test_relaxed_while_training_then_back_and_stop_at_once():
     counting = progress._comm = CountingComm(progress._comm)
     progress._thread.start()
     try:
-        assert probes_in(counting, 0.5) >= 20  # ~100 at 5 ms; a loaded 2-core host wakes it late, not never
+        assert probes_in(counting, 0.5) >= 8  # ~100 at 5 ms, 17 on a loaded 2-core host; relaxed: ~1
         with progress.relaxed(interval_s=0.4):
             assert progress.interval_s == 0.4
             time.sleep(0.1)  # the wait begun at 5 ms ends
@@ -38,7 +38,7 @@ def test_relaxed_while_training_then_back_and_stop_at_once():
         assert progress.interval_s == INTERVAL_S
         time.sleep(0.2)
         assert [t for t in counting.probes if t > left][0] - left < 0.1  # probes at once, not after 0.4 s
-        assert probes_in(counting, 0.5) >= 20
+        assert probes_in(counting, 0.5) >= 8
         with progress.relaxed(interval_s=30.0):
             time.sleep(0.1)
             started = time.monotonic()

@@ -293,6 +293,9 @@ class Watchdog:
         if not self._stop.is_set():
             log.warning("rank %d: %s; it talks to the rendezvous store itself from now on", self.env.rank, why)
         self.direct = True
+        # The hub's silence is not the store's: the guard's clock starts again, so this rank has a whole limit to
+        # reach the store itself before it takes rank 0's host for gone.
+        self.store_ok = max(self.store_ok, time.time())
         return False
 
     def _relay_path(self):  # noqa: ANN202
