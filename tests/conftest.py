@@ -22,10 +22,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
+#: The Slurm test modules of the second Slurm unit: about half of the Slurm tests' time (each unit's worker starts
+#: clusters of its own, on its own ports: tests/slurm/conftest.py).
+SLURM_SECOND_UNIT = {
+    "tests/slurm/test_accounting.py",
+    "tests/slurm/test_badnodes.py",
+    "tests/slurm/test_sweep_chain.py",
+}
+
+
 class WorkUnits:
     """Work units for ``pytest -n N --dist loadfile`` (tests/run.sh runs three workers on two cores: with two, the
-    cores were idle 14% of the time, waiting on Slurm's passes and on sleeps): every Slurm test in one unit, so
-    that one worker starts the session's clusters (on their fixed ports) and runs those tests in file order, every
+    cores were idle 14% of the time, waiting on Slurm's passes and on sleeps): the Slurm tests in two units, each
+    run in file order by one worker, which starts its own clusters (their ports moved by the worker's number), every
     S3 test in another (one server), and every other test module a unit of its own, so that a module's fixtures
     (its reference runs) are made once.
     (``xdist_group`` marks would say the same, but pytest 9.2's node ids lose them: pytest-xdist issue 1386.)"""
@@ -38,7 +47,9 @@ class WorkUnits:
         class Units(LoadFileScheduling):
             def _split_scope(self, nodeid: str) -> str:
                 path = nodeid.split("::", 1)[0]
-                for shared in ("tests/slurm/", "tests/s3/"):  # one cluster, one S3 server per session
+                if path in SLURM_SECOND_UNIT:
+                    return "tests/slurm/ (separate hosts, sweeps, accounting)"
+                for shared in ("tests/slurm/", "tests/s3/"):  # a worker's clusters, one S3 server per session
                     if path.startswith(shared):
                         return shared
                 return path
@@ -46,9 +57,10 @@ class WorkUnits:
         return Units(config, log)
 
     def pytest_collection_modifyitems(self, items) -> None:
-        """Long units first, short ones last (the longest-first rule): the Slurm unit (about 16 minutes) starts at
-        once, the multi-process modules follow, and the single-process modules, seconds each, fill the workers'
-        ends, so that none waits long for another's last module."""
+        """Long units first, short ones last (the longest-first rule; tests/run.sh keeps this order with
+        --no-loadscope-reorder): the two Slurm units start at once, the multi-process modules follow, and the
+        single-process modules, seconds each, fill the workers' ends, so that none waits long for another's last
+        module."""
         group = {"tests/slurm/": 0, "tests/unit/": 2}
         items.sort(key=lambda item: next((g for p, g in group.items() if item.nodeid.startswith(p)), 1))
 

@@ -49,9 +49,13 @@ for job in "s3:$s3" "python:$python"; do
 done
 rm -rf "$logs"
 [ "$failed" = 0 ] || exit 1
+# The project's bytecode, compiled once: where PYTHONDONTWRITEBYTECODE is set (as on the CI machine) every rank and
+# tool process would otherwise compile the modules it imports again (about 0.05 CPU-s each, thousands of processes).
+.venv/bin/python -m compileall -q -j 0 bench examples hpc runconfig rundir storage tests tracking trainer >/dev/null
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Three workers (pytest-xdist) on 2 cores: the Slurm tests on one, every other test module on any (tests/conftest.py,
 # WorkUnits); a third keeps the cores busy while two wait (Slurm's passes, sleeps): docs/measurements/test-suite.md.
 # HPC_TEST_WORKERS=0 runs everything in this one process.
-exec .venv/bin/python -m pytest -n "${HPC_TEST_WORKERS:-3}" --dist loadfile "$@"
+# --no-loadscope-reorder: the units in WorkUnits' order (longest first), not by their number of tests.
+exec .venv/bin/python -m pytest -n "${HPC_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"

@@ -15,9 +15,12 @@ from tests.conftest import ROOT, run_cli, summary
 # Apart from a developer's own cluster (16817/17001); HPC_TEST_SLURM_CTLD_PORT / HPC_TEST_SLURM_NODE_PORT move them,
 # so that two test sessions can run at once. Nodes use NODE_PORT, NODE_PORT + 1; the accounting test's own cluster
 # the same + 10 (tests/slurm/test_accounting.py), the separate-hosts cluster + 20 (tests/slurm/test_badnodes.py).
+# Each pytest-xdist worker that runs Slurm tests starts clusters of its own, 100 ports further per worker: the Slurm
+# tests are two work units (tests/conftest.py's WorkUnits), which two workers may run at once.
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 PORTS = {
-    "HPC_SLURM_CTLD_PORT": os.environ.get("HPC_TEST_SLURM_CTLD_PORT", "16917"),
-    "HPC_SLURM_NODE_PORT": os.environ.get("HPC_TEST_SLURM_NODE_PORT", "17101"),
+    "HPC_SLURM_CTLD_PORT": str(int(os.environ.get("HPC_TEST_SLURM_CTLD_PORT", "16917")) + 100 * WORKER),
+    "HPC_SLURM_NODE_PORT": str(int(os.environ.get("HPC_TEST_SLURM_NODE_PORT", "17101")) + 100 * WORKER),
 }
 
 
