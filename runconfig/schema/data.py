@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runconfig.schema.fields import Range, Section, doc
+from runconfig.schema.fields import Problems, Range, Section, doc
 
 #: Smallest shard of a prepared dataset (data.shard_tokens, and `python -m trainer.data prepare`).
 MIN_SHARD_TOKENS = 1024
@@ -13,9 +13,38 @@ MIN_SHARD_TOKENS = 1024
 @dataclass(frozen=True, kw_only=True)
 class DataConfig(Section):
     source: str = doc(
-        "Folder of text files to prepare on first use, or 'stdlib' for this Python's standard library.",
+        "Folder (or one file) of the corpus to prepare on first use, or 'stdlib' for this Python's standard library "
+        "(data.format says how its files are read).",
         "stdlib",
         nonempty="must not be empty",
+    )
+    format: str = doc(
+        "How data.source's files are read: 'text' (a file per document), 'jsonl' (a JSON object per line; .gz and "
+        ".zst too), 'parquet' or 'arrow' (a row per document; `datasets`' save_to_disk folders are Arrow), 'tokens' "
+        "(ids already encoded: .npy, or .bin in data.token_dtype); 'auto': by each file's ending, text otherwise.",
+        "auto",
+        choices=("auto", "text", "jsonl", "parquet", "arrow", "tokens"),
+    )
+    field: str = doc(
+        "The JSON field (jsonl) or column (parquet, arrow) that holds each document's text.",
+        "text",
+        nonempty="must name a field or column",
+    )
+    token_dtype: str | None = doc(
+        "The dtype of raw .bin token files (uint16, uint32, int32, ...); .npy files carry their own.",
+        None,
+        choices=("uint8", "uint16", "int16", "uint32", "int32", "int64", "uint64"),
+    )
+    vocab_size: int | None = doc(
+        "Token files prepared without data.tokenizer: the vocabulary size their ids come from.",
+        None,
+        bounds=Range(ge=2),
+    )
+    eos: int | None = doc(
+        "Token files prepared without data.tokenizer: the end-of-document id (between documents in the files, or "
+        "added after each document of a NAME.lengths.npy beside a file).",
+        None,
+        bounds=Range(ge=0),
     )
     include: list[str] = doc(
         "Glob patterns (relative to source) of the files to take.",
@@ -116,3 +145,11 @@ class DataConfig(Section):
         0.5,
         bounds=Range(gt=0, le=60, text="in (0, 60] seconds"),
     )
+
+    def relations(self) -> Problems:
+        if self.tokenizer is not None and (self.vocab_size is not None or self.eos is not None):
+            key = "vocab_size" if self.vocab_size is not None else "eos"
+            return [(key, "comes from data.tokenizer when one is set; set one or the other")]
+        if self.vocab_size is not None and self.eos is not None and self.eos >= self.vocab_size:
+            return [("eos", f"must be below data.vocab_size {self.vocab_size}, got {self.eos}")]
+        return []

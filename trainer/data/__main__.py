@@ -1,6 +1,7 @@
-"""``python -m trainer.data prepare --source DIR --out OUT [--tokenizer tokenizer.json] [--workers N]``: text
-files -> sharded HDF5 tokens + manifest (bytes, or the ids of a ``tokenizers`` tokenizer), over N processes; OUT
-may be an object-storage URL. Under ``srun`` (one task per node) the tasks share the work; a killed preparation
+"""``python -m trainer.data prepare --source DIR|FILE --out OUT [--format F] [--tokenizer tokenizer.json]
+[--workers N]``: a corpus (text files, JSON lines, Parquet, Arrow, token arrays) -> sharded HDF5 tokens + manifest
+(bytes, the ids of a ``tokenizers`` tokenizer, or the ids already in token files), over N processes; OUT may be an
+object-storage URL. Under ``srun`` (one task per node) the tasks share the work; a killed preparation
 run again continues where it stopped."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
 from rundir.contract import INJECT_VAR
 from rundir.slurmvars import slurm_task
 from storage.objstore import Store, StoreError, is_url, local_path
+from trainer.data.formats import INCLUDE, KINDS, TOKEN_DTYPES
 from trainer.data.prepare import PART_BYTES, STDLIB, PrepareSpec, TokenizerError, prepare
 from trainer.observe.inject import parse
 
@@ -51,13 +53,28 @@ def open_fraction(text: str) -> float:
     return value
 
 
+def default_include(fmt: str) -> tuple[str, ...]:
+    """The files taken when no --include is given: the format's endings (every known one for auto)."""
+    if fmt != "auto":
+        return INCLUDE[fmt]
+    return tuple(dict.fromkeys(p for kind in KINDS for p in INCLUDE[kind]))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.data")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="tokenize a folder of text files into HDF5 shards")
-    p.add_argument("--source", required=True, help=f"folder of text files, or '{STDLIB}' for Python's stdlib")
+    p = sub.add_parser("prepare", help="tokenize a corpus into HDF5 shards")
+    p.add_argument("--source", required=True, help=f"the corpus: a folder, one file, or '{STDLIB}' (Python's stdlib)")
     p.add_argument("--out", required=True, help="output folder or URL, e.g. s3://bucket/prefix (no dataset there yet)")
-    p.add_argument("--include", action="append", help="glob of files to take (repeatable; default: *.py *.txt *.md)")
+    p.add_argument("--format", default="auto", choices=("auto", *KINDS),
+                   help="how the files are read (auto: by each file's ending, text otherwise)")  # fmt: skip
+    p.add_argument("--field", default="text", help="the JSON field or Parquet / Arrow column of the text")
+    p.add_argument("--token-dtype", choices=TOKEN_DTYPES, help="dtype of raw .bin token files")
+    p.add_argument("--vocab-size", type=int_at_least(2), help="token files without --tokenizer: their vocabulary")
+    p.add_argument("--eos", type=int_at_least(0), help="token files without --tokenizer: the end-of-document id")
+    p.add_argument("--include", action="append",
+                   help="glob of files to take (repeatable; default: the format's endings, *.py *.txt *.md for text, "
+                   "all of them for auto)")  # fmt: skip
     p.add_argument("--max-bytes", type=int_at_least(0), default=0, help="stop after this many source bytes (0: all)")
     p.add_argument("--val-fraction", type=open_fraction, default=0.05, help="fraction of files held out, in (0, 1)")
     p.add_argument(
@@ -94,11 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = PrepareSpec(
             source=args.source,
-            include=tuple(args.include or ("*.py", "*.txt", "*.md")),
+            include=tuple(args.include or default_include(args.format)),
             max_source_bytes=args.max_bytes,
             val_fraction=args.val_fraction,
             shard_tokens=args.shard_tokens,
             tokenizer=None if args.tokenizer is None else str(args.tokenizer),
+            format=args.format,
+            field=args.field,
+            token_dtype=args.token_dtype,
+            vocab_size=args.vocab_size,
+            eos=args.eos,
         )
     except ValueError as exc:  # the argument types above already refuse these; kept for the spec's own checks
         print(f"error: bad prepare arguments: {exc}.", file=sys.stderr)

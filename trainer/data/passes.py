@@ -1,7 +1,8 @@
 """Preparation in two passes over a work folder, in parallel over processes (and Slurm tasks), resumable.
 
-Pass 1 cuts the source files into *parts* (consecutive files, about ``part_bytes`` of text each) and tokenizes each
-part on its own into one raw token file per split (``parts/P.train.bin``, ``parts/P.val.bin``) and a record of its
+Pass 1 cuts the source files into *parts* (consecutive units of files, about ``part_bytes`` each: a text file, a
+byte range of JSON lines, a Parquet row group, a token range; trainer/data/formats.py) and tokenizes each part on its
+own into one raw token file per split (``parts/P.train.bin``, ``parts/P.val.bin``) and a record of its
 counts and file digests (``parts/P.json``, written last). Pass 2 cuts the concatenation of the parts' streams into
 shards of ``shard_tokens`` (shard k of a split is tokens [k*S, (k+1)*S) of its stream) and writes each shard from
 the slices of the parts it spans (``shards/NAME.h5`` and ``shards/NAME.json``). Every file is written under a
@@ -33,6 +34,7 @@ import numpy as np
 
 from storage.digest import sha256_file
 from storage.files import write_atomic
+from trainer.data.formats import Options, documents, is_val
 
 FORMAT = 1  # of prepared datasets (the manifest's "format"; the shards' "format" attribute)
 #: Documents (or source bytes) encoded per batch when a tokenizer is used.
@@ -46,28 +48,34 @@ class Plan:
     """What the passes do: the same plan, the same work folder content (a changed one starts afresh)."""
 
     files: tuple[tuple[str, str], ...]  # (relative path, path), in order
-    parts: tuple[tuple[int, int], ...]  # [start, end) into files
-    val: tuple[bool, ...]  # per file
+    kinds: tuple[str, ...]  # per file: text, jsonl, parquet, arrow or tokens (trainer/data/formats.py)
+    parts: tuple[tuple[tuple[int, int, int], ...], ...]  # per part, its units: (file, lo, hi)
+    val: tuple[bool, ...]  # per file: a text file's split (the other kinds decide per document)
+    val_fraction: float
+    options: Options
     shard_tokens: int
     dtype: str
     tokenizer: str | None  # path of the tokenizer.json; None: bytes
     eos: int
 
     def digest(self) -> str:
-        text = json.dumps([self.files, self.parts, self.val, self.shard_tokens, self.dtype, self.tokenizer, self.eos])
+        text = json.dumps([self.files, self.kinds, self.parts, self.val, self.val_fraction, repr(self.options),
+                           self.shard_tokens, self.dtype, self.tokenizer, self.eos])  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def cut_parts(sizes: list[int], part_bytes: int) -> list[tuple[int, int]]:
-    """Consecutive runs of files of about ``part_bytes`` each (a file larger than that is a part of its own)."""
-    parts, start, total = [], 0, 0
-    for i, size in enumerate(sizes):
+def cut_parts(units: list[tuple[int, int, int, int]], part_bytes: int) -> list[tuple[tuple[int, int, int], ...]]:
+    """Consecutive runs of units (file, lo, hi, bytes) of about ``part_bytes`` each (a larger unit is a part of its
+    own)."""
+    parts, current, total = [], [], 0
+    for file, lo, hi, size in units:
+        current.append((file, lo, hi))
         total += size
         if total >= part_bytes:
-            parts.append((start, i + 1))
-            start, total = i + 1, 0
-    if start < len(sizes):
-        parts.append((start, len(sizes)))
+            parts.append(tuple(current))
+            current, total = [], 0
+    if current:
+        parts.append(tuple(current))
     return parts
 
 
@@ -116,7 +124,8 @@ def run_passes(
         for rel, sha in r["digests"]:
             digest.update(rel.encode() + b"\0" + bytes.fromhex(sha))
     read = {
-        "source_files": sum(b - a for a, b in plan.parts),
+        "source_files": len(plan.files),
+        "documents": {split: sum(r["documents"][split] for r in records) for split in SPLITS},
         "source_bytes": sum(r["bytes"] for r in records),
         "source_sha256": digest.hexdigest(),
     }
@@ -185,42 +194,47 @@ def _encoder(path: str):
 
 
 def _tokenize_part(plan: Plan, work: Path, p: int, delay_s: float = 0.0) -> int:
-    """Pass 1 for part ``p``: its files' tokens, each document followed by EOS, appended to its split's stream."""
+    """Pass 1 for part ``p``: its documents' tokens, each followed by EOS, appended to its split's stream."""
     time.sleep(delay_s)
-    start, end = plan.parts[p]
     out = {s: open(work / "parts" / f".{p:05d}.{s}.bin.tmp", "wb") for s in SPLITS}  # noqa: SIM115
     counts = dict.fromkeys(SPLITS, 0)
+    docs = dict.fromkeys(SPLITS, 0)
     digests: list[tuple[str, str]] = []
     nbytes = 0
-    for batch in _read_ahead(_batches(plan, start, end, digests)):
+    for batch in _read_ahead(_batches(plan, plan.parts[p], digests)):
         for (split, data), tokens in zip(batch, _tokens([d for _, d in batch], plan), strict=True):
             out[split].write(tokens.tobytes())
             counts[split] += len(tokens)
-            nbytes += len(data)
+            docs[split] += 1
+            nbytes += data.nbytes if isinstance(data, np.ndarray) else len(data)
     for split, f in out.items():
         f.flush()
         os.fsync(f.fileno())
         f.close()
         os.replace(work / "parts" / f".{p:05d}.{split}.bin.tmp", work / "parts" / f"{p:05d}.{split}.bin")
-    record = {"part": p, "tokens": counts, "bytes": nbytes, "digests": digests}
+    record = {"part": p, "tokens": counts, "documents": docs, "bytes": nbytes, "digests": digests}
     write_atomic(work / "parts" / f"{p:05d}.json", json.dumps(record).encode(), fsync=True)
     return p
 
 
-def _batches(plan: Plan, start: int, end: int, digests: list) -> Iterable[list[tuple[str, bytes]]]:
-    """Files [start, end) read and hashed (into ``digests``), in batches of ENCODE_BATCH_FILES / _BYTES."""
-    batch: list[tuple[str, bytes]] = []
+def _batches(plan: Plan, units: tuple, digests: list) -> Iterable[list[tuple[str, bytes | np.ndarray]]]:
+    """The units' documents, each with its split, in batches of ENCODE_BATCH_FILES / _BYTES; a digest of each unit's
+    documents goes into ``digests``."""
+    batch: list[tuple[str, bytes | np.ndarray]] = []
     batch_bytes = 0
-    for i in range(start, end):
+    for i, lo, hi in units:
         rel, path = plan.files[i]
-        with open(path, "rb") as f:
-            data = f.read()
-        digests.append((rel, hashlib.sha256(data).hexdigest()))
-        batch.append(("val" if plan.val[i] else "train", data))
-        batch_bytes += len(data)
-        if len(batch) >= ENCODE_BATCH_FILES or batch_bytes >= ENCODE_BATCH_BYTES:
-            yield batch
-            batch, batch_bytes = [], 0
+        kind = plan.kinds[i]
+        digest = hashlib.sha256()
+        for key, data in documents(kind, Path(path), lo, hi, plan.options):
+            digest.update(data if isinstance(data, bytes) else data.tobytes())
+            val = plan.val[i] if kind == "text" else is_val(rel, key, plan.val_fraction)
+            batch.append(("val" if val else "train", data))
+            batch_bytes += len(data) if isinstance(data, bytes) else data.nbytes
+            if len(batch) >= ENCODE_BATCH_FILES or batch_bytes >= ENCODE_BATCH_BYTES:
+                yield batch
+                batch, batch_bytes = [], 0
+        digests.append((rel if kind == "text" else f"{rel}#{lo}-{hi}", digest.hexdigest()))
     if batch:
         yield batch
 
@@ -248,20 +262,23 @@ def _read_ahead(batches: Iterable[list]) -> Iterable[list]:
     thread.join()
 
 
-def _tokens(documents: list[bytes], plan: Plan) -> list[np.ndarray]:
-    """Each document's tokens followed by the end-of-document token."""
+def _tokens(documents: list[bytes | np.ndarray], plan: Plan) -> list[np.ndarray]:
+    """Each document's tokens followed by the end-of-document token (token documents have it already)."""
+    out: list[np.ndarray | None] = [d.astype(plan.dtype) if isinstance(d, np.ndarray) else None for d in documents]
+    texts = [(i, d) for i, d in enumerate(documents) if not isinstance(d, np.ndarray)]
     if plan.tokenizer is None:
-        out = []
-        for data in documents:
+        for i, data in texts:
             tokens = np.empty(len(data) + 1, dtype=np.uint16)
             tokens[:-1] = np.frombuffer(data, dtype=np.uint8)
             tokens[-1] = plan.eos
-            out.append(tokens)
-        return out
-    encoder = _encoder(plan.tokenizer)
-    texts = [data.decode("utf-8", errors="replace") for data in documents]
-    encode = getattr(encoder, "encode_batch_fast", None) or encoder.encode_batch
-    return [np.array(e.ids + [plan.eos], dtype=plan.dtype) for e in encode(texts, add_special_tokens=False)]
+            out[i] = tokens
+    elif texts:
+        encoder = _encoder(plan.tokenizer)
+        encode = getattr(encoder, "encode_batch_fast", None) or encoder.encode_batch
+        encoded = encode([d.decode("utf-8", errors="replace") for _, d in texts], add_special_tokens=False)
+        for (i, _), e in zip(texts, encoded, strict=True):
+            out[i] = np.array(e.ids + [plan.eos], dtype=plan.dtype)
+    return out  # type: ignore[return-value]
 
 
 def _write_shard(plan: Plan, work: Path, records: list[dict], split: str, k: int, n: int) -> None:

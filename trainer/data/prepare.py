@@ -36,9 +36,12 @@ from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
 from rundir.contract import data_cache
 from storage.digest import sha256_file
 from storage.objstore import Store, StoreError, is_url, join, local_path
+from trainer.data.formats import KINDS, TOKEN_DTYPES, CorpusError, Options, is_lengths_file, kind_of, units
 from trainer.data.passes import FORMAT, Plan, cut_parts, parts_done, run_passes
 
 TOKENIZER = "bytes"
+#: The manifest's tokenizer for token files prepared without one.
+PRETOKENIZED = "pretokenized"
 EOS = 256
 VOCAB_SIZE = 257
 DTYPE = "uint16"
@@ -62,6 +65,17 @@ class PrepareSpec:
     shard_tokens: int
     tokenizer: str | None = None
     """A ``tokenizers`` tokenizer.json; None: bytes (vocabulary 257)."""
+    format: str = "auto"
+    """How the files are read (trainer/data/formats.py): text, jsonl, parquet, arrow, tokens, or auto (by ending)."""
+    field: str = "text"
+    """The JSON field or the Parquet / Arrow column that holds each document's text."""
+    token_dtype: str | None = None
+    """The dtype of raw ``.bin`` token files."""
+    vocab_size: int | None = None
+    """Token files without a tokenizer: the vocabulary their ids are from."""
+    eos: int | None = None
+    """Token files without a tokenizer: the end-of-document id (a separator in the files, or added after each
+    document a lengths file gives)."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -82,6 +96,20 @@ class PrepareSpec:
             out.append(("shard_tokens", f"must be an integer >= {MIN_SHARD_TOKENS}, got {self.shard_tokens!r}"))
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             out.append(("tokenizer", f"must be the path of a tokenizer.json or None, got {self.tokenizer!r}"))
+        if self.format not in ("auto", *KINDS):
+            out.append(("format", f"must be one of auto, {', '.join(KINDS)}, got {self.format!r}"))
+        if not isinstance(self.field, str) or not self.field:
+            out.append(("field", f"must name a JSON field or a column, got {self.field!r}"))
+        if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
+            out.append(("token_dtype", f"must be one of {', '.join(TOKEN_DTYPES)}, got {self.token_dtype!r}"))
+        for name in ("vocab_size", "eos"):
+            value = getattr(self, name)
+            if value is not None and (_not_int(value) or value < (2 if name == "vocab_size" else 0)):
+                out.append((name, f"must be an integer >= {2 if name == 'vocab_size' else 0} or unset, got {value!r}"))
+        if self.tokenizer is not None and (self.vocab_size is not None or self.eos is not None):
+            out.append(("vocab_size", "and eos come from the tokenizer when one is given; set one or the other"))
+        elif self.vocab_size is not None and self.eos is not None and self.eos >= self.vocab_size:
+            out.append(("eos", f"must be below vocab_size {self.vocab_size}, got {self.eos}"))
         return out
 
     def source_dir(self) -> Path:
@@ -97,6 +125,9 @@ class PrepareSpec:
         tokenizer = TOKENIZER if path is None else f"tokenizers:{tokenizer_sha256(path)}"
         parts = [str(FORMAT), tokenizer, str(self.source_dir().resolve()), *self.include]
         parts += [str(self.max_source_bytes), repr(self.val_fraction), str(self.shard_tokens)]
+        read = (self.format, self.field, self.token_dtype, self.vocab_size, self.eos)
+        if read != ("auto", "text", None, None, None):  # a folder of text files keeps the key it always had
+            parts += [repr(read)]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -167,8 +198,11 @@ def _not_int(value: object) -> bool:
 
 
 def list_files(spec: PrepareSpec) -> list[tuple[str, Path]]:
-    """(relative path, path) of every source file, sorted by relative path."""
+    """(relative path, path) of every source file, sorted by relative path (the source itself when it is a file).
+    A token file's lengths (``NAME.lengths.npy``) are read with it, not as a source file of their own."""
     root = spec.source_dir()
+    if root.is_file():
+        return [(root.name, root)]
     top = str(root)
     matchers = [re.compile(fnmatch.translate(pat)).match for pat in spec.include]
     found: dict[str, Path] = {}
@@ -180,7 +214,7 @@ def list_files(spec: PrepareSpec) -> list[tuple[str, Path]]:
         prefix = "" if prefix == "." else prefix + "/"
         for name in filenames:
             rel = prefix + name
-            if any(match(rel) or match(name) for match in matchers):
+            if any(match(rel) or match(name) for match in matchers) and not is_lengths_file(name):
                 found[rel] = Path(dirpath, name)
     return sorted(found.items())
 
@@ -270,8 +304,8 @@ def prepare(
 def _source_files(spec: PrepareSpec) -> tuple[Path, list[tuple[str, Path]]]:
     """The source folder and the files taken from it; FileNotFoundError when there is nothing to take."""
     root = spec.source_dir()
-    if not root.is_dir():
-        raise FileNotFoundError(f"data source folder {root} does not exist")
+    if not root.exists():
+        raise FileNotFoundError(f"data source {root} does not exist")
     files = select_files(spec)
     if not files:
         raise FileNotFoundError(f"data source folder {root} has no files matching {list(spec.include)}")
@@ -279,16 +313,45 @@ def _source_files(spec: PrepareSpec) -> tuple[Path, list[tuple[str, Path]]]:
 
 
 def _plan(spec: PrepareSpec, files: list[tuple[str, Path]], tokenizer: Tokenizer | None, part_bytes: int) -> Plan:
-    """What the passes do: the files cut into parts of about ``part_bytes``, each file's split, the encoding."""
+    """What the passes do: the files' units cut into parts of about ``part_bytes``, each text file's split, how the
+    files are read and encoded. CorpusError for a token file without a vocabulary or a file that cannot be cut."""
+    kinds = tuple(kind_of(rel, spec.format) for rel, _ in files)
+    eos, vocab_size, dtype = _vocabulary(spec, files, kinds, tokenizer)
+    options = Options(field=spec.field, token_dtype=spec.token_dtype, eos=eos, vocab_size=vocab_size)
+    all_units = [(i, *u) for i, ((_, path), kind) in enumerate(zip(files, kinds, strict=True))
+                 for u in units(kind, path, part_bytes, options)]  # fmt: skip
     return Plan(
         files=tuple((rel, str(path)) for rel, path in files),
-        parts=tuple(cut_parts([path.stat().st_size for _, path in files], part_bytes)),
+        kinds=kinds,
+        parts=tuple(cut_parts(all_units, part_bytes)),
         val=tuple(is_val(rel, spec.val_fraction) for rel, _ in files),
+        val_fraction=float(spec.val_fraction),
+        options=options,
         shard_tokens=spec.shard_tokens,
-        dtype=DTYPE if tokenizer is None else tokenizer.dtype,
+        dtype=dtype,
         tokenizer=None if tokenizer is None else str(tokenizer.path),
-        eos=EOS if tokenizer is None else tokenizer.eos_id,
+        eos=eos,
     )
+
+
+def _vocabulary(
+    spec: PrepareSpec, files: list[tuple[str, Path]], kinds: tuple[str, ...], tokenizer: Tokenizer | None
+) -> tuple[int, int, str]:
+    """(end-of-document id, vocabulary size, dtype of the shards): the tokenizer's, the stated ones of token files,
+    or bytes'."""
+    if tokenizer is not None:
+        return tokenizer.eos_id, tokenizer.vocab_size, tokenizer.dtype
+    tokens = [rel for (rel, _), kind in zip(files, kinds, strict=True) if kind == "tokens"]
+    if not tokens:
+        return EOS, VOCAB_SIZE, DTYPE
+    if spec.vocab_size is None or spec.eos is None:
+        raise CorpusError(f"{spec.source_dir() / tokens[0]}: token files need their vocabulary: give the tokenizer "
+                          "that made them (--tokenizer), or --vocab-size and --eos")  # fmt: skip
+    text = [rel for (rel, _), kind in zip(files, kinds, strict=True) if kind != "tokens"]
+    if text:
+        raise CorpusError(f"{spec.source_dir() / text[0]}: text beside token files would be encoded as bytes, in "
+                          "another vocabulary than theirs; give the tokenizer that made the token files")  # fmt: skip
+    return spec.eos, spec.vocab_size, "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
 
 
 def _manifest(spec: PrepareSpec, root: Path, plan: Plan, tokenizer: Tokenizer | None, splits: dict, read: dict) -> dict:
@@ -299,10 +362,11 @@ def _manifest(spec: PrepareSpec, root: Path, plan: Plan, tokenizer: Tokenizer | 
                 f"the {split} split of {root} came out empty ({read['source_files']} files); use more files or "
                 "change data.val_fraction"
             )
+    pretokenized = tokenizer is None and "tokens" in plan.kinds
     manifest = {
         "format": FORMAT,
-        "tokenizer": TOKENIZER if tokenizer is None else TOKENIZER_FILE,
-        "vocab_size": VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size,
+        "tokenizer": TOKENIZER_FILE if tokenizer else PRETOKENIZED if pretokenized else TOKENIZER,
+        "vocab_size": plan.options.vocab_size,
         "eos": plan.eos,
         "eos_id": plan.eos,
         "dtype": plan.dtype,
@@ -310,8 +374,11 @@ def _manifest(spec: PrepareSpec, root: Path, plan: Plan, tokenizer: Tokenizer | 
     if tokenizer is not None:
         manifest["tokenizer_sha256"] = tokenizer.sha256
         manifest["tokenizer_source"] = str(tokenizer.path.resolve())
+    read_as = {kind: plan.kinds.count(kind) for kind in sorted(set(plan.kinds))}
     manifest |= {
         "source": str(root),
+        "source_formats": read_as,
+        **({"source_field": spec.field} if {"jsonl", "parquet", "arrow"} & set(read_as) else {}),
         **read,
         "key": spec.key(),
         "splits": splits,

@@ -50,6 +50,11 @@ def prepare_spec(cfg: DataConfig) -> PrepareSpec:
         val_fraction=cfg.val_fraction,
         shard_tokens=cfg.shard_tokens,
         tokenizer=cfg.tokenizer,
+        format=cfg.format,
+        field=cfg.field,
+        token_dtype=cfg.token_dtype,
+        vocab_size=cfg.vocab_size,
+        eos=cfg.eos,
     )
 
 
