@@ -41,6 +41,7 @@ FORMAT = 1  # of prepared datasets (the manifest's "format"; the shards' "format
 ENCODE_BATCH_FILES = 256
 ENCODE_BATCH_BYTES = 8 << 20
 SPLITS = ("train", "val")
+_SUM_MOD = 1 << 128
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,16 @@ def run_passes(
     for split, k, _ in jobs:
         shards[split].append(_wait_for(work / "shards" / f"{split}_{k:05d}.json", poll_s))
     digest = hashlib.sha256()
+    sums: dict[str, int] = {}  # a record file's: the sum of its documents' hashes, whatever cut them into units
+    for r in records:
+        for rel, value in r.get("sums", ()):
+            sums[rel] = (sums.get(rel, 0) + int(value, 16)) % _SUM_MOD
     for r in records:
         for rel, sha in r["digests"]:
             digest.update(rel.encode() + b"\0" + bytes.fromhex(sha))
+    for rel, _ in plan.files:
+        if rel in sums:
+            digest.update(rel.encode() + b"\0" + sums[rel].to_bytes(16, "big"))
     read = {
         "source_files": len(plan.files),
         "documents": {split: sum(r["documents"][split] for r in records) for split in SPLITS},
@@ -200,8 +208,9 @@ def _tokenize_part(plan: Plan, work: Path, p: int, delay_s: float = 0.0) -> int:
     counts = dict.fromkeys(SPLITS, 0)
     docs = dict.fromkeys(SPLITS, 0)
     digests: list[tuple[str, str]] = []
+    sums: list[tuple[str, str]] = []
     nbytes = 0
-    for batch in _read_ahead(_batches(plan, plan.parts[p], digests)):
+    for batch in _read_ahead(_batches(plan, plan.parts[p], digests, sums)):
         for (split, data), tokens in zip(batch, _tokens([d for _, d in batch], plan), strict=True):
             out[split].write(tokens.tobytes())
             counts[split] += len(tokens)
@@ -212,29 +221,37 @@ def _tokenize_part(plan: Plan, work: Path, p: int, delay_s: float = 0.0) -> int:
         os.fsync(f.fileno())
         f.close()
         os.replace(work / "parts" / f".{p:05d}.{split}.bin.tmp", work / "parts" / f"{p:05d}.{split}.bin")
-    record = {"part": p, "tokens": counts, "documents": docs, "bytes": nbytes, "digests": digests}
+    record = {"part": p, "tokens": counts, "documents": docs, "bytes": nbytes, "digests": digests, "sums": sums}
     write_atomic(work / "parts" / f"{p:05d}.json", json.dumps(record).encode(), fsync=True)
     return p
 
 
-def _batches(plan: Plan, units: tuple, digests: list) -> Iterable[list[tuple[str, bytes | np.ndarray]]]:
-    """The units' documents, each with its split, in batches of ENCODE_BATCH_FILES / _BYTES; a digest of each unit's
-    documents goes into ``digests``."""
+def _batches(plan: Plan, units: tuple, digests: list, sums: list) -> Iterable[list[tuple[str, bytes | np.ndarray]]]:
+    """The units' documents, each with its split, in batches of ENCODE_BATCH_FILES / _BYTES. A text file's SHA-256
+    goes into ``digests``; a unit of a record file adds the sum of its documents' hashes (each of its key and bytes)
+    to ``sums``, which add up to the same for the file however it was cut."""
     batch: list[tuple[str, bytes | np.ndarray]] = []
     batch_bytes = 0
     for i, lo, hi in units:
         rel, path = plan.files[i]
         kind = plan.kinds[i]
-        digest = hashlib.sha256()
+        digest, total = hashlib.sha256(), 0
         for key, data in documents(kind, Path(path), lo, hi, plan.options):
-            digest.update(data if isinstance(data, bytes) else data.tobytes())
+            raw = data if isinstance(data, bytes) else data.tobytes()
+            if kind == "text":
+                digest.update(raw)
+            else:
+                total += int.from_bytes(hashlib.blake2b(b"%d\0" % key + raw, digest_size=16).digest(), "big")
             val = plan.val[i] if kind == "text" else is_val(rel, key, plan.val_fraction)
             batch.append(("val" if val else "train", data))
-            batch_bytes += len(data) if isinstance(data, bytes) else data.nbytes
+            batch_bytes += len(raw)
             if len(batch) >= ENCODE_BATCH_FILES or batch_bytes >= ENCODE_BATCH_BYTES:
                 yield batch
                 batch, batch_bytes = [], 0
-        digests.append((rel if kind == "text" else f"{rel}#{lo}-{hi}", digest.hexdigest()))
+        if kind == "text":
+            digests.append((rel, digest.hexdigest()))
+        else:
+            sums.append((rel, f"{total % _SUM_MOD:032x}"))
     if batch:
         yield batch
 

@@ -38,6 +38,7 @@ from storage.digest import sha256_file
 from storage.objstore import Store, StoreError, is_url, join, local_path
 from trainer.data.formats import KINDS, TOKEN_DTYPES, CorpusError, Options, is_lengths_file, kind_of, units
 from trainer.data.passes import FORMAT, Plan, cut_parts, parts_done, run_passes
+from trainer.data.remote_source import fetch
 
 TOKENIZER = "bytes"
 #: The manifest's tokenizer for token files prepared without one.
@@ -115,6 +116,10 @@ class PrepareSpec:
     def source_dir(self) -> Path:
         return Path(sysconfig.get_paths()["stdlib"]) if self.source == STDLIB else Path(self.source).expanduser()
 
+    def source_name(self) -> str:
+        """The source as the key and the manifest name it: a URL as given, a path resolved."""
+        return self.source if is_url(self.source) else str(self.source_dir().resolve())
+
     def tokenizer_path(self) -> Path | None:
         return None if self.tokenizer is None else Path(self.tokenizer).expanduser()
 
@@ -123,7 +128,7 @@ class PrepareSpec:
         the key (a changed tokenizer is a new dataset); raises TokenizerError when that file cannot be read."""
         path = self.tokenizer_path()
         tokenizer = TOKENIZER if path is None else f"tokenizers:{tokenizer_sha256(path)}"
-        parts = [str(FORMAT), tokenizer, str(self.source_dir().resolve()), *self.include]
+        parts = [str(FORMAT), tokenizer, self.source_name(), *self.include]
         parts += [str(self.max_source_bytes), repr(self.val_fraction), str(self.shard_tokens)]
         read = (self.format, self.field, self.token_dtype, self.vocab_size, self.eos)
         if read != ("auto", "text", None, None, None):  # a folder of text files keeps the key it always had
@@ -197,10 +202,11 @@ def _not_int(value: object) -> bool:
     return isinstance(value, bool) or not isinstance(value, int | np.integer)
 
 
-def list_files(spec: PrepareSpec) -> list[tuple[str, Path]]:
-    """(relative path, path) of every source file, sorted by relative path (the source itself when it is a file).
-    A token file's lengths (``NAME.lengths.npy``) are read with it, not as a source file of their own."""
-    root = spec.source_dir()
+def list_files(spec: PrepareSpec, root: Path | None = None) -> list[tuple[str, Path]]:
+    """(relative path, path) of every source file under ``root`` (the spec's source folder), sorted by relative
+    path (the source itself when it is a file). A token file's lengths (``NAME.lengths.npy``) are read with it, not
+    as a source file of their own."""
+    root = root or spec.source_dir()
     if root.is_file():
         return [(root.name, root)]
     top = str(root)
@@ -224,9 +230,9 @@ def is_val(rel: str, val_fraction: float) -> bool:
     return h / 2**64 < val_fraction
 
 
-def select_files(spec: PrepareSpec) -> list[tuple[str, Path]]:
+def select_files(spec: PrepareSpec, root: Path | None = None) -> list[tuple[str, Path]]:
     """The source files taken, in order: all of them, or the leading ones within max_source_bytes (at least one)."""
-    files = list_files(spec)
+    files = list_files(spec, root)
     if not spec.max_source_bytes:
         return files
     taken, total = [], 0
@@ -278,9 +284,12 @@ def prepare(
         return existing
     tok_path = spec.tokenizer_path()
     tokenizer = None if tok_path is None else load_tokenizer(tok_path)
-    root, files = _source_files(spec)
-    plan = _plan(spec, files, tokenizer, part_bytes)
     work = work or work_folder(out, spec)
+    copy = None
+    if is_url(spec.source):  # a copy in the work folder, read as a local one (trainer/data/remote_source.py)
+        copy = fetch(spec.source, spec.include, spec.max_source_bytes, work / "source", store, task=task, tasks=tasks)
+    root, files = _source_files(spec, copy)
+    plan = _plan(spec, files, tokenizer, part_bytes)
     if progress:
         done = parts_done(work, plan)
         again = f", {done} done by an earlier attempt" if done else ""
@@ -301,12 +310,13 @@ def prepare(
     return manifest
 
 
-def _source_files(spec: PrepareSpec) -> tuple[Path, list[tuple[str, Path]]]:
-    """The source folder and the files taken from it; FileNotFoundError when there is nothing to take."""
-    root = spec.source_dir()
+def _source_files(spec: PrepareSpec, copy: Path | None) -> tuple[Path, list[tuple[str, Path]]]:
+    """The source folder (a remote source's local ``copy``) and the files taken from it; FileNotFoundError when
+    there is nothing to take."""
+    root = copy or spec.source_dir()
     if not root.exists():
         raise FileNotFoundError(f"data source {root} does not exist")
-    files = select_files(spec)
+    files = select_files(spec, copy)
     if not files:
         raise FileNotFoundError(f"data source folder {root} has no files matching {list(spec.include)}")
     return root, files
@@ -376,7 +386,7 @@ def _manifest(spec: PrepareSpec, root: Path, plan: Plan, tokenizer: Tokenizer | 
         manifest["tokenizer_source"] = str(tokenizer.path.resolve())
     read_as = {kind: plan.kinds.count(kind) for kind in sorted(set(plan.kinds))}
     manifest |= {
-        "source": str(root),
+        "source": spec.source if is_url(spec.source) else str(root),
         "source_formats": read_as,
         **({"source_field": spec.field} if {"jsonl", "parquet", "arrow"} & set(read_as) else {}),
         **read,

@@ -284,11 +284,11 @@ def _tokenizer_problem(exc: TokenizerError) -> str:
 def _prepare_and_check(cfg: DataConfig, folder: Path, seq_len: int, vocab_size: int | None) -> None:
     if not (folder / "manifest.json").exists() and not cfg.path:
         spec = prepare_spec(cfg)
-        if not spec.source_dir().is_dir():
-            raise UserError(f"data.source {cfg.source!r}: folder {spec.source_dir()} does not exist.")
+        if not is_url(cfg.source) and not spec.source_dir().exists():
+            raise UserError(f"data.source {cfg.source!r}: {spec.source_dir()} does not exist.")
         log.info(
             "preparing %s into %s (first use%s)",
-            spec.source_dir(),
+            spec.source_name(),
             folder,
             f", tokenizer {cfg.tokenizer}" if cfg.tokenizer else "",
         )
