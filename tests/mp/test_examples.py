@@ -124,3 +124,24 @@ def test_user_recipe_trains_tensor_parallel_like_ddp(tmp_path):
         for key in ("loss", "eval_loss", "eval_accuracy"):
             if b[key] is not None:
                 assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
+
+
+def test_a_recipe_over_a_datasets_dataset_saved_to_disk(tmp_path):
+    """examples/hf_text as its README runs it, shortened: make_dataset.py saves a DatasetDict cut with Dataset.map,
+    the recipe wraps load_from_disk's splits; two ranks train on it and evaluate."""
+    data = tmp_path / "hf_text_data"
+    made = subprocess.run([PY, "examples/hf_text/hf_text/make_dataset.py", str(data), "--max-bytes", "60000",
+                           "--seq-len", "32"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_DATASETS_OFFLINE": "1"})  # fmt: skip
+    assert made.returncode == 0 and (data / "dataset_dict.json").is_file(), made.stdout + made.stderr
+    run_dir = tmp_path / "run"
+    short = ["recipe_args.dataset=" + str(data), "train.steps=6", "train.eval_every=6", "train.eval_sequences=32",
+             "train.warmup_steps=1", "checkpoint.every_steps=0"]  # fmt: skip
+    args = ["-m", "hpc.submit", "examples/hf_text/config.yaml", "--local", "--run-dir", str(run_dir)]
+    proc = subprocess.run([PY, *args, *(a for s in short for a in ("--set", s))], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    done = summary(run_dir)
+    assert done["final_step"] == 6 and done["world_size"] == 2 and done["recipe"] == "hf_text.train:recipe", done
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["eval_loss"] is not None and records[-1]["loss"] < records[0]["loss"], records

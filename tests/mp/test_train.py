@@ -277,3 +277,34 @@ def test_impossible_topology_is_refused(tmp_path):
     assert "Traceback" not in proc.stderr
     failure = json.loads((run_dir / "failure.json").read_text())
     assert failure["rank"] == 0 and "world size 3" in failure["message"]
+
+
+def test_a_corpus_as_it_comes_trains_the_tiny_gpt(tmp_path):
+    """JSON lines (plain, .gz, .zst), Parquet and an Arrow folder prepared on first use (data.source, data.format
+    auto), then token arrays prepared by the command: each trains the tiny GPT (1 rank: what is checked is the
+    data's way in)."""
+    from tests.unit.test_corpus_formats import corpus
+
+    src = corpus(tmp_path)
+    short = ["job.nodes=1", "job.ranks_per_node=1", "train.steps=3", "train.eval_every=3", "train.warmup_steps=1",
+             "model.d_model=32", "model.n_layers=1", "model.seq_len=32", "checkpoint.every_steps=0"]  # fmt: skip
+    records = submit(tmp_path / "records", f"data.source={src}", 'data.include=["*.jsonl*", "*.parquet", "*.arrow"]',
+                     "data.val_fraction=0.2", "data.prepare_workers=1", *short)  # fmt: skip
+    assert records.returncode == 0, records.stdout + records.stderr
+    log = (tmp_path / "records" / "logs" / "rank_00000.log").read_text()
+    assert f"preparing {src} into" in log and "(first use" in log, log
+    losses = [r["loss"] for r in metrics(tmp_path / "records")]
+    assert len(losses) == 3 and all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    rng = np.random.default_rng(1)
+    docs = [np.append(rng.integers(97, 123, size=int(n)), 256) for n in rng.integers(20, 200, size=300)]
+    np.save(tokens / "letters.npy", np.concatenate(docs).astype(np.uint16))
+    prepared = run_cli(["-m", "trainer.data", "prepare", "--source", str(tokens), "--out", str(tmp_path / "ids"),
+                        "--format", "tokens", "--vocab-size", "257", "--eos", "256", "--val-fraction", "0.2",
+                        "--shard-tokens", "4096", "--workers", "1"])  # fmt: skip
+    assert prepared.returncode == 0 and "(tokenizer pretokenized, vocabulary 257)" in prepared.stdout, prepared
+    ids = submit(tmp_path / "ids-run", f"data.path={tmp_path / 'ids'}", *short)
+    assert ids.returncode == 0, ids.stdout + ids.stderr
+    assert all(np.isfinite(r["loss"]) for r in metrics(tmp_path / "ids-run"))
