@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from common import bench_parser, emit  # bench/ is on sys.path
-from data_local import part_order, part_prepare
+from data_local import part_formats, part_order, part_prepare
 from data_s3 import part_checkpoint, part_litdata, part_loader, part_training, s3_server, small_dataset, upload
 
 
@@ -25,7 +25,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--order-max", type=float, default=1e9, help="largest order size measured (samples)")
     p.add_argument("--train-steps", type=int, default=40, help="steps of each training run (0: skip)")
     p.add_argument("--ckpt-mb", type=float, default=128, help="MB of the checkpoint part's generation")
-    p.add_argument("--parts", default="prepare,loader,order,training,checkpoint,litdata", help="comma-separated parts")
+    p.add_argument("--parts", default="prepare,formats,loader,order,training,checkpoint,litdata",
+                   help="comma-separated parts")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if "prepare" in parts:
             result["prepare"] = part_prepare(args, work)
+        if "formats" in parts:
+            result["formats"] = part_formats(args, work)
         if "order" in parts:
             result["order"] = part_order(args)
         if parts & {"loader", "training", "checkpoint", "litdata"}:
@@ -72,6 +75,14 @@ def show(result: dict) -> None:
             [f"prepare, {w} worker(s)", f"{rate:,.0f}", f"{rate / base:.2f}"]
             for w, rate in p["prepare_tokens_per_s"].items()])  # fmt: skip
         print(f"shards identical for every worker count: {p['identical_shards']}")
+    if "formats" in result:
+        f = result["formats"]
+        base = f["encode_batch_tokens_per_s"]
+        print(f"prepare from each format (the same {f['source_mb']:g} MB of documents, BPE tokenizer, one worker), "
+              "median tokens/s:")  # fmt: skip
+        table(["source", "tokens/s", "vs encode_batch"], [["encode_batch, one core", f"{base:,.0f}", "1.00"]] + [
+            [name, f"{rate:,.0f}", f"{f['vs_encode_batch'][name]:.2f}"]
+            for name, rate in f["prepare_tokens_per_s"].items()])  # fmt: skip
     if "loader" in result:
         lo = result["loader"]
         print(f"loader ({lo['samples']} windows of 257 tokens, windowed order, 4 fetch threads), median samples/s:")

@@ -81,6 +81,76 @@ def part_prepare(args, work: Path) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------------------------------- formats
+def write_formats(max_bytes: int, folder: Path) -> dict[str, Path]:
+    """The stdlib texts of encode_only, a document per record, in each record format; the text files as they are."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from trainer.data.prepare import PrepareSpec, select_files
+
+    spec = PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=max_bytes, val_fraction=0.05,
+                       shard_tokens=4_000_000)  # fmt: skip
+    texts = [p.read_bytes().decode("utf-8", errors="replace") for _, p in select_files(spec)]
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    out = {}
+    for name, write in {
+        "jsonl": lambda p: p.write_bytes(lines),
+        "jsonl.gz": lambda p: p.write_bytes(gzip.compress(lines, compresslevel=6)),
+        "jsonl.zst": lambda p: p.write_bytes(zstandard.ZstdCompressor().compress(lines)),
+        "parquet": lambda p: pq.write_table(pa.table({"text": texts}), p, row_group_size=256),
+        "arrow": lambda p: _arrow_stream(pa, p, texts),
+    }.items():
+        path = folder / name.split(".")[0] / f"corpus.{name}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+        out[name] = path
+    return out
+
+
+def _arrow_stream(pa, path: Path, texts: list[str]) -> None:  # noqa: ANN001
+    table = pa.table({"text": texts})
+    sink = pa.OSFile(str(path), "wb")
+    with sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=256)
+
+
+def prepare_file(path: Path, work: Path) -> dict:
+    out = work / f"prep-{path.name}-{time.monotonic_ns()}"
+    args = [sys.executable, "-m", "trainer.data", "prepare", "--source", str(path), "--out", str(out),
+            "--tokenizer", str(TOKENIZER), "--workers", "1", "--val-fraction", "0.1"]  # fmt: skip
+    one_core = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+    t = time.perf_counter()
+    subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True, env=one_core)
+    seconds = time.perf_counter() - t
+    tokens = sum(json.loads((out / "manifest.json").read_text())["tokens"].values())
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    return {"tokens": tokens, "seconds": seconds}
+
+
+def part_formats(args, work: Path) -> dict:
+    """One worker's preparation of the same documents from each format, against encode_batch on their texts."""
+    max_bytes = int(args.prepare_mb * 1e6)
+    files = write_formats(max_bytes, work / "formats")
+    encode, runs = [], {name: [] for name in files}
+    for _ in range(args.rounds):
+        encode.append(encode_only(max_bytes))
+        for name, path in files.items():
+            runs[name].append(prepare_file(path, work))
+    base = statistics.median(e["tokens"] / e["seconds"] for e in encode)
+    rates = {name: statistics.median(r["tokens"] / r["seconds"] for r in rs) for name, rs in runs.items()}
+    return {
+        "source_mb": args.prepare_mb,
+        "encode_batch_tokens_per_s": base,
+        "tokens": {name: rs[0]["tokens"] for name, rs in runs.items()},
+        "prepare_tokens_per_s": rates,
+        "vs_encode_batch": {name: rate / base for name, rate in rates.items()},
+    }
+
+
 # ------------------------------------------------------------------------------------------------------- order
 def measure_order(build, position: int) -> dict:
     build().take(0, 8)  # warm: numpy's generators and the code paths, outside the measurement

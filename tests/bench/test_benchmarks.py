@@ -410,6 +410,9 @@ def test_data(tmp_path):
     prep = result["prepare"]
     assert prep["identical_shards"] and positive(prep["encode_batch_tokens_per_s"])
     assert set(prep["prepare_tokens_per_s"]) == {"1", "2"} and all(map(positive, prep["prepare_tokens_per_s"].values()))
+    formats = result["formats"]  # the same documents from each format: the same tokens
+    assert set(formats["vs_encode_batch"]) == {"jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow"}
+    assert len(set(formats["tokens"].values())) == 1 and all(map(positive, formats["vs_encode_batch"].values()))
     loader = result["loader"]
     assert set(loader["samples_per_s"]) == {"local disk", "s3, cold cache", "s3, warm cache"}
     assert 0 < loader["bytes_fetched_per_node"] <= loader["train_bytes"]
@@ -422,6 +425,7 @@ def test_data(tmp_path):
     assert "skipped" not in lit, lit
     assert set(lit["samples_per_s"]) == {"litdata, cold cache", "litdata, warm cache"} and lit["bytes_in_cache"] > 0
     assert "| encode_batch, one core |" in stdout and "| s3, warm cache |" in stdout and "| 1e+06 |" in stdout
+    assert "| jsonl.zst |" in stdout and "| parquet |" in stdout
     assert "| save, trainer |" in stdout and "| litdata, cold cache |" in stdout
 
 
