@@ -133,7 +133,7 @@ def slurm_cluster(ports: dict[str, str], slurm_conf: Path | None = None) -> Iter
         return
     state = Path(tempfile.mkdtemp(prefix="hpc-slurm-bench-", dir="/tmp"))
     state.chmod(0o755)  # the munge user must traverse it
-    env = {**os.environ, **ports}
+    env = {"HPC_SLURM_FIRST_JOB_ID": "900001", **os.environ, **ports}  # apart from a test session's job ids
     sh("bash", "envs/slurm/cluster.sh", "install", cwd=ROOT, env=env)
     try:
         sh("bash", "envs/slurm/cluster.sh", "start", str(state), cwd=ROOT, env=env)

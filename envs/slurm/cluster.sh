@@ -17,6 +17,7 @@
 # HPC_SLURM_DB_PORT, default ctld port + 3) and slurmdbd (STATE_DIR/slurmdbd.conf, port HPC_SLURM_DBD_PORT,
 # default ctld port + 2), with slurm.conf pointing at them. `stop`/`wipe` stop them whenever their pid files exist.
 # HPC_SLURM_MIN_JOB_AGE (Slurm's MinJobAge, default 300 s): how long the controller keeps a finished job.
+# HPC_SLURM_FIRST_JOB_ID (default 1): the first job id; clusters running jobs on one host at once need apart ones.
 #
 # Separate hosts: HPC_SLURM_NETNS=1 runs each slurmd (and so every job step on that node) in its own network, UTS
 # and mount namespace: host name n<i>, its own address HPC_SLURM_SUBNET.<i> on an interface named ic0, joined to the
@@ -37,6 +38,7 @@ START_TIMEOUT=${HPC_SLURM_START_TIMEOUT:-60}
 DBD_PORT=${HPC_SLURM_DBD_PORT:-$((CTLD_PORT + 2))}  # slurmdbd (accounting only)
 DB_PORT=${HPC_SLURM_DB_PORT:-$((CTLD_PORT + 3))}    # its private mariadbd, 127.0.0.1 only (accounting only)
 MIN_JOB_AGE=${HPC_SLURM_MIN_JOB_AGE:-300}         # s a finished job stays in scontrol (Slurm's default)
+FIRST_JOB_ID=${HPC_SLURM_FIRST_JOB_ID:-1}         # the first job's id (distinct per cluster where several share a host)
 NETNS=${HPC_SLURM_NETNS:-0}                       # 1: every node its own network namespace (see above)
 LINK_RATE=${HPC_SLURM_LINK_RATE:-}                # tbf rate of each node's link (netns only); empty: unshaped
 SLURMD_TIMEOUT=${HPC_SLURM_SLURMD_TIMEOUT:-300}   # s without an answer before a node is marked DOWN (Slurm's default)
@@ -84,6 +86,9 @@ write_config() {
 ClusterName=hpc-local
 SlurmctldHost=$host($ctld_addr)
 SlurmctldPort=$CTLD_PORT
+# Job ids from here: clusters that run jobs on one host at once must not share them (MPICH names its shared-memory
+# segments after the PMI job id, Slurm's "JOBID.STEPID": two steps 1.0 of two clusters would share, and hang in, them).
+FirstJobId=$FIRST_JOB_ID
 # root runs everything: no slurm user, file ownership or spool permissions to manage.
 SlurmUser=root
 SlurmdUser=root
@@ -511,7 +516,7 @@ cmd_status() {
 cmd_wipe() {
   cmd_stop
   rm -rf "$STATE"
-  echo "wiped $STATE (job ids restart at 1: use a fresh log folder per run, a reused %j folder can hold old results)"
+  echo "wiped $STATE (job ids restart at $FIRST_JOB_ID: use a fresh log folder per run, a reused %j folder can hold old results)"
 }
 
 # ---------------------------------------------------------------------------------------------- node loss

@@ -16,11 +16,14 @@ from tests.conftest import ROOT, run_cli, summary
 # so that two test sessions can run at once. Nodes use NODE_PORT, NODE_PORT + 1; the accounting test's own cluster
 # the same + 10 (tests/slurm/test_accounting.py), the separate-hosts cluster + 20 (tests/slurm/test_badnodes.py).
 # Each pytest-xdist worker that runs Slurm tests starts clusters of its own, 100 ports further per worker: the Slurm
-# tests are two work units (tests/conftest.py's WorkUnits), which two workers may run at once.
+# tests are two work units (tests/conftest.py's WorkUnits), which two workers may run at once. Their job ids are
+# apart too (HPC_SLURM_FIRST_JOB_ID): the steps of two clusters' jobs of one id would share MPICH's shared-memory
+# segments on this host, and hang in them.
 WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 PORTS = {
     "HPC_SLURM_CTLD_PORT": str(int(os.environ.get("HPC_TEST_SLURM_CTLD_PORT", "16917")) + 100 * WORKER),
     "HPC_SLURM_NODE_PORT": str(int(os.environ.get("HPC_TEST_SLURM_NODE_PORT", "17101")) + 100 * WORKER),
+    "HPC_SLURM_FIRST_JOB_ID": str(1 + 100_000 * WORKER),
 }
 
 
@@ -50,6 +53,7 @@ def slurm():
 HOSTS = {
     "HPC_SLURM_CTLD_PORT": str(int(PORTS["HPC_SLURM_CTLD_PORT"]) + 20),
     "HPC_SLURM_NODE_PORT": str(int(PORTS["HPC_SLURM_NODE_PORT"]) + 20),
+    "HPC_SLURM_FIRST_JOB_ID": str(int(PORTS["HPC_SLURM_FIRST_JOB_ID"]) + 60_000),
     "HPC_SLURM_NODES": "4",
     "HPC_SLURM_NETNS": "1",
     "HPC_SLURM_LINK_RATE": "1gbit",

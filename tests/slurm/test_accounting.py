@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slurm
 SETTINGS = {
     "HPC_SLURM_CTLD_PORT": str(int(PORTS["HPC_SLURM_CTLD_PORT"]) + 10),
     "HPC_SLURM_NODE_PORT": str(int(PORTS["HPC_SLURM_NODE_PORT"]) + 10),
+    "HPC_SLURM_FIRST_JOB_ID": str(int(PORTS["HPC_SLURM_FIRST_JOB_ID"]) + 30_000),
     "HPC_SLURM_MIN_JOB_AGE": "2",  # a finished job leaves the controller about 10 s after it ended
 }
 
