@@ -14,6 +14,7 @@ shards into TP pieces and into pipeline stages, TP pieces into a 2-D mesh, pipel
 
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -22,7 +23,8 @@ import pytest
 from runconfig import load_config
 from rundir.checkpoints import validate
 from rundir.contract import EXIT_STOPPED
-from tests.conftest import history, rank_pids, summary, wait_for_step
+from tests.conftest import history, rank_pids, run_cli, summary, wait_for_step
+from tests.mp.exported import assert_export_reproduces_eval
 from tests.mp.test_checkpoint import assert_close_to, common, rows, run, start
 
 pytestmark = pytest.mark.mp
@@ -108,6 +110,13 @@ def test_fsdp_and_hsdp_train_like_one_process(tmp_path, monkeypatch, sets, singl
     manifest = validate(fsdp / "checkpoints" / f"step_{STEPS:08d}")
     assert manifest["params_sha256"] == s["params_sha256"]
     assert_waits_in(fsdp, "dp_shard")  # rank 3 slowed: rank 0 waits in FSDP2's all-gathers
+    # the model out of FSDP's shards, and out of a DDP run's (the single process's) checkpoint: their eval losses
+    assert_export_reproduces_eval(fsdp, tmp_path / "fsdp-export")
+    assert_export_reproduces_eval(single, tmp_path / "single-export")
+    sampled = run_cli(["-m", "trainer.sample", str(tmp_path / "fsdp-export"), "--prompt", "def ", "--tokens", "8",
+                       "--samples", "2"])  # fmt: skip
+    assert sampled.returncode == 0 and sampled.stdout.count("\n--- ") == 2, sampled.stdout + sampled.stderr
+    assert re.match(r"# gpt at step 12, 2 continuation\(s\) of 'def '\n--- 1\ndef ", sampled.stdout), sampled.stdout
 
     hsdp = tmp_path / "hsdp"
     sets_hsdp = [*sets, *HSDP, "parallel.activation_checkpointing=full", "parallel.compile=true"]
@@ -174,6 +183,7 @@ def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tm
     assert [e["grad_accum"] for e in history(reference) if e["event"] == "start"] == [accum]
     for key in ("params", "grads", "optimizer"):  # each matrix split in two; norms and biases of rows whole
         assert 0.49 < s["state_bytes_per_rank"][key] / whole[key] < 0.53, (key, s["state_bytes_per_rank"], whole)
+    assert_export_reproduces_eval(reference, tmp_path / "tp-export")  # the model out of TP x DP's pieces
 
     resharded = stop_and_resume_bitwise(tmp_path, [*sets, *TP], reference, rank=2)
 

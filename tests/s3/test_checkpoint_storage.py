@@ -16,7 +16,8 @@ import uuid
 import pytest
 
 from rundir.checkpoints import generations, manifest_digest
-from tests.conftest import history, rank_pids, summary, wait_for_step
+from tests.conftest import history, rank_pids, run_cli, summary, wait_for_step
+from tests.mp.exported import assert_export_reproduces_eval
 from tests.mp.test_checkpoint import run, start, stopped_by_a_signal
 from tests.s3.conftest import BUCKET, sets
 
@@ -50,6 +51,19 @@ def test_checkpoints_in_a_bucket_resume_bitwise_without_the_run_directorys(tmp_p
     assert summary(run_dir)["params_sha256"] == summary(disk_reference)["params_sha256"]
     final = remote(s3, f"{UNIQUE}/a")
     assert len(final) == 2 and all(final.values()) and "step_00000016" in final, final
+    # the model out of the bucket (a DDP run's): the run's eval loss from the export, in one plain process
+    shutil.rmtree(run_dir / "checkpoints")
+    exported = assert_export_reproduces_eval(run_dir, tmp_path / "export", from_bucket=True)
+    assert exported["generation"] == f"{url}/step_00000016" and exported["params_sha256"]
+    # a newer generation someone else wrote (a manifest the run's key does not seal) is passed over, nothing of it read
+    fs = s3.fs()
+    forged = json.loads(fs.cat_file(f"{BUCKET}/{UNIQUE}/a/step_00000016/manifest.json"))
+    forged = {k: v for k, v in forged.items() if k != "run_mac"} | {"step": 99}
+    fs.pipe_file(f"{BUCKET}/{UNIQUE}/a/step_00000099/manifest.json", json.dumps(forged).encode())
+    again = run_cli(["-m", "trainer.export", str(run_dir), "--from-bucket", "--out", str(tmp_path / "export2")])
+    assert again.returncode == 0 and "exported step 16 of" in again.stdout, again.stdout + again.stderr
+    assert f"skipping {url}/step_00000099: its manifest is not authenticated by this run's key" in again.stderr
+    fs.rm(f"{BUCKET}/{UNIQUE}/a/step_00000099", recursive=True)
     # Another run given the same prefix (a copied config) is refused as it starts, naming both runs; the first
     # run's generations stay as they were.
     other = tmp_path / "other"

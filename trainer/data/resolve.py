@@ -24,6 +24,7 @@ from storage.objstore import Store, StoreError, StoreUnavailable, is_url, join
 from storage.private import UnsafeFolder, private_dir
 from storage.safepath import UnsafeName, check_name, safe_join
 from trainer.data.dataset import TokenShards, read_manifest
+from trainer.data.folder import dataset_folder, prepare_spec, tokenizer_problem
 from trainer.data.node_cache import NodeCache, dataset_key
 from trainer.data.prepare import (
     STDLIB,
@@ -40,36 +41,6 @@ from trainer.observe.inject import Injector
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-def prepare_spec(cfg: DataConfig) -> PrepareSpec:
-    return PrepareSpec(
-        source=cfg.source,
-        include=tuple(cfg.include),
-        max_source_bytes=cfg.max_source_bytes,
-        val_fraction=cfg.val_fraction,
-        shard_tokens=cfg.shard_tokens,
-        tokenizer=cfg.tokenizer,
-        format=cfg.format,
-        field=cfg.field,
-        token_dtype=cfg.token_dtype,
-        vocab_size=cfg.vocab_size,
-        eos=cfg.eos,
-    )
-
-
-def dataset_folder(cfg: DataConfig, cache: Path) -> Path:
-    """The prepared dataset's folder: data.path, or a cache folder keyed by the preparation (tokenizer included).
-    Raises UserError when data.tokenizer cannot be read."""
-    if cfg.path:
-        return Path(cfg.path).expanduser()
-    spec = prepare_spec(cfg)
-    stem = "stdlib" if cfg.source == STDLIB else Path(cfg.source).name or "data"
-    try:
-        key = spec.key()
-    except TokenizerError as exc:
-        raise UserError(_tokenizer_problem(exc)) from None
-    return cache / f"{stem}-{key}"
 
 
 def open_splits(
@@ -277,10 +248,6 @@ def remote_manifest(store: Store, url: str) -> tuple[dict, dict[str, int]]:
     return manifest, sizes
 
 
-def _tokenizer_problem(exc: TokenizerError) -> str:
-    return f"data.tokenizer: {exc}. Unset data.tokenizer to train on bytes (vocabulary 257)."
-
-
 def _prepare_and_check(cfg: DataConfig, folder: Path, seq_len: int, vocab_size: int | None) -> None:
     if not (folder / "manifest.json").exists() and not cfg.path:
         spec = prepare_spec(cfg)
@@ -301,7 +268,7 @@ def _prepare_and_check(cfg: DataConfig, folder: Path, seq_len: int, vocab_size: 
             else:
                 prepare(spec, folder)
         except TokenizerError as exc:
-            raise UserError(_tokenizer_problem(exc)) from None
+            raise UserError(tokenizer_problem(exc)) from None
         except (OSError, ValueError) as exc:
             raise UserError(f"data.source {cfg.source!r} cannot be prepared into {folder}: {exc}.") from None
     manifest = read_manifest(folder)
@@ -345,7 +312,7 @@ def _check_tokenizer_matches(cfg: DataConfig, folder: Path, manifest: dict) -> N
     try:
         sha = tokenizer_sha256(Path(cfg.tokenizer).expanduser())
     except TokenizerError as exc:
-        raise UserError(_tokenizer_problem(exc)) from None
+        raise UserError(tokenizer_problem(exc)) from None
     if manifest.get("tokenizer_sha256") != sha:
         raise UserError(
             f"data.tokenizer {cfg.tokenizer} is not the tokenizer the dataset at data.path {folder} was prepared "

@@ -1,0 +1,38 @@
+"""trainer.export's pieces that need no run: ties, the GPT-2 mapping, and what it refuses (the exports of real runs
+of every layout, one from a bucket: tests/mp/test_parallel.py, tests/s3/test_checkpoint_storage.py)."""
+
+import pytest
+import torch
+
+from trainer.export import ExportError, export, gpt2_equivalent, main, untie
+
+ARCH = {"vocab_size": 257, "seq_len": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "mlp_ratio": 4, "doc_mask": False}
+
+
+def test_a_tied_copy_is_written_once_and_named():
+    emb = torch.randn(5, 3)
+    tensors = {"tok.weight": emb.clone(), "head.weight": emb.clone(), "pos.weight": torch.randn(4, 3),
+               "other": torch.randn(5, 3)}  # fmt: skip
+    kept, ties = untie(tensors, ["tok.weight", "pos.weight", "other"])
+    assert ties == {"head.weight": "tok.weight"} and set(kept) == {"tok.weight", "pos.weight", "other"}
+
+
+def test_the_gpt_says_how_it_maps_onto_gpt2():
+    same = gpt2_equivalent(ARCH)
+    assert same["matches"] == "GPT2LMHeadModel" and same["config"]["n_inner"] == 128
+    assert gpt2_equivalent({**ARCH, "doc_mask": True})["matches"] is None
+
+
+def test_what_is_not_a_run_or_has_no_checkpoint_is_refused(tmp_path, capsys):
+    with pytest.raises(ExportError, match="is not a run directory"):
+        export(tmp_path, tmp_path / "out")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("recipe: gpt\n")
+    assert main([str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    assert f"error: {tmp_path / 'run'} has no committed checkpoint to export." in capsys.readouterr().err
+    assert main([str(tmp_path / "run"), "--step", "7", "--out", str(tmp_path / "out")]) == 2
+    assert "has no checkpoint of step 7" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(ExportError, match="is not empty"):
+        export(tmp_path / "run", tmp_path / "full")
