@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from storage.digest import sha256_file
@@ -188,8 +189,35 @@ def _manifest_sha256(path: Path) -> str | None:
         return None
 
 
-def prune(root: Path, *, keep_last: int, keep_every: int, verified: set[str] | None = None) -> list[Path]:
-    """Delete valid generations beyond the newest ``keep_last`` valid ones (and not multiples of ``keep_every``).
+@dataclass(frozen=True)
+class Best:
+    """checkpoint.keep_best: the ``count`` generations with the best ``metric`` (``mode`` min or max), among those
+    evaluated at their own step (a manifest's ``eval`` of that step)."""
+
+    count: int = 0
+    metric: str = "eval_loss"
+    mode: str = "min"
+
+    def names(self, manifests: list[tuple[str, dict | None]]) -> set[str]:
+        """The names to keep of (name, manifest) pairs."""
+        if not self.count:
+            return set()
+        scored = []
+        for name, manifest in manifests:
+            ev = (manifest or {}).get("eval") or {}
+            value = ev.get(self.metric)
+            if ev.get("step") == (manifest or {}).get("step") and isinstance(value, int | float) and value == value:
+                scored.append((value if self.mode == "min" else -value, name))
+        return {name for _, name in sorted(scored)[: self.count]}
+
+
+NO_BEST = Best()
+
+
+def prune(root: Path, *, keep_last: int, keep_every: int, verified: set[str] | None = None,
+          best: Best = NO_BEST) -> list[Path]:  # fmt: skip
+    """Delete valid generations beyond the newest ``keep_last`` valid ones (and not multiples of ``keep_every``, nor
+    ``best``'s).
 
     Called only after a commit. A generation counts toward ``keep_last`` only if it validates, with every file
     hashed unless its name is in ``verified`` (generations this process committed or already verified; the ones
@@ -198,18 +226,20 @@ def prune(root: Path, *, keep_last: int, keep_every: int, verified: set[str] | N
     """
     verified = set() if verified is None else verified
     valid: list[tuple[int, Path]] = []
+    manifests: list[tuple[str, dict]] = []
     for step, path in reversed(generations(root)):
         hash_files = len(valid) < keep_last and path.name not in verified
         try:
-            validate(path, verify_hashes=hash_files)
+            manifests.append((path.name, validate(path, verify_hashes=hash_files)))
         except CheckpointInvalid:
             continue
         if hash_files:
             verified.add(path.name)
         valid.append((step, path))
     removed = []
+    kept_best = best.names(manifests)
     for step, path in valid[keep_last:]:
-        if keep_every and step % keep_every == 0:
+        if (keep_every and step % keep_every == 0) or path.name in kept_best:
             continue
         # Renamed first: a delete that fails half-way (and is retried, or crashes) leaves a temporary folder, which
         # the next start removes, not a half-deleted generation that looks damaged and is kept.

@@ -41,6 +41,20 @@ class CheckpointConfig(Section):
     keep_every: int = doc(
         "Also keep forever every checkpoint whose step is a multiple of this; 0 = none.", 0, bounds=Range(ge=0)
     )
+    keep_best: int = doc(
+        "Also keep the N generations with the best checkpoint.best_metric among those evaluated at their own step "
+        "(train.eval_every), in the run directory and in checkpoint.storage; 0 = none. The newest committed "
+        "generation is never pruned.",
+        0,
+        bounds=Range(ge=0),
+    )
+    best_metric: str = doc(
+        "The eval metric checkpoint.keep_best ranks by: eval_loss, or eval_<name> of a recipe's eval_metrics.",
+        "eval_loss",
+        nonempty="must name an eval metric",
+    )
+    best_mode: str = doc("Whether a lower (min) or a higher (max) checkpoint.best_metric is better.", "min",
+                         choices=("min", "max"))  # fmt: skip
     async_save: bool = doc("Copy the state to CPU memory and write it in the background while training goes on.", False)
     at_end: bool = doc("Commit a checkpoint when training completes.", True)
     stop_signals: list[str] = doc(
@@ -76,6 +90,8 @@ class CheckpointConfig(Section):
             for name in self.stop_signals
             if name not in SIGNAL_NAMES
         ]
+        if self.keep_best and not self.best_metric.startswith("eval_"):
+            out.append(("best_metric", f"must be eval_loss or eval_<metric>, got {self.best_metric!r}"))
         if self.storage is not None and not STORAGE_RE.fullmatch(self.storage):
             out.append(("storage", f"must be an object-storage URL such as s3://bucket/prefix, got {self.storage!r} "
                         "(unset it to keep the checkpoints in the run directory)"))  # fmt: skip

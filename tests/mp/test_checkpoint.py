@@ -21,6 +21,7 @@ import pytest
 from rundir import RunDir
 from rundir.checkpoints import generations, read_latest, validate
 from rundir.contract import EXIT_STOPPED, INJECT_VAR
+from rundir.paths import read_jsonl
 from tests.conftest import PY, ROOT, history, rank_pids, summary, wait_for_step
 
 pytestmark = pytest.mark.mp
@@ -181,6 +182,23 @@ def test_generations_retention_and_manifest(reference):
     assert manifest["slurm_job_id"] is None and manifest["slurm_restart_count"] is None  # set under Slurm
     assert {"rank_00000.pt", "rank_00003.pt", "train_state.json", "dcp/.metadata"} <= set(manifest["files"])
     assert not list(ckpts.glob(".tmp-*"))
+
+
+def test_the_best_generation_by_an_eval_metric_is_kept(tmp_path, small_dataset):
+    """checkpoint.keep_best 1 with best_mode max (the worst eval loss: a generation the newest keep_last would have
+    pruned) on one rank: kept beside the newest two, its manifest carrying the evaluation of its step."""
+    run_dir = tmp_path / "run"
+    sets = [f"data.path={small_dataset}", "train.steps=10", "train.warmup_steps=1", "train.eval_every=2",
+            "train.eval_sequences=16", "model.d_model=32", "model.n_layers=1", "model.seq_len=32",
+            "checkpoint.every_steps=2", "checkpoint.keep_last=2", "checkpoint.keep_best=1", "checkpoint.best_mode=max",
+            "job.nodes=1", "job.ranks_per_node=1"]  # fmt: skip
+    done = run(run_dir, sets)
+    assert done.returncode == 0, done.stdout + done.stderr
+    evals = {r["step"]: r["eval_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("eval_loss")}
+    worst = max(evals, key=evals.get)
+    assert [s for s, _ in generations(run_dir / "checkpoints")] == sorted({worst, 8, 10}), evals
+    manifest = validate(run_dir / "checkpoints" / f"step_{worst:08d}")
+    assert manifest["eval"] == {"step": worst, "eval_loss": evals[worst]}, manifest["eval"]
 
 
 def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_dataset, reference):

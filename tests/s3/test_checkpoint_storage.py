@@ -157,3 +157,28 @@ def test_a_sigkill_during_an_upload_leaves_the_previous_generation_the_newest(tm
     assert summary(run_dir)["params_sha256"] == summary(disk_reference)["params_sha256"]
     after = remote(s3, prefix)
     assert all(after.values()) and partial[0] not in after or after[partial[0]], after  # pruned or completed
+
+
+def test_the_bucket_keeps_the_best_generation_by_an_eval_metric(s3):
+    """checkpoint.keep_best in the bucket: the prune after an upload reads the manifests of the generations it would
+    delete and keeps the best by the metric (here the highest eval accuracy, a recipe's eval metric, at step 4)."""
+    from types import SimpleNamespace
+
+    from runconfig.schema import StorageConfig
+    from rundir.checkpoints import Best
+    from storage.objstore import Store
+    from trainer.checkpoint.remote import RemoteGenerations
+
+    fs, prefix = s3.fs(), f"{UNIQUE}/best"
+    accuracy = {2: 0.5, 4: 0.9, 6: 0.7, 8: 0.6, 10: 0.8}
+    for step, acc in accuracy.items():
+        name = f"step_{step:08d}"
+        fs.pipe_file(f"{BUCKET}/{prefix}/{name}/data.bin", b"x")
+        body = {"step": step, "eval": {"step": step, "eval_loss": 1.0, "eval_accuracy": acc}, "files": {}}
+        fs.pipe_file(f"{BUCKET}/{prefix}/{name}/manifest.json", json.dumps(body).encode())
+    remote = RemoteGenerations(store=Store(StorageConfig()), url=f"s3://{BUCKET}/{prefix}",
+                               agreement=SimpleNamespace(rank=0, world_size=1), root=None, keep_last=2,
+                               keep_every=0, best=Best(1, "eval_accuracy", "max"))  # fmt: skip
+    assert sorted(remote.prune()) == ["step_00000002", "step_00000006"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{BUCKET}/{prefix}")) == [
+        "step_00000004", "step_00000008", "step_00000010"]  # fmt: skip

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from rundir.checkpoints import (
+    Best,
     CheckpointInvalid,
     commit,
     generations,
@@ -19,12 +20,12 @@ from rundir.checkpoints import (
 )
 
 
-def make_generation(root, step, payload=b"weights"):
+def make_generation(root, step, payload=b"weights", evaluated: dict | None = None):
     tmp = root / f".tmp-{step_name(step)}"
     tmp.mkdir(parents=True)
     (tmp / "data.bin").write_bytes(payload * 100)
     files = {"data.bin": {"size": len(payload) * 100, "sha256": sha256_file(tmp / "data.bin")}}
-    commit(tmp, root / step_name(step), {"step": step, "files": files})
+    commit(tmp, root / step_name(step), {"step": step, "files": files, "eval": evaluated})
     return root / step_name(step)
 
 
@@ -117,6 +118,19 @@ def test_prune_keeps_last_k_and_every_m(tmp_path):
     assert (tmp_path / ".tmp-step_00000026").exists()  # prune never touches uncommitted writes
     assert remove_stale_tmp(tmp_path) == [tmp_path / ".tmp-step_00000026"]
     assert latest_committed(tmp_path)["step"] == 24
+
+
+@pytest.mark.parametrize("mode,kept", [("min", [6, 12, 22, 24]), ("max", [2, 14, 22, 24])])
+def test_prune_keeps_the_best_k_by_an_eval_metric(tmp_path, mode, kept):
+    """checkpoint.keep_best 3: the best three of the generations evaluated at their own step (eval_loss below: 24,
+    6 and 12 lowest; 22, 2 and 14 highest), the newest among them; a generation whose evaluation was at an earlier
+    step does not count (step 4 carries step 2's); the newest keep_last stay whatever they scored."""
+    losses = {2: 3.0, 6: 1.0, 8: 2.5, 12: 1.5, 14: 2.9, 16: 2.0, 20: 2.2, 22: 5.0, 24: 0.5}
+    for step in range(2, 26, 2):
+        at = step if step in losses else step - 2
+        make_generation(tmp_path, step, evaluated={"step": at, "eval_loss": losses.get(at, 9.0), "eval_acc": 0.1})
+    prune(tmp_path, keep_last=2, keep_every=0, best=Best(3, "eval_loss", mode))
+    assert [s for s, _ in generations(tmp_path)] == kept
 
 
 def test_commit_sets_aside_an_invalid_generation_of_the_same_step(tmp_path):

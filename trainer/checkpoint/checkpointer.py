@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from runconfig import RunConfig
 from rundir import RunDir
-from rundir.checkpoints import step_name
+from rundir.checkpoints import NO_BEST, Best, step_name
 from rundir.identity import ensure_identity
 from storage.ioretry import BUDGET_S, RetryPolicy
 from storage.objstore import Store
@@ -123,6 +123,7 @@ class Checkpointer:
         return RemoteGenerations(
             store=Store(self.cfg.storage), url=self.ccfg.storage, agreement=self.agreement, root=self.root,
             keep_last=self.ccfg.keep_last, keep_every=self.ccfg.keep_every, identity=self.run, run_dir=self.rundir.root,
+            best=self._best(),
             before_upload=injector.before_upload if injector and injector.injects("slow_upload") else None,
         )  # fmt: skip
 
@@ -136,7 +137,11 @@ class Checkpointer:
             verified=verified,
             identity=self.run,
             injector=injector,
+            best=NO_BEST if self.remote else self._best(),  # with checkpoint.storage the bucket keeps the best
         )
+
+    def _best(self) -> Best:
+        return Best(self.ccfg.keep_best, self.ccfg.best_metric, self.ccfg.best_mode)
 
     def _reader(self, verified: set[str]) -> GenerationReader:
         return GenerationReader(

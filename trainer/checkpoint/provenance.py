@@ -50,6 +50,7 @@ def manifest_fields(*, cfg, env, state, identity: dict, code_sha256: str | None,
         "tokens_seen": state.tokens_seen,
         "data_position": state.data_position,
         "loss": state.last_loss,
+        "eval": state.last_eval,  # the latest evaluation, at or before this step (checkpoint.keep_best)
         "world_size": env.world_size,
         "topology": env.topology.describe(),
         "config_sha256": config_hash(cfg),

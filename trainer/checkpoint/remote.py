@@ -28,8 +28,10 @@ from pathlib import Path
 
 from rundir.checkpoints import (
     MANIFEST,
+    NO_BEST,
     STEP_RE,
     TMP_PREFIX,
+    Best,
     CheckpointInvalid,
     commit,
     generations,
@@ -62,6 +64,7 @@ class RemoteGenerations:
         identity: RunIdentity | None = None,
         run_dir: Path | None = None,
         before_upload: Callable[[], None] | None = None,
+        best: Best = NO_BEST,
     ) -> None:
         """``identity`` and ``run_dir`` (rank 0): the run the prefix must belong to."""
         self.store, self.url, self.agreement, self.root = store, url.rstrip("/"), agreement, root
@@ -69,7 +72,7 @@ class RemoteGenerations:
         self._owned = False  # rank 0: the prefix's owner record is this run's (checked once a launch)
         self.before_upload = before_upload  # tests: HPC_INJECT slow_upload
         self.rank, self.world_size = agreement.rank, agreement.world_size
-        self.keep_last, self.keep_every = keep_last, keep_every
+        self.keep_last, self.keep_every, self.best = keep_last, keep_every, best
 
     # -- save -------------------------------------------------------------------------------------------------
     def upload(self, final: Path, step: int) -> None:
@@ -108,6 +111,9 @@ class RemoteGenerations:
         try:
             committed, partial = self._listing()
             doomed = [n for s, n in committed[: -self.keep_last] if not (self.keep_every and s % self.keep_every == 0)]
+            if self.best.count and doomed:  # checkpoint.keep_best: the doomed ones' manifests say what they scored
+                kept = self.best.names([(n, self._manifest(n)) for _, n in committed])
+                doomed = [n for n in doomed if n not in kept]
             newest = committed[-1][0] if committed else -1
             doomed_partial = [n for s, n in partial if s < newest]
             for name in doomed:
@@ -118,6 +124,14 @@ class RemoteGenerations:
         except (OSError, StoreError) as exc:
             log.warning("pruning the checkpoints in %s failed (%s); they stay until the next upload", self.url, exc)
             return []
+
+    def _manifest(self, name: str) -> dict | None:
+        """A committed generation's manifest, or None when it cannot be read as one."""
+        try:
+            manifest = json.loads(self.store.read_bytes(join(self.url, name, MANIFEST), what="checkpoint manifest"))
+        except (StoreError, ValueError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
 
     # -- restore ------------------------------------------------------------------------------------------------
     def fetch_newest(self, warn) -> str | None:

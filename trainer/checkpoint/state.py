@@ -19,6 +19,7 @@ class TrainState:
     data_order: dict | None = None
     last_loss: float | None = None
     last_eval_loss: float | None = None
+    last_eval: dict | None = None  # {"step": ..., "eval_loss": ..., "eval_<metric>": ...} of the latest evaluation
     elapsed_s: float = 0.0  # wall time spent in training over all runs of this run directory
     # comm.allreduce=auto: the measured plan (rundir/allreduce_plan.py), reused on resume so the gradients are
     # reduced in the same order as before the stop

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
-from rundir.checkpoints import TMP_PREFIX, commit, prune, sha256_file
+from rundir.checkpoints import NO_BEST, TMP_PREFIX, Best, commit, prune, sha256_file
 from rundir.identity import RunIdentity, seal_manifest
 from storage.files import fsync_path
 from storage.ioretry import GaveUp
@@ -55,12 +55,13 @@ class GenerationWriter:
         verified: set[str],
         identity: RunIdentity | None = None,
         injector: Injector | None = None,
+        best: Best = NO_BEST,
     ) -> None:
         """``identity`` (rank 0): the run whose name and key every manifest carries (rundir/identity.py)."""
         self.root, self.agreement, self.injector = root, agreement, injector
         self.identity = identity
         self.rank = agreement.rank
-        self.keep_last, self.keep_every = keep_last, keep_every
+        self.keep_last, self.keep_every, self.best = keep_last, keep_every, best
         self.param_names, self.verified = param_names, verified
         self._written: dict = {}  # the digests of the files every rank wrote in the latest write attempt
 
@@ -170,7 +171,13 @@ class GenerationWriter:
         """Prune after a commit (rank 0); a prune that keeps failing is logged and left to the next commit."""
         try:
             return self.agreement.alone(
-                lambda: prune(self.root, keep_last=self.keep_last, keep_every=self.keep_every, verified=self.verified),
+                lambda: prune(
+                    self.root,
+                    keep_last=self.keep_last,
+                    keep_every=self.keep_every,
+                    verified=self.verified,
+                    best=self.best,
+                ),
                 self.root,
             )
         except OSError as exc:

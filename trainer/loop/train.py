@@ -212,5 +212,6 @@ def _checks_and_eval(parts: Parts, step: int, due_eval: bool, publisher: Publish
         eval_start = time.perf_counter()
         evals = evaluate(parts, step)
         parts.state.last_eval_loss = evals["eval_loss"]
+        parts.state.last_eval = {"step": step, **{k: float(v) for k, v in evals.items()}}
         publisher.interval_eval += time.perf_counter() - eval_start
     return extra, evals
