@@ -45,6 +45,28 @@ def query(expr: str) -> list[dict]:
         return json.load(r)["data"]["result"]
 
 
+DASHBOARD = ROOT / "envs" / "grafana" / "hpc-trainer-live.json"
+GPU_ONLY = {"MFU (GPU)", "Device memory by rank (GPU)"}  # their series exist on GPU runs only
+
+
+def assert_dashboard_queries_return_series(proc) -> None:
+    """Every panel query of the shipped Grafana dashboard, its $run the test's run, returns series from the real
+    Prometheus while the run trains (once its first evaluation, step 8, is scraped)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = {p["title"]: t["expr"] for p in dashboard["panels"] for t in p["targets"]}
+    assert len(exprs) == len(dashboard["panels"]) >= 12 and all("$run" in e for e in exprs.values())
+    [runs] = [v for v in dashboard["templating"]["list"] if v["name"] == "run"]
+    assert runs["query"]["query"] == "label_values(hpc_step, run)"  # Grafana's: the run label of hpc_step
+    deadline, empty = time.monotonic() + 60, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        live = {e["metric"].get("run") for e in query("hpc_step")}
+        empty = [t for t, e in exprs.items() if t not in GPU_ONLY and not query(e.replace("$run", "live"))]
+        if "live" in live and not empty:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"dashboard panels with no series: {empty}")
+
+
 def test_a_real_prometheus_scrapes_every_node_and_the_gateway_keeps_the_end(prometheus, small_dataset):
     run_dir = prometheus / "live"
     sets = [
@@ -78,6 +100,7 @@ def test_a_real_prometheus_scrapes_every_node_and_the_gateway_keeps_the_end(prom
         )
         parts = {s["metric"]["part"] for s in query('hpc_step_part_seconds{run="live",node="node0",instance!=""}')}
         assert {"data", "compute", "optim"} <= parts
+        assert_dashboard_queries_return_series(proc)
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
