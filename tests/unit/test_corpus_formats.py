@@ -116,7 +116,8 @@ def test_token_files_need_a_vocabulary(tmp_path):
 def corrupt(tmp_path: Path, kind: str) -> tuple[Path, str, dict]:
     """A bad file of ``kind``, what the error must say, and the spec's other settings."""
     path = tmp_path / {"json": "bad.jsonl", "field": "bad.jsonl", "gz": "bad.jsonl.gz", "zst": "bad.jsonl.zst",
-                       "parquet": "bad.parquet", "column": "bad.parquet", "arrow": "bad.arrow", "bin": "bad.bin",
+                       "parquet": "bad.parquet", "column": "bad.parquet", "arrow": "bad.arrow", "arrowcut": "bad.arrow",
+                       "bin": "bad.bin",
                        "vocab": "bad.npy"}[kind]  # fmt: skip
     body = jsonl(DOCS[:500]).encode()
     if kind == "json":
@@ -143,6 +144,13 @@ def corrupt(tmp_path: Path, kind: str) -> tuple[Path, str, dict]:
     if kind == "arrow":
         path.write_bytes(b"not arrow at all" * 10)
         return path, r"bad\.arrow: not a readable Arrow IPC file or stream", {}
+    if kind == "arrowcut":  # a stream cut part-way: the batches before the cut are read, then the file is named
+        table = pa.table({"text": DOCS[:500]})
+        sink = pa.OSFile(str(path), "wb")
+        with sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=100)
+        path.write_bytes(path.read_bytes()[:-3000])
+        return path, r"bad\.arrow: a record batch after row \d+ cannot be read", {}
     if kind == "bin":
         path.write_bytes(np.arange(11, dtype=np.uint16).tobytes()[:-1])
         return path, r"bad\.bin: 21 bytes is not a whole number of uint16 ids", dict(token_dtype="uint16")
@@ -150,7 +158,10 @@ def corrupt(tmp_path: Path, kind: str) -> tuple[Path, str, dict]:
     return path, r"bad\.npy: token 3 is 70000, outside the vocabulary of 1001", {}
 
 
-@pytest.mark.parametrize("kind", ["json", "field", "gz", "zst", "parquet", "column", "arrow", "bin", "vocab"])
+BAD = ["json", "field", "gz", "zst", "parquet", "column", "arrow", "arrowcut", "bin", "vocab"]
+
+
+@pytest.mark.parametrize("kind", BAD)
 def test_a_bad_file_is_refused_by_name_and_place(tmp_path, kind):
     path, message, extra = corrupt(tmp_path, kind)
     tokens = kind in ("bin", "vocab")

@@ -263,18 +263,31 @@ def _rows(path: Path, column, first: int, field: str) -> Iterator[tuple[int, byt
 
 
 def _arrow_rows(path: Path, field: str) -> Iterator[tuple[int, bytes]]:
+    """The rows of an Arrow IPC file or stream, a record batch at a time (memory-mapped: a large file is never held
+    whole as Python strings)."""
     import pyarrow as pa
 
     try:
-        with pa.memory_map(str(path)) as source:
-            try:
-                table = pa.ipc.open_file(source).read_all()
-            except pa.ArrowInvalid:
-                source.seek(0)
-                table = pa.ipc.open_stream(source).read_all()
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:
+            source.seek(0)
+            batches = iter(pa.ipc.open_stream(source))
     except Exception as exc:
         raise CorpusError(f"{path}: not a readable Arrow IPC file or stream ({exc})") from None
-    yield from _rows(path, _column(path, table, field, "arrow"), 0, field)
+    first = 0
+    with source:
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as exc:  # a stream cut short or damaged part-way
+                raise CorpusError(f"{path}: a record batch after row {first} cannot be read ({exc})") from None
+            if batch is None:
+                return
+            yield from _rows(path, _column(path, batch, field, "arrow"), first, field)
+            first += batch.num_rows
 
 
 def _token_array(path: Path, opts: Options) -> np.ndarray:
@@ -322,19 +335,29 @@ def _token_documents(path: Path, lo: int, hi: int, opts: Options) -> Iterator[tu
             if b > a:
                 yield a, _checked(path, tokens, a, b, opts, eos=True)
         return
+    n = len(tokens)
     start = lo
     if lo > 0 and tokens[lo - 1] != opts.eos:  # the document begun before lo is the earlier range's
-        ends = np.flatnonzero(np.asarray(tokens[lo:]) == opts.eos)
-        start = lo + int(ends[0]) + 1 if len(ends) else len(tokens)
-    while start < hi and start < len(tokens):
-        window = np.asarray(tokens[start : min(len(tokens), start + max(hi - start, 1 << 16))])
-        ends = np.flatnonzero(window == opts.eos)
-        if len(ends) == 0 and start + len(window) < len(tokens):
-            window = np.asarray(tokens[start:])
-            ends = np.flatnonzero(window == opts.eos)
-        end = start + int(ends[0]) + 1 if len(ends) else len(tokens)
-        yield start, _checked(path, tokens, start, end, opts, eos=not len(ends))
-        start = end
+        start = _next_end(tokens, lo, opts.eos) + 1
+    if start >= min(hi, n):
+        return
+    ends = np.flatnonzero(np.asarray(tokens[start:hi]) == opts.eos) + start  # once per unit, not per document
+    for end in ends:
+        yield start, _checked(path, tokens, start, int(end) + 1, opts, eos=False)
+        start = int(end) + 1
+    if start < min(hi, n):  # the last document begun in the range ends after it (or with the file, unterminated)
+        end = _next_end(tokens, hi, opts.eos)
+        yield start, _checked(path, tokens, start, min(end + 1, n), opts, eos=end >= n)
+
+
+def _next_end(tokens: np.ndarray, at: int, eos: int) -> int:
+    """The index of the first end-of-document id at or after ``at`` (``len(tokens)`` when there is none)."""
+    step = 1 << 20
+    for a in range(at, len(tokens), step):
+        found = np.flatnonzero(np.asarray(tokens[a : a + step]) == eos)
+        if len(found):
+            return a + int(found[0])
+    return len(tokens)
 
 
 def _checked(path: Path, tokens: np.ndarray, a: int, b: int, opts: Options, *, eos: bool) -> np.ndarray:
