@@ -43,11 +43,11 @@ def encode_only(max_bytes: int) -> dict:
     return json.loads(out.stdout)
 
 
-def prepare_run(max_bytes: int, workers: int, work: Path) -> dict:
-    out = work / f"prep-{workers}-{time.monotonic_ns()}"
-    args = [sys.executable, "-m", "trainer.data", "prepare", "--source", "stdlib", "--include", "*.py", "--out",
-            str(out), "--max-bytes", str(max_bytes), "--tokenizer", str(TOKENIZER), "--workers", str(workers),
-            "--val-fraction", "0.1"]  # fmt: skip
+def timed_prepare(source: str, out: Path, *more: str) -> dict:
+    """``python -m trainer.data prepare`` of ``source`` into ``out`` with the BPE tokenizer, one core per worker, the
+    whole command timed; its tokens and shard digests, the output removed."""
+    args = [sys.executable, "-m", "trainer.data", "prepare", "--source", source, "--out", str(out),
+            "--tokenizer", str(TOKENIZER), "--val-fraction", "0.1", *more]  # fmt: skip
     one_core = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}  # per worker: one core
     t = time.perf_counter()
     subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True, env=one_core)
@@ -57,6 +57,11 @@ def prepare_run(max_bytes: int, workers: int, work: Path) -> dict:
     shas = [s["sha256"] for split in manifest["splits"].values() for s in split]
     subprocess.run(["rm", "-rf", str(out)], check=True)
     return {"tokens": tokens, "seconds": seconds, "shards_sha256": shas}
+
+
+def prepare_run(max_bytes: int, workers: int, work: Path) -> dict:
+    out = work / f"prep-{workers}-{time.monotonic_ns()}"
+    return timed_prepare("stdlib", out, "--include", "*.py", "--max-bytes", str(max_bytes), "--workers", str(workers))
 
 
 def part_prepare(args, work: Path) -> dict:
@@ -119,16 +124,7 @@ def _arrow_stream(pa, path: Path, texts: list[str]) -> None:  # noqa: ANN001
 
 
 def prepare_file(path: Path, work: Path) -> dict:
-    out = work / f"prep-{path.name}-{time.monotonic_ns()}"
-    args = [sys.executable, "-m", "trainer.data", "prepare", "--source", str(path), "--out", str(out),
-            "--tokenizer", str(TOKENIZER), "--workers", "1", "--val-fraction", "0.1"]  # fmt: skip
-    one_core = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
-    t = time.perf_counter()
-    subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True, env=one_core)
-    seconds = time.perf_counter() - t
-    tokens = sum(json.loads((out / "manifest.json").read_text())["tokens"].values())
-    subprocess.run(["rm", "-rf", str(out)], check=True)
-    return {"tokens": tokens, "seconds": seconds}
+    return timed_prepare(str(path), work / f"prep-{path.name}-{time.monotonic_ns()}", "--workers", "1")
 
 
 def part_formats(args, work: Path) -> dict:

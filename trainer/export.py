@@ -78,13 +78,19 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, from_bucket: bo
     returns its export.json. Raises ExportError."""
     from safetensors.torch import save_file
 
+    from runconfig.load import load_config
+
     run = RunDir(Path(run_dir))
     if not run.config.is_file():
         raise ExportError(f"{run_dir} is not a run directory (no config.yaml)")
+    try:
+        cfg = load_config(str(run.config))
+    except Exception as exc:  # noqa: BLE001 (a config that no longer loads: named, not a traceback)
+        raise ExportError(f"{run.config} cannot be read: {exc}") from None
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} is not empty; choose a new --out")
     with tempfile.TemporaryDirectory(prefix="hpc-export-") as tmp:
-        gen, manifest = _generation(run, step, from_bucket, Path(tmp))
+        gen, manifest = _generation(run, cfg, step, from_bucket, Path(tmp))
         tensors = model_tensors(gen / "dcp")
         weights, ties = untie(tensors, list(manifest.get("param_shapes") or {}))
         staging = out.with_name(f".{out.name}.export-tmp")
@@ -93,7 +99,7 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, from_bucket: bo
         save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / WEIGHTS), metadata={"format": "pt"})
         config = _config(run, manifest, ties, weights)
         write_atomic(staging / CONFIG, (json.dumps(config, indent=1) + "\n").encode(), fsync=True)
-        data = _data_folder(run)
+        data = _data_folder(cfg)
         tokenizer = data / TOKENIZER if data is not None else None
         if tokenizer is not None and tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / TOKENIZER)
@@ -102,7 +108,7 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, from_bucket: bo
             "run_dir": str(run.root.resolve()),
             "run_id": manifest.get("run_id"),
             "step": manifest["step"],
-            "generation": gen.name if not from_bucket else f"{_bucket(run)}/{gen.name}",
+            "generation": gen.name if not from_bucket else f"{_bucket(run, cfg)}/{gen.name}",
             "config_sha256": manifest.get("config_sha256"),
             "params_sha256": manifest.get("params_sha256"),
             "data_key": _data_key(data),
@@ -115,10 +121,10 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, from_bucket: bo
     return record
 
 
-def _generation(run: RunDir, step: int | None, from_bucket: bool, tmp: Path) -> tuple[Path, dict]:
+def _generation(run: RunDir, cfg, step: int | None, from_bucket: bool, tmp: Path) -> tuple[Path, dict]:  # noqa: ANN001
     root = run.root / "checkpoints"
     if from_bucket:
-        return _fetch(run, step, tmp)
+        return _fetch(run, cfg, step, tmp)
     try:
         if step is not None:
             path = root / step_name(step)
@@ -133,24 +139,20 @@ def _generation(run: RunDir, step: int | None, from_bucket: bool, tmp: Path) -> 
     return found
 
 
-def _bucket(run: RunDir) -> str:
-    from runconfig.load import load_config
-
-    url = load_config(str(run.config)).checkpoint.storage
+def _bucket(run: RunDir, cfg) -> str:  # noqa: ANN001
+    url = cfg.checkpoint.storage
     if not url:
         raise ExportError(f"{run.root}: checkpoint.storage is not set; there is no bucket to export from")
     return url.rstrip("/")
 
 
-def _fetch(run: RunDir, step: int | None, tmp: Path) -> tuple[Path, dict]:
+def _fetch(run: RunDir, cfg, step: int | None, tmp: Path) -> tuple[Path, dict]:  # noqa: ANN001
     """A bucket's generation (newest committed, or ``step``'s) downloaded into ``tmp`` and checked file by file."""
-    from runconfig.load import load_config
     from rundir.identity import manifest_problem, read_identity
     from storage.objstore import Store, StoreError, join
     from storage.safepath import UnsafeName, safe_join
 
-    cfg = load_config(str(run.config))
-    url, store = _bucket(run), Store(cfg.storage)
+    url, store = _bucket(run, cfg), Store(cfg.storage)
     identity = read_identity(run.identity)  # the run's key: a generation it does not authenticate is never unpickled
     try:
         names = sorted(n for n in store.sizes(url, what="checkpoint listing") if n.startswith("step_"))
@@ -215,15 +217,13 @@ def gpt2_equivalent(arch: dict) -> dict:
     }  # fmt: skip
 
 
-def _data_folder(run: RunDir) -> Path | None:
+def _data_folder(cfg) -> Path | None:  # noqa: ANN001
     """The prepared dataset the run read (data.path or the first-use cache folder), when it is on this machine."""
-    from runconfig.load import load_config
     from rundir.contract import data_cache
     from storage.objstore import is_url
     from trainer.data.folder import dataset_folder
 
     try:
-        cfg = load_config(str(run.config))
         if cfg.recipe != "gpt" and not cfg.data.path:
             return None
         if cfg.data.path and is_url(cfg.data.path):
