@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from hpc import cost as costing
 from hpc.plots import PART_LABELS, render
 from hpc.policy.badnodes import bad_node_events, node_changes
-from hpc.runlog import RunLog, analyze
+from hpc.runlog import RunLog, analyze, config_dict
 from hpc.status import status
 from hpc.tracksync import sync
 from rundir import RunDir
@@ -74,17 +75,6 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _config(rundir: RunDir) -> dict:
-    """config.yaml as a plain dict (only the run name and step count are read), {} when missing or unparsable."""
-    import yaml
-
-    try:
-        cfg = yaml.safe_load(rundir.config.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
 def _check(rundir: RunDir) -> None:
     root, metrics = rundir.root, rundir.metrics
     if not root.exists():
@@ -131,6 +121,7 @@ def facts(log: RunLog, cfg: dict) -> dict:
         "trainer_wall_s": summary.get("wall_time_s"),
         "stop_lead": newest_budget(log.rundir, (cfg.get("job") or {}).get("signal_lead_s")),
         "tracking": _tracking(log.rundir),
+        "cost": costing.cost_of(log.rundir, log, cfg),
     }
 
 
@@ -172,6 +163,7 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
         *_summary_lines(log, f, goodput),
         *_launch_lines(log),
         *_goodput_lines(acc, goodput),
+        *costing.lines(f["cost"]),
         *step_time_lines([{**x.raw, **{k: x.get(k) for k in TIMED}} for x in log.kept]),
         *_plan_lines((log.summary or {}).get("allreduce_plan")),
         *_straggler_lines(log.stragglers),
@@ -181,7 +173,7 @@ def markdown(log: RunLog, f: dict, images: list[tuple[str, str]]) -> str:
     ]
     for caption, name in images:
         lines += [f"### {caption}", "", f"![{caption}]({name})", ""]
-    lines += ["## Definitions", "", DEFINITIONS]
+    lines += ["## Definitions", "", DEFINITIONS + costing.DEFINITIONS]
     return "\n".join(lines)
 
 
@@ -209,6 +201,8 @@ def _summary_lines(log: RunLog, f: dict, goodput: str) -> list[str]:
     lines += [
         f"| restarts | {log.restarts} |",
         f"| goodput | {goodput} |",
+        f"| node-hours, GPU-hours | {f['cost'].usage.node_hours:.4g}, {f['cost'].usage.gpu_hours:.4g} |",
+        f"| cost | {costing.money(f['cost'].total, f['cost'].prices)} |",
         f"| mean tokens/s (kept records) | {sum(rate) / len(rate):,.0f} |" if rate else "| mean tokens/s | - |",
     ]
     lead = f.get("stop_lead")
@@ -395,6 +389,7 @@ def summary_lines(log: RunLog, f: dict) -> list[str]:
         f"restarts {log.restarts} ({len(log.launches)} launch{'es' if len(log.launches) != 1 else ''}"
         + (f", {killed} killed without an end event" if killed else "")
         + f"); {log.stragglers.detections} straggler detection{'s' if log.stragglers.detections != 1 else ''}",
+        costing.summary_line(f["cost"]),
         *([tracking_line(f)] if tracking_line(f) else []),
         *warning,
     ]
@@ -418,7 +413,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
         if not target.is_dir():
             target.mkdir(mode=0o700, parents=True)
             os.chmod(target, 0o700)  # private like the run directory, whatever the umask
-        f = facts(log, _config(rundir))
+        f = facts(log, config_dict(rundir))
         images = render(log, target, f["name"])
         md = target / "report.md"
         md.write_text(markdown(log, f, images) + "\n")
@@ -441,16 +436,19 @@ def main(run_dir: str, out: str | None = None) -> int:
     print(f"report: {md} ({time.perf_counter() - started:.1f} s)")
     for line in summary_lines(log, f):
         print(f"  {line}")
-    _send_to_tracker(RunDir(Path(run_dir).absolute()), md.parent)
+    _send_to_tracker(RunDir(Path(run_dir).absolute()), md.parent, f)
     return 0
 
 
-def _send_to_tracker(rundir: RunDir, folder: Path) -> None:
-    """The report's markdown and figures to the run's tracker, and the steps it lacks once no launch runs."""
+def _send_to_tracker(rundir: RunDir, folder: Path, f: dict) -> None:
+    """The report's markdown and figures, the cost and the goodput split to the run's tracker, and the steps it lacks
+    once no launch runs."""
     files = [(p, "report") for p in sorted(folder.iterdir()) if p.suffix in (".md", ".png")]
+    cost = f["cost"]
+    tags = {"hpc.cost_source": cost.usage.source, "hpc.currency": cost.prices.currency}
     try:
         idle = status(rundir)["state"] in ("completed", "pruned", "stopped", "failed", "paused", "not started")
-        line = sync(rundir, files, idle=idle)
+        line = sync(rundir, files, idle=idle, metrics=(cost.metrics(), int(f["final_step"]), tags))
     except Exception as exc:  # the report is written; the tracker is an extra
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         print(f"warning: the report was not sent to the tracker: {first}", file=sys.stderr)

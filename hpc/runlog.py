@@ -327,6 +327,18 @@ def _accounting(rundir: RunDir, launches: list[Launch], kept: list[Step], discar
     )
 
 
+def config_dict(rundir: RunDir) -> dict:
+    """config.yaml as a plain dict, {} when missing or unparsable: the reports read a few keys of it leniently (a run
+    submitted by an older version need not pass today's checks)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(rundir.config.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def _summary(rundir: RunDir) -> dict | None:
     """summary.json; None when missing or unparsable (it is written atomically: a torn one is not trusted)."""
     try:

@@ -3,8 +3,10 @@
 A DIR that is a run directory (it has config.yaml) is one run; any other folder is searched for run directories
 below it (a runs folder, a sweep). Each row: name, state, steps done of the configured ones, the last loss and eval
 loss, the median tokens/s (units/s) of the kept records, goodput, restarts and wall time, from the files only
-(hpc/status.py, hpc/runlog.py's accounting). ``--sort KEY`` (``--desc`` or ``--sort=-KEY`` descending),
-``--filter KEY<OP>VALUE`` (``= != < <= > >=``; several filters must all hold), ``--json``.
+(hpc/status.py, hpc/runlog.py's accounting), then the time queued, node- and GPU-hours, the cost and the cost per
+million tokens (hpc/cost.py: Slurm accounting where it has the run's jobs; the price from each run's cost section).
+``--sort KEY`` (``--desc`` or ``--sort=-KEY`` descending), ``--filter KEY<OP>VALUE`` (``= != < <= > >=``; several
+filters must all hold), ``--json``.
 """
 
 from __future__ import annotations
@@ -16,13 +18,30 @@ import re
 import statistics
 from pathlib import Path
 
+from hpc.cost import Cost, costs
 from hpc.jobs import states_of
 from hpc.runlog import RunLog, analyze
 from hpc.slurmctl import JobState
 from hpc.status import VerbError, status
 from rundir import RunDir
 
-COLUMNS = ("name", "state", "step", "steps", "loss", "eval_loss", "tokens_per_s", "goodput", "restarts", "wall_s")
+COLUMNS = (
+    "name",
+    "state",
+    "step",
+    "steps",
+    "loss",
+    "eval_loss",
+    "tokens_per_s",
+    "goodput",
+    "restarts",
+    "wall_s",
+    "queued_s",
+    "node_hours",
+    "gpu_hours",
+    "cost",
+    "cost_per_m",
+)
 OPS = {"<=": operator.le, ">=": operator.ge, "!=": operator.ne, "=": operator.eq, "<": operator.lt, ">": operator.gt}
 FILTER_RE = re.compile(r"^\s*([a-z_]+)\s*(<=|>=|!=|=|<|>)\s*(.*?)\s*$")
 
@@ -48,15 +67,22 @@ def find_runs(folders: list[Path]) -> list[RunDir]:
 
 
 def rows(rundirs: list[RunDir], logs: list[RunLog] | None = None) -> list[dict]:
-    """``row`` of each run, their Slurm jobs asked for in one batch."""
-    logs = logs or [None] * len(rundirs)
-    return [row(d, log, jobs) for d, log, jobs in zip(rundirs, logs, states_of(rundirs), strict=True)]
+    """``row`` of each run, their Slurm jobs' states and accounting asked for in one batch each."""
+    logs = logs or [analyze(d) for d in rundirs]
+    priced = costs(rundirs, logs)
+    return [
+        row(d, log, jobs, cost) for d, log, jobs, cost in zip(rundirs, logs, states_of(rundirs), priced, strict=True)
+    ]
 
 
-def row(rundir: RunDir, log: RunLog | None = None, jobs: list[JobState] | None = None) -> dict:
-    """``log``: the run's analysis where the caller has it already; ``jobs``: its job states, likewise."""
+def row(
+    rundir: RunDir, log: RunLog | None = None, jobs: list[JobState] | None = None, cost: Cost | None = None
+) -> dict:
+    """``log``: the run's analysis where the caller has it already; ``jobs``: its job states, likewise; ``cost``:
+    what it cost, likewise."""
     info = status(rundir, jobs)
     log = log or analyze(rundir)
+    cost = cost or costs([rundir], [log])[0]
     kept = [s.raw for s in log.kept]
     evals = [r["eval_loss"] for r in kept if isinstance(r.get("eval_loss"), (int, float))]
     speeds = [r["tokens_per_s"] for r in kept[1:] if isinstance(r.get("tokens_per_s"), (int, float))]
@@ -72,6 +98,13 @@ def row(rundir: RunDir, log: RunLog | None = None, jobs: list[JobState] | None =
         "goodput": log.accounting.goodput,
         "restarts": log.restarts,
         "wall_s": log.accounting.total_wall_s,
+        "queued_s": cost.usage.queued_s,
+        "node_hours": cost.usage.node_hours,
+        "gpu_hours": cost.usage.gpu_hours,
+        "cost": cost.total,
+        "cost_per_m": cost.per_million,
+        "currency": cost.prices.currency,
+        "cost_source": cost.usage.source,
     }
 
 
@@ -121,7 +154,11 @@ def _cell(key: str, value: object) -> str:
         return "-"
     if key == "goodput":
         return f"{value:.1%}"
-    if key == "wall_s":
+    if key in ("node_hours", "gpu_hours"):
+        return f"{value:.3g}"
+    if key in ("cost", "cost_per_m"):
+        return f"{value:,.2f}" if value >= 1 else f"{value:.3g}"
+    if key in ("wall_s", "queued_s"):
         return f"{value / 60:.1f} min" if value >= 60 else f"{value:.0f} s"
     if key in ("loss", "eval_loss"):
         return f"{value:.4f}"
@@ -130,10 +167,15 @@ def _cell(key: str, value: object) -> str:
     return str(value)
 
 
+def _priced(key: str, cell: str, r: dict) -> str:
+    return f"{cell} {r.get('currency', '')}".rstrip() if key in ("cost", "cost_per_m") and cell != "-" else cell
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(k, r.get(k)) for k in COLUMNS) + " |")
+        cells = [_cell(k, r.get(k)) for k in COLUMNS]
+        lines.append("| " + " | ".join(_priced(k, c, r) for k, c in zip(COLUMNS, cells, strict=True)) + " |")
     return "\n".join(lines)
 
 

@@ -41,9 +41,9 @@ def available(environ: Mapping[str, str] = os.environ) -> bool:
     return shutil.which("sbatch") is not None and slurm_conf(environ).is_file()
 
 
-def _call(args: list[str]) -> subprocess.CompletedProcess:
+def _call(args: list[str], env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S, check=False)
+        return subprocess.run(args, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S, check=False, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return subprocess.CompletedProcess(args, 127, "", str(exc))
 
@@ -189,6 +189,62 @@ def _accounted(ids: list[str], why: str) -> dict[str, JobState]:
         reason = " ".join(x for x in (by, "" if reason == "None" else reason) if x)
         out[j] = JobState(j, state or "UNKNOWN", reason, len(runs[j]) - 1, source="sacct")
     return out
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One run of a job as accounting holds it (a requeued job has one per run): what the cluster charges for."""
+
+    job_id: str
+    state: str
+    submit: float | None  # unix times; None where Slurm says Unknown/None (not started, not ended)
+    start: float | None
+    end: float | None
+    elapsed_s: float  # so far, for a running job
+    nodes: int
+    gpus: int  # gres/gpu of AllocTRES, over all the job's nodes
+
+
+_GPU_TRES = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
+
+
+def _epoch(cell: str) -> float | None:
+    return float(cell) if cell.strip().isdigit() and int(cell) > 0 else None
+
+
+def allocations(job_ids: Iterable[str]) -> tuple[dict[str, list[Allocation]], str]:
+    """Every run of each job from accounting, in one sacct call: ({job: its runs, oldest first}, ""), or ({}, why
+    accounting could not answer). A job accounting has no record of is left out."""
+    ids = list(dict.fromkeys(str(j) for j in job_ids))
+    if not ids:
+        return {}, ""
+    if not shutil.which("sacct"):
+        return {}, "sacct (accounting) is not installed"
+    fields = "JobID,State,Submit,Start,End,ElapsedRaw,AllocNodes,AllocTRES"
+    env = {**os.environ, "SLURM_TIME_FORMAT": "%s"}  # unix times, not the login node's local time
+    acct = _call(["sacct", "-n", "-X", "-D", "-P", "-j", ",".join(ids), "-o", fields], env=env)
+    if acct.returncode != 0:
+        return {}, f"sacct: {last_line(acct.stderr or acct.stdout) or f'exit status {acct.returncode}'}"
+    out: dict[str, list[Allocation]] = {}
+    for line in acct.stdout.splitlines():
+        cells = line.strip().split("|")
+        if len(cells) < 8 or cells[0] not in ids:
+            continue
+        job, state, submit, start, end, elapsed, nodes, tres = cells[:8]
+        gpus = _GPU_TRES.search(tres)
+        out.setdefault(job, []).append(
+            Allocation(
+                job_id=job,
+                state=state.split(" ")[0] or "UNKNOWN",
+                submit=_epoch(submit),
+                start=_epoch(start),
+                end=_epoch(end),
+                elapsed_s=float(elapsed) if elapsed.isdigit() else 0.0,
+                nodes=int(nodes) if nodes.isdigit() else 0,
+                gpus=int(gpus.group(1)) if gpus else 0,
+            )
+        )
+    return out, ""
 
 
 def update_job(job_id: str, **fields: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 from runconfig import load_config
@@ -33,8 +34,15 @@ from tracking import (
 BATCH_RECORDS = 2000
 
 
-def sync(rundir: RunDir, files: list[tuple[Path, str | None]], *, idle: bool) -> str | None:
-    """Send the report's ``files`` and, when ``idle`` (no job of the run is active) and no launch holds the run's
+def sync(
+    rundir: RunDir,
+    files: list[tuple[Path, str | None]],
+    *,
+    idle: bool,
+    metrics: tuple[dict[str, float], int, dict[str, str]] | None = None,
+) -> str | None:
+    """Send the report's ``files`` and ``metrics`` (values, at a step, with tags: the cost and the goodput split,
+    keys no launch sends) and, when ``idle`` (no job of the run is active) and no launch holds the run's
     tracking lock, the steps the tracker lacks. The store is the one tracking.json names (the run's own, whatever
     this login node's environment says); a run without tracking.json was never tracked: None. One line saying what
     was sent; MLflow only (W&B offline files are the trainer's). Raises what the tracker's client raises."""
@@ -83,6 +91,11 @@ def sync(rundir: RunDir, files: list[tuple[Path, str | None]], *, idle: bool) ->
                 backend.end(state.run_id, "FINISHED")
         for path, folder in files:
             backend.artifact(state.run_id, path, folder)
+        if metrics is not None:
+            values, step, tags = metrics
+            now_ms = int(time.time() * 1000)
+            backend.metrics(state.run_id, [(key, value, step, now_ms) for key, value in values.items()])
+            backend.tags(state.run_id, tags)
         caught = f", {sent} step record(s) it lacked" if sent else ""
         busy = "" if lock is not None else " (steps left to the running launch)"
         return f"tracker: {target.uri} run {state.run_id}: the report's {len(files)} file(s){caught}{busy}"

@@ -8,6 +8,7 @@ exists is a valid one. Torch-free: the login-node side (``hpc``) and the trainer
 
 from runconfig.schema.checkpoint import CheckpointConfig
 from runconfig.schema.comm import CommConfig
+from runconfig.schema.cost import CostConfig
 from runconfig.schema.data import MIN_SHARD_TOKENS, DataConfig
 from runconfig.schema.fields import Problems, Range, Section, doc, field_problems
 from runconfig.schema.job import JobConfig
@@ -31,6 +32,7 @@ __all__ = [
     "SLURM_NAMES_RE",
     "CheckpointConfig",
     "CommConfig",
+    "CostConfig",
     "DataConfig",
     "JobConfig",
     "LiveConfig",

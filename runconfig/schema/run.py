@@ -8,6 +8,7 @@ from typing import Any
 from runconfig.layout import Layout, resolve
 from runconfig.schema.checkpoint import CheckpointConfig
 from runconfig.schema.comm import CommConfig
+from runconfig.schema.cost import CostConfig
 from runconfig.schema.data import DataConfig
 from runconfig.schema.feasible import layout_problems
 from runconfig.schema.fields import Problems, doc
@@ -57,6 +58,9 @@ class RunConfig:
     )
     live: LiveConfig = doc(
         "Live metrics for Prometheus: an endpoint per node, or pushes to a Pushgateway.", factory=LiveConfig
+    )
+    cost: CostConfig = doc(
+        "Prices of a node-hour or a GPU-hour, for the run's cost in its reports.", factory=CostConfig
     )
     prune: PruneConfig = doc(
         "Early stopping of a sweep's poor elements (ASHA), set by `python -m hpc sweep`.", factory=PruneConfig

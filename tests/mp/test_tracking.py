@@ -4,6 +4,7 @@ signal and a resume, its history equal to metrics.jsonl (one value per step); a 
 `hpc report`; a store that cannot be written, named before training."""
 
 import json
+import math
 import os
 import random
 import signal
@@ -159,7 +160,8 @@ def server():
 
 def test_an_unreachable_tracker_costs_a_warning_and_the_report_catches_up(tmp_path, small_dataset, server):
     run_dir = tmp_path / "run"
-    sets = tracked(small_dataset, f"tracking.uri={server.uri}", "tracking.flush_timeout_s=1")
+    sets = tracked(small_dataset, f"tracking.uri={server.uri}", "tracking.flush_timeout_s=1", "cost.node_hour=3600")
+    sets.append("monitor.peak_tflops=1")  # an MFU on CPU: the program part of the goodput split is known
     server.script("stop")
     done = run(run_dir, sets)  # nothing listens on the port
     assert done.returncode == 0, done.stdout + done.stderr
@@ -177,6 +179,18 @@ def test_an_unreachable_tracker_costs_a_warning_and_the_report_catches_up(tmp_pa
     assert_history_is_metrics_jsonl(client, run_id, run_dir)
     assert client.get_run(run_id).info.status == "FINISHED"
     assert "report/report.md" in {a.path for a in client.list_artifacts(run_id, "report")}
+    # the cost and the goodput split, at the final step: the launch's wall x its two (simulated) nodes, priced
+    data = client.get_run(run_id).data
+    (start,) = [e for e in read_jsonl(run_dir / "history.jsonl") if e["event"] == "start"]
+    (end,) = [e for e in read_jsonl(run_dir / "history.jsonl") if e["event"] == "done"]
+    wall = end["time"] - start["process_start"]
+    assert data.metrics["cost/node_hours"] == pytest.approx(2 * wall / 3600, rel=1e-6)
+    assert data.metrics["cost/total"] == pytest.approx(2 * wall, rel=1e-6) and data.metrics["cost/gpu_hours"] == 0
+    parts = [data.metrics[f"goodput/{p}"] for p in ("scheduling", "runtime", "program")]
+    assert all(0 < p <= 1 for p in parts), parts
+    assert data.metrics["goodput/overall"] == pytest.approx(math.prod(parts))
+    assert data.tags["hpc.cost_source"] == "launches" and data.tags["hpc.currency"] == "USD"
+    assert [m.step for m in client.get_metric_history(run_id, "cost/total")] == [40]
 
 
 def test_a_server_that_goes_down_mid_run_and_comes_back(tmp_path, small_dataset, server):

@@ -70,6 +70,7 @@ def forgotten(job_id: str) -> bool:
 def test_status_after_the_controller_forgot_the_jobs(accounting_cluster, small_dataset, tmp_path):
     # a run that completes, and one cancelled while it runs
     small = [*sets_for(small_dataset), "job.nodes=1", "job.ranks_per_node=1", "train.eval_every=4"]
+    small.append("cost.node_hour=3600")  # the cost is the node-seconds
     done_dir, cancelled_dir = tmp_path / "done", tmp_path / "cancelled"
     done_id = submit(done_dir, [*small, "train.steps=8"])
     cancelled_id = submit(cancelled_dir, [*small, "train.steps=100000"])
@@ -93,6 +94,7 @@ def test_status_after_the_controller_forgot_the_jobs(accounting_cluster, small_d
     assert (job["state"], job["reason"], job["source"]) == ("CANCELLED", "by 0", "sacct")  # sacct: "CANCELLED by 0"
     proc = hpc("cancel", str(cancelled_dir))  # the verbs see it finished
     assert proc.returncode == EXIT_USER_ERROR and "no unfinished Slurm job" in proc.stderr
+    check_cost_from_sacct(done_dir, done_id)
 
     # without accounting (the same controller state, slurmdbd gone): UNKNOWN, with the reason
     cluster("stop", accounting_cluster, accounting=False)
@@ -106,5 +108,51 @@ def test_status_after_the_controller_forgot_the_jobs(accounting_cluster, small_d
     text = hpc("status", str(done_dir)).stdout
     assert f"job {done_id}: UNKNOWN (the controller no longer knows it" in text
     assert status(cancelled_dir)["jobs"][0]["state"] == "UNKNOWN"
+    row = runs_row(done_dir)  # the cost from the launches, and why
+    assert row["cost_source"] == "launches", row
+    assert row["node_hours"] * 3600 == pytest.approx(launches_wall(done_dir), rel=1e-6)
+    report = hpc("report", str(done_dir))
+    assert (
+        "(launches)" in report.stdout
+        and "accounting storage is disabled" in (done_dir / "report/report.md").read_text()
+    )
     proc = hpc("cancel", str(cancelled_dir))
     assert proc.returncode == EXIT_USER_ERROR and "no unfinished Slurm job" in proc.stderr
+
+
+def runs_row(run_dir) -> dict:
+    proc = hpc("runs", str(run_dir), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)[0]
+
+
+def launches_wall(run_dir) -> float:
+    """The launches' wall time as history.jsonl has it: the start event's process start to the end event."""
+    events = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    starts = [e["process_start"] for e in events if e["event"] in ("start", "resume")]
+    ends = [e["time"] for e in events if e["event"] in ("done", "stopped")]
+    assert len(starts) == len(ends) == 1, events
+    return ends[0] - starts[0]
+
+
+def check_cost_from_sacct(run_dir, job_id: str) -> None:
+    """The cost from accounting: sacct's elapsed x nodes, which hold the launch's wall time and the job's own
+    set-up around it; the queue wait from its submission to its start."""
+    acct = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "ElapsedRaw,AllocNodes,Submit,Start"],
+        capture_output=True, text=True, env={**os.environ, "SLURM_TIME_FORMAT": "%s"}, check=True,
+    )  # fmt: skip
+    elapsed, nodes, submit, start = (int(x) for x in acct.stdout.split("|"))
+    row = runs_row(run_dir)
+    assert row["cost_source"] == "sacct" and nodes == 1, (row, acct.stdout)
+    assert row["node_hours"] * 3600 == pytest.approx(elapsed * nodes) and row["gpu_hours"] == 0
+    assert row["cost"] == pytest.approx(elapsed * nodes) and row["queued_s"] == pytest.approx(start - submit)
+    wall = launches_wall(run_dir)
+    print(f"sacct elapsed {elapsed} s, launch wall {wall:.2f} s, queued {start - submit} s")
+    # the allocation holds the launch (sacct counts whole seconds) and a few seconds of the job's own set-up
+    assert wall - 1 <= elapsed <= wall + 15, (elapsed, wall)
+    report = hpc("report", str(run_dir))
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert f"node-hours, 0 GPU-hours (sacct), {elapsed * nodes:,.2f} USD" in report.stdout, report.stdout
+    md = (run_dir / "report" / "report.md").read_text()
+    assert "From Slurm accounting (sacct): 1 run(s) of the run's jobs; price: 3600 USD a node-hour." in md

@@ -92,6 +92,7 @@ def _record_start(
         EVENT_RESUME if resumed else EVENT_START,
         step=state.step,
         world_size=env.world_size,
+        device=parts.distributed.device.type,  # cuda: each rank holds one GPU (the cost's GPU-hours)
         nodes=[env.node_names[env.topology.node_ranks(n)[0]] for n in range(env.topology.num_nodes)],
         grad_accum=booted.cfg.grad_accum(env.world_size),
         slurm_job_id=env.slurm_job_id,
