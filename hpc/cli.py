@@ -1,5 +1,5 @@
 """``python -m hpc VERB``: one line of help per verb, then the verb (hpc/verbs.py, status.py, sweep_submit.py, runs.py,
-compare.py, report.py, selftest.py)."""
+compare.py, report.py, selftest.py, ui.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ HELP = {
     "report": "plots and report.md: loss, speed, step time, goodput",
     "runs": "the runs under some folders, a row each: state, loss, speed, goodput",
     "compare": "runs side by side: their rows, the config keys that differ, the loss curves in one PNG",
+    "ui": "the MLflow UI over the runs' store, behind a private token (needs the ui extra)",
     "sbatch-args": "the job section as options for sbatch/*.sbatch",
     "selftest": "does the stop signal reach every rank in time?",
 }
@@ -78,6 +79,10 @@ def parser() -> argparse.ArgumentParser:
     sp = verb("report", description="PNG plots and report.md with goodput, restarts and stragglers")
     sp.add_argument("run_dir")
     sp.add_argument("--out", help="output folder (default RUN_DIR/report/)")
+    sp = verb("ui")
+    sp.add_argument("path", nargs="?", default="runs", help="runs folder (default runs/), run directory or store file")
+    sp.add_argument("--port", type=int, default=0, help="the port on --host (default: a free one)")
+    sp.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     verb("selftest", description=f"{HELP['selftest']} (python -m hpc selftest --help)", add_help=False)
     sp = verb(
         "sbatch-args",
@@ -124,6 +129,10 @@ def run_verb(args: argparse.Namespace) -> int:
         from hpc.report import main as report_main
 
         return report_main(args.run_dir, args.out)
+    if args.verb == "ui":
+        from hpc.ui import main as ui_main
+
+        return ui_main(args.path, host=args.host, port=args.port)
     rundir = open_run(args.run_dir)
     if args.verb == "resume":
         return verbs.resume(rundir, args.overrides, refresh_code=args.refresh_code)

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The project's test command (README Quickstart, and .ci/run): installs everything it needs (Slurm, munge,
-# slurmdbd, MariaDB, shellcheck, Prometheus, nodejs, Lmod and Open MPI from Debian's packages, s3rver from npm; Python
-# packages into .venv and the site venv of envs/site/build.sh, the latter beside the tests), then lints and runs the
-# whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local clusters and servers that
-# the tests start and stop.
+# slurmdbd, MariaDB, shellcheck, Prometheus, nodejs, Lmod, Open MPI and Chromium from Debian's packages, s3rver from
+# npm; Python packages into .venv and the site venv of envs/site/build.sh, the latter beside the tests), then lints
+# and runs the whole suite: unit, multi-process under mpirun, and Slurm and S3 tests against real local clusters and
+# servers that the tests start and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # Debian's packages, in one apt pass (envs/debian.sh): Slurm and munge, with slurmdbd + MariaDB for
 # tests/slurm/test_accounting.py; Lmod and Open MPI with PMIx for a site's way of starting (tests/slurm/test_site.py);
 # nodejs and npm for the S3 server; Prometheus and its Pushgateway (tests/mp/test_live.py); shellcheck, which
-# tests/slurm/test_sbatch_scripts.py runs on every shell script.
+# tests/slurm/test_sbatch_scripts.py runs on every shell script; Chromium, the headless browser that opens
+# `hpc ui` (tests/mp/test_tracking.py).
 # shellcheck disable=SC2046  # each script prints its packages as words
 bash envs/debian.sh $(HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh packages) $(bash envs/site/build.sh packages) \
-  $(bash envs/s3/server.sh packages) $(bash envs/prometheus/server.sh packages) shellcheck
+  $(bash envs/s3/server.sh packages) $(bash envs/prometheus/server.sh packages) shellcheck chromium
 HPC_SLURM_ACCOUNTING=1 bash envs/slurm/cluster.sh install >/dev/null
 bash envs/prometheus/server.sh install
 # Then the installs side by side (network, a compile, disk; none needs another): s3rver from npm

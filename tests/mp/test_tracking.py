@@ -7,11 +7,14 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -119,6 +122,51 @@ def test_one_tracker_run_across_a_restart_a_stop_and_a_resume(tmp_path, small_da
     text = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     noise = [line for line in text.splitlines() if "tracking:" in line or "mlflow.store" in line]
     assert not noise, noise  # nothing to warn of, no noise
+    assert_the_ui_shows(tmp_path / "runs", state, run_id)
+
+
+def browse(url: str, profile: Path) -> str:
+    """The page's DOM once headless Chromium (Debian's) has run its scripts and their requests."""
+    args = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}"]
+    args += ["--virtual-time-budget=60000", "--window-size=1400,1000", "--dump-dom", url]
+    page = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    assert page.returncode == 0 and page.stdout, page.stderr[-2000:]
+    return page.stdout
+
+
+def assert_the_ui_shows(runs: Path, state: dict, run_id: str) -> None:
+    """`hpc ui` over the embedded store, opened in a real browser: the run, its params, its loss chart; a request
+    without the session's token is refused."""
+    ui = subprocess.Popen(
+        [PY, "-m", "hpc", "ui", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        line = ui.stdout.readline()  # the URL once the server answers, or nothing if the command ended
+        assert "?token=" in line, line + ui.communicate(timeout=30)[1]
+        url = line.split(": ", 1)[1].strip()
+        base = url.split("?")[0]
+        for bad in (base, f"{base}?token=not-it", f"{base}ajax-api/2.0/mlflow/experiments/search"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(bad, timeout=30)
+            assert refused.value.code == 403, bad
+        profile = Path(tempfile.mkdtemp(prefix="hpc-ui-browser-"))
+        run_page = f"{url}#/experiments/{state['experiment_id']}/runs/{run_id}"
+        overview = browse(run_page, profile)
+        assert re.search(r'data-testid="runs-header">run<', overview), overview[-3000:]
+        for key, value in (("train.steps", "40"), ("model.d_model", "64"), ("tracking.backend", "mlflow")):
+            row = rf">{re.escape(key)}</span>(?:(?!role=\"row\").){{0,400}}?title=\"{value}\""  # in the key's row
+            assert re.search(row, overview), key
+        charts = browse(f"{run_page}/model-metrics", profile)
+        card = charts.find('title="loss">loss</h4>')
+        assert card >= 0, "no loss chart card"
+        end = charts.find("<h4", card + 1)
+        plot = charts[card : end if end > 0 else len(charts)]  # the card: up to the next card's title
+        lines = re.findall(r'<path class="js-line" d="([^"]*)"', plot)
+        assert lines and lines[0].count("L") >= 30, lines  # a curve through the 40 steps (the eval too)
+        assert re.search(r'class="xtitle"[^>]*>Step<', plot)
+    finally:
+        ui.send_signal(signal.SIGINT)
+        assert ui.wait(timeout=60) == 0, ui.stderr.read()
 
 
 def free_port() -> int:
