@@ -4,7 +4,6 @@ check it against its manifest before any training."""
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import hashlib
 import json
 import logging
@@ -12,7 +11,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,11 +18,12 @@ from mpi4py import MPI
 
 from runconfig.schema import DataConfig, StorageConfig
 from storage.ioretry import RetryPolicy
-from storage.objstore import Store, StoreError, StoreUnavailable, is_url, join
+from storage.objstore import Store, StoreError, StoreUnavailable, is_url
 from storage.private import UnsafeFolder, private_dir
-from storage.safepath import UnsafeName, check_name, safe_join
+from storage.safepath import UnsafeName, check_name
 from trainer.data.dataset import TokenShards, read_manifest
 from trainer.data.folder import dataset_folder, prepare_spec, tokenizer_problem
+from trainer.data.formats import CorpusError
 from trainer.data.node_cache import NodeCache, dataset_key
 from trainer.data.prepare import (
     STDLIB,
@@ -34,6 +33,7 @@ from trainer.data.prepare import (
     prepare,
     tokenizer_sha256,
 )
+from trainer.data.remote_source import fetch
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.env import RuntimeEnv, agree
 from trainer.errors import UserError, error_of
@@ -129,7 +129,7 @@ def _localized(cfg: DataConfig, env: RuntimeEnv, comm: MPI.Comm, store: Store) -
     if cfg.tokenizer and is_url(cfg.tokenizer):
         local = env.data_cache / "remote" / _digest(cfg.tokenizer) / "tokenizer.json"
 
-        def fetch() -> None:
+        def fetch_tokenizer() -> None:
             private(local.parent)
             if not local.is_file():
                 data = _user_error(lambda: store.read_bytes(cfg.tokenizer, what="tokenizer", key="data.tokenizer"))
@@ -137,49 +137,29 @@ def _localized(cfg: DataConfig, env: RuntimeEnv, comm: MPI.Comm, store: Store) -
                 tmp.write_bytes(data)
                 os.replace(tmp, local)
 
-        agree(comm, error_of(fetch))
+        agree(comm, error_of(fetch_tokenizer))
         changes["tokenizer"] = str(local)
     if cfg.source != STDLIB and is_url(cfg.source):
         local = env.data_cache / "sources" / _digest(cfg.source)
-        agree(comm, error_of(lambda: mirror(store, cfg.source, private(local), cfg.include)) if env.rank == 0 else None)
+
+        def copy() -> None:
+            mirror(store, cfg.source, private(local), cfg.include, cfg.max_source_bytes)
+
+        agree(comm, error_of(copy) if env.rank == 0 else None)
         changes["source"] = str(local)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def mirror(store: Store, url: str, folder: Path, include: list[str]) -> int:
-    """Copy the objects under ``url`` that match ``include`` (as data.include matches files: the relative path or
-    the name) into ``folder``, keeping their relative paths; objects already there at their size are skipped.
-    Returns how many were fetched."""
-    listing = _user_error(lambda: store.call(lambda fs, p: fs.find(p, detail=True), url, what="data.source listing of"))
-    base = url.split("://", 1)[1].rstrip("/") + "/"
-    wanted = {}
-    for name, info in listing.items():
-        rel = name[len(base) :] if name.startswith(base) else name.rsplit("/", 1)[-1]
-        if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pat) for pat in include):
-            try:  # a key of a shared bucket never becomes a path outside the mirror
-                safe_join(folder, rel)
-            except UnsafeName as exc:
-                raise UserError(f"data.source {url}: the object {name} cannot be mirrored into {folder}: its name "
-                                f"{exc}. Nothing was fetched.") from None  # fmt: skip
-            wanted[rel] = int(info.get("size") or 0)
-    if not wanted:
-        raise UserError(f"data.source {url}: no objects under it match data.include {list(include)}.")
-    todo = [
-        rel for rel, size in wanted.items() if not ((folder / rel).is_file() and (folder / rel).stat().st_size == size)
-    ]
-
-    def get(rel: str) -> None:
-        dest = folder / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.part")
-        store.download(join(url, rel), str(tmp), what="data.source object", key="data.source")
-        os.replace(tmp, dest)
-
-    with ThreadPoolExecutor(8) as pool:
-        _user_error(lambda: list(pool.map(get, todo)))
-    log.info("data.source %s: %d object(s) fetched into %s (%d already there)", url, len(todo), folder,
-             len(wanted) - len(todo))  # fmt: skip
-    return len(todo)
+def mirror(store: Store, url: str, folder: Path, include: list[str], max_bytes: int) -> None:
+    """Copy the objects under ``url`` that the preparation takes into ``folder`` (trainer/data/remote_source.py:
+    names checked, objects already there at their size skipped), or the UserError naming the URL."""
+    try:
+        _user_error(lambda: fetch(url, tuple(include), max_bytes, folder, store))
+    except FileNotFoundError:
+        raise UserError(f"data.source {url}: no objects under it match data.include {list(include)}.") from None
+    except CorpusError as exc:
+        raise UserError(f"{exc}. Nothing was fetched.") from None
+    log.info("data.source %s: mirrored into %s", url, folder)
 
 
 def private(folder: Path) -> Path:
