@@ -262,6 +262,47 @@ def load_gpt(folder: str | Path) -> torch.nn.Module:
     return model.eval()
 
 
+def gpt2_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """An exported built-in GPT's weights under Hugging Face GPT-2's names and layouts (config.json's
+    ``hugging_face``): ``GPT2LMHeadModel(GPT2Config(**config["hugging_face"]["config"])).load_state_dict(...)``."""
+    model = load_gpt(folder)  # the ties restored and the names checked
+    config = json.loads((Path(folder) / CONFIG).read_text())
+    if not (config.get("hugging_face") or {}).get("matches"):
+        raise ExportError(f"{folder}: {config.get('hugging_face', {}).get('why_not') or 'no GPT-2 equivalent'}")
+    w = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {"transformer.wte.weight": w["tok.weight"], "transformer.wpe.weight": w["pos.weight"]}
+    for n in range(len(model.blocks)):
+        b, h = f"blocks.{n}.", f"transformer.h.{n}."
+        qkv = [f"{b}attn.{x}" for x in "qkv"]
+        out |= {
+            f"{h}ln_1.weight": w[f"{b}ln1.weight"], f"{h}ln_1.bias": w[f"{b}ln1.bias"],
+            f"{h}attn.c_attn.weight": torch.cat([w[f"{x}.weight"] for x in qkv]).t().contiguous(),
+            f"{h}attn.c_attn.bias": torch.cat([w[f"{x}.bias"] for x in qkv]),
+            f"{h}attn.c_proj.weight": w[f"{b}attn.proj.weight"].t().contiguous(),
+            f"{h}attn.c_proj.bias": w[f"{b}attn.proj.bias"],
+            f"{h}ln_2.weight": w[f"{b}ln2.weight"], f"{h}ln_2.bias": w[f"{b}ln2.bias"],
+            f"{h}mlp.c_fc.weight": w[f"{b}mlp.0.weight"].t().contiguous(), f"{h}mlp.c_fc.bias": w[f"{b}mlp.0.bias"],
+            f"{h}mlp.c_proj.weight": w[f"{b}mlp.2.weight"].t().contiguous(),
+            f"{h}mlp.c_proj.bias": w[f"{b}mlp.2.bias"],
+        }  # fmt: skip
+    out |= {"transformer.ln_f.weight": w["ln_f.weight"], "transformer.ln_f.bias": w["ln_f.bias"]}
+    out["lm_head.weight"] = w["head.weight"]
+    return out
+
+
+def _into_run_dir(run_dir: Path, step: int | None, from_bucket: bool) -> tuple[dict, Path]:
+    """Export into RUN_DIR/export/step_N: the step is known only once the generation is chosen, so the folder is
+    written beside it first (in the run directory: private, and the move is a rename)."""
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=run_dir) as scratch:
+        record = export(run_dir, Path(scratch) / "x", step=step, from_bucket=from_bucket)
+        final = run_dir / "export" / step_name(record["step"])
+        if final.exists():
+            raise ExportError(f"{final} exists; give --out")
+        final.parent.mkdir(exist_ok=True)
+        os.replace(Path(scratch) / "x", final)
+        return record, final
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
@@ -269,28 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest valid one)")
     p.add_argument("--from-bucket", action="store_true", help="read the checkpoint from checkpoint.storage")
     args = p.parse_args(argv)
-    out = args.out
-    if out is None:
-        with tempfile.TemporaryDirectory() as scratch:  # the step is known only once the generation is chosen
-            out = Path(scratch) / "x"
-            try:
-                record = export(args.run_dir, out, step=args.step, from_bucket=args.from_bucket)
-            except ExportError as exc:
-                print(f"error: {exc}.", file=sys.stderr)
-                return 2
-            final = args.run_dir / "export" / step_name(record["step"])
-            if final.exists():
-                print(f"error: {final} exists; give --out", file=sys.stderr)
-                return 2
-            final.parent.mkdir(exist_ok=True)
-            shutil.move(str(out), str(final))
-            out = final
-    else:
-        try:
-            record = export(args.run_dir, out, step=args.step, from_bucket=args.from_bucket)
-        except ExportError as exc:
-            print(f"error: {exc}.", file=sys.stderr)
-            return 2
+    try:
+        if args.out is None:
+            record, out = _into_run_dir(args.run_dir, args.step, args.from_bucket)
+        else:
+            record, out = export(args.run_dir, args.out, step=args.step, from_bucket=args.from_bucket), args.out
+    except ExportError as exc:
+        print(f"error: {exc}.", file=sys.stderr)
+        return 2
     size = record["files"][WEIGHTS]["size"]
     print(f"exported step {record['step']} of {args.run_dir} into {out}: {WEIGHTS} ({size / 1e6:.1f} MB), "
           f"{', '.join(n for n in record['files'] if n != WEIGHTS)}")  # fmt: skip

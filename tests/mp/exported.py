@@ -17,16 +17,20 @@ from trainer.loop.evaluate import eval_ids
 from trainer.recipes.gpt import next_token_loss
 
 
-def assert_export_reproduces_eval(run_dir: Path, out: Path, *, from_bucket: bool = False) -> dict:
-    """Export the newest evaluated step that still has its checkpoint; its eval loss, recomputed from the export,
-    within float rounding of the run's (the ranks summed theirs in another order). Returns export.json."""
+def assert_export_reproduces_eval(run_dir: Path, out: Path | None, *, from_bucket: bool = False) -> dict:
+    """Export the newest evaluated step that still has its checkpoint (into ``out``, or None: the default,
+    RUN_DIR/export/step_N); its eval loss, recomputed from the export, within float rounding of the run's (the ranks
+    summed theirs in another order). Returns export.json."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = {r["step"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None}
     kept = {int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*")}
     step = max(set(evaluated) & kept) if not from_bucket else max(evaluated)
-    args = ["-m", "trainer.export", str(run_dir), "--step", str(step), "--out", str(out)]
+    args = ["-m", "trainer.export", str(run_dir), "--step", str(step), *(["--out", str(out)] if out else [])]
     proc = run_cli([*args, *(["--from-bucket"] if from_bucket else [])])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    if out is None:
+        out = run_dir / "export" / f"step_{step:08d}"
+        assert f"into {out}:" in proc.stdout and not list(run_dir.glob(".export-*")), proc.stdout
     model = load_gpt(out)
     cfg = load_config(str(run_dir / "config.yaml"))
     folder = Path(cfg.data.path)

@@ -112,7 +112,7 @@ def test_fsdp_and_hsdp_train_like_one_process(tmp_path, monkeypatch, sets, singl
     assert_waits_in(fsdp, "dp_shard")  # rank 3 slowed: rank 0 waits in FSDP2's all-gathers
     # the model out of FSDP's shards, and out of a DDP run's (the single process's) checkpoint: their eval losses
     assert_export_reproduces_eval(fsdp, tmp_path / "fsdp-export")
-    assert_export_reproduces_eval(single, tmp_path / "single-export")
+    assert_export_reproduces_eval(single, None)  # into RUN_DIR/export/step_N
     sampled = run_cli(["-m", "trainer.sample", str(tmp_path / "fsdp-export"), "--prompt", "def ", "--tokens", "8",
                        "--samples", "2"])  # fmt: skip
     assert sampled.returncode == 0 and sampled.stdout.count("\n--- ") == 2, sampled.stdout + sampled.stderr
