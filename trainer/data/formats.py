@@ -50,14 +50,19 @@ class CorpusError(ValueError):
     """A source file that cannot be read as its format says; the message names the file and the place."""
 
 
+#: The byte tokenizer's: bytes 0..255, then the end-of-document id.
+EOS = 256
+VOCAB_SIZE = 257
+
+
 @dataclass(frozen=True)
 class Options:
     """How the files of a corpus are read (PrepareSpec's, checked there)."""
 
     field: str = "text"
     token_dtype: str | None = None  # of .bin files
-    eos: int = 256  # the end-of-document id (the tokenizer's, or bytes' 256, or stated)
-    vocab_size: int = 257  # token files' ids must be below it
+    eos: int = EOS  # the end-of-document id (the tokenizer's, or the byte tokenizer's, or stated)
+    vocab_size: int = VOCAB_SIZE  # token files' ids must be below it
 
 
 def kind_of(name: str, fmt: str) -> str:

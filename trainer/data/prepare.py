@@ -36,15 +36,23 @@ from runconfig.schema import MIN_SHARD_TOKENS, StorageConfig
 from rundir.contract import data_cache
 from storage.digest import sha256_file
 from storage.objstore import Store, StoreError, is_url, join, local_path
-from trainer.data.formats import KINDS, TOKEN_DTYPES, CorpusError, Options, is_lengths_file, kind_of, units
+from trainer.data.formats import (
+    EOS,
+    KINDS,
+    TOKEN_DTYPES,
+    VOCAB_SIZE,
+    CorpusError,
+    Options,
+    is_lengths_file,
+    kind_of,
+    units,
+)
 from trainer.data.passes import FORMAT, Plan, cut_parts, parts_done, run_passes
 from trainer.data.remote_source import fetch
 
 TOKENIZER = "bytes"
 #: The manifest's tokenizer for token files prepared without one.
 PRETOKENIZED = "pretokenized"
-EOS = 256
-VOCAB_SIZE = 257
 DTYPE = "uint16"
 #: End-of-document tokens looked up in a tokenizer's vocabulary, in this order.
 EOS_TOKENS = ("<|eos|>", "<|endoftext|>")
