@@ -283,13 +283,17 @@ class _Raw:
 
     def mapped(self) -> np.ndarray | None:
         """The tokens as an array over a read-only mapping of the file, or None when the file is shorter than they
-        are (the ``pread`` path then names the short read). Only for a file that is never rewritten in place, as the
-        node cache's are (written under another name, renamed, unlinked when evicted): a mapped file that shrank
-        would end the process with SIGBUS. The mapping holds its own descriptor: closing the h5py file leaves it."""
+        are or cannot be mapped (the ``pread`` path then reads it, and names a short read). Only for a file that is
+        never rewritten in place, as the node cache's are (written under another name, renamed, unlinked when
+        evicted): a mapped file that shrank would end the process with SIGBUS. The mapping holds its own
+        descriptor: closing the h5py file leaves it."""
         end = self.start + self.length * self.dtype.itemsize
-        if os.fstat(self.fd).st_size < end:
+        try:
+            if os.fstat(self.fd).st_size < end:
+                return None
+            mm = mmap.mmap(self.fd, end, access=mmap.ACCESS_READ)  # unmapped when the array is freed
+        except (OSError, ValueError):
             return None
-        mm = mmap.mmap(self.fd, end, access=mmap.ACCESS_READ)  # unmapped when the array is freed
         return np.frombuffer(mm, dtype=self.dtype, count=self.length, offset=self.start)
 
     def read(self, offset: int, count: int) -> np.ndarray:
