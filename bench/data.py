@@ -13,7 +13,12 @@ from pathlib import Path
 
 from common import bench_parser, emit  # bench/ is on sys.path
 from data_local import part_formats, part_order, part_prepare
-from data_s3 import part_checkpoint, part_litdata, part_loader, part_training, s3_server, small_dataset, upload
+from data_s3 import Litdata, Loader, part_checkpoint, part_training, s3_server, small_dataset, upload
+
+# Issue 56's goals against the peers, each measured side by side in one invocation: the warm node cache's samples/s
+# against litdata's warm cache, and a restore from the bucket against a raw s3fs download of the same bytes.
+TARGET_WARM_VS_LITDATA = 1.0
+TARGET_RESTORE_VS_RAW = 0.9
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,16 +51,38 @@ def main(argv: list[str] | None = None) -> int:
             data = small_dataset(work) if parts & {"loader", "training", "litdata"} else None
             with s3_server():
                 url = upload(data, "small") if data is not None else ""
+                readers = {}  # the loader and litdata, their rounds alternated
                 if "loader" in parts:
-                    result["loader"] = part_loader(args, work, data, url)
+                    readers["loader"] = Loader(args, work, data, url)
+                if "litdata" in parts:
+                    readers["litdata"] = Litdata(args, work, data)
+                for r in range(args.rounds):
+                    for reader in readers.values():
+                        reader.round(r)
+                result |= {name: reader.result() for name, reader in readers.items()}
                 if "training" in parts and args.train_steps:
                     result["training"] = part_training(args, work, data, url)
-                if "litdata" in parts:
-                    result["litdata"] = part_litdata(args, work, data)
                 if "checkpoint" in parts:
                     result["checkpoint"] = part_checkpoint(args, work)
+    if peers := against_peers(result):
+        result["peers"] = peers
     emit(result, args.json, show)
     return 0
+
+
+def against_peers(result: dict) -> dict:
+    """The goals' ratios (medians of the same rounds), where the parts that give them ran."""
+    out = {}
+    ours = result.get("loader", {}).get("samples_per_s", {})
+    lit = result.get("litdata", {}).get("samples_per_s", {})
+    if "s3, warm cache" in ours and "litdata, warm cache" in lit:
+        ratio = ours["s3, warm cache"] / lit["litdata, warm cache"]
+        out["warm_cache_vs_litdata"] = {"ratio": ratio, "target": TARGET_WARM_VS_LITDATA,
+                                        "met": ratio >= TARGET_WARM_VS_LITDATA}  # fmt: skip
+    if "checkpoint" in result:
+        ratio = result["checkpoint"]["restore_vs_raw"]
+        out["restore_vs_raw"] = {"ratio": ratio, "target": TARGET_RESTORE_VS_RAW, "met": ratio >= TARGET_RESTORE_VS_RAW}
+    return out
 
 
 def table(header: list[str], rows: list[list[str]]) -> None:
@@ -124,6 +151,12 @@ def show(result: dict) -> None:
         print(f"checkpoint ({c['bytes'] / 1e6:,.0f} MB, one process), medians:")
         table(["", "s", "MB/s"], [[k, f"{v:.2f}", f"{c['mb_per_s'][k]:,.0f}"] for k, v in c["seconds"].items()])
         print(f"trainer vs raw: save {c['save_vs_raw']:.2f}x, restore {c['restore_vs_raw']:.2f}x")
+    if "peers" in result:
+        names = {"warm_cache_vs_litdata": "warm node cache vs litdata's warm cache (samples/s)",
+                 "restore_vs_raw": "restore from the bucket vs raw s3fs get_file (time)"}  # fmt: skip
+        print("against the peers (medians of the same alternating rounds):")
+        table(["", "ratio", "target", "met"], [[names[k], f"{v['ratio']:.2f}", f">= {v['target']:g}", str(v["met"])]
+                                               for k, v in result["peers"].items()])  # fmt: skip
 
 
 if __name__ == "__main__":

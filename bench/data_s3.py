@@ -18,6 +18,7 @@ from pathlib import Path
 from common import ROOT, lines  # bench/ is on sys.path
 
 PORT = os.environ.get("HPC_BENCH_S3_PORT", "19200")
+SEQ_LEN = 256  # windows of 257 tokens, for this package's loader and litdata's alike
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -61,56 +62,70 @@ def upload(folder: Path, prefix: str) -> str:
     return f"s3://bench/{prefix}"
 
 
-def read_windows(shards, count: int, seq_len: int) -> float:
-    """Samples/s reading ``count`` windows in the windowed order, announcing the shards ahead as the loader does."""
+def read_windows(shards, count: int) -> float:
+    """Samples/s reading ``count`` windows in the windowed order, 64 at a time, announcing the shards ahead when they
+    change, as the loader does (trainer/data/loader.py)."""
     from trainer.data.order import WindowedOrder
 
     order = WindowedOrder(shards.shard_sizes, 1, window=4)
+    hinted = None
     t = time.perf_counter()
     for position in range(0, count, 64):
         if getattr(shards, "cache", None) is not None:
-            shards.will_need(order.blocks_ahead(position, 64, windows_after=1))
+            blocks = order.blocks_ahead(position, 64, windows_after=1)
+            if blocks != hinted:
+                hinted = blocks
+                shards.will_need(blocks)
         for i in order.take(position, min(64, count - position)):
             shards[int(i)]
     return count / (time.perf_counter() - t)
 
 
-def part_loader(args, work: Path, data: Path, url: str) -> dict:
-    from runconfig.schema import StorageConfig
-    from storage.objstore import Store
-    from trainer.data.dataset import TokenShards, read_manifest
-    from trainer.data.node_cache import FETCHES, NodeCache
-    from trainer.data.resolve import remote_manifest
+class Loader:
+    """The loader part: windows read from local disk, then from the bucket through a cold and a warm node cache;
+    one round per ``round`` call (alternated with litdata's by bench/data.py), medians from ``result``."""
 
-    seq_len = 256
-    manifest = read_manifest(data)
-    local = TokenShards(data, manifest, "train", seq_len)
-    count = min(args.loader_samples, len(local))
-    rates: dict[str, list[float]] = {"local disk": [], "s3, cold cache": [], "s3, warm cache": []}
-    fetched = []
-    for r in range(args.rounds):
-        rates["local disk"].append(read_windows(local, count, seq_len))
-        local.close()
+    def __init__(self, args, work: Path, data: Path, url: str) -> None:
+        from trainer.data.dataset import TokenShards, read_manifest
+
+        self.work, self.data, self.url = work, data, url
+        self.manifest = read_manifest(data)
+        self.local = TokenShards(data, self.manifest, "train", SEQ_LEN)
+        self.count = min(args.loader_samples, len(self.local))
+        self.rates: dict[str, list[float]] = {"local disk": [], "s3, cold cache": [], "s3, warm cache": []}
+        self.fetched: list[int] = []
+
+    def round(self, r: int) -> None:
+        from runconfig.schema import StorageConfig
+        from storage.objstore import Store
+        from trainer.data.dataset import TokenShards
+        from trainer.data.node_cache import FETCHES, NodeCache
+        from trainer.data.resolve import remote_manifest
+
+        self.rates["local disk"].append(read_windows(self.local, self.count))
+        self.local.close()
         store = Store(StorageConfig())
-        remote, sizes = remote_manifest(store, url)
-        folder = work / f"cache-{r}"
+        remote, sizes = remote_manifest(store, self.url)
+        folder = self.work / f"cache-{r}"
         for kind in ("s3, cold cache", "s3, warm cache"):
-            cache = NodeCache(store, url, remote, folder, max_bytes=0, threads=4, rank=0, sizes=sizes)
-            shards = TokenShards(folder, remote, "train", seq_len, cache=cache, check_range=False)
-            rates[kind].append(read_windows(shards, count, seq_len))
+            cache = NodeCache(store, self.url, remote, folder, max_bytes=0, threads=4, rank=0, sizes=sizes)
+            shards = TokenShards(folder, remote, "train", SEQ_LEN, cache=cache, check_range=False)
+            self.rates[kind].append(read_windows(shards, self.count))
             shards.close()
             cache.close()
-        fetched.append(sum(json.loads(x)["bytes"] for x in (folder / FETCHES).read_text().splitlines()))
-    train_bytes = sum((data / s["file"]).stat().st_size for s in manifest["splits"]["train"])
-    epoch_share = count / len(local)
-    return {
-        "samples": count,
-        "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
-        "bytes_fetched_per_node": statistics.median(fetched),
-        "train_bytes": train_bytes,
-        "epoch_share_read": epoch_share,
-        "fetched_vs_dataset": statistics.median(fetched) / train_bytes,
-    }
+        self.fetched.append(sum(json.loads(x)["bytes"] for x in (folder / FETCHES).read_text().splitlines()))
+
+    def result(self) -> dict:
+        train_bytes = sum((self.data / s["file"]).stat().st_size for s in self.manifest["splits"]["train"])
+        fetched = statistics.median(self.fetched)
+        return {
+            "samples": self.count,
+            "samples_per_s": {k: statistics.median(v) for k, v in self.rates.items()},
+            "bytes_fetched_per_node": fetched,
+            "train_bytes": train_bytes,
+            "epoch_share_read": self.count / len(self.local),
+            "fetched_vs_dataset": fetched / train_bytes,
+        }
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -242,49 +257,67 @@ def _lit_items(path: str):
         yield torch.from_numpy(f["tokens"][:])
 
 
-def part_litdata(args, work: Path, data: Path) -> dict:
-    try:
-        import litdata
-        import litdata.streaming.downloader as downloader
-        from litdata import StreamingDataset, optimize
+class Litdata:
+    """The litdata part: the loader part's tokens converted by its ``optimize`` and uploaded to the same server, then
+    read with a cold and a warm cache; one round per ``round`` call, medians from ``result``. ``skipped`` says why
+    where litdata does not import."""
+
+    def __init__(self, args, work: Path, data: Path) -> None:
+        self.work, self.loader_samples = work, args.loader_samples
+        self.rates: dict[str, list[float]] = {"litdata, cold cache": [], "litdata, warm cache": []}
+        self.fetched: list[int] = []
+        self.count = 0
+        try:
+            import litdata
+            import litdata.streaming.downloader as downloader
+            from litdata import optimize
+            from litdata.streaming.item_loader import TokensLoader
+        except ImportError as exc:
+            self.skipped = f"litdata does not import ({exc}); pip install --no-deps -r envs/requirements-bench.txt"
+            return
+        import s3fs
+
+        from trainer.data.dataset import read_manifest
+
+        self.skipped, self.version = "", litdata.__version__
+        shards = read_manifest(data)["splits"]["train"]
+        chunk = max(s["tokens"] for s in shards)
+        local = work / "litdata"
+        with contextlib.redirect_stdout(sys.stderr):  # its progress lines
+            optimize(fn=_lit_items, inputs=[str(data / s["file"]) for s in shards], output_dir=str(local),
+                     chunk_size=chunk, item_loader=TokensLoader(), num_workers=1, start_method="fork")  # fmt: skip
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        for path in sorted(local.iterdir()):
+            fs.put_file(str(path), f"bench/litdata/{path.name}")
+        # Its fast download path (obstore) refuses a plain-http endpoint; this private option of litdata 0.2.76 allows
+        # one (a real deployment's endpoint is https).
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+
+    def round(self, r: int) -> None:
+        if self.skipped:
+            return
+        from litdata import StreamingDataset
         from litdata.streaming.item_loader import TokensLoader
-    except ImportError as exc:
-        return {"skipped": f"litdata does not import ({exc}); pip install --no-deps -r envs/requirements-bench.txt"}
-    import s3fs
 
-    from trainer.data.dataset import read_manifest
-
-    manifest = read_manifest(data)
-    shards = manifest["splits"]["train"]
-    chunk = max(s["tokens"] for s in shards)
-    local = work / "litdata"
-    with contextlib.redirect_stdout(sys.stderr):  # its progress lines
-        optimize(fn=_lit_items, inputs=[str(data / s["file"]) for s in shards], output_dir=str(local),
-                 chunk_size=chunk, item_loader=TokensLoader(), num_workers=1, start_method="fork")  # fmt: skip
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    for path in sorted(local.iterdir()):
-        fs.put_file(str(path), f"bench/litdata/{path.name}")
-    # Its fast download path (obstore) refuses a plain-http endpoint; this private option of litdata 0.2.76 allows
-    # one (a real deployment's endpoint is https).
-    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
-    options = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
-    rates: dict[str, list[float]] = {"litdata, cold cache": [], "litdata, warm cache": []}
-    fetched = []
-    for r in range(args.rounds):
-        cache = work / f"litcache-{r}"
-        for kind in rates:
+        options = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+        cache = self.work / f"litcache-{r}"
+        for kind in self.rates:
             dataset = StreamingDataset("s3://bench/litdata", cache_dir=str(cache), item_loader=TokensLoader(
-                block_size=257), shuffle=True, drop_last=True, seed=r, storage_options=options)  # fmt: skip
-            count = min(args.loader_samples, len(dataset))
+                block_size=SEQ_LEN + 1), shuffle=True, drop_last=True, seed=r, storage_options=options)  # fmt: skip
+            self.count = count = min(self.loader_samples, len(dataset))
             t = time.perf_counter()
             for n, _ in enumerate(dataset, 1):
                 if n >= count:
                     break
-            rates[kind].append(count / (time.perf_counter() - t))
-        fetched.append(sum(p.stat().st_size for p in cache.rglob("*.bin")))
-    return {
-        "version": litdata.__version__,
-        "samples": count,
-        "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
-        "bytes_in_cache": statistics.median(fetched),
-    }
+            self.rates[kind].append(count / (time.perf_counter() - t))
+        self.fetched.append(sum(p.stat().st_size for p in cache.rglob("*.bin")))
+
+    def result(self) -> dict:
+        if self.skipped:
+            return {"skipped": self.skipped}
+        return {
+            "version": self.version,
+            "samples": self.count,
+            "samples_per_s": {k: statistics.median(v) for k, v in self.rates.items()},
+            "bytes_in_cache": statistics.median(self.fetched),
+        }

@@ -8,11 +8,14 @@ AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), a profile (AWS_PROFILE, storage.profi
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
 import threading
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,6 +24,10 @@ from storage.ioretry import RetryPolicy, is_transient, retry
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# ``download_hashed``: an object is read in ranges of RANGE_BYTES, RANGES_AT_ONCE of them requested at a time (memory:
+# those, one more waiting its turn, and the one being hashed and written, per download).
+RANGE_BYTES = 16 << 20
+RANGES_AT_ONCE = 2
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 # Messages of S3 errors that pass (throttling, a server restarting or failing over).
 _TRANSIENT_TEXT = re.compile(
@@ -164,6 +171,44 @@ class Store:
 
     def download(self, url: str, dest: str, *, what: str, key: str = "") -> None:
         self.call(lambda fs, p: fs.get_file(p, dest), url, what=what, key=key)
+
+    def download_hashed(self, url: str, dest: str, size: int, *, what: str, key: str = "") -> str:
+        """Download the first ``size`` bytes of the object at ``url`` (what its manifest records) into ``dest``;
+        returns the SHA-256 of the bytes written, for the caller to check against the manifest's. Ranges are
+        requested several at a time, then hashed and written in order as they arrive: the hash needs no second read
+        and overlaps the transfer. Each range is retried on its own. An object shorter than ``size`` is a
+        StoreError; bytes past ``size`` are not read (the copy is the manifest's, or fails its hash)."""
+        digest = hashlib.sha256()
+
+        def get(start: int, end: int) -> bytes:
+            if start == end:  # an empty file: only that the object exists
+                self.call(lambda fs, p: fs.info(p), url, what=what, key=key)
+                return b""
+            data = self.call(lambda fs, p: fs.cat_file(p, start=start, end=end), url, what=what, key=key)
+            if len(data) != end - start:
+                raise StoreError(f"{what} {url}: the object is shorter than the {size} bytes expected: it changed or "
+                                 "was damaged after it was written.")  # fmt: skip
+            return data
+
+        def append(future: Future) -> None:
+            data = future.result()
+            digest.update(data)
+            f.write(data)
+
+        ranges = [(start, min(start + RANGE_BYTES, size)) for start in range(0, size, RANGE_BYTES)] or [(0, 0)]
+        pending: deque[Future] = deque()
+        with open(dest, "wb") as f, ThreadPoolExecutor(RANGES_AT_ONCE, thread_name_prefix="range") as pool:
+            try:
+                for start, end in ranges:
+                    pending.append(pool.submit(get, start, end))
+                    if len(pending) > RANGES_AT_ONCE:  # the others are being fetched while this one is written
+                        append(pending.popleft())
+                while pending:
+                    append(pending.popleft())
+            finally:
+                for future in pending:  # after an error: the ranges not started are not fetched
+                    future.cancel()
+        return digest.hexdigest()
 
 
 _LOCK = threading.Lock()  # threads of one Store open its filesystems once

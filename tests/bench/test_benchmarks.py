@@ -427,6 +427,14 @@ def test_data(tmp_path):
     assert "| encode_batch, one core |" in stdout and "| s3, warm cache |" in stdout and "| 1e+06 |" in stdout
     assert "| jsonl.zst |" in stdout and "| parquet |" in stdout
     assert "| save, trainer |" in stdout and "| litdata, cold cache |" in stdout
+    peers = result["peers"]  # issue 56's two goals, from the same run
+    assert set(peers) == {"warm_cache_vs_litdata", "restore_vs_raw"}
+    assert math.isclose(peers["restore_vs_raw"]["ratio"], ckpt["restore_vs_raw"])
+    ours, theirs = loader["samples_per_s"]["s3, warm cache"], lit["samples_per_s"]["litdata, warm cache"]
+    assert math.isclose(peers["warm_cache_vs_litdata"]["ratio"], ours / theirs)
+    assert all(positive(p["ratio"]) and isinstance(p["met"], bool) for p in peers.values())
+    assert "| warm node cache vs litdata's warm cache (samples/s) |" in stdout
+    assert "| restore from the bucket vs raw s3fs get_file (time) |" in stdout
 
 
 @pytest.mark.mp

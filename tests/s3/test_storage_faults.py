@@ -3,7 +3,9 @@ shard or rank, or a retry that outlives a server restart; nothing half-downloade
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import threading
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from runconfig.schema import StorageConfig
+from storage import objstore
 from storage.objstore import Store, StoreError, StoreUnavailable
 from tests.conftest import PY, ROOT, as_user
 from tests.s3.conftest import BUCKET
@@ -27,6 +30,10 @@ def cache_of(url: str, folder: Path, **kw) -> NodeCache:
     manifest, sizes = remote_manifest(store, url)
     return NodeCache(store, url, manifest, folder, max_bytes=kw.pop("max_bytes", 0), threads=2, rank=0,
                       sizes=sizes, **kw)  # fmt: skip
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def train_files(url: str) -> list[str]:
@@ -172,6 +179,24 @@ def test_two_runs_sharing_a_cache_folder_download_each_shard_once(s3_small, tmp_
     assert all(p.returncode == 0 for p in procs) and len(set(totals)) == 1
     fetched = [json.loads(line)["file"] for line in (folder / FETCHES).read_text().splitlines()]
     assert sorted(fetched) == sorted(train_files(s3_small)), fetched  # each once, whoever fetched it
+
+
+def test_a_download_in_ranges_is_the_object_hashed_as_it_arrived(s3, tmp_path, monkeypatch):
+    """Store.download_hashed (checkpoint restores): the object in several ranges, fetched a few at a time, written
+    in order, its SHA-256 that of the bytes written; an object shorter than expected, or missing, is named."""
+    monkeypatch.setattr(objstore, "RANGE_BYTES", 1000)
+    fs, store = s3.fs(), Store(FAST)
+    data = os.urandom(5_500)
+    for n in (0, 999, 1_000, 5_500):
+        fs.pipe_file(f"{BUCKET}/ranges/o{n}", data[:n])
+        dest = tmp_path / f"o{n}"
+        assert store.download_hashed(f"s3://{BUCKET}/ranges/o{n}", str(dest), n, what="x") == sha256(data[:n])
+        assert dest.read_bytes() == data[:n]
+    with pytest.raises(StoreError, match=f"x s3://{BUCKET}/ranges/o999: the object is shorter than the 1000 bytes"):
+        store.download_hashed(f"s3://{BUCKET}/ranges/o999", str(tmp_path / "short"), 1_000, what="x")
+    for n in (0, 10):
+        with pytest.raises(StoreError, match=f"x s3://{BUCKET}/ranges/none: no such object"):
+            store.download_hashed(f"s3://{BUCKET}/ranges/none", str(tmp_path / "none"), n, what="x")
 
 
 def test_store_errors_name_the_url(s3):

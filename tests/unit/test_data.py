@@ -8,10 +8,13 @@ import h5py
 import numpy as np
 import pytest
 
+from runconfig.schema import StorageConfig
 from rundir.contract import EXIT_USER_ERROR
 from storage.ioretry import RetryPolicy
+from storage.objstore import Store
 from tests.conftest import run_cli
-from trainer.data.dataset import TokenShards, read_manifest
+from trainer.data.dataset import TokenShards, _Raw, read_manifest
+from trainer.data.node_cache import NodeCache
 from trainer.data.prepare import EOS, PrepareSpec, prepare
 from trainer.data.verify import check_checksums, check_vocab, shards_of_rank
 from trainer.errors import UserError
@@ -131,6 +134,39 @@ def test_prepared_shards_are_read_with_pread_and_other_layouts_with_h5py(small_d
     assert all(np.array_equal(slow[i], w) for i, w in zip(range(count), want, strict=True))
     assert 0 in slow._files and slow._raw[0] is None
     slow.close()
+
+
+def test_node_cache_shards_are_memory_mapped_and_read_window_for_window_alike(small_dataset, tmp_path):
+    """A shard in the node cache is mapped once open, and every window is the one pread reads in place; a shard
+    dropped (no longer needed) is mapped again on its next read, and a window taken before is a copy of its own."""
+    manifest = read_manifest(small_dataset)
+    local = TokenShards(small_dataset, manifest, "train", seq_len=63)
+    url = str(small_dataset)  # a plain path: the local file system stands in for the bucket
+    cache = NodeCache(Store(StorageConfig()), url, manifest, tmp_path / "node0" / "c", max_bytes=0, threads=2,
+                      rank=0, sizes={s["file"]: (small_dataset / s["file"]).stat().st_size
+                                     for s in manifest["splits"]["train"]})  # fmt: skip
+    cached = TokenShards(tmp_path / "node0" / "c", manifest, "train", seq_len=63, cache=cache, check_range=False)
+    step = max(1, len(local) // 3000)
+    before = cached[0]
+    assert set(cached._mapped) == {0} and cached._mapped[0].dtype == np.uint16
+    assert all(np.array_equal(cached[i], local[i]) for i in range(0, len(local), step))
+    assert cached[len(local) - 1].dtype == np.int64 and np.array_equal(cached[len(local) - 1], local[len(local) - 1])
+    cached.will_need([])  # nothing needed: every shard closed, its mapping dropped
+    assert cached._mapped == {} and cached._files == {}
+    assert np.array_equal(before, local[0]) and np.array_equal(cached[0], local[0]) and 0 in cached._mapped
+    cached.close()
+    cache.close()
+    local.close()
+
+
+def test_a_mapping_is_refused_for_a_file_shorter_than_its_tokens(small_dataset, tmp_path):
+    manifest = copy_dataset(small_dataset, tmp_path / "data")
+    victim = tmp_path / "data" / manifest["splits"]["train"][0]["file"]
+    with h5py.File(victim, "r") as f:
+        raw = _Raw.of(f["tokens"])
+        assert raw is not None and raw.mapped() is not None
+        os.truncate(victim, victim.stat().st_size - 4096)
+        assert raw.mapped() is None  # mapped, a read past the end would be a SIGBUS; pread names it instead
 
 
 def test_a_shard_cut_short_under_an_open_handle_is_named_not_read_as_garbage(small_dataset, tmp_path):

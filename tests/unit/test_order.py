@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from trainer.checkpoint.state import TrainState
 from trainer.data.loader import make_order
 from trainer.data.order import (
+    CHUNK,
     PERMUTATION,
     WINDOWED,
     OrderSpec,
@@ -60,6 +62,23 @@ def test_the_windowed_order_is_pinned():
     assert WindowedOrder([10**9], 1234, window=64).take(10**8, 4).tolist() == [
         626396, 894400309, 532032145, 554142781
     ]  # fmt: skip
+
+
+def test_takes_are_the_permutation_of_each_offset_whatever_the_chunks():
+    """The windowed order permutes a chunk of offsets at once and keeps the last ones: any take, from a fresh order
+    or one that computed other chunks before, from several threads at once, is the element-wise Feistel value."""
+    n = 3 * CHUNK + 77  # one block: the window is the whole epoch
+    reference = feistel(np.arange(n, dtype=np.uint64), n, (9, 0, 0)).astype(np.int64)
+    reused = WindowedOrder([n], 9, window=64)
+    for position, count in [(0, 5), (CHUNK - 3, 7), (CHUNK - 3, 2 * CHUNK + 10), (n - 40, 40), (17, n - 17), (5, 5)]:
+        want = reference[position : position + count]
+        assert np.array_equal(WindowedOrder([n], 9, window=64).take(position, count), want), (position, count)
+        assert np.array_equal(reused.take(position, count), want), (position, count)
+    shared = WindowedOrder([n], 9, window=64)
+    starts = list(range(0, n - 64, 61)) * 3
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: shared.take(p, 64), starts))
+    assert all(np.array_equal(g, reference[p : p + 64]) for p, g in zip(starts, got, strict=True))
 
 
 def test_the_permutation_is_the_order_of_earlier_runs():

@@ -4,8 +4,8 @@ every rank its share of the files, and its ``manifest.json`` last: a prefix with
 an upload that is killed or fails leaves the previous generation the newest one. Retention prunes only after an
 upload (manifest first, so a half-deleted generation is never taken for one); the local copies are pruned to
 ``checkpoint.keep_local``. At start a remote generation newer than every local one is downloaded into checkpoints/
-(every rank its share, each file checked against the manifest's SHA-256), committed there, and restored from as
-any local one: resharding included.
+(every rank its share, several files at once, each hashed as it arrives and checked against the manifest's SHA-256
+before the local commit), committed there, and restored from as any local one: resharding included.
 
 Layout under the prefix: ``step_00000120/manifest.json`` and the files it lists, at the same relative paths, and
 ``OWNER.json``: the run the prefix belongs to (rundir/identity.py), made by its first launch with a conditional write
@@ -24,6 +24,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rundir.checkpoints import (
@@ -39,7 +40,6 @@ from rundir.checkpoints import (
     validate,
 )
 from rundir.identity import RunIdentity, manifest_problem
-from storage.digest import sha256_file
 from storage.ioretry import GaveUp
 from storage.objstore import Store, StoreError, StoreUnavailable, join
 from storage.safepath import UnsafeName, safe_join
@@ -49,6 +49,7 @@ from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
 OWNER = "OWNER.json"
+FILES_AT_ONCE = 4  # a rank's files downloaded at once at a restore (each in ranges: Store.download_hashed)
 
 
 class RemoteGenerations:
@@ -252,28 +253,13 @@ class RemoteGenerations:
                 error = (exc, f"cannot create {tmp}: {exc}")
         self.agreement.agree(error, time.monotonic(), final=True)
         sizes = {rel: int(meta["size"]) for rel, meta in manifest["files"].items()}
-        problem = crash = fatal = None
-        for rel in shares(sizes, self.world_size)[self.rank]:
-            url = join(self.url, name, rel)
-            try:  # the manifest comes from the bucket: its names never become paths outside the generation
-                dest = safe_join(tmp, rel)
-            except UnsafeName as exc:
-                problem = f"its manifest names a file {exc} (refused)"
-                break
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                self.store.download(url, str(dest), what="checkpoint file")
-                if sha256_file(dest) != manifest["files"][rel]["sha256"]:
-                    dest.unlink()
-                    problem = f"{url} does not match its SHA-256 in the manifest (corrupt), removed"
-            except StoreError as exc:  # a missing object: this generation is unusable
-                problem = str(exc)
-            except StoreUnavailable as exc:  # says nothing about the generation: a crash, restarted
-                crash = f"rank {self.rank}: downloading {url}: {exc.strerror} (after storage.retries)"
-            except OSError as exc:  # the local disk's
-                fatal = f"rank {self.rank}: downloading {url} into {dest}: {exc.strerror or exc}"
-            if problem or crash or fatal:
-                break
+        mine = shares(sizes, self.world_size)[self.rank]
+        try:  # the manifest comes from the bucket: its names never become paths outside the generation
+            dests = {rel: safe_join(tmp, rel) for rel in mine}
+        except UnsafeName as exc:
+            problem, crash, fatal = f"its manifest names a file {exc} (refused)", None, None
+        else:
+            problem, crash, fatal = self._fetch_files(name, manifest, dests)
         reports = self.agreement.gather((problem, crash, fatal))
         if any(f for _, _, f in reports):
             raise UserError(next(f for _, _, f in reports if f), collective=True)
@@ -296,6 +282,37 @@ class RemoteGenerations:
         except Failed as failed:
             raise UserError(failed.reports[0]["message"], collective=True) from None
         return None
+
+    def _fetch_files(self, name: str, manifest: dict, dests: dict[str, Path]) -> tuple[str | None, ...]:
+        """This rank's files of generation ``name`` downloaded to ``dests``, ``FILES_AT_ONCE`` at a time, each
+        hashed as it arrives and removed if it does not match the manifest. (problem, crash, fatal) of the first
+        file in share order that failed, or three Nones."""
+
+        def fetch(rel: str) -> tuple[str | None, ...]:
+            url, dest, meta = join(self.url, name, rel), dests[rel], manifest["files"][rel]
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                digest = self.store.download_hashed(url, str(dest), int(meta["size"]), what="checkpoint file")
+                if digest != meta["sha256"]:
+                    dest.unlink()
+                    return f"{url} does not match its SHA-256 in the manifest (corrupt), removed", None, None
+            except StoreError as exc:  # a missing object: this generation is unusable
+                return str(exc), None, None
+            except StoreUnavailable as exc:  # says nothing about the generation: a crash, restarted
+                return None, f"rank {self.rank}: downloading {url}: {exc.strerror} (after storage.retries)", None
+            except OSError as exc:  # the local disk's
+                return None, None, f"rank {self.rank}: downloading {url} into {dest}: {exc.strerror or exc}"
+            return None, None, None
+
+        with ThreadPoolExecutor(FILES_AT_ONCE, thread_name_prefix="checkpoint-fetch") as pool:
+            futures = [pool.submit(fetch, rel) for rel in dests]
+            for future in futures:
+                outcome = future.result()
+                if any(outcome):
+                    for rest in futures:  # those not started are not fetched
+                        rest.cancel()
+                    return outcome
+        return None, None, None
 
     # -- the store ------------------------------------------------------------------------------------------------
     def _listing(self) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:

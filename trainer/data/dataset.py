@@ -11,8 +11,10 @@ import contextlib
 import errno
 import json
 import logging
+import mmap
 import os
 import threading
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +64,11 @@ class TokenShards:
 
     A read that fails with a transient storage error (storage/ioretry.py) is retried under ``retry``, the shard
     reopened each time; when the retries are exhausted the error propagates (a crash, restarted by the launcher).
-    ``before_read`` is called with the shard's path before each read (fault injection in tests)."""
+    ``before_read`` is called with the shard's path before each read (fault injection in tests).
+
+    A shard in the node cache (``cache``) is memory-mapped once open: a window is then a slice of the mapping,
+    without a system call or the lock. Shards read in place (``data.path``, often a parallel file system) are read
+    with ``pread``, where an I/O error is an exception that can be retried rather than a SIGBUS."""
 
     def __init__(
         self,
@@ -92,8 +98,10 @@ class TokenShards:
         self.retry, self.before_read = retry, before_read
         per_shard = np.array([s["tokens"] // self.window for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(per_shard)])
+        self._first = self.starts.tolist()  # the same, for bisect: a window's lookup without numpy's call cost
         self._files: dict[int, h5py.Dataset] = {}
         self._raw: dict[int, _Raw | None] = {}  # per open shard: where its tokens lie in the file, or None
+        self._mapped: dict[int, np.ndarray] = {}  # per open cached shard: its tokens, memory-mapped
         self._lock = threading.Lock()  # prefetch threads open shards lazily
         if len(self) == 0:
             raise UserError(
@@ -102,7 +110,7 @@ class TokenShards:
             )
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return self._first[-1]
 
     @property
     def shard_sizes(self) -> list[int]:
@@ -123,8 +131,7 @@ class TokenShards:
         keep = set(shards)
         with self._lock:
             for i in [i for i in self._files if i not in keep]:
-                self._files.pop(i).file.close()
-                self._raw.pop(i, None)
+                self._forget(i).file.close()
 
     def verify(self) -> None:
         """Open every shard and check its length and dtype against the manifest (cheap: no token is read)."""
@@ -141,15 +148,19 @@ class TokenShards:
             )
 
     def sample(self, index: int) -> np.ndarray:
-        shard = int(np.searchsorted(self.starts, index, side="right") - 1)
-        offset = (index - int(self.starts[shard])) * self.window
+        shard = bisect_right(self._first, index) - 1
+        offset = (index - self._first[shard]) * self.window
         path = self.paths[shard]
-        try:
-            window = retry(lambda: self._read(shard, offset), self.retry, what="data read of", path=path, log=log)
-        except OSError as exc:
-            if is_transient(exc):
-                raise  # it outlived the retries: a crash (restarted in the job), not bad data
-            raise UserError(f"rank {self.rank}: data shard {path} cannot be read: {exc}.") from None
+        tokens = self._mapped.get(shard)  # a reference: a concurrent close drops the dict's, not this one
+        if tokens is not None and self.before_read is None:
+            window = tokens[offset : offset + self.window]
+        else:
+            try:
+                window = retry(lambda: self._read(shard, offset), self.retry, what="data read of", path=path, log=log)
+            except OSError as exc:
+                if is_transient(exc):
+                    raise  # it outlived the retries: a crash (restarted in the job), not bad data
+                raise UserError(f"rank {self.rank}: data shard {path} cannot be read: {exc}.") from None
         if self.check_range and len(window) and int(window.max()) >= self.vocab_size:
             at = int(np.argmax(window >= self.vocab_size))
             raise UserError(
@@ -174,6 +185,7 @@ class TokenShards:
                 ds.file.close()
             self._files.clear()
             self._raw.clear()
+            self._mapped.clear()
 
     def _read(self, shard: int, offset: int) -> np.ndarray:
         """One attempt, under the lock (h5py runs one call at a time anyway). After a transient error the shard's
@@ -185,17 +197,25 @@ class TokenShards:
             try:
                 if self.before_read is not None:
                     self.before_read(self.paths[shard])
+                tokens = self._mapped.get(shard)
+                if tokens is not None:
+                    return tokens[offset : offset + self.window]
                 raw = self._raw[shard]
                 if raw is not None and offset + self.window <= raw.length:
                     return raw.read(offset, self.window)
                 return ds[offset : offset + self.window]
             except OSError as exc:
                 if is_transient(exc):
-                    del self._files[shard]
-                    del self._raw[shard]
+                    self._forget(shard)
                     with contextlib.suppress(Exception):  # its file descriptor may be the broken part
                         ds.file.close()
                 raise
+
+    def _forget(self, shard: int) -> h5py.Dataset:
+        """Drop an open shard (under the lock); its mapping goes when the last window sliced from it is copied."""
+        self._raw.pop(shard, None)
+        self._mapped.pop(shard, None)
+        return self._files.pop(shard)
 
     def _dataset(self, shard: int) -> h5py.Dataset:
         with self._lock:
@@ -225,7 +245,11 @@ class TokenShards:
                     ds.file.close()
                     raise
             self._files[shard] = ds
-            self._raw[shard] = _Raw.of(ds)
+            raw = self._raw[shard] = _Raw.of(ds)
+            if self.cache is not None and raw is not None:
+                tokens = raw.mapped()
+                if tokens is not None:
+                    self._mapped[shard] = tokens
         return ds
 
 
@@ -256,6 +280,21 @@ class _Raw:
         ):
             return None
         return cls(ds.file.id.get_vfd_handle(), start, int(ds.shape[0]), ds.dtype)
+
+    def mapped(self) -> np.ndarray | None:
+        """The tokens as an array over a read-only mapping of the file, or None when the file is shorter than they
+        are or cannot be mapped (the ``pread`` path then reads it, and names a short read). Only for a file that is
+        never rewritten in place, as the node cache's are (written under another name, renamed, unlinked when
+        evicted): a mapped file that shrank would end the process with SIGBUS. The mapping holds its own
+        descriptor: closing the h5py file leaves it."""
+        end = self.start + self.length * self.dtype.itemsize
+        try:
+            if os.fstat(self.fd).st_size < end:
+                return None
+            mm = mmap.mmap(self.fd, end, access=mmap.ACCESS_READ)  # unmapped when the array is freed
+        except (OSError, ValueError):
+            return None
+        return np.frombuffer(mm, dtype=self.dtype, count=self.length, offset=self.start)
 
     def read(self, offset: int, count: int) -> np.ndarray:
         nbytes = count * self.dtype.itemsize
