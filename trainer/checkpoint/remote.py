@@ -20,6 +20,7 @@ import errno
 import getpass
 import json
 import logging
+import os
 import shutil
 import socket
 import time
@@ -285,8 +286,8 @@ class RemoteGenerations:
 
     def _fetch_files(self, name: str, manifest: dict, dests: dict[str, Path]) -> tuple[str | None, ...]:
         """This rank's files of generation ``name`` downloaded to ``dests``, ``FILES_AT_ONCE`` at a time, each
-        hashed as it arrives and removed if it does not match the manifest. (problem, crash, fatal) of the first
-        file in share order that failed, or three Nones."""
+        hashed as it arrives, removed if it does not match the manifest, else fsynced. (problem, crash, fatal) of
+        the first file in share order that failed, or three Nones."""
 
         def fetch(rel: str) -> tuple[str | None, ...]:
             url, dest, meta = join(self.url, name, rel), dests[rel], manifest["files"][rel]
@@ -296,6 +297,11 @@ class RemoteGenerations:
                 if digest != meta["sha256"]:
                     dest.unlink()
                     return f"{url} does not match its SHA-256 in the manifest (corrupt), removed", None, None
+                fd = os.open(dest, os.O_RDONLY)  # on disk before the local commit, as a save's files are
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             except StoreError as exc:  # a missing object: this generation is unusable
                 return str(exc), None, None
             except StoreUnavailable as exc:  # says nothing about the generation: a crash, restarted
