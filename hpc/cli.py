@@ -25,8 +25,8 @@ HELP = {
     "unexclude": "take a bad node of a run back: its next launch may use the node again",
     "logs": "print or follow a rank's log (or every rank's)",
     "sweep": "submit a grid or a random search of configs as one job array, pruning poor elements",
-    "report": "plots and report.md: loss, speed, step time, goodput",
-    "runs": "the runs under some folders, a row each: state, loss, speed, goodput",
+    "report": "plots and report.md: loss, speed, step time, goodput and its split, cost",
+    "runs": "the runs under some folders, a row each: state, loss, speed, goodput, cost",
     "compare": "runs side by side: their rows, the config keys that differ, the loss curves in one PNG",
     "ui": "the MLflow UI over the runs' store, behind a private token (needs the ui extra)",
     "sbatch-args": "the job section as options for sbatch/*.sbatch",
@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     sp = verb("compare")
     sp.add_argument("run_dirs", nargs="+", help="two or more run directories")
     sp.add_argument("--out", help="the PNG of the loss curves (default compare.png)")
-    sp = verb("report", description="PNG plots and report.md with goodput, restarts and stragglers")
+    sp = verb("report", description="PNG plots and report.md with goodput, restarts, stragglers and cost")
     sp.add_argument("run_dir")
     sp.add_argument("--out", help="output folder (default RUN_DIR/report/)")
     sp = verb("ui")

@@ -151,6 +151,7 @@ def _fetch(run: RunDir, cfg, step: int | None, tmp: Path) -> tuple[Path, dict]: 
     from rundir.identity import manifest_problem, read_identity
     from storage.objstore import Store, StoreError, join
     from storage.safepath import UnsafeName, safe_join
+    from trainer.checkpoint.remote import download_checked
 
     url, store = _bucket(run, cfg), Store(cfg.storage)
     identity = read_identity(run.identity)  # the run's key: a generation it does not authenticate is never unpickled
@@ -170,11 +171,12 @@ def _fetch(run: RunDir, cfg, step: int | None, tmp: Path) -> tuple[Path, dict]: 
             gen = safe_join(tmp, name, flat=True)
             gen.mkdir()
             (gen / "manifest.json").write_bytes(raw)
-            for rel in json.loads(raw).get("files", {}):
-                target = safe_join(gen, rel)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                store.download(join(url, name, rel), str(target), what="checkpoint file")
-            return gen, validate(gen)
+            files = json.loads(raw).get("files", {})
+            targets = {rel: safe_join(gen, rel) for rel in files}  # every name checked before any download
+            for rel, target in targets.items():
+                if not download_checked(store, join(url, name, rel), target, files[rel]):
+                    raise ExportError(f"{join(url, name, rel)} does not match its SHA-256 in the manifest (corrupt)")
+            return gen, validate(gen, verify_hashes=False)  # each file's hash was checked as it arrived
     except (StoreError, OSError, UnsafeName, CheckpointInvalid, ValueError) as exc:
         raise ExportError(f"{url}: {exc}") from None
     which = f"of step {step}" if step is not None else "committed"

@@ -53,6 +53,22 @@ OWNER = "OWNER.json"
 FILES_AT_ONCE = 4  # a rank's files downloaded at once at a restore (each in ranges: Store.download_hashed)
 
 
+def download_checked(store: Store, url: str, dest: Path, meta: dict) -> bool:
+    """A generation's file into ``dest``, hashed as it arrives (Store.download_hashed): False, and the copy removed,
+    when it does not match the manifest's SHA-256; else True, the copy fsynced (on disk before a local commit, as a
+    save's files are). Raises what the store and the local disk raise."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if store.download_hashed(url, str(dest), int(meta["size"]), what="checkpoint file") != meta["sha256"]:
+        dest.unlink()
+        return False
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
 class RemoteGenerations:
     def __init__(
         self,
@@ -290,18 +306,10 @@ class RemoteGenerations:
         the first file in share order that failed, or three Nones."""
 
         def fetch(rel: str) -> tuple[str | None, ...]:
-            url, dest, meta = join(self.url, name, rel), dests[rel], manifest["files"][rel]
+            url, dest = join(self.url, name, rel), dests[rel]
             try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                digest = self.store.download_hashed(url, str(dest), int(meta["size"]), what="checkpoint file")
-                if digest != meta["sha256"]:
-                    dest.unlink()
+                if not download_checked(self.store, url, dest, manifest["files"][rel]):
                     return f"{url} does not match its SHA-256 in the manifest (corrupt), removed", None, None
-                fd = os.open(dest, os.O_RDONLY)  # on disk before the local commit, as a save's files are
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
             except StoreError as exc:  # a missing object: this generation is unusable
                 return str(exc), None, None
             except StoreUnavailable as exc:  # says nothing about the generation: a crash, restarted
