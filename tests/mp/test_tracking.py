@@ -22,7 +22,7 @@ import pytest
 from rundir.checkpoints import latest_committed, read_latest, validate
 from rundir.contract import EXIT_STOPPED, EXIT_USER_ERROR
 from rundir.paths import read_jsonl
-from tests.conftest import PY, ROOT, rank_pids, wait_for_step
+from tests.conftest import PY, ROOT, as_user, make_other_user, rank_pids, wait_for_step
 from tests.mp.test_checkpoint import TWO_NODES, common, run, start, wait_for_event
 
 pytestmark = pytest.mark.mp
@@ -136,7 +136,7 @@ def browse(url: str, profile: Path) -> str:
 
 def assert_the_ui_shows(runs: Path, state: dict, run_id: str) -> None:
     """`hpc ui` over the embedded store, opened in a real browser: the run, its params, its loss chart; a request
-    without the session's token is refused."""
+    without the session's token is refused, and a second Unix user reaches neither the UI nor MLflow's socket."""
     ui = subprocess.Popen(
         [PY, "-m", "hpc", "ui", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     )
@@ -149,6 +149,21 @@ def assert_the_ui_shows(runs: Path, state: dict, run_id: str) -> None:
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(bad, timeout=30)
             assert refused.value.code == 403, bad
+        if os.geteuid() == 0:  # another user of the host: the port without the token, and MLflow's own socket
+            other = make_other_user()
+            sock = max(Path(tempfile.gettempdir()).glob("hpc-ui-*/mlflow.sock"), key=lambda p: p.stat().st_mtime)
+            attack = (
+                "import socket, sys, urllib.error, urllib.request\n"
+                "try:\n urllib.request.urlopen(sys.argv[1], timeout=30); print('port: open')\n"
+                "except urllib.error.HTTPError as e:\n print('port:', e.code)\n"
+                "s = socket.socket(socket.AF_UNIX)\n"
+                "try:\n s.connect(sys.argv[2]); print('socket: connected')\n"
+                "except OSError as e:\n print('socket:', e.strerror)\n"
+            )
+            tried = as_user(
+                other, ["/usr/bin/python3", "-c", attack, f"{base}ajax-api/2.0/mlflow/runs/search", str(sock)]
+            )
+            assert tried.stdout.split("\n")[:2] == ["port: 403", "socket: Permission denied"], tried
         profile = Path(tempfile.mkdtemp(prefix="hpc-ui-browser-"))
         run_page = f"{url}#/experiments/{state['experiment_id']}/runs/{run_id}"
         overview = browse(run_page, profile)
