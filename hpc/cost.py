@@ -12,27 +12,31 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 
 from hpc import slurmctl
 from hpc.jobs import job_ids
 from hpc.runlog import RunLog, config_dict, number
 from rundir import RunDir
+from rundir.contract import EVENT_HANG
 
 DEFINITIONS = """\
 - **Node-hours, GPU-hours**: with Slurm accounting, each run of each of the run's jobs (sacct: requeues
   included) counts its elapsed time x its allocated nodes (AllocNodes) and GPUs (`gres/gpu` of AllocTRES);
   otherwise each launch's wall time x the nodes it ran on and, on GPUs, its ranks (one GPU each).
-- **Queued**: with accounting, each run's start minus its submission (or the end of the job's previous run, for
-  a requeued one), a job still pending counted until now; otherwise the time from the first submission to the
-  first launch plus the time between launches.
+- **Queued**: with accounting, each run's start minus when it could start (its submission; for a chain's link,
+  its dependency met, sacct's Eligible; for a requeued run, the end of the job's run before), a job still pending
+  that could start counted until now; otherwise the time from the first submission to the first launch plus the
+  gaps before another job or run of a job (a requeue, a chain's next link). A gap before a restart in the same
+  allocation after a failure counts as time held instead; a local run stopped and resumed later is neither.
 - **Cost** = node-hours x `cost.node_hour`, or GPU-hours x `cost.gpu_hour`; **per million tokens** = cost /
   (tokens seen, in the recipe's units, / 10^6): the tokens of the trained model, the recomputed ones not counted
   twice.
 - **Goodput split** (Google's ML-productivity goodput): **scheduling** = time held / (time held + queued);
   **runtime** = productive time / time held (time held: the allocations' elapsed time with accounting, else the
-  total wall); **program** = MFU, the step-time-weighted mean of the kept records' `mfu` (known where the device's
-  peak is: a GPU, or `monitor.peak_tflops`). **Overall** = their product; the part with the lowest value lost
-  the most.
+  total wall plus the gaps before restarts in the same allocation); **program** = MFU, the step-time-weighted mean
+  of the kept records' `mfu` (known where the device's peak is: a GPU, or `monitor.peak_tflops`). **Overall** =
+  their product; the part with the lowest value lost the most.
 """
 
 
@@ -62,7 +66,7 @@ class Usage:
     allocations: int  # runs of jobs (sacct) or launches
     held_s: float  # the time resources were held, summed over the allocations
     node_s: float
-    gpu_s: float
+    gpu_s: float | None  # None: unknown (launches recorded before the start event named the device)
     queued_s: float | None
 
     @property
@@ -70,8 +74,8 @@ class Usage:
         return self.node_s / 3600
 
     @property
-    def gpu_hours(self) -> float:
-        return self.gpu_s / 3600
+    def gpu_hours(self) -> float | None:
+        return self.gpu_s / 3600 if self.gpu_s is not None else None
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ class Cost:
     def total(self) -> float | None:
         if self.prices.node_hour > 0:
             return self.usage.node_hours * self.prices.node_hour
-        if self.prices.gpu_hour > 0:
+        if self.prices.gpu_hour > 0 and self.usage.gpu_hours is not None:
             return self.usage.gpu_hours * self.prices.gpu_hour
         return None
 
@@ -135,20 +139,34 @@ class Cost:
 
 
 def from_launches(log: RunLog, why: str = "") -> Usage:
-    """Each launch's wall time x its nodes and (on GPUs) its ranks; queued: before the first and between."""
-    node_s = gpu_s = 0.0
+    """Each launch's wall time x its nodes and (on GPUs) its ranks. A gap after a launch that failed, before a
+    restart in the same allocation (the same Slurm job and run of it, or the same local launcher), holds the
+    resources too; a gap before another job or run of a job (a requeue, a chain's next link) was queued, and so
+    was the time from the first submission to the first launch. A local run stopped and resumed later was neither."""
+    node_s, gpu_s = 0.0, 0.0
     for launch in log.launches:
         nodes, world = launch.event.get("nodes"), number(launch.event, "world_size") or 0
         node_s += launch.wall_s * (len(nodes) if isinstance(nodes, list) else 1)
-        gpu_s += launch.wall_s * world if launch.event.get("device") == "cuda" else 0.0
+        device = launch.event.get("device")
+        gpu_s = None if device is None or gpu_s is None else gpu_s + (launch.wall_s * world if device == "cuda" else 0)
+    held_gaps = queued_gaps = 0.0
+    for a, b in pairwise(log.launches):
+        gap = max(0.0, b.start - a.end)
+        job_a, job_b = a.event.get("slurm_job_id"), b.event.get("slurm_job_id")
+        allocation = (job_a, a.event.get("slurm_restart_count")) == (job_b, b.event.get("slurm_restart_count"))
+        if allocation and (a.end_event is None or a.end_event.get("event") == EVENT_HANG):
+            held_gaps += gap  # restarted in the job after a failure
+        elif job_b and not allocation:
+            queued_gaps += gap
     acc = log.accounting
-    queued = (acc.queued_first_s or 0.0) + acc.between_launches_s if log.launches else None
-    return Usage("launches", why, len(log.launches), acc.total_wall_s, node_s, gpu_s, queued)
+    queued = (acc.queued_first_s or 0.0) + queued_gaps if log.launches else None
+    return Usage("launches", why, len(log.launches), acc.total_wall_s + held_gaps, node_s, gpu_s, queued)
 
 
 def from_allocations(runs: list[slurmctl.Allocation], now: float) -> Usage:
-    """Accounting's runs of the run's jobs: elapsed x nodes and GPUs; queued from each submission (or the previous
-    run's end) to the start, a pending one until ``now``."""
+    """Accounting's runs of the run's jobs: elapsed x nodes and GPUs; queued from when each run could start (its
+    submission, its dependency met for a chain's link, the previous run's end for a requeue) to its start, a
+    pending one that could start until ``now``."""
     held = node_s = gpu_s = queued = 0.0
     by_job: dict[str, list[slurmctl.Allocation]] = {}
     for a in runs:
@@ -158,9 +176,10 @@ def from_allocations(runs: list[slurmctl.Allocation], now: float) -> Usage:
         gpu_s += a.elapsed_s * a.gpus
     for job_runs in by_job.values():
         previous_end = None
-        for a in job_runs:
-            known = [t for t in (a.submit, previous_end) if t is not None]
-            since = max(known) if known else None
+        for a in sorted(job_runs, key=lambda a: (a.start is None, a.start or 0.0, a.submit or 0.0)):
+            known = [t for t in (a.submit, a.eligible, previous_end) if t is not None]
+            # a pending link whose dependency is not met has no Eligible yet: it is not waiting for the scheduler
+            since = max(known) if known and (a.eligible is not None or a.start is not None) else None
             until = a.start if a.start is not None else (now if a.state == "PENDING" else None)
             if since is not None and until is not None:
                 queued += max(0.0, until - since)
@@ -227,6 +246,14 @@ def money(value: float | None, prices: Prices) -> str:
     return f"{value:,.2f} {prices.currency}" if abs(value) >= 1 else f"{value:.4g} {prices.currency}"
 
 
+def summary_hours(cost: Cost) -> str:
+    return f"{cost.usage.node_hours:.4g}, {_hours(cost.usage.gpu_hours)}"
+
+
+def _hours(value: float | None) -> str:
+    return f"{value:.4g}" if value is not None else "unknown"
+
+
 def percent(value: float | None) -> str:
     return f"{100 * value:.1f} %" if value is not None else "-"
 
@@ -255,7 +282,7 @@ def lines(cost: Cost) -> list[str]:
         "| | |",
         "|---|---|",
         f"| node-hours | {u.node_hours:.4g} |",
-        f"| GPU-hours | {u.gpu_hours:.4g} |",
+        f"| GPU-hours | {_hours(u.gpu_hours)} |",
         f"| time held (allocations) | {u.held_s:.1f} s |",
         f"| queued | {'-' if u.queued_s is None else f'{u.queued_s:.1f} s'} |",
         f"| cost | {money(cost.total, p)} |",
@@ -272,6 +299,9 @@ def lines(cost: Cost) -> list[str]:
     ]
     if s.worst is not None:
         out += ["", f"The most was lost to **{s.worst}** ({percent(dict(s.parts())[s.worst])})."]
+    if p.gpu_hour > 0 and u.gpu_hours is None:
+        out += ["", "GPU-hours are unknown: the launches' start events do not name their device (recorded before it "
+                "was), so the run has no cost by the GPU-hour."]  # fmt: skip
     if s.program is None:
         out += ["", "Program goodput is unknown: no record has an MFU (set monitor.peak_tflops off GPUs)."]
     return out
@@ -283,7 +313,7 @@ def summary_line(cost: Cost) -> str:
     priced = f", {money(cost.total, cost.prices)} ({money(cost.per_million, cost.prices)} per M {cost.unit})"
     worst = f"; most lost to {s.worst}" if s.worst else ""
     return (
-        f"cost: {u.node_hours:.4g} node-hours, {u.gpu_hours:.4g} GPU-hours ({u.source})"
+        f"cost: {u.node_hours:.4g} node-hours, {_hours(u.gpu_hours)} GPU-hours ({u.source})"
         + (priced if cost.total is not None else "")
         + f"; goodput split: scheduling {percent(s.scheduling)}, runtime {percent(s.runtime)}, "
         f"program {percent(s.program)}{worst}"

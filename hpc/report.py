@@ -201,7 +201,7 @@ def _summary_lines(log: RunLog, f: dict, goodput: str) -> list[str]:
     lines += [
         f"| restarts | {log.restarts} |",
         f"| goodput | {goodput} |",
-        f"| node-hours, GPU-hours | {f['cost'].usage.node_hours:.4g}, {f['cost'].usage.gpu_hours:.4g} |",
+        f"| node-hours, GPU-hours | {costing.summary_hours(f['cost'])} |",
         f"| cost | {costing.money(f['cost'].total, f['cost'].prices)} |",
         f"| mean tokens/s (kept records) | {sum(rate) / len(rate):,.0f} |" if rate else "| mean tokens/s | - |",
     ]

@@ -198,6 +198,7 @@ class Allocation:
     job_id: str
     state: str
     submit: float | None  # unix times; None where Slurm says Unknown/None (not started, not ended)
+    eligible: float | None  # when it could start: its dependency met (a chain's link), its begin time reached
     start: float | None
     end: float | None
     elapsed_s: float  # so far, for a running job
@@ -213,14 +214,14 @@ def _epoch(cell: str) -> float | None:
 
 
 def allocations(job_ids: Iterable[str]) -> tuple[dict[str, list[Allocation]], str]:
-    """Every run of each job from accounting, in one sacct call: ({job: its runs, oldest first}, ""), or ({}, why
-    accounting could not answer). A job accounting has no record of is left out."""
+    """Every run of each job from accounting, in one sacct call: ({job: its runs, in sacct's order}, ""), or ({},
+    why accounting could not answer). A job accounting has no record of is left out."""
     ids = list(dict.fromkeys(str(j) for j in job_ids))
     if not ids:
         return {}, ""
     if not shutil.which("sacct"):
         return {}, "sacct (accounting) is not installed"
-    fields = "JobID,State,Submit,Start,End,ElapsedRaw,AllocNodes,AllocTRES"
+    fields = "JobID,State,Submit,Eligible,Start,End,ElapsedRaw,AllocNodes,AllocTRES"
     env = {**os.environ, "SLURM_TIME_FORMAT": "%s"}  # unix times, not the login node's local time
     acct = _call(["sacct", "-n", "-X", "-D", "-P", "-j", ",".join(ids), "-o", fields], env=env)
     if acct.returncode != 0:
@@ -228,15 +229,16 @@ def allocations(job_ids: Iterable[str]) -> tuple[dict[str, list[Allocation]], st
     out: dict[str, list[Allocation]] = {}
     for line in acct.stdout.splitlines():
         cells = line.strip().split("|")
-        if len(cells) < 8 or cells[0] not in ids:
+        if len(cells) < 9 or cells[0] not in ids:
             continue
-        job, state, submit, start, end, elapsed, nodes, tres = cells[:8]
+        job, state, submit, eligible, start, end, elapsed, nodes, tres = cells[:9]
         gpus = _GPU_TRES.search(tres)
         out.setdefault(job, []).append(
             Allocation(
                 job_id=job,
                 state=state.split(" ")[0] or "UNKNOWN",
                 submit=_epoch(submit),
+                eligible=_epoch(eligible),
                 start=_epoch(start),
                 end=_epoch(end),
                 elapsed_s=float(elapsed) if elapsed.isdigit() else 0.0,

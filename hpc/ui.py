@@ -14,6 +14,7 @@ import http.server
 import importlib.util
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -22,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-from http.cookies import SimpleCookie
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -30,7 +30,7 @@ from hpc.status import VerbError
 from rundir.paths import RunDir
 from tracking.target import STORE_NAME, default_store
 
-COOKIE = "hpc_ui_token"
+COOKIE = "hpc_ui_token_{port}"  # per port: a browser shares 127.0.0.1's cookies across ports
 START_TIMEOUT_S = 120.0
 HOP_BY_HOP = {
     "connection",
@@ -77,10 +77,17 @@ def tracking_uri(path: Path) -> str:
 
 
 def own_store(uri: str) -> Path:
-    """An embedded store's file, refused when it is a link or another user's (the server migrates and writes it)."""
+    """An embedded store's file, refused when it is a link or another user's, or lies in a folder others may write
+    (they could plant a journal that SQLite replays into it): the server migrates and writes it."""
     store = Path(uri.removeprefix("sqlite:///"))
     if store.is_symlink() or not store.is_file() or store.stat().st_uid != os.geteuid():
         raise UiError(f"{store} is a link, missing, or another user's file: the UI opens only your own store.")
+    folder = os.stat(store.parent)
+    if folder.st_uid != os.geteuid() or folder.st_mode & 0o022:
+        raise UiError(
+            f"{store.parent} is another user's folder or others may write it: the UI opens a store only in a folder "
+            "of your own (a shared runs folder keeps yours in .mlflow-USER/)."
+        )
     return store
 
 
@@ -104,7 +111,21 @@ class UnixConnection(http.client.HTTPConnection):
         self.sock.connect(self.socket_path)
 
 
-def make_handler(socket_path: str, token: str) -> type[http.server.BaseHTTPRequestHandler]:
+def _cookie(header: str, name: str) -> str:
+    """The value of cookie ``name`` in a Cookie header, parsed leniently (one malformed cookie of another local
+    service must not hide this one)."""
+    for part in header.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return ""
+
+
+def _same(given: str, token: str) -> bool:
+    return secrets.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
+
+
+def make_handler(socket_path: str, token: str, cookie: str) -> type[http.server.BaseHTTPRequestHandler]:
     class Proxy(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -112,9 +133,7 @@ def make_handler(socket_path: str, token: str) -> type[http.server.BaseHTTPReque
             pass
 
         def _allowed(self) -> bool:
-            cookie = SimpleCookie(self.headers.get("Cookie", ""))
-            have = cookie[COOKIE].value if COOKIE in cookie else ""
-            return secrets.compare_digest(have, token)
+            return _same(_cookie(self.headers.get("Cookie", ""), cookie), token)
 
         def _reply(self, status: int, text: str, headers: dict[str, str] | None = None) -> None:
             body = text.encode()
@@ -131,12 +150,12 @@ def make_handler(socket_path: str, token: str) -> type[http.server.BaseHTTPReque
             query = parse_qsl(parts.query, keep_blank_values=True)
             given = dict(query).get("token")
             if given is not None:  # the printed URL: set the cookie, then the same page without the token
-                if not secrets.compare_digest(given, token):
+                if not _same(given, token):
                     self._reply(403, "hpc ui: wrong token\n")
                     return
                 rest = urlencode([(k, v) for k, v in query if k != "token"])
-                cookie = f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict"
-                self._reply(302, "", {"Location": parts.path + (f"?{rest}" if rest else ""), "Set-Cookie": cookie})
+                setting = f"{cookie}={token}; Path=/; HttpOnly; SameSite=Strict"
+                self._reply(302, "", {"Location": parts.path + (f"?{rest}" if rest else ""), "Set-Cookie": setting})
                 return
             if not self._allowed():
                 self._reply(403, "hpc ui: open the URL `python -m hpc ui` printed (it carries the session's token)\n")
@@ -149,8 +168,8 @@ def make_handler(socket_path: str, token: str) -> type[http.server.BaseHTTPReque
                 conn.request(self.command, self.path, body=body, headers=headers)
                 answer = conn.getresponse()
                 data = answer.read()
-            except OSError as exc:
-                self._reply(502, f"hpc ui: the MLflow server did not answer: {exc}\n")
+            except (OSError, http.client.HTTPException) as exc:
+                self._reply(502, f"hpc ui: the MLflow server did not answer: {exc!r}\n")
                 return
             finally:
                 conn.close()
@@ -167,9 +186,10 @@ def make_handler(socket_path: str, token: str) -> type[http.server.BaseHTTPReque
     return Proxy
 
 
-def _wait_for(sock_path: Path, server: subprocess.Popen, log: Path) -> None:
+def _wait_for(sock_path: Path, server: subprocess.Popen, log: Path, stop: threading.Event) -> None:
+    """Until the server answers on its socket, or a signal asked to stop."""
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         if server.poll() is not None:
             raise UiError(f"the MLflow server exited at start:\n{_tail(log)}")
         if sock_path.exists():
@@ -182,7 +202,9 @@ def _wait_for(sock_path: Path, server: subprocess.Popen, log: Path) -> None:
                 pass
             finally:
                 conn.close()
-        time.sleep(0.2)
+        stop.wait(0.2)
+    if stop.is_set():
+        return
     raise UiError(f"the MLflow server did not answer within {START_TIMEOUT_S:.0f} s:\n{_tail(log)}")
 
 
@@ -208,27 +230,35 @@ def main(path: str, *, host: str = "127.0.0.1", port: int = 0) -> int:
     state = Path(tempfile.mkdtemp(prefix="hpc-ui-"))  # 0700: only this user reaches the socket
     sock_path, log = state / "mlflow.sock", state / "mlflow.log"
     try:
-        proxy = http.server.ThreadingHTTPServer((host, port), make_handler(str(sock_path), token))
+        proxy = http.server.ThreadingHTTPServer((host, port), None)  # the handler, once the port is known
     except OSError as exc:
         shutil.rmtree(state, ignore_errors=True)
         raise UiError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port)") from None
+    proxy.RequestHandlerClass = make_handler(str(sock_path), token, COOKIE.format(port=proxy.server_address[1]))
     proxy.daemon_threads = True
-    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}"]
-    command += ["--workers", "1", "--uvicorn-opts", f"--uds {sock_path}"]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with open(log, "ab") as out:
-        server = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-        )
     stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())  # only a flag: the main thread shuts down
+    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}"]
+    command += ["--workers", "1", "--uvicorn-opts", f"--uds {shlex.quote(str(sock_path))}"]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    try:
+        with open(log, "ab") as out:
+            server = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
+    except OSError as exc:
+        proxy.server_close()
+        shutil.rmtree(state, ignore_errors=True)
+        raise UiError(f"cannot start the MLflow server: {exc}") from None
     serving = False
     try:
-        _wait_for(sock_path, server, log)
+        _wait_for(sock_path, server, log, stop)
+        if stop.is_set():
+            return 0
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
         serving = True
         shown = proxy.server_address[1]
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda *_: stop.set())  # only a flag: the main thread shuts down
         print(f"MLflow UI of {store}: http://{host}:{shown}/?token={token}", flush=True)
         print(
             f"  from your own machine: ssh -N -L {shown}:127.0.0.1:{shown} {socket.gethostname()}, then open that "

@@ -295,14 +295,19 @@ def gpt2_weights(folder: str | Path) -> dict[str, torch.Tensor]:
 def _into_run_dir(run_dir: Path, step: int | None, from_bucket: bool) -> tuple[dict, Path]:
     """Export into RUN_DIR/export/step_N: the step is known only once the generation is chosen, so the folder is
     written beside it first (in the run directory: private, and the move is a rename)."""
-    with tempfile.TemporaryDirectory(prefix=".export-", dir=run_dir) as scratch:
-        record = export(run_dir, Path(scratch) / "x", step=step, from_bucket=from_bucket)
-        final = run_dir / "export" / step_name(record["step"])
-        if final.exists():
-            raise ExportError(f"{final} exists; give --out")
-        final.parent.mkdir(exist_ok=True)
-        os.replace(Path(scratch) / "x", final)
-        return record, final
+    if not RunDir(run_dir).config.is_file():
+        raise ExportError(f"{run_dir} is not a run directory (no config.yaml)")
+    try:
+        with tempfile.TemporaryDirectory(prefix=".export-", dir=run_dir) as scratch:
+            record = export(run_dir, Path(scratch) / "x", step=step, from_bucket=from_bucket)
+            final = run_dir / "export" / step_name(record["step"])
+            if final.exists():
+                raise ExportError(f"{final} exists; give --out")
+            final.parent.mkdir(exist_ok=True)
+            os.replace(Path(scratch) / "x", final)
+            return record, final
+    except OSError as exc:
+        raise ExportError(f"cannot write into {run_dir}: {exc.strerror or exc} (give --out)") from None
 
 
 def main(argv: list[str] | None = None) -> int:

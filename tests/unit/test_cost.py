@@ -26,7 +26,7 @@ def two_node_run(root, mfu: bool = False):
     history = [json.loads(line) for line in rundir.history.read_text().splitlines() if line.endswith("}")]
     for e in history:
         if "world_size" in e:
-            e["nodes"] = ["n0", "n1"]
+            e["nodes"], e["device"] = ["n0", "n1"], "cpu"
     write_lines(rundir.history, history)
     if mfu:  # launch 1's records at 0.2 (2 s of step time each), the others at 0.5 (1.5 and 1 s each)
         records = [json.loads(line) for line in rundir.metrics.read_text().splitlines() if line.endswith("}")]
@@ -82,15 +82,56 @@ def test_gpu_hours_from_the_launches_on_gpus(tmp_path):
     assert cost.total == pytest.approx(4 * 59 / 3600 * 2.5) and cost.prices.currency == "credits"
 
 
+def run(job, state, submit, start, end, eligible="submit", nodes=2, gpus=8):
+    elapsed = (end - start) if start is not None and end is not None else 0
+    eligible = submit if eligible == "submit" else eligible
+    return Allocation(job, state, submit, eligible, start, end, elapsed, nodes, gpus)
+
+
 def test_accounting_runs_requeues_and_a_pending_job():
     runs = [
-        Allocation("7", "REQUEUED", submit=0, start=100, end=400, elapsed_s=300, nodes=2, gpus=8),
-        Allocation("7", "COMPLETED", submit=0, start=460, end=760, elapsed_s=300, nodes=2, gpus=8),
-        Allocation("8", "PENDING", submit=900, start=None, end=None, elapsed_s=0, nodes=2, gpus=0),
+        run("7", "COMPLETED", submit=0, start=460, end=760),  # sacct's order is not trusted: sorted by start
+        run("7", "REQUEUED", submit=0, start=100, end=400),
+        run("8", "PENDING", submit=900, start=None, end=None, gpus=0),
     ]
     u = from_allocations(runs, now=1000)
     assert (u.source, u.allocations, u.held_s, u.node_s, u.gpu_s) == ("sacct", 3, 600, 1200, 4800)
     assert u.queued_s == pytest.approx(100 + (460 - 400) + (1000 - 900))  # a requeue waits from the run's end
+
+
+def test_a_chains_links_wait_from_their_dependency_not_their_submission():
+    """`--chain 3` submits every link at once; each can start only when the one before ended (Eligible)."""
+    links = [
+        run("10", "COMPLETED", submit=0, start=60, end=86_460),
+        run("11", "COMPLETED", submit=0, eligible=86_460, start=86_520, end=172_920),
+        run("12", "PENDING", submit=0, eligible=None, start=None, end=None),  # its dependency not met yet
+    ]
+    u = from_allocations(links, now=100_000)
+    assert u.queued_s == pytest.approx(60 + 60)  # not a day and more for each later link
+
+
+def test_a_restart_in_the_job_holds_the_allocation_and_an_unknown_device_is_unknown(tmp_path):
+    rundir = two_node_run(tmp_path / "run")
+    history = [json.loads(line) for line in rundir.history.read_text().splitlines()]
+    for e in history:  # launch 2 was restarted in the same run of job 100 after it was killed, not requeued
+        if e.get("launch") == "L2" and "slurm_restart_count" in e:
+            e["slurm_restart_count"] = 0
+    write_lines(rundir.history, history)
+    rundir.config.write_text(PRICED.replace("node_hour: 3.6", "gpu_hour: 2.5"))
+    cost = cost_of(rundir, analyze(rundir), config_dict(rundir))
+    # L1 stopped by its signal and L2 in the same run of job 100: neither queued (no new job or run of it) nor held
+    # (L1 did not fail). L2 killed, then L3 in job 101: queued.
+    assert cost.usage.queued_s == pytest.approx(83) and cost.usage.held_s == pytest.approx(59)
+    history[1] = {k: v for k, v in history[1].items()} | {"event": "hang"}  # L1 ends in a hang: restarted in the job
+    write_lines(rundir.history, history)
+    cost = cost_of(rundir, analyze(rundir), config_dict(rundir))
+    assert cost.usage.queued_s == pytest.approx(83) and cost.usage.held_s == pytest.approx(59 + 78)
+    # the start events name no device (recorded before they did): GPU-hours unknown, no cost by the GPU-hour
+    write_lines(rundir.history, [{k: v for k, v in e.items() if k != "device"} for e in history])
+    cost = cost_of(rundir, analyze(rundir), config_dict(rundir))
+    assert cost.usage.gpu_hours is None and cost.total is None
+    assert report_main(str(rundir.root)) == 0
+    assert "GPU-hours are unknown" in (rundir.root / "report" / "report.md").read_text()
 
 
 def test_runs_and_compare_show_the_cost(tmp_path):

@@ -34,6 +34,10 @@ def test_what_is_not_a_run_or_has_no_checkpoint_is_refused(tmp_path, capsys):
     assert f"error: {tmp_path / 'run'} has no committed checkpoint to export." in capsys.readouterr().err
     assert main([str(tmp_path / "run"), "--step", "7", "--out", str(tmp_path / "out")]) == 2
     assert "has no checkpoint of step 7" in capsys.readouterr().err
+    assert main([str(tmp_path / "mistyped")]) == 2  # without --out: named, no traceback, nothing written
+    assert f"error: {tmp_path / 'mistyped'} is not a run directory" in capsys.readouterr().err
+    assert main([str(tmp_path / "run")]) == 2 and not list((tmp_path / "run").glob(".export-*"))
+    assert "has no committed checkpoint to export" in capsys.readouterr().err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(ExportError, match="is not empty"):

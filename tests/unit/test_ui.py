@@ -46,6 +46,10 @@ def test_refusals_name_the_folder_the_file_or_the_port(tmp_path):
     assert proc.returncode == EXIT_USER_ERROR and "is a link, missing, or another user's file" in proc.stderr
     (runs / "mlflow.db").unlink()
     (runs / "mlflow.db").write_bytes(b"")
+    runs.chmod(0o777)  # others may write the store's folder: they could plant a journal SQLite would replay
+    proc = ui(str(runs))
+    assert proc.returncode == EXIT_USER_ERROR and "others may write it" in proc.stderr, proc.stderr
+    runs.chmod(0o755)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -28,7 +28,7 @@ from runconfig import RunConfig
 from trainer.errors import UserError
 
 WINDOWED, PERMUTATION = "windowed", "permutation"
-CHUNK = 1024  # window offsets the windowed order permutes at once (8 KB of int64 kept, two chunks at most)
+CHUNK = 1024  # window offsets the windowed order permutes at once (8 KB of int64 each, two chunks kept)
 ORDERS = (WINDOWED, PERMUTATION)
 _M64 = (1 << 64) - 1
 
