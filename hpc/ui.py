@@ -160,8 +160,12 @@ def make_handler(socket_path: str, token: str, cookie: str) -> type[http.server.
             if not self._allowed():
                 self._reply(403, "hpc ui: open the URL `python -m hpc ui` printed (it carries the session's token)\n")
                 return
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length) if length else None
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                self._reply(400, "hpc ui: a Content-Length that is not a number\n")
+                return
+            body = self.rfile.read(length) if length > 0 else None
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "cookie"}
             conn = UnixConnection(socket_path)
             try:
@@ -179,7 +183,8 @@ def make_handler(socket_path: str, token: str, cookie: str) -> type[http.server.
                     self.send_header(k, v)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":  # a HEAD answer has no body
+                self.wfile.write(data)
 
         do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _handle
 
