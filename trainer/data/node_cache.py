@@ -145,8 +145,8 @@ class NodeCache:
             started = time.monotonic()
             part = self.folder / f".part-{name}-{os.getpid()}-{threading.get_ident()}"
             try:
-                self._download(name, part)
-                self._check(name, part)
+                digest = self._download(name, part)
+                self._check(name, part, digest)
                 with open(part, "rb") as f:
                     os.fsync(f.fileno())
                 os.replace(part, final)
@@ -160,12 +160,16 @@ class NodeCache:
             log.info("fetched %s (%.1f MB) into the node cache %s", join(self.url, name), nbytes / 1e6, self.folder)
             return final
 
-    def _download(self, name: str, part: Path) -> None:
-        url = join(self.url, name)
+    def _download(self, name: str, part: Path) -> str | None:
+        """The shard into ``part``; its SHA-256 where the manifest has one and the listing its size (hashed as it
+        arrives: Store.download_hashed), else None."""
+        url, size, what = join(self.url, name), self.sizes.get(name), f"rank {self.rank}: data shard"
         for attempt in (1, 2):
             try:
-                self.store.download(url, str(part), what=f"rank {self.rank}: data shard")
-                return
+                if self.expected.get(name) and size:
+                    return self.store.download_hashed(url, str(part), size, what=what)
+                self.store.download(url, str(part), what=what)
+                return None
             except StoreError as exc:
                 raise UserError(str(exc), collective=False) from None
             except OSError as exc:
@@ -217,11 +221,12 @@ class NodeCache:
         write_json_atomic(self.folder / ".verified" / name, record, fsync=False)
         self._verified.add(name)
 
-    def _check(self, name: str, part: Path) -> None:
+    def _check(self, name: str, part: Path, digest: str | None) -> None:
+        """``part`` against the manifest's SHA-256 (``digest``: its hash taken during the download, else read)."""
         expected = self.expected.get(name)
         if not expected:
             return
-        digest = sha256_file(part)
+        digest = digest or sha256_file(part)
         if digest != expected:
             raise UserError(
                 f"rank {self.rank}: data shard {join(self.url, name)} failed its checksum after download: expected "
