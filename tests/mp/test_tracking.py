@@ -164,7 +164,7 @@ def assert_the_ui_shows(runs: Path, state: dict, run_id: str) -> None:
                 other, ["/usr/bin/python3", "-c", attack, f"{base}ajax-api/2.0/mlflow/runs/search", str(sock)]
             )
             assert tried.stdout.split("\n")[:2] == ["port: 403", "socket: Permission denied"], tried
-        profile = Path(tempfile.mkdtemp(prefix="hpc-ui-browser-"))
+        profile = runs.parent / "chromium-profile"  # in the test's own temporary folder
         run_page = f"{url}#/experiments/{state['experiment_id']}/runs/{run_id}"
         overview = browse(run_page, profile)
         assert re.search(r'data-testid="runs-header">run<', overview), overview[-3000:]
