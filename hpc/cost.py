@@ -206,11 +206,9 @@ def split(log: RunLog, usage: Usage) -> Split:
 
 
 def _tokens(log: RunLog) -> tuple[float | None, str]:
-    summary = log.summary or {}
-    ordered = sorted(log.kept, key=lambda s: s.step)
-    seen = [s.raw["tokens_seen"] for s in ordered if isinstance(s.raw.get("tokens_seen"), (int, float))]
-    tokens = summary.get("tokens_seen", seen[-1] if seen else None)
-    units = [s.raw["unit"] for s in ordered if isinstance(s.raw.get("unit"), str)]
+    """The trained model's tokens as a number (None where unknown) and the recipe's name for them."""
+    tokens = log.tokens_seen
+    units = [s.raw["unit"] for s in sorted(log.kept, key=lambda s: s.step) if isinstance(s.raw.get("unit"), str)]
     tokens = float(tokens) if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) else None
     return tokens, units[-1] if units else "tokens"
 

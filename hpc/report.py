@@ -105,8 +105,6 @@ def facts(log: RunLog, cfg: dict) -> dict:
     """The headline numbers of the report."""
     summary = log.summary or {}
     last = max(log.kept, key=lambda s: s.step)
-    counted = [s.raw["tokens_seen"] for s in sorted(log.kept, key=lambda s: s.step) if "tokens_seen" in s.raw]
-    tokens = summary.get("tokens_seen", counted[-1] if counted else None)
     world = summary.get("world_size") or (log.launches[-1].event.get("world_size") if log.launches else None)
     return {
         "name": (cfg.get("job") or {}).get("name") or log.rundir.root.name,
@@ -115,7 +113,7 @@ def facts(log: RunLog, cfg: dict) -> dict:
         "steps": (cfg.get("train") or {}).get("steps"),
         "final_loss": _final(log, "loss", "final_loss"),
         "final_eval_loss": _final(log, "eval_loss", "final_eval_loss"),
-        "tokens_seen": tokens,
+        "tokens_seen": log.tokens_seen,
         "world_size": world,
         "topology": _topology(summary.get("topology")),
         "trainer_wall_s": summary.get("wall_time_s"),

@@ -151,6 +151,13 @@ class RunLog:
     def restarts(self) -> int:
         return max(0, len(self.launches) - 1)
 
+    @property
+    def tokens_seen(self) -> object:
+        """The trained model's tokens (the recipe's units): summary.json's, else the newest kept record's (as
+        written: None where neither has it)."""
+        counted = [s.raw["tokens_seen"] for s in sorted(self.kept, key=lambda s: s.step) if "tokens_seen" in s.raw]
+        return (self.summary or {}).get("tokens_seen", counted[-1] if counted else None)
+
 
 def _signal_name(value: object) -> str:
     if isinstance(value, int) and not isinstance(value, bool):

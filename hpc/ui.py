@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import importlib.util
+import json
 import os
 import secrets
 import shlex
@@ -52,8 +53,6 @@ class UiError(VerbError):
 def tracking_uri(path: Path) -> str:
     """The MLflow store of a run directory (its tracking.json), of a runs folder (its embedded store) or a store
     file itself: ``sqlite:///...`` or a server's URL."""
-    import json
-
     if path.is_file() and path.name.endswith(".db"):
         return f"sqlite:///{path.absolute()}"
     if not path.is_dir():

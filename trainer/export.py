@@ -73,9 +73,12 @@ def untie(tensors: dict[str, torch.Tensor], params: list[str]) -> tuple[dict[str
     return kept, ties
 
 
-def export(run_dir: Path, out: Path, *, step: int | None = None, from_bucket: bool = False) -> dict:
-    """Write the export of ``run_dir``'s generation (newest valid, or ``step``'s) into ``out`` (a new folder);
-    returns its export.json. Raises ExportError."""
+def export(
+    run_dir: Path, out: Path | None = None, *, step: int | None = None, from_bucket: bool = False
+) -> tuple[dict, Path]:
+    """Write the export of ``run_dir``'s generation (newest valid, or ``step``'s) into ``out`` (a new or empty
+    folder; None: RUN_DIR/export/step_N, once the generation is chosen); returns its export.json and the folder.
+    Raises ExportError, and OSError for a folder that cannot be written."""
     from safetensors.torch import save_file
 
     from runconfig.load import load_config
@@ -87,10 +90,14 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, from_bucket: bo
         cfg = load_config(str(run.config))
     except Exception as exc:  # noqa: BLE001 (a config that no longer loads: named, not a traceback)
         raise ExportError(f"{run.config} cannot be read: {exc}") from None
-    if out.exists() and any(out.iterdir()):
+    if out is not None and out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} is not empty; choose a new --out")
     with tempfile.TemporaryDirectory(prefix="hpc-export-") as tmp:
         gen, manifest = _generation(run, cfg, step, from_bucket, Path(tmp))
+        if out is None:
+            out = run.root / "export" / step_name(manifest["step"])
+            if out.exists():
+                raise ExportError(f"{out} exists; give --out")
         tensors = model_tensors(gen / "dcp")
         weights, ties = untie(tensors, list(manifest.get("param_shapes") or {}))
         staging = out.with_name(f".{out.name}.export-tmp")
@@ -118,7 +125,7 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, from_bucket: bo
         if out.exists():
             out.rmdir()
         staging.rename(out)
-    return record
+    return record, out
 
 
 def _generation(run: RunDir, cfg, step: int | None, from_bucket: bool, tmp: Path) -> tuple[Path, dict]:  # noqa: ANN001
@@ -292,24 +299,6 @@ def gpt2_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _into_run_dir(run_dir: Path, step: int | None, from_bucket: bool) -> tuple[dict, Path]:
-    """Export into RUN_DIR/export/step_N: the step is known only once the generation is chosen, so the folder is
-    written beside it first (in the run directory: private, and the move is a rename)."""
-    if not RunDir(run_dir).config.is_file():
-        raise ExportError(f"{run_dir} is not a run directory (no config.yaml)")
-    try:
-        with tempfile.TemporaryDirectory(prefix=".export-", dir=run_dir) as scratch:
-            record = export(run_dir, Path(scratch) / "x", step=step, from_bucket=from_bucket)
-            final = run_dir / "export" / step_name(record["step"])
-            if final.exists():
-                raise ExportError(f"{final} exists; give --out")
-            final.parent.mkdir(exist_ok=True)
-            os.replace(Path(scratch) / "x", final)
-            return record, final
-    except OSError as exc:
-        raise ExportError(f"cannot write into {run_dir}: {exc.strerror or exc} (give --out)") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
@@ -318,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-bucket", action="store_true", help="read the checkpoint from checkpoint.storage")
     args = p.parse_args(argv)
     try:
-        if args.out is None:
-            record, out = _into_run_dir(args.run_dir, args.step, args.from_bucket)
-        else:
-            record, out = export(args.run_dir, args.out, step=args.step, from_bucket=args.from_bucket), args.out
+        record, out = export(args.run_dir, args.out, step=args.step, from_bucket=args.from_bucket)
     except ExportError as exc:
         print(f"error: {exc}.", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write the export of {args.run_dir}: {exc.strerror or exc} (give --out).", file=sys.stderr)
         return 2
     size = record["files"][WEIGHTS]["size"]
     print(f"exported step {record['step']} of {args.run_dir} into {out}: {WEIGHTS} ({size / 1e6:.1f} MB), "

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
+from trainer.data.formats import EOS
 from trainer.export import CONFIG, MANIFEST, TOKENIZER, ExportError, export, load_gpt
 
 
 class Codec:
-    """Text to ids and back: the export's tokenizer.json, or bytes (ids 0..255, the end-of-document id 256)."""
+    """Text to ids and back: the export's tokenizer.json, or bytes (ids 0..255, then the end-of-document id EOS)."""
 
     def __init__(self, folder: Path) -> None:
         path = folder / TOKENIZER
@@ -34,7 +35,7 @@ class Codec:
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is not None:
             return self.tokenizer.decode(ids)
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return bytes(i for i in ids if i < EOS).decode("utf-8", errors="replace")
 
 
 @torch.no_grad()
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --prompt encodes to no tokens.", file=sys.stderr)
             return 2
         generator = torch.Generator().manual_seed(args.seed)
-        stop = None if codec.tokenizer is not None else 256
+        stop = None if codec.tokenizer is not None else EOS
         step = json.loads((folder / MANIFEST).read_text())["step"]
         print(f"# {config['recipe']} at step {step}, {args.samples} continuation(s) of {args.prompt!r}")
         for n in range(args.samples):

@@ -20,7 +20,6 @@ import errno
 import getpass
 import json
 import logging
-import os
 import shutil
 import socket
 import time
@@ -41,6 +40,7 @@ from rundir.checkpoints import (
     validate,
 )
 from rundir.identity import RunIdentity, manifest_problem
+from storage.files import fsync_path
 from storage.ioretry import GaveUp
 from storage.objstore import Store, StoreError, StoreUnavailable, join
 from storage.safepath import UnsafeName, safe_join
@@ -61,11 +61,7 @@ def download_checked(store: Store, url: str, dest: Path, meta: dict) -> bool:
     if store.download_hashed(url, str(dest), int(meta["size"]), what="checkpoint file") != meta["sha256"]:
         dest.unlink()
         return False
-    fd = os.open(dest, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(dest)
     return True
 
 
