@@ -139,18 +139,20 @@ def check_cost_from_sacct(run_dir, job_id: str) -> None:
     """The cost from accounting: sacct's elapsed x nodes, which hold the launch's wall time and the job's own
     set-up around it; the queue wait from its submission to its start."""
     acct = subprocess.run(
-        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "ElapsedRaw,AllocNodes,Submit,Start"],
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "ElapsedRaw,AllocNodes,Submit,Eligible,Start"],
         capture_output=True, text=True, env={**os.environ, "SLURM_TIME_FORMAT": "%s"}, check=True,
     )  # fmt: skip
-    elapsed, nodes, submit, start = (int(x) for x in acct.stdout.split("|"))
+    elapsed, nodes, submit, eligible, start = (int(x) for x in acct.stdout.split("|"))
     row = runs_row(run_dir)
     assert row["cost_source"] == "sacct" and nodes == 1, (row, acct.stdout)
     assert row["node_hours"] * 3600 == pytest.approx(elapsed * nodes) and row["gpu_hours"] == 0
-    assert row["cost"] == pytest.approx(elapsed * nodes) and row["queued_s"] == pytest.approx(start - submit)
+    queued = start - max(submit, eligible)  # from when it could start
+    assert row["cost"] == pytest.approx(elapsed * nodes) and row["queued_s"] == pytest.approx(queued)
     wall = launches_wall(run_dir)
-    print(f"sacct elapsed {elapsed} s, launch wall {wall:.2f} s, queued {start - submit} s")
-    # the allocation holds the launch (sacct counts whole seconds) and a few seconds of the job's own set-up
-    assert wall - 1 <= elapsed <= wall + 15, (elapsed, wall)
+    print(f"sacct elapsed {elapsed} s, launch wall {wall:.2f} s, queued {queued} s")
+    # the allocation holds the launch (sacct counts whole seconds) and the job's own set-up (seconds here; a slow,
+    # loaded machine takes longer to start the driver and srun)
+    assert wall - 1 <= elapsed <= wall + 60, (elapsed, wall)
     report = hpc("report", str(run_dir))
     assert report.returncode == 0, report.stdout + report.stderr
     assert f"node-hours, 0 GPU-hours (sacct), {elapsed * nodes:,.2f} USD" in report.stdout, report.stdout
