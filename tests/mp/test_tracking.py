@@ -125,13 +125,39 @@ def test_one_tracker_run_across_a_restart_a_stop_and_a_resume(tmp_path, small_da
     assert_the_ui_shows(tmp_path / "runs", state, run_id)
 
 
-def browse(url: str, profile: Path) -> str:
-    """The page's DOM once headless Chromium (Debian's) has run its scripts and their requests."""
+def browse(url: str, profile: Path, ready, deadline_s: float = 300) -> str:
+    """The page's DOM once headless Chromium (Debian's) has run its scripts and their requests, loaded again until
+    ``ready(dom)`` (a loaded machine can dump the page before its lazily drawn parts are there) or the deadline:
+    the last DOM, for the caller's assertions."""
     args = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}"]
-    args += ["--virtual-time-budget=60000", "--window-size=1400,1000", "--dump-dom", url]
-    page = subprocess.run(args, capture_output=True, text=True, timeout=180)
-    assert page.returncode == 0 and page.stdout, page.stderr[-2000:]
-    return page.stdout
+    # tall: MLflow draws only the charts in view (alphabetical; the run's 18 fit), whatever metrics a run adds
+    args += ["--virtual-time-budget=60000", "--window-size=1400,4000", "--dump-dom", url]
+    deadline = time.monotonic() + deadline_s
+    while True:
+        page = subprocess.run(args, capture_output=True, text=True, timeout=180)
+        assert page.returncode == 0 and page.stdout, page.stderr[-2000:]
+        if ready(page.stdout) or time.monotonic() > deadline:
+            return page.stdout
+        print(f"browse: {url[-40:]} not ready, loaded again", flush=True)
+        time.sleep(2)
+
+
+def param_row(key: str, value: str) -> str:
+    """A params table row holding ``key`` and ``value`` (not a later row's value)."""
+    return rf">{re.escape(key)}</span>(?:(?!role=\"row\").){{0,400}}?title=\"{value}\""
+
+
+def loss_card(dom: str) -> str:
+    """The loss chart's card (up to the next card's title), or ""."""
+    card = dom.find('title="loss">loss</h4>')
+    if card < 0:
+        return ""
+    end = dom.find("<h4", card + 1)
+    return dom[card : end if end > 0 else len(dom)]
+
+
+def curves(card: str) -> list[str]:
+    return re.findall(r'<path class="js-line" d="([^"]*)"', card)
 
 
 def assert_the_ui_shows(runs: Path, state: dict, run_id: str) -> None:
@@ -166,17 +192,15 @@ def assert_the_ui_shows(runs: Path, state: dict, run_id: str) -> None:
             assert tried.stdout.split("\n")[:2] == ["port: 403", "socket: Permission denied"], tried
         profile = runs.parent / "chromium-profile"  # in the test's own temporary folder
         run_page = f"{url}#/experiments/{state['experiment_id']}/runs/{run_id}"
-        overview = browse(run_page, profile)
+        params = (("train.steps", "40"), ("model.d_model", "64"), ("tracking.backend", "mlflow"))
+        overview = browse(run_page, profile, lambda dom: all(re.search(param_row(k, v), dom) for k, v in params))
         assert re.search(r'data-testid="runs-header">run<', overview), overview[-3000:]
-        for key, value in (("train.steps", "40"), ("model.d_model", "64"), ("tracking.backend", "mlflow")):
-            row = rf">{re.escape(key)}</span>(?:(?!role=\"row\").){{0,400}}?title=\"{value}\""  # in the key's row
-            assert re.search(row, overview), key
-        charts = browse(f"{run_page}/model-metrics", profile)
-        card = charts.find('title="loss">loss</h4>')
-        assert card >= 0, "no loss chart card"
-        end = charts.find("<h4", card + 1)
-        plot = charts[card : end if end > 0 else len(charts)]  # the card: up to the next card's title
-        lines = re.findall(r'<path class="js-line" d="([^"]*)"', plot)
+        for key, value in params:
+            assert re.search(param_row(key, value), overview), key
+        charts = browse(f"{run_page}/model-metrics", profile, lambda dom: curves(loss_card(dom)))
+        plot = loss_card(charts)
+        assert plot, "no loss chart card"
+        lines = curves(plot)
         assert lines and lines[0].count("L") >= 30, lines  # a curve through the 40 steps (the eval too)
         assert re.search(r'class="xtitle"[^>]*>Step<', plot)
     finally:
