@@ -78,17 +78,22 @@ class Big:
 
 
 def cpu_seconds() -> float:
-    """CPU seconds used so far by this process and its ended children: unlike the wall clock, not stretched by the
-    other processes of a loaded machine (the suite's other worker, its launches)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    """CPU seconds used so far by this thread and this process's ended children: unlike the wall clock, not
+    stretched by the other processes of a loaded machine (the suite's other worker, its launches), nor by the other
+    threads of this worker (a session fixture's server)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.thread_time() + children.ru_utime + children.ru_stime
 
 
-def timed(fn, clock=cpu_seconds):
-    """(fn's result, the CPU seconds it took; with clock=time.perf_counter, the wall-clock seconds)."""
-    started = clock()
-    out = fn()
-    return out, clock() - started
+def timed(fn, clock=cpu_seconds, best_of: int = 1):
+    """(fn's result, the CPU seconds it took; with clock=time.perf_counter, the wall-clock seconds). A read-only fn
+    is timed best_of times and the fastest counts: a bound is on the work done, not on a moment of a noisy VM."""
+    best = float("inf")
+    for _ in range(best_of):
+        started = clock()
+        out = fn()
+        best = min(best, clock() - started)
+    return out, best
 
 
 def within(seconds: float, bound: float, what: str) -> None:
@@ -246,12 +251,12 @@ def read_lines(lines: list[str]) -> dict[str, set[int]]:
 @pytest.mark.parametrize("per_task", [False, True], ids=["ranges", "per-task"])
 def test_srun_lines_give_every_task_of_every_node(per_task):
     lines = srun_lines(per_task)
-    ended, seconds = timed(lambda: read_lines(lines))
+    ended, seconds = timed(lambda: read_lines(lines), best_of=3)
     assert list(ended) == [n for i, n in enumerate(NAMES) if i != LOST]
     assert all(ended[n] == set(range(i * RPN, (i + 1) * RPN)) for i, n in enumerate(NAMES) if i != LOST)
     within(seconds, 0.1, f"reading {len(lines)} srun lines")
     comma = ",".join(str(t) for t in range(0, WORLD, 2))  # "0,2,4,...": one line naming every other task
-    tasks, seconds = timed(lambda: drv.task_numbers(comma))
+    tasks, seconds = timed(lambda: drv.task_numbers(comma), best_of=3)
     assert tasks == set(range(0, WORLD, 2))
     within(seconds, 0.1, f"task_numbers of a list of {WORLD // 2} tasks")
 
@@ -279,14 +284,14 @@ def test_the_driver_ends_a_step_once_every_task_ended_or_was_named(tmp_path, cap
 # -- bad-node records (hpc/policy/badnodes.py) ---------------------------------------------------------------------
 def test_the_bad_node_records_of_a_long_history(big):
     rundir = big.rundir
-    events, seconds = timed(lambda: bad_node_events(rundir))
+    events, seconds = timed(lambda: bad_node_events(rundir), best_of=3)
     assert [(e["node"], e["launch"]) for e in events] == [(NAMES[LOST], f"L{LAUNCHES - 1}")]
     within(seconds, 0.1, "bad_node_events")
-    names, seconds = timed(lambda: bad_nodes(rundir))
+    names, seconds = timed(lambda: bad_nodes(rundir), best_of=3)
     assert names == [NAMES[LOST]]
     within(seconds, 0.1, "bad_nodes")
     assert [e["node"] for e in node_changes(rundir)] == [NAMES[LOST]]
-    due, seconds = timed(lambda: due_back(rundir, 60.0, None, now=time.time() + 3600))
+    due, seconds = timed(lambda: due_back(rundir, 60.0, None, now=time.time() + 3600), best_of=3)
     assert list(due) == [NAMES[LOST]]
     within(seconds, 0.1, "due_back")
 
@@ -295,12 +300,14 @@ def test_the_bad_node_records_of_a_long_history(big):
 def test_2048_silent_ranks_name_their_256_nodes_once_each(big, scratch):
     nodes = big.last_nodes
     silent_half(scratch, nodes)
-    named, seconds = timed(lambda: drv.suspect_ranks(scratch.failure))
+    named, seconds = timed(lambda: drv.suspect_ranks(scratch.failure), best_of=3)
     assert named == set(SILENT)
     within(seconds, 0.1, f"suspect_ranks of {len(SILENT)} suspects")
 
     situation = Situation(slurm=True, nodes=nodes, launch_nodes=nodes, ranks_per_node=RPN)
-    decision, seconds = timed(lambda: decide_after_launch(scratch, big.cfg.job, Ended("failed", 1), situation))
+    decision, seconds = timed(
+        lambda: decide_after_launch(scratch, big.cfg.job, Ended("failed", 1), situation), best_of=3
+    )
     half = nodes[NODES // 2 :]
     assert decision.new_bad == tuple((n, f"rank {i * RPN}: did not answer the roll call")
                                      for i, n in enumerate(nodes) if n in half)  # fmt: skip
@@ -314,7 +321,7 @@ def test_2048_silent_ranks_name_their_256_nodes_once_each(big, scratch):
     assert Counter(e["node"] for e in history if e.get("event") == EVENT_BAD_NODE) == Counter([NAMES[LOST], *half])
     restart = [e for e in history if e.get("event") == EVENT_RESTART][-1]
     assert restart["launch"] == "L11" and restart["excluded"] == [NAMES[LOST], *half]
-    names, seconds = timed(lambda: bad_nodes(scratch))
+    names, seconds = timed(lambda: bad_nodes(scratch), best_of=3)
     assert names == [NAMES[LOST], *half]
     within(seconds, 0.1, "bad_nodes")
 
@@ -331,7 +338,7 @@ def test_the_usable_nodes_of_an_allocation_leave_the_bad_ones_out(big, scratch):
     record_decision(scratch, decide_after_launch(scratch, big.cfg.job, Ended("failed", 1), situation),
                     failed_launch="L11", status=1)  # fmt: skip
     assert len(bad_nodes(scratch)) == NODES // 2 + 1
-    usable, seconds = timed(lambda: usable_nodes(scratch, big.last_nodes))
+    usable, seconds = timed(lambda: usable_nodes(scratch, big.last_nodes), best_of=3)
     assert usable == tuple(big.last_nodes[: NODES // 2])
     within(seconds, 0.25, "the usable nodes of a 512-node allocation with 257 bad nodes")
 
@@ -339,16 +346,18 @@ def test_the_usable_nodes_of_an_allocation_leave_the_bad_ones_out(big, scratch):
 # -- hpc status, the report's analysis ---------------------------------------------------------------------------
 def test_status_of_a_4096_rank_run(big):
     rundir = big.rundir
-    ckpt, seconds = timed(lambda: latest_committed(rundir.checkpoints))
+    ckpt, seconds = timed(lambda: latest_committed(rundir.checkpoints), best_of=3)
     assert ckpt["step"] == STEPS and len(ckpt["files"]) == 2 * WORLD + 2
     within(seconds, 0.5, f"latest_committed of a generation of {2 * WORLD + 2} files")
-    ended, seconds = timed(lambda: how_it_ended(rundir, f"L{LAUNCHES}", 0))
+    ended, seconds = timed(lambda: how_it_ended(rundir, f"L{LAUNCHES}", 0), best_of=3)
     assert ended == Ended("done", 0, recorded=True)
     within(seconds, 0.1, "how_it_ended of the done launch")
-    ended, seconds = timed(lambda: how_it_ended(rundir, f"L{LAUNCHES - 2}", 75))  # a stop: the checkpoint's files
+    ended, seconds = timed(
+        lambda: how_it_ended(rundir, f"L{LAUNCHES - 2}", 75), best_of=3
+    )  # a stop: the checkpoint's files
     assert ended == Ended("stopped", 75, signal.SIGUSR2, recorded=True)
     within(seconds, 0.5, "how_it_ended of a stopped launch")
-    info, seconds = timed(lambda: status(rundir))
+    info, seconds = timed(lambda: status(rundir), best_of=3)
     assert (info["state"], info["step"], info["restarts"], info["checkpoint"]) == (
         "completed",
         STEPS,
@@ -384,7 +393,7 @@ def test_the_reports_analysis_of_a_4096_rank_run(big):
         f = facts(log, {"train": {"steps": STEPS}})
         return log, f, markdown(log, f, images=[]), summary_lines(log, f)
 
-    (log, f, md, lines), seconds = timed(text)
+    (log, f, md, lines), seconds = timed(text, best_of=3)
     assert len(log.launches) == LAUNCHES and log.restarts == LAUNCHES - 1
     assert len(log.kept) == STEPS // 10 and len(log.discarded) == ((LAUNCHES - 1) * PER_LAUNCH - CHECKPOINT) // 10
     assert log.stragglers.checks == (len(log.kept) + len(log.discarded)) // 5 and f["world_size"] == WORLD
