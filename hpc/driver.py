@@ -44,6 +44,7 @@ from hpc.sweep import element_ended
 from runconfig import RunConfig, load_config
 from rundir import RunDir
 from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
+from rundir.identity import read_identity
 from rundir.paths import read_jsonl
 from rundir.slurmvars import slurm_job_id, slurm_job_nodes, slurm_queue_id, slurm_restart_count
 
@@ -196,9 +197,11 @@ def run_srun_step(command: list[str], env: dict, failure: Path | None = None, nt
     return SrunStepEnd(status, first[0] if first else None, tuple(failed), ended_srun)
 
 
-def sweep_command(num_nodes: int) -> list[str]:
+def sweep_command(num_nodes: int, memory: tuple[str, str] | None = None) -> list[str]:
     """One task per node of the allocation removing the shared-memory segments killed ranks left
-    (hpc/shmsweep.py); it shares the nodes with whatever still runs there."""
+    (hpc/shmsweep.py), and with ``memory`` (checkpoint.memory_dir, run id) the run's checkpoints in node memory; it
+    shares the nodes with whatever still runs there."""
+    extra = ["--memory-dir", memory[0], "--run-id", memory[1]] if memory else []
     return [
         "srun",
         "--overlap",
@@ -209,7 +212,18 @@ def sweep_command(num_nodes: int) -> list[str]:
         sys.executable,
         "-m",
         "hpc.shmsweep",
+        *extra,
     ]
+
+
+def memory_of(cfg: RunConfig, rundir: RunDir) -> tuple[str, str] | None:
+    """(checkpoint.memory_dir, the run id) when the run keeps checkpoints in node memory."""
+    if not cfg.checkpoint.memory_every_steps:
+        return None
+    try:
+        return cfg.checkpoint.memory_dir, read_identity(rundir.identity).run_id
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def run_complete(rundir: RunDir, cfg: RunConfig) -> bool:
@@ -299,10 +313,12 @@ class Driver:
 
     def _carry_out(self, decision, launched: SrunLaunch, cfg: RunConfig, rundir: RunDir, job: SlurmJob) -> dict:
         """What the launches' decision says once no restart follows: resubmit, requeue (held), or end."""
-        if decision.action != "restart" and launched.ended.how == "failed":
+        memory = memory_of(cfg, rundir)
+        if decision.action != "restart" and (launched.ended.how == "failed" or memory):
             # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a
-            # restarted launch does that itself, on each node, as it starts).
-            self._sweep(cfg, job)
+            # restarted launch does that itself, on each node, as it starts); with no launch left in this job, the
+            # run's checkpoints in node memory go too.
+            self._sweep(cfg, job, memory)
         if decision.action == "resubmit":
             return self._resubmit(cfg, rundir, job, decision.exclude, decision.message)
         if decision.action in ("requeue", "requeuehold"):
@@ -372,9 +388,10 @@ class Driver:
         return {"status": "resubmitted", "job_id": new_id}
 
     @staticmethod
-    def _sweep(cfg: RunConfig, job: SlurmJob) -> None:
+    def _sweep(cfg: RunConfig, job: SlurmJob, memory: tuple[str, str] | None) -> None:
         try:
-            subprocess.run(sweep_command(job.num_nodes), env=trainer_environment(cfg, simulate_nodes=False), timeout=60)
+            env = trainer_environment(cfg, simulate_nodes=False)
+            subprocess.run(sweep_command(job.num_nodes, memory), env=env, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
 

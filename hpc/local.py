@@ -22,7 +22,8 @@ from hpc.ranks import RankWatch
 from runconfig import RunConfig
 from rundir import RunDir
 from rundir.contract import EVENT_RESUME, FAILURE_HANG, LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
-from storage import shm
+from rundir.identity import read_identity
+from storage import nodememory, shm
 
 
 def trainer_command(rundir: RunDir, prefix: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -97,6 +98,18 @@ def node_wraps(
 def simulated_nodes(cfg: RunConfig) -> tuple[str, ...]:
     """The names of a local run's simulated nodes (a node left out keeps the others' names)."""
     return tuple(f"node{i}" for i in range(cfg.job.nodes))
+
+
+def remove_memory_checkpoints(cfg: RunConfig, rundir: RunDir) -> bool:
+    """The run's checkpoints in node memory on this host removed (checkpoint.memory_every_steps), once its launcher
+    ends; whether there were any."""
+    if not cfg.checkpoint.memory_every_steps:
+        return False
+    try:
+        run_id = read_identity(rundir.identity).run_id
+    except (OSError, ValueError, KeyError):
+        return False
+    return nodememory.remove_run(cfg.checkpoint.memory_dir, run_id)
 
 
 def run_local(

@@ -22,7 +22,14 @@ from pathlib import Path
 
 from hpc import slurmctl
 from hpc.driver import submit_link
-from hpc.local import LaunchResult, node_wraps, run_local, simulated_nodes, trainer_command
+from hpc.local import (
+    LaunchResult,
+    node_wraps,
+    remove_memory_checkpoints,
+    run_local,
+    simulated_nodes,
+    trainer_command,
+)
 from hpc.mpi import LauncherError, MpiLauncher, find_launcher
 from hpc.options import add_set_option
 from hpc.policy.badnodes import bad_nodes, usable_nodes
@@ -305,6 +312,8 @@ def run_here(planned: Planned, rundir: RunDir) -> int:
     except KeyboardInterrupt:
         print(f"\ninterrupted; run directory {rundir.root}", file=sys.stderr)
         return 130
+    finally:
+        remove_memory_checkpoints(cfg, rundir)  # no launch of this run follows here
     if decision.error and restarts_so_far(rundir):
         print(decision.message, file=sys.stderr)
     return report(rundir, result)

@@ -139,7 +139,7 @@ problem = rundir.writable_error()
 if problem:
     fail(problem)
 # The rules the driver of `python -m hpc.submit` jobs uses, imported rather than written again here.
-from hpc.driver import run_complete  # noqa: E402
+from hpc.driver import memory_of, run_complete  # noqa: E402
 from hpc.local import rank_variables  # noqa: E402
 from hpc.slurm import requoted_setup  # noqa: E402
 from hpc import slurmctl  # noqa: E402
@@ -155,6 +155,8 @@ print(f"hpc_complete={int(complete)}")
 print(f"hpc_steps={cfg.train.steps}")
 print(f"hpc_world_cfg={job.world_size}")
 print(f"hpc_rpn={job.ranks_per_node}")
+memory = memory_of(cfg, rundir)  # checkpoint.memory_every_steps: removed from every node once no launch follows
+print(f"hpc_memory_args=({' '.join(q(a) for a in (['--memory-dir', memory[0], '--run-id', memory[1]] if memory else []))})")
 # Bad nodes of the run (hpc/policy/badnodes.py) are left out of every launch: the allocation's other nodes, at least
 # job.min_nodes of them; fewer, and the run continues in a new job that excludes them.
 # Bad nodes due back (job.retake_nodes_after_s) are taken back first, unless Slurm still holds them down or drained.
@@ -201,7 +203,7 @@ hpc_main() {
   # Set by eval'ing hpc_prepare's output:
   local hpc_exit_stopped="" hpc_complete=0 hpc_steps=0 hpc_world_cfg=0 hpc_mpi_cfg=auto hpc_rpn=1
   local hpc_alloc="" hpc_use="" hpc_exclude="" hpc_too_few=0
-  local -a hpc_srun_args=() hpc_launch_prefix=() hpc_env=() hpc_setup=()
+  local -a hpc_srun_args=() hpc_launch_prefix=() hpc_env=() hpc_setup=() hpc_memory_args=()
   # Files and folders the job writes are private, like the run directory (it may hold pickles and configs).
   umask 077
   # A stray USR1/USR2 to the batch shell (scancel --full, --signal=B:...) must not kill it: the ranks handle the
@@ -292,12 +294,13 @@ hpc_main() {
         ${first:+--first-ended "$first"} ${failed_nodes:+--failed-nodes "$failed_nodes"} \
         ${hpc_stop_seen:+--stop-signal} ||
         printf 'end 1 0\nerror: deciding after the launch failed (exit status %s)\n-\n-\n' "$status")
-    if [ "$action" = "done" ] || [ "$action" = "end" ]; then
-      if [ "$status" != 0 ] && [ "$status" != "$hpc_exit_stopped" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+    if [ "$action" != restart ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+      if { [ "$status" != 0 ] && [ "$status" != "$hpc_exit_stopped" ]; } || [ ${#hpc_memory_args[@]} -gt 0 ]; then
         # Ranks killed or dead in MPI_Init leave shared memory on their nodes: one task per node removes it (a
-        # restarted launch does that itself, on each node, as it starts).
+        # restarted launch does that itself, on each node, as it starts), and the run's checkpoints in node memory.
         srun --overlap --mpi=none --nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
-          --ntasks-per-node=1 "$PYTHON" -m hpc.shmsweep || echo "warning: the shared-memory sweep failed" >&2
+          --ntasks-per-node=1 "$PYTHON" -m hpc.shmsweep "${hpc_memory_args[@]}" ||
+          echo "warning: the shared-memory sweep failed" >&2
       fi
     fi
     [ "$action" = restart ] || break

@@ -117,6 +117,7 @@ def finish(parts: Parts, booted: Booted, rundir: RunDir, comm: MPI.Comm, stopped
     env, state = booted.env, parts.state
     parts.mon.watchdog.close()
     parts.checkpoints.close()
+    parts.checkpoints.remove_memory()  # done, pruned or stopped with a durable checkpoint: none needed again
     if isinstance(stopped, Pruned):
         summary = {**_summary(parts, booted, comm), "pruned": stopped.info}
         if env.rank == 0:

@@ -38,6 +38,21 @@ class CheckpointConfig(Section):
         1,
         bounds=Range(ge=1),
     )
+    memory_every_steps: int = doc(
+        "Also keep a checkpoint in node memory every N optimizer steps (checkpoint.memory_dir), each rank's files "
+        "copied to a rank on the next node: a restart in the job resumes from the newest one every rank can reach "
+        "(its own node's copy or the partner's), losing at most N steps, else from the durable checkpoint. The two "
+        "newest are kept; all are removed when the run's launcher ends. 0 = off.",
+        0,
+        bounds=Range(ge=0),
+    )
+    memory_dir: str = doc(
+        "Node-local memory (a tmpfs on each node) for checkpoint.memory_every_steps: the checkpoints go into the "
+        "private folder hpc-UID/RUN_ID/NODE there. A generation that would fill more than half of its free space is "
+        "not written (a warning says so).",
+        "/dev/shm",
+        nonempty="must name a folder",
+    )
     keep_every: int = doc(
         "Also keep forever every checkpoint whose step is a multiple of this; 0 = none.", 0, bounds=Range(ge=0)
     )
@@ -95,4 +110,6 @@ class CheckpointConfig(Section):
         if self.storage is not None and not STORAGE_RE.fullmatch(self.storage):
             out.append(("storage", f"must be an object-storage URL such as s3://bucket/prefix, got {self.storage!r} "
                         "(unset it to keep the checkpoints in the run directory)"))  # fmt: skip
+        if not self.memory_dir.startswith("/"):
+            out.append(("memory_dir", f"must be an absolute path (each node's own), got {self.memory_dir!r}"))
         return out

@@ -14,6 +14,7 @@ state (``train_state.json``).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -26,13 +27,14 @@ from torch.distributed.tensor import DTensor
 
 from runconfig import RunConfig
 from rundir import RunDir
-from rundir.checkpoints import NO_BEST, Best, step_name
+from rundir.checkpoints import NO_BEST, Best, generations, step_name
 from rundir.identity import ensure_identity
 from storage.ioretry import BUDGET_S, RetryPolicy
 from storage.objstore import Store
 from trainer.checkpoint.agreement import Agreement, Failed
 from trainer.checkpoint.compat import FORMAT, options
 from trainer.checkpoint.fingerprint import params_sha256
+from trainer.checkpoint.memory import MemoryCheckpoints
 from trainer.checkpoint.provenance import manifest_fields
 from trainer.checkpoint.reader import GenerationReader
 from trainer.checkpoint.remote import RemoteGenerations
@@ -98,6 +100,9 @@ class Checkpointer:
         self.last_save_s: float | None = None  # the newest committed save's seconds, save() -> committed
         self.on_commit: Callable[[int], None] | None = None  # told each committed step (rank 0's tracker)
         self.tracking_run: Callable[[], str | None] | None = None  # the tracker run's id, in the manifest
+        self.memory = self._memory()
+        self.memory_s: list[float] = []  # time the training loop waited per save in node memory
+        self.restored_from: dict | None = None  # where the last restore came from and why (the resume event)
 
     # -- build --------------------------------------------------------------------------------------------
     def _agreement(self) -> Agreement:
@@ -140,6 +145,16 @@ class Checkpointer:
             best=NO_BEST if self.remote else self._best(),  # with checkpoint.storage the bucket keeps the best
         )
 
+    def _memory(self) -> MemoryCheckpoints | None:
+        """checkpoint.memory_every_steps: generations in node memory (memory.py), saved by the loop's own thread:
+        on the default group over gloo, else on a gloo group of their own. Collective."""
+        if not self.ccfg.memory_every_steps:
+            return None
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        agreement = Agreement(self.env.rank, self.env.world_size, group, self.agreement.policy)
+        return MemoryCheckpoints(memory_dir=self.ccfg.memory_dir, every=self.ccfg.memory_every_steps, env=self.env,
+                                 agreement=agreement, identity=self.run)  # fmt: skip
+
     def _best(self) -> Best:
         return Best(self.ccfg.keep_best, self.ccfg.best_metric, self.ccfg.best_mode)
 
@@ -171,7 +186,34 @@ class Checkpointer:
         minutes = self.ccfg.every_minutes
         return bool(minutes) and time.monotonic() - self.last_commit_time >= 60 * minutes
 
+    def memory_due(self, step: int) -> bool:
+        return self.memory is not None and self.memory.due(step)
+
     # -- save ---------------------------------------------------------------------------------------------
+    def save_memory(self, state: TrainState) -> bool:
+        """Write the generation for ``state.step`` into node memory and its copies on the partner nodes; whether it
+        was committed (a failure is logged: the durable checkpoints go on). Collective."""
+        assert self.memory is not None
+        start = time.perf_counter()
+        files = {f"rank_{self.env.rank:05d}.pt": torch_bytes({"rng": rng_state()})}
+        if self.env.rank == 0:
+            files["train_state.json"] = json_bytes(state.state_dict())
+        msd, osd = get_state_dict(self.model, self.optimizer, options=options())
+        committed = self.memory.save(state.step, {"model": msd, "optim": osd}, files, self._fields(state))
+        self.memory_s.append(time.perf_counter() - start)
+        return committed
+
+    def _fields(self, state: TrainState) -> dict:
+        return manifest_fields(
+            cfg=self.cfg,
+            env=self.env,
+            state=state,
+            identity=self.identity,
+            code_sha256=self.code_sha256,
+            optimizer_type=type(self.optimizer).__name__,
+            fmt=FORMAT,
+        )
+
     def save(self, state: TrainState, *, block: bool) -> None:
         """Write the generation for ``state.step``. Blocks for the CPU copy only (async), or until committed."""
         start = time.perf_counter()
@@ -183,15 +225,7 @@ class Checkpointer:
         if self.env.rank == 0:
             files["train_state.json"] = json_bytes(state.state_dict())
         msd, osd = get_state_dict(self.model, self.optimizer, options=options())
-        meta = manifest_fields(
-            cfg=self.cfg,
-            env=self.env,
-            state=state,
-            identity=self.identity,
-            code_sha256=self.code_sha256,
-            optimizer_type=type(self.optimizer).__name__,
-            fmt=FORMAT,
-        )
+        meta = self._fields(state)
         if self.tracking_run is not None:
             meta["tracking_run_id"] = self.tracking_run()
         if self.sharded:  # gathering whole parameters is collective: here, not in a background save's thread
@@ -244,8 +278,58 @@ class Checkpointer:
         """Load the newest valid generation into the model, optimizer, RNGs and ``state``; False when the run
         directory has no checkpoint yet. Collective."""
         self.reader.skipped = []
+        self.restored_from = None
+        if self.memory is not None and self._restore_from_memory(state):
+            self.last_commit_time = time.monotonic()
+            return True
         downloaded = self.remote.fetch_newest(self.reader.warn) if self.remote is not None else None
         restored = self.reader.restore(state, downloaded)
         if restored:
             self.last_commit_time = time.monotonic()
         return restored
+
+    def _restore_from_memory(self, state: TrainState) -> bool:
+        """The newest generation in node memory when it is at least as new as the newest durable one and some node
+        holds each of its files; whether it was loaded (else ``restored_from`` says why not). Collective."""
+        memory = self.memory
+        assert memory is not None
+        durable = None
+        if self.env.rank == 0:
+            try:
+                found = generations(self.root)
+                durable = found[-1][0] if found else None
+            except OSError:
+                durable = None
+        durable = memory.agreement.from_rank0(durable)
+        choice = memory.choose(durable, _comparable(self._fields(TrainState())))
+        if choice.step is None:
+            self.restored_from = {"from": "durable", "memory": choice.why}
+            return False
+        try:
+            path, fetched = memory.fetch(choice)
+            self.reader.load(path, choice.manifest, state, fingerprint=False)
+        except Exception as exc:  # noqa: BLE001 - the durable checkpoint is the safety net
+            if self.env.rank == 0:
+                log.warning("restoring the checkpoint in node memory at step %d failed (%s): restoring the durable "
+                            "checkpoint instead", choice.step, exc)  # fmt: skip
+            self.restored_from = {"from": "durable", "memory": f"restoring step {choice.step} failed: {exc}"}
+            return False
+        self.restored_from = {"from": "memory", "step": choice.step, "durable_step": durable, "files_fetched": fetched}
+        if self.env.rank == 0:
+            log.info("resumed from node memory at step %d (%d file(s) fetched from other nodes; durable: %s)",
+                     choice.step, fetched, durable)  # fmt: skip
+        return True
+
+    def remove_memory(self) -> None:
+        """The run's generations in node memory removed (the run ended or stopped with a durable checkpoint).
+        Collective."""
+        if self.memory is not None:
+            self.memory.remove()
+
+
+MATCHED = ("format", "config_sha256", "code_sha256", "recipe", "architecture", "param_shapes", "optimizer")
+
+
+def _comparable(fields: dict) -> dict:
+    """The manifest fields a generation in node memory must share with this run, as its manifest.json reads back."""
+    return json.loads(json.dumps({k: fields.get(k) for k in MATCHED}))

@@ -62,14 +62,21 @@ class GenerationReader:
         found = self.find(downloaded)
         if found is None:
             return False
-        path, manifest = found
+        self.load(*found, state)
+        return True
+
+    def load(self, path: Path, manifest: dict, state: TrainState, *, fingerprint: bool = True) -> None:
+        """Load generation ``path`` (its manifest checked) into the model, optimizer, RNGs and ``state``;
+        ``fingerprint``: compare the loaded parameters with the manifest's params_sha256 (a generation in node
+        memory has none: its files were checked instead). Collective."""
         if self.rank == 0:
             log.info("restoring %s (step %d)", path.name, manifest["step"])
         changed = check_compatible(
             manifest, path, self.identity, self.optimizer, allow_shape_change=self.allow_shape_change
         )
         self._load_retrying(path, changed, manifest["format"])
-        self._check_fingerprint(path, manifest, changed)
+        if fingerprint:
+            self._check_fingerprint(path, manifest, changed)
         state.load_state_dict(json.loads(self._read(path / "train_state.json")))
         if manifest["world_size"] == self.world_size:
             rank_file = path / f"rank_{self.rank:05d}.pt"
@@ -78,7 +85,6 @@ class GenerationReader:
             seed_rank(self.seed, self.rank, state.step)
         if self.rank == 0:
             log.info("resumed from %s (step %d, saved by %d ranks)", path.name, state.step, manifest["world_size"])
-        return True
 
     def find(self, downloaded: str | None = None) -> tuple[Path, dict] | None:
         """The newest generation that validates (``newest_valid``), each rank hashing its share of the files.

@@ -41,6 +41,7 @@ class Decision:
     last: bool  # the final step of training
     earlier: Earlier | None = None  # the previous step's figures, read at this boundary (deferred); else None
     rung: bool = False  # a rung step of prune.*: checkpointed, evaluated when the metric is an eval one, judged
+    memory: bool = False  # a checkpoint in node memory is due (checkpoint.memory_every_steps): its loss is agreed
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class Boundary:
         rung = prune.metric is not None and step in prune.at_steps and not last
         # a rung's checkpoint is the one a pruned element keeps (its loss is agreed now: the record is complete)
         checkpoint = p.checkpoints.due_by_steps(step, last) or rung
+        memory = p.checkpoints.memory_due(step)  # saved only after a finite loss: agreed now, like a checkpoint's
         stop = loss = None
         if earlier is not None:
             checkpoint = checkpoint or earlier.stop or earlier.due_by_time
@@ -121,7 +123,7 @@ class Boundary:
             now = self._read(step, loss_mean, stop_mean, due_mean, local_loss)
             loss, stop = now.loss, now.stop
             checkpoint = checkpoint or now.stop or now.due_by_time
-        elif not self.defer or checkpoint or last:
+        elif not self.defer or checkpoint or memory or last:
             now = self._agreement(step, local_loss, grad_norm, wait=True)
             assert now is not None
             loss, stop = now.loss, bool(stop) or now.stop
@@ -137,6 +139,7 @@ class Boundary:
             last=last,
             earlier=_earlier(earlier),
             rung=rung,
+            memory=memory,
         )
 
     def settle(self) -> Earlier | None:

@@ -57,6 +57,8 @@ def _train(
         if run.publisher.due(step, decision, bool(evals), extra):
             run.publisher.publish(step, result, decision, evals, extra)
         save_start = run.checkpoint(step, decision, step_s) if decision.checkpoint else None
+        if decision.memory and not decision.checkpoint and not decision.last:
+            run.checkpoint_in_memory(step)
         if profiler is not None:
             profiler.after(step)
         run.judge_rung(step, decision)
@@ -173,6 +175,13 @@ class _Run:
         if self.lead is not None and not decision.stop:
             self.lead.after_save(step, step_s, parts.checkpoints.last_save_s)
         return save_start
+
+    def checkpoint_in_memory(self, step: int) -> None:
+        """Save this step's checkpoint in node memory and on the partner nodes (checkpoint.memory_every_steps)."""
+        parts, mon = self.parts, self.parts.mon
+        mon.watchdog.enter("checkpoint in memory", step)
+        with mon.clock.part("ckpt"):
+            parts.checkpoints.save_memory(parts.state)
 
     def judge_rung(self, step: int, decision: Decision) -> None:
         """prune.*: judge a rung step once its checkpoint is written (raises Pruned on every rank)."""

@@ -87,6 +87,8 @@ def _record_start(
     # are recomputed, so they move out of metrics.jsonl.
     discarded = truncate_metrics(rundir.metrics, state.step, rundir.metrics_discarded)
     fields = {"skipped_checkpoints": parts.checkpoints.skipped, "discarded_records": discarded} if resumed else {}
+    if resumed and parts.checkpoints.restored_from is not None:  # checkpoint.memory_every_steps: from where, why
+        fields["restored_from"] = parts.checkpoints.restored_from
     append_event(
         rundir.history,
         EVENT_RESUME if resumed else EVENT_START,
