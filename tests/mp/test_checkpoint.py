@@ -21,7 +21,9 @@ import pytest
 from rundir import RunDir
 from rundir.checkpoints import generations, read_latest, validate
 from rundir.contract import EXIT_STOPPED, INJECT_VAR
+from rundir.identity import read_identity
 from rundir.paths import read_jsonl
+from storage.nodememory import run_folder
 from tests.conftest import PY, ROOT, history, rank_pids, summary, wait_for_step
 
 pytestmark = pytest.mark.mp
@@ -203,11 +205,14 @@ def test_the_best_generation_by_an_eval_metric_is_kept(tmp_path, small_dataset):
 
 def test_signal_on_one_rank_then_all_ranks_resumes_bitwise(tmp_path, small_dataset, reference):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, common(small_dataset, reference))
+    proc = start(run_dir, [*common(small_dataset, reference), "checkpoint.memory_every_steps=2"])
     wait_for_step(run_dir, 6, proc)
+    folder = memory_folder(run_dir)
+    assert sorted(p.name for p in folder.iterdir()) == ["node0", "node1"]  # 2 nodes x 2 ranks: partners by index
     os.kill(rank_pids(run_dir)[3], signal.SIGUSR2)  # one rank: the others learn it at the next step boundary
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, out + err
+    assert not folder.exists()  # stopped with a durable checkpoint: the memory ones are of no further use
     assert "--resume" in out
     stopped = history(run_dir)[-1]
     assert stopped["event"] == "stopped"
@@ -326,6 +331,69 @@ def test_sigkill_at_random_moments_restarts_in_the_job_and_ends_bitwise(tmp_path
     assert all(e["status"] != 0 and e["cause"] for e in restarts), restarts
     assert [e["event"] for e in events].count("resume") == kills
     assert out.count("restart ") >= kills  # the launcher says each one
+    assert_same_as(reference_2x1, run_dir)
+
+
+MEMORY = ["checkpoint.memory_every_steps=1", "job.restart_backoff_s=0.2"]  # durable: common's every_steps=4
+
+
+def memory_folder(run_dir) -> Path:
+    """The run's folder of node folders in /dev/shm (storage/nodememory.py)."""
+    return run_folder("/dev/shm", read_identity(RunDir(run_dir).identity).run_id)
+
+
+def newest_in_memory(node: Path) -> Path:
+    return max((p for p in node.glob("step_*") if (p / "manifest.json").is_file()), key=lambda p: p.name)
+
+
+def test_a_killed_rank_resumes_from_node_memory_bitwise(tmp_path, small_dataset, reference_2x1):
+    """A generation in node memory every step, a durable one every 4: a rank SIGKILLed after step 6 costs at most
+    the steps since the last one. The restarted ranks take the newest generation in memory (newer than the durable one), and
+    the run ends bit-identical to the uninterrupted one, its node folders removed."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, [*common(small_dataset), *TWO_NODES, *MEMORY, "job.max_failures=1"])
+    wait_for_step(run_dir, 6, proc)
+    folder = memory_folder(run_dir)
+    held = newest_in_memory(folder / "node0")  # node0 holds its rank's files and node1's rank's copies
+    assert {"rank_00000.pt", "rank_00001.pt", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= {
+        p.relative_to(held).as_posix() for p in held.rglob("*") if p.is_file()
+    }, held
+    assert oct(folder.stat().st_mode & 0o777) == "0o700" and oct(folder.parent.stat().st_mode & 0o777) == "0o700"
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    (resume,) = [e for e in history(run_dir) if e["event"] == "resume"]
+    restored = resume["restored_from"]
+    assert restored["from"] == "memory" and restored["step"] == resume["step"] >= 5, restored  # 6's record first
+    assert restored["durable_step"] == 4 * (resume["step"] // 4), restored
+    assert_same_as(reference_2x1, run_dir)
+    assert not folder.exists(), sorted(folder.rglob("*"))
+
+
+def test_both_copies_of_a_shard_gone_fall_back_to_the_durable_checkpoint(tmp_path, small_dataset, reference_2x1):
+    """A kill after which rank 1's files are gone from both nodes' memory (its node's and its partner's): the restart
+    takes the durable checkpoint and says why. A second kill exceeds job.max_failures: the launcher ends and removes
+    the node folders; the run is resumed by hand and ends bit-identical."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, [*common(small_dataset), *TWO_NODES, *MEMORY, "job.max_failures=1",
+                           "job.restart_backoff_s=3"])  # fmt: skip
+    wait_for_step(run_dir, 6, proc)
+    folder = memory_folder(run_dir)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    wait_for_event(run_dir, "restart", 1, proc)  # the launcher waits 3 s before it restarts the ranks
+    for path in folder.rglob("*"):
+        if path.name in ("rank_00001.pt", "__1_0.distcp"):
+            path.unlink()
+    resume = wait_for_event(run_dir, "resume", 1, proc)
+    assert resume["restored_from"]["from"] == "durable" and resume["step"] in (4, 8), resume
+    assert resume["restored_from"]["memory"].startswith("no node holds "), resume
+    wait_for_step(run_dir, 6, proc)
+    os.kill(rank_pids(run_dir)[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out + err
+    assert not folder.exists(), sorted(folder.rglob("*"))
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
     assert_same_as(reference_2x1, run_dir)
 
 
