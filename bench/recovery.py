@@ -2,7 +2,9 @@
 going back through the queue, and the goodput of a run whose ranks are killed every K steps.
 
     python bench/recovery.py [--reps 2] [--methods local-kill,kill,requeue,node-kept,node-fail]
-        [--goodput-steps 3000 --kill-every 1000] [--slurm-conf FILE] [--json PATH]
+        [--goodput-steps 3000 --kill-every 1000] [--memory-every N] [--slurm-conf FILE] [--json PATH]
+
+``--memory-every N`` adds checkpoints in node memory every N steps (checkpoint.memory_every_steps) to every run.
 
 On its own local Slurm clusters (envs/slurm/cluster.sh) and under the local launcher; the methods, the clock and
 the goodput's definition: bench/README.md.
@@ -73,6 +75,9 @@ def submit_args(run_dir: Path, data: Path, sets: list[str], *extra: str) -> list
     return args + list(extra)
 
 
+KILL_AT = [20]  # the step after which a rank is killed or a node lost (--kill-at)
+
+
 def one(method: str, data: Path, work: Path) -> dict:
     run_dir = work / f"{method}-{time.monotonic_ns()}"
     local = method == "local-kill"
@@ -82,7 +87,7 @@ def one(method: str, data: Path, work: Path) -> dict:
     else:
         sh(*submit_args(run_dir, data, SETS), cwd=ROOT)
         job = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
-    wait(lambda: any(r.get("step", 0) >= 20 for r in lines(run_dir / "metrics.jsonl")))
+    wait(lambda: any(r.get("step", 0) >= KILL_AT[0] for r in lines(run_dir / "metrics.jsonl")))
     issued = time.time()  # trainer and launcher event times come from time.time() on this same host
     if method == "requeue":
         sh("scancel", "--signal=USR2", job)
@@ -101,6 +106,8 @@ def one(method: str, data: Path, work: Path) -> dict:
         "resumed_s": resume["time"] - issued,
         "first_new_step_s": first["time"] - issued,
         "startup_s": resume.get("startup_s", {}),
+        "steps_lost": resume.get("discarded_records"),  # the steps recorded before the loss, trained again
+        "restored_from": resume.get("restored_from", {}).get("from", "durable"),
     }
 
 
@@ -126,7 +133,7 @@ def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
     step, and wait until Slurm has it idle again for the next repetition."""
     run_dir = work / f"{method}-{time.monotonic_ns()}"
     sh(*submit_args(run_dir, data, [*NODE_SETS, *NODE_SHAPES[method]]), cwd=ROOT)
-    wait(lambda: any(r.get("step", 0) >= 20 for r in lines(run_dir / "metrics.jsonl")))
+    wait(lambda: any(r.get("step", 0) >= KILL_AT[0] for r in lines(run_dir / "metrics.jsonl")))
     node = wait(lambda: (lambda n: n[-1] if len(n) >= 2 and all(n) else None)(launch_nodes(run_dir)))
     lost = time.time()
     sh("bash", "envs/slurm/cluster.sh", "node-down", node, str(state), cwd=ROOT)
@@ -157,6 +164,8 @@ def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
                         f"job {resume.get('slurm_job_id')} (restart count {resume.get('slurm_restart_count', 0)})",
         "nodes_after": resume.get("nodes"),
         "startup_s": resume.get("startup_s", {}),
+        "steps_lost": resume.get("discarded_records"),  # the steps recorded before the loss, trained again
+        "restored_from": resume.get("restored_from", {}).get("from", "durable"),
     }  # fmt: skip
 
 
@@ -234,7 +243,7 @@ def summarize_goodput(plain: dict, killed: dict) -> dict:
     }
 
 
-KEYS = ("survivors_stopped_s", "restart_decided_s", "resumed_s", "first_new_step_s")
+KEYS = ("survivors_stopped_s", "restart_decided_s", "resumed_s", "first_new_step_s", "steps_lost")
 
 
 def main() -> int:
@@ -243,8 +252,14 @@ def main() -> int:
     p.add_argument("--goodput-steps", type=int, default=0, help="steps of the goodput runs (0: skip them)")
     p.add_argument("--kill-every", type=int, default=1000, help="steps between kills in the goodput run")
     p.add_argument("--no-slurm", action="store_true", help="only the local measurements")
+    p.add_argument("--kill-at", type=int, default=20, help="the step after which the rank or node is lost")
+    p.add_argument("--memory-every", type=int, default=0, help="checkpoint.memory_every_steps of every run (0: off)")
     add_slurm_options(p, METHODS)
     args = p.parse_args()
+    KILL_AT[0] = args.kill_at
+    if args.memory_every:
+        SETS.append(f"checkpoint.memory_every_steps={args.memory_every}")
+        NODE_SETS.append(f"checkpoint.memory_every_steps={args.memory_every}")
     methods = chosen_methods(p, args.methods, METHODS)
     if args.no_slurm:
         methods = [m for m in methods if m == "local-kill"]
@@ -294,6 +309,7 @@ def show(result: dict) -> None:
     )
     for method, med in result["summary"].items():
         print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>18}" for v in med.values()))
+    print(f"(steps_lost: steps recorded before the kill that were trained again; {result['setup']['config'][-1]})")
     if "goodput" in result:
         g = result["goodput"]
         print(f"\ngoodput: {g['steps']} steps, a rank killed every {g['kill_every']} steps ({g['killed']['kills']} "

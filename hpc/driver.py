@@ -197,17 +197,18 @@ def run_srun_step(command: list[str], env: dict, failure: Path | None = None, nt
     return SrunStepEnd(status, first[0] if first else None, tuple(failed), ended_srun)
 
 
-def sweep_command(num_nodes: int, memory: tuple[str, str] | None = None) -> list[str]:
-    """One task per node of the allocation removing the shared-memory segments killed ranks left
+def sweep_command(nodes: tuple[str, ...], memory: tuple[str, str] | None = None) -> list[str]:
+    """One task per node of the last launch removing the shared-memory segments killed ranks left
     (hpc/shmsweep.py), and with ``memory`` (checkpoint.memory_dir, run id) the run's checkpoints in node memory; it
-    shares the nodes with whatever still runs there."""
+    shares the nodes with whatever still runs there (a lost node, left out, would keep the step from starting)."""
     extra = ["--memory-dir", memory[0], "--run-id", memory[1]] if memory else []
     return [
         "srun",
         "--overlap",
         "--mpi=none",
-        f"--nodes={num_nodes}",
-        f"--ntasks={num_nodes}",
+        f"--nodes={len(nodes)}",
+        f"--nodelist={','.join(nodes)}",
+        f"--ntasks={len(nodes)}",
         "--ntasks-per-node=1",
         sys.executable,
         "-m",
@@ -318,7 +319,7 @@ class Driver:
             # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a
             # restarted launch does that itself, on each node, as it starts); with no launch left in this job, the
             # run's checkpoints in node memory go too.
-            self._sweep(cfg, job, memory)
+            self._sweep(cfg, launched.nodes, memory)
         if decision.action == "resubmit":
             return self._resubmit(cfg, rundir, job, decision.exclude, decision.message)
         if decision.action in ("requeue", "requeuehold"):
@@ -388,10 +389,10 @@ class Driver:
         return {"status": "resubmitted", "job_id": new_id}
 
     @staticmethod
-    def _sweep(cfg: RunConfig, job: SlurmJob, memory: tuple[str, str] | None) -> None:
+    def _sweep(cfg: RunConfig, nodes: tuple[str, ...], memory: tuple[str, str] | None) -> None:
         try:
             env = trainer_environment(cfg, simulate_nodes=False)
-            subprocess.run(sweep_command(job.num_nodes, memory), env=env, timeout=60)
+            subprocess.run(sweep_command(nodes, memory), env=env, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
 

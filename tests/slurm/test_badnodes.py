@@ -17,7 +17,10 @@ import time
 
 import pytest
 
+from rundir import RunDir
 from rundir.contract import EVENT_RESTART, EVENT_RESUME, INJECT_VAR
+from rundir.identity import read_identity
+from storage.nodememory import run_folder
 from tests.conftest import ROOT, history, rank_pids, summary
 from tests.slurm.conftest import TWO_NODES, job_info, job_log, rank_nodes, sets_for, submit, wait_state, wait_step
 
@@ -179,9 +182,12 @@ def test_a_lost_node_with_the_allocation_kept_shrinks_the_run_in_the_job(on_host
     shape = ["job.nodes=3", "job.ranks_per_node=1", "job.min_nodes=2", "job.no_kill=true"]
     batch = ["train.global_batch_size=24", "train.micro_batch_size=4", "train.steps=80"]
     watch = ["monitor.peer_timeout_s=6", "monitor.heartbeat_s=1", "job.restart_backoff_s=0.5"]
-    job_id = submit(run_dir, [*sets_for(small_dataset), *shape, *batch, *watch])
+    memory = ["checkpoint.memory_every_steps=1"]  # n2's files have a copy on n3, its partner
+    job_id = submit(run_dir, [*sets_for(small_dataset), *shape, *batch, *watch, *memory])
     wait_step(run_dir, 12)
     assert rank_nodes(run_dir) == {0: "n1", 1: "n2", 2: "n3"}
+    folder = run_folder("/dev/shm", read_identity(RunDir(run_dir).identity).run_id)
+    assert sorted(p.name for p in folder.iterdir()) == ["n1", "n2", "n3"]
     with node_lost(on_hosts, "n2") as lost:
         info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
     log = job_log(run_dir, job_id)
@@ -196,6 +202,12 @@ def test_a_lost_node_with_the_allocation_kept_shrinks_the_run_in_the_job(on_host
     assert len(restart) == 1 and restart[0]["how"] == "in-job" and restart[0]["nodes"] == ["n1", "n3"], restart
     resumed = events_of(run_dir, EVENT_RESUME)
     assert [(e["nodes"], e["world_size"], e["grad_accum"]) for e in resumed] == [(["n1", "n3"], 2, 3)], resumed
+    # From the generation in node memory, completed from the partners' copies (n2's files from n3, n1's for n3),
+    # not from the durable checkpoint every 10 steps; the driver's sweep removed the node folders at the end.
+    restored = resumed[0]["restored_from"]
+    assert restored["from"] == "memory" and restored["files_fetched"] > 0, restored
+    assert resumed[0]["discarded_records"] <= 2, resumed  # the steps in flight at most, not up to 10
+    assert not folder.exists(), sorted(folder.rglob("*"))
     # Loss to the restarted launch's processes started (their own start-up, as fast as this machine imports, comes
     # after): the survivors' timeout, the driver ending the srun that waited for n2, and a new srun.
     assert resumed[0]["process_start"] - lost < 40, resumed

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 from storage import shm
+from storage.nodememory import run_folder
 from trainer.parallel.mpi_library import DEFAULTS, NETMOD_VAR, apply_defaults, is_mpich, library_name
 
 
@@ -76,3 +77,22 @@ def test_sweep_command_reports_per_host(tmp_path):
     )
     assert f"removed 1 stale MPI shared-memory segment(s) from {tmp_path}" in out.stdout
     assert not (tmp_path / "mpich_shm_dead_1").exists()
+
+
+def test_sweep_removes_a_runs_checkpoints_in_node_memory_and_nothing_else(tmp_path):
+    """hpc.shmsweep --run-id: the run's folder of node folders under checkpoint.memory_dir goes; another run's stays,
+    a run id that is not one (a path) removes nothing, and a link in the run's place is not followed."""
+    run_id, other = "a" * 32, "b" * 32
+    for rid in (run_id, other):
+        (run_folder(tmp_path, rid) / "node0" / "step_00000001").mkdir(parents=True)
+    sweep = [sys.executable, "-m", "hpc.shmsweep", "--dir", str(tmp_path), "--memory-dir", str(tmp_path)]
+    out = subprocess.run([*sweep, "--run-id", run_id], capture_output=True, text=True, check=True)
+    assert f"removed run {run_id[:12]}'s checkpoints in node memory" in out.stdout
+    assert not run_folder(tmp_path, run_id).exists() and run_folder(tmp_path, other).is_dir()
+    subprocess.run([*sweep, "--run-id", f"../{other}"], capture_output=True, text=True, check=True)
+    assert run_folder(tmp_path, other).is_dir()
+    target = tmp_path / "kept"
+    target.mkdir()
+    run_folder(tmp_path, run_id).symlink_to(target)
+    subprocess.run([*sweep, "--run-id", run_id], capture_output=True, text=True, check=True)
+    assert target.is_dir() and run_folder(tmp_path, run_id).is_symlink()
