@@ -270,7 +270,8 @@ def main() -> int:
     prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
                         shard_tokens=400_000), data)  # fmt: skip
     rows = interruptions(args, methods, data, work)
-    setup = {"reps": args.reps, "methods": methods, "config": SETS}
+    setup = {"reps": args.reps, "methods": methods, "config": SETS, "memory_every": args.memory_every,
+             "kill_at": args.kill_at}  # fmt: skip
     result = {"benchmark": "recovery", "setup": setup, "summary": medians(rows), "runs": rows}
     if args.goodput_steps:
         result["goodput"] = goodput(data, work, args.goodput_steps, args.kill_every)
@@ -309,7 +310,8 @@ def show(result: dict) -> None:
     )
     for method, med in result["summary"].items():
         print(f"{method:14} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>18}" for v in med.values()))
-    print(f"(steps_lost: steps recorded before the kill that were trained again; {result['setup']['config'][-1]})")
+    memory = result["setup"].get("memory_every") or "off"
+    print(f"(steps_lost: steps recorded before the loss, trained again; checkpoint.memory_every_steps: {memory})")
     if "goodput" in result:
         g = result["goodput"]
         print(f"\ngoodput: {g['steps']} steps, a rank killed every {g['kill_every']} steps ({g['killed']['kills']} "

@@ -382,11 +382,14 @@ def test_startup(tmp_path):
 
 @pytest.mark.mp
 def test_recovery_local(tmp_path):
-    """The local part: one ``local-kill`` (SIGKILL to rank 1 of a 2 x 2 local run at step 20, restarted in place)
-    until its first new step (the Slurm methods, kill and requeue, are not run: see tests/slurm/test_bench_smoke.py)."""
-    res, out = run_bench("recovery", ["--reps", "1", "--methods", "local-kill"], tmp_path)
+    """The local part: one ``local-kill`` (SIGKILL to rank 1 of a 2 x 2 local run after step 25, restarted in place
+    from its checkpoint in node memory) until its first new step (the Slurm methods, kill and requeue, are not run:
+    see tests/slurm/test_bench_smoke.py)."""
+    args = ["--reps", "1", "--methods", "local-kill", "--kill-at", "25", "--memory-every", "1"]
+    res, out = run_bench("recovery", args, tmp_path)
     assert res["benchmark"] == "recovery"
     assert res["setup"]["reps"] == 1 and res["setup"]["methods"] == ["local-kill"]
+    assert res["runs"][0]["restored_from"] == "memory" and res["runs"][0]["steps_lost"] <= 2, res["runs"]
     assert list(res["summary"]) == ["local-kill"] and [r["method"] for r in res["runs"]] == ["local-kill"]
     med = res["summary"]["local-kill"]
     assert all(positive(med[k]) for k in ("restart_decided_s", "resumed_s", "first_new_step_s")), med
@@ -394,7 +397,8 @@ def test_recovery_local(tmp_path):
     assert {"imports", "restore"} <= set(res["runs"][0]["startup_s"])
     assert "goodput" not in res
     header, row = table_lines(out, "interruption", "local-kill")
-    assert "first_new_step_s" in header and len(row.split()) == 5  # survivors_stopped_s: "-" (no hang claim)
+    assert "first_new_step_s" in header and len(row.split()) == 6  # survivors_stopped_s: "-" (no hang claim)
+    assert "checkpoint.memory_every_steps: 1" in out
 
 
 def test_data(tmp_path):

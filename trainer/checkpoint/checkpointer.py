@@ -146,11 +146,16 @@ class Checkpointer:
         )
 
     def _memory(self) -> MemoryCheckpoints | None:
-        """checkpoint.memory_every_steps: generations in node memory (memory.py), saved by the loop's own thread:
-        on the default group over gloo, else on a gloo group of their own. Collective."""
+        """checkpoint.memory_every_steps: generations in node memory (memory.py). With checkpoint.async_save they are
+        written from a background thread of their own, on a gloo group of their own, while training goes on; else
+        by the loop's thread, on the default group over gloo. Collective."""
         if not self.ccfg.memory_every_steps:
             return None
-        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        background = self.ccfg.async_save
+        self.memory_pool = ThreadPoolExecutor(1, thread_name_prefix="memckpt") if background else None
+        self.memory_pending: Future | None = None
+        self._memory_staging: dict | None = None
+        group = None if not background and dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         agreement = Agreement(self.env.rank, self.env.world_size, group, self.agreement.policy)
         return MemoryCheckpoints(memory_dir=self.ccfg.memory_dir, every=self.ccfg.memory_every_steps, env=self.env,
                                  agreement=agreement, identity=self.run)  # fmt: skip
@@ -190,18 +195,34 @@ class Checkpointer:
         return self.memory is not None and self.memory.due(step)
 
     # -- save ---------------------------------------------------------------------------------------------
-    def save_memory(self, state: TrainState) -> bool:
-        """Write the generation for ``state.step`` into node memory and its copies on the partner nodes; whether it
-        was committed (a failure is logged: the durable checkpoints go on). Collective."""
+    def save_memory(self, state: TrainState) -> None:
+        """Write the state for ``state.step`` into node memory and onto the partner nodes; with checkpoint.async_save
+        from CPU buffers in the background, after the previous one is done (the loop waits for it here). A failure
+        is logged: the durable checkpoints go on. Collective."""
         assert self.memory is not None
         start = time.perf_counter()
+        self.wait_memory()
         files = {f"rank_{self.env.rank:05d}.pt": torch_bytes({"rng": rng_state()})}
         if self.env.rank == 0:
             files["train_state.json"] = json_bytes(state.state_dict())
         msd, osd = get_state_dict(self.model, self.optimizer, options=options())
-        committed = self.memory.save(state.step, {"model": msd, "optim": osd}, files, self._fields(state))
+        fields = self._fields(state)
+        if self.memory_pool is None:
+            self.memory.save(state.step, {"model": msd, "optim": osd}, files, fields)
+        else:
+            staged = self._memory_staging = stage({"model": msd, "optim": osd}, self._memory_staging)
+            if any(t.is_cuda for t in msd.values() if isinstance(t, torch.Tensor)):
+                torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+            self.memory_pending = self.memory_pool.submit(self.memory.save, state.step, staged, files, fields)
         self.memory_s.append(time.perf_counter() - start)
-        return committed
+
+    def wait_memory(self) -> bool | None:
+        """Wait for the save in node memory in flight, if any; whether it was committed (None: none in flight)."""
+        pending = getattr(self, "memory_pending", None)
+        if pending is None:
+            return None
+        self.memory_pending = None
+        return pending.result()
 
     def _fields(self, state: TrainState) -> dict:
         return manifest_fields(
@@ -269,9 +290,12 @@ class Checkpointer:
     def close(self) -> None:
         try:
             self.wait()
+            self.wait_memory()
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=True)
+            if self.memory is not None and self.memory_pool is not None:
+                self.memory_pool.shutdown(wait=True)
 
     # -- restore ------------------------------------------------------------------------------------------
     def restore(self, state: TrainState) -> bool:
