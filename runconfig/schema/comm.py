@@ -77,6 +77,25 @@ class CommConfig(Section):
         "a float64 one, may differ in its last bits.",
         True,
     )
+    sync: Literal["ddp", "diloco", "local_sgd"] = doc(
+        "How the nodes' replicas agree. ddp: every step's gradients averaged over all ranks. diloco (DiLoCo): DDP "
+        "inside each node only; every comm.sync_every steps the nodes average their pseudo-gradient (the parameters "
+        "at the last sync minus now) and an outer SGD optimizer (comm.outer_lr, outer_momentum, Nesterov) applies "
+        "it to the parameters of the last sync. local_sgd: the same rounds, the nodes' parameters averaged. With "
+        "either, checkpoints (and a stop's, a time-based one's) wait for the round's end, where every replica holds "
+        "the same parameters; a resume needs the same number of nodes (each keeps its own optimizer state). DDP "
+        "layouts only.",
+        "ddp",
+    )
+    sync_every: int = doc(
+        "comm.sync=diloco or local_sgd: optimizer steps per round (H); checkpoint.every_steps and "
+        "memory_every_steps must be multiples of it.",
+        50,
+        bounds=Range(ge=1),
+    )
+    outer_lr: float = doc("comm.sync=diloco: the outer SGD's learning rate.", 0.7, bounds=Range(gt=0))
+    outer_momentum: float = doc("comm.sync=diloco: the outer SGD's momentum.", 0.9, bounds=Range(ge=0, lt=1))
+    outer_nesterov: bool = doc("comm.sync=diloco: Nesterov momentum for the outer SGD (with outer_momentum > 0).", True)
     backend: Literal["auto", "gloo", "nccl"] = doc("auto = NCCL on CUDA, gloo on CPU.", "auto")
     timeout_s: float = doc(
         "Timeout of process-group set-up and of every collective, seconds.", 300.0, bounds=Range(gt=0)

@@ -115,6 +115,26 @@ class RunConfig:
                         "at the launch it rejoins and names it bad again if it fails"))  # fmt: skip
         if self.monitor.straggler_exclude_after and self.job.nodes == 1:
             out.append(("monitor.straggler_exclude_after", "needs job.nodes >= 2: one node has no peers to lag behind"))
+        return out + self._sync_problems()
+
+    def _sync_problems(self) -> Problems:
+        """comm.sync=diloco or local_sgd: a DDP layout, and checkpoints at the rounds' ends."""
+        comm, ckpt = self.comm, self.checkpoint
+        if comm.sync == "ddp":
+            return []
+        out: Problems = []
+        p = self.parallel
+        if p.dp_shard not in (1,) or p.tp != 1 or p.pp != 1:
+            out.append(("comm.sync", f"{comm.sync} averages whole replicas between nodes: DDP layouts only (this "
+                        "config sets parallel degrees above 1)"))  # fmt: skip
+        for key, every in (("every_steps", ckpt.every_steps), ("memory_every_steps", ckpt.memory_every_steps)):
+            if every % comm.sync_every:
+                out.append((f"checkpoint.{key}", f"{every} is not a multiple of comm.sync_every={comm.sync_every}: "
+                            f"with comm.sync={comm.sync} checkpoints are taken at the rounds' ends"))  # fmt: skip
+        late = [s for s in self.prune.at_steps if s % comm.sync_every]
+        if self.prune.metric is not None and late:
+            out.append(("prune.at_steps", f"{late} are not multiples of comm.sync_every={comm.sync_every}: a rung's "
+                        f"checkpoint is taken at a round's end with comm.sync={comm.sync}"))  # fmt: skip
         return out
 
     def _device_problems(self) -> Problems:

@@ -43,6 +43,7 @@ from trainer.checkpoint.state import TrainState
 from trainer.checkpoint.writer import CheckpointError, GenerationWriter, json_bytes, stage, torch_bytes
 from trainer.env import RuntimeEnv
 from trainer.observe.inject import Injector
+from trainer.parallel.diloco import OuterSync
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +64,21 @@ class Checkpointer:
         injector: Injector | None = None,
         param_shapes: dict | None = None,
         aliases: dict[str, str] | None = None,
+        outer: OuterSync | None = None,
     ) -> None:
         """``model`` is the bare module (parameter names without DDP's "module."; under pipeline parallelism this
         rank's stage); ``architecture`` the recipe's settings that define the model beyond its shapes;
         ``code_sha256`` the recipe's code snapshot; ``injector`` the faults injected by tests (``eio_save``);
         ``param_shapes`` the whole model's {name: [*shape, dtype]} (default: ``model``'s); ``aliases`` {name of a
         tied copy: the whole model's name} (a pipeline's output head tied to the first stage's embedding): left out
-        of ``params_sha256``, its optimizer state read under the whole model's name. The ranks agree through
-        torch.distributed (agreement.py)."""
+        of ``params_sha256``, its optimizer state read under the whole model's name; ``outer``: the rounds of
+        comm.sync (trainer/parallel/diloco.py). The ranks agree through torch.distributed (agreement.py)."""
         self.cfg, self.env, self.ccfg = cfg, env, cfg.checkpoint
         self.model, self.optimizer, self.code_sha256 = model, optimizer, code_sha256
+        # comm.sync=diloco or local_sgd: each node's optimizer state is its own (a key per node), and the outer
+        # optimizer's momentum is saved beside them
+        self.outer = outer
+        self.optim_key = optim_key(env.node if outer is not None else None)
         self.root = rundir.checkpoints
         # Rank 0 names and authenticates the generations (rundir/identity.py); a run directory older than identities
         # gets one now.
@@ -174,6 +180,8 @@ class Checkpointer:
             seed=self.cfg.train.seed,
             allow_shape_change=self.ccfg.allow_shape_change,
             verified=verified,
+            outer=self.outer,
+            node=self.env.node,
         )
 
     @property
@@ -191,6 +199,15 @@ class Checkpointer:
         minutes = self.ccfg.every_minutes
         return bool(minutes) and time.monotonic() - self.last_commit_time >= 60 * minutes
 
+    def _state(self) -> dict:
+        """What DCP saves: the model, this rank's optimizer state (under its node's key with comm.sync rounds) and
+        the outer optimizer's momentum."""
+        msd, osd = get_state_dict(self.model, self.optimizer, options=options())
+        state = {"model": msd, self.optim_key: osd}
+        if self.outer is not None and self.outer.has_momentum:
+            state["outer"] = self.outer.state_dict()
+        return state
+
     def memory_due(self, step: int) -> bool:
         return self.memory is not None and self.memory.due(step)
 
@@ -205,13 +222,13 @@ class Checkpointer:
         files = {f"rank_{self.env.rank:05d}.pt": torch_bytes({"rng": rng_state()})}
         if self.env.rank == 0:
             files["train_state.json"] = json_bytes(state.state_dict())
-        msd, osd = get_state_dict(self.model, self.optimizer, options=options())
+        full = self._state()
         fields = self._fields(state)
         if self.memory_pool is None:
-            self.memory.save(state.step, {"model": msd, "optim": osd}, files, fields)
+            self.memory.save(state.step, full, files, fields)
         else:
-            staged = self._memory_staging = stage({"model": msd, "optim": osd}, self._memory_staging)
-            if any(t.is_cuda for t in msd.values() if isinstance(t, torch.Tensor)):
+            staged = self._memory_staging = stage(full, self._memory_staging)
+            if any(t.is_cuda for t in full["model"].values() if isinstance(t, torch.Tensor)):
                 torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
             self.memory_pending = self.memory_pool.submit(self.memory.save, state.step, staged, files, fields)
         self.memory_s.append(time.perf_counter() - start)
@@ -225,7 +242,10 @@ class Checkpointer:
         return pending.result()
 
     def _fields(self, state: TrainState) -> dict:
-        return manifest_fields(
+        sync = None
+        if self.outer is not None:  # a resume needs as many nodes: a node's optimizer state is its own
+            sync = {"kind": self.outer.kind, "every": self.outer.every, "nodes": self.env.topology.num_nodes}
+        return {"sync": sync} | manifest_fields(
             cfg=self.cfg,
             env=self.env,
             state=state,
@@ -245,17 +265,17 @@ class Checkpointer:
         files = {f"rank_{self.env.rank:05d}.pt": torch_bytes({"rng": rng_state()})}
         if self.env.rank == 0:
             files["train_state.json"] = json_bytes(state.state_dict())
-        msd, osd = get_state_dict(self.model, self.optimizer, options=options())
+        full = self._state()
         meta = self._fields(state)
         if self.tracking_run is not None:
             meta["tracking_run_id"] = self.tracking_run()
         if self.sharded:  # gathering whole parameters is collective: here, not in a background save's thread
             meta["params_sha256"] = params_sha256(self.model, skip=self.aliases)
         if self.pool is None:
-            self._write_and_commit({"model": msd, "optim": osd}, files, name, meta, state.step, start)
+            self._write_and_commit(full, files, name, meta, state.step, start)
         else:
-            staged = self._staging = stage({"model": msd, "optim": osd}, self._staging)
-            if any(t.is_cuda for t in msd.values() if isinstance(t, torch.Tensor)):
+            staged = self._staging = stage(full, self._staging)
+            if any(t.is_cuda for t in full["model"].values() if isinstance(t, torch.Tensor)):
                 torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
             self.pending = self.pool.submit(self._write_and_commit, staged, files, name, meta, state.step, start)
             if block:
@@ -357,3 +377,8 @@ MATCHED = ("format", "config_sha256", "code_sha256", "recipe", "architecture", "
 def _comparable(fields: dict) -> dict:
     """The manifest fields a generation in node memory must share with this run, as its manifest.json reads back."""
     return json.loads(json.dumps({k: fields.get(k) for k in MATCHED}))
+
+
+def optim_key(node: int | None) -> str:
+    """DCP's key of a rank's optimizer state: "optim", or with comm.sync rounds its node's own."""
+    return "optim" if node is None else f"optim_node{node:05d}"

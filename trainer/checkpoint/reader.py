@@ -28,6 +28,7 @@ from trainer.checkpoint.kernels import kernels, restore_kernels
 from trainer.checkpoint.rng import seed_rank, set_rng_state
 from trainer.checkpoint.state import TrainState
 from trainer.errors import UserError
+from trainer.parallel.diloco import OuterSync
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,15 @@ class GenerationReader:
         seed: int,
         allow_shape_change: bool,
         verified: set[str],
+        outer: OuterSync | None = None,
+        node: int = 0,
     ) -> None:
         self.root, self.agreement = root, agreement
         self.rank, self.world_size = agreement.rank, agreement.world_size
         self.model, self.optimizer, self.identity, self.aliases = model, optimizer, identity, aliases
         self.seed, self.allow_shape_change, self.verified = seed, allow_shape_change, verified
         self.skipped: list[str] = []  # rank 0: why newer generations were passed over
+        self.outer, self.node = outer, node  # comm.sync rounds: the outer state, this rank's node (its optimizer key)
 
     def restore(self, state: TrainState, downloaded: str | None = None) -> bool:
         """Load the newest valid generation into the model, optimizer, RNGs and ``state``; False when there is none
@@ -74,6 +78,7 @@ class GenerationReader:
         changed = check_compatible(
             manifest, path, self.identity, self.optimizer, allow_shape_change=self.allow_shape_change
         )
+        self.saved_optim = self._saved_optim_key(path, manifest)
         self._load_retrying(path, changed, manifest["format"])
         if fingerprint:
             self._check_fingerprint(path, manifest, changed)
@@ -182,11 +187,17 @@ class GenerationReader:
             else:
                 msd, osd = get_state_dict(self.model, self.optimizer, options=options(fmt))
                 osd = renamed(osd, self.aliases)  # a tied copy's moments: read under the whole model's name
-                dcp.load({"model": msd, "optim": osd}, checkpoint_id=path / "dcp", process_group=group)
+                state = {"model": msd, self.saved_optim: osd}
+                momentum = self.outer.template() if self.outer is not None else {}
+                if momentum and self.saved_optim != "optim":  # saved by rounds: with the outer momentum
+                    state["outer"] = momentum
+                dcp.load(state, checkpoint_id=path / "dcp", process_group=group)
                 osd = renamed(osd, {whole: alias for alias, whole in self.aliases.items()})
                 set_state_dict(
                     self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=options(fmt)
                 )
+                if self.outer is not None:
+                    self.outer.load_state_dict(momentum, has_momentum="outer" in state)
         except (Exception, CheckpointException) as exc:
             error = (exc, f"reading {path / 'dcp'}: {root_cause(exc)}")
         differed = restore_kernels(self.optimizer, kept)
@@ -199,6 +210,27 @@ class GenerationReader:
                 ", ".join(differed),
             )
         self.agreement.agree(error, began)
+
+    def _saved_optim_key(self, path: Path, manifest: dict) -> str:
+        """The DCP key this rank's optimizer state was saved under: "optim", or with comm.sync rounds its node's (a
+        run that had rounds and now has none takes node 0's; one that now has rounds from a checkpoint without
+        them starts every node from the one saved state)."""
+        from trainer.checkpoint.checkpointer import optim_key
+
+        sync = manifest.get("sync")
+        if not sync:
+            return "optim"
+        if self.outer is None:
+            return optim_key(0)
+        nodes = self.outer.groups.num_nodes
+        if int(sync["nodes"]) != nodes:
+            raise UserError(
+                f"checkpoint {path} was saved by comm.sync={sync['kind']} rounds of {sync['nodes']} nodes, each with "
+                f"its own optimizer state; this launch has {nodes} nodes. Resume it on {sync['nodes']} nodes (or "
+                "with comm.sync=ddp, which takes node 0's optimizer state).",
+                collective=True,
+            )
+        return optim_key(self.node)
 
     def _check_fingerprint(self, path: Path, manifest: dict, changed: Changes) -> None:
         """The loaded parameters are the ones saved (not after a warm start, which loads only some)."""

@@ -102,6 +102,10 @@ class Boundary:
         self._pending: _InFlight | None = None
         nccl = parts.distributed.device.type == "cuda" and parts.distributed.backend == "nccl"
         self._copy = _HostCopy(parts.distributed.device) if self.defer and nccl else None
+        # comm.sync rounds: a stop or a checkpoint waits for the round's end, where every replica holds the same
+        # parameters (held here until then)
+        self.outer = parts.wrapped.outer
+        self._held_stop = self._held_checkpoint = False
 
     def decide(self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor) -> Decision:
         """``local_loss``: this rank's loss of the step; ``grad_norm``: its gradient norm, read for the record
@@ -114,6 +118,8 @@ class Boundary:
         # a rung's checkpoint is the one a pruned element keeps (its loss is agreed now: the record is complete)
         checkpoint = p.checkpoints.due_by_steps(step, last) or rung
         memory = p.checkpoints.memory_due(step)  # saved only after a finite loss: agreed now, like a checkpoint's
+        if self.outer is not None and self.outer.at_round_end(step, last):
+            checkpoint = checkpoint or self._held_stop or self._held_checkpoint  # held for here: agreed now
         stop = loss = None
         if earlier is not None:
             checkpoint = checkpoint or earlier.stop or earlier.due_by_time
@@ -130,6 +136,7 @@ class Boundary:
             checkpoint = checkpoint or now.stop or now.due_by_time
         else:
             self._agreement(step, local_loss, grad_norm, wait=False)
+        stop, checkpoint, memory, rung = self._at_round_end(step, last, bool(stop), checkpoint, memory, rung)
         return Decision(
             loss=loss,
             stop=bool(stop) and not last,
@@ -141,6 +148,21 @@ class Boundary:
             rung=rung,
             memory=memory,
         )
+
+    def _at_round_end(
+        self, step: int, last: bool, stop: bool, checkpoint: bool, memory: bool, rung: bool
+    ) -> tuple[bool, bool, bool, bool]:
+        """(stop, checkpoint, memory, rung) as comm.sync rounds allow them: held from a step inside a round to its
+        end. Without rounds, unchanged."""
+        if self.outer is None:
+            return stop, checkpoint, memory, rung
+        if not self.outer.at_round_end(step, last):
+            self._held_stop |= stop
+            self._held_checkpoint |= checkpoint
+            return False, False, False, False
+        stop, checkpoint = stop or self._held_stop, checkpoint or self._held_checkpoint or self._held_stop
+        self._held_stop = self._held_checkpoint = False
+        return stop, checkpoint, memory, rung
 
     def settle(self) -> Earlier | None:
         """Collective: wait for the agreement in flight, if any (the launch ends early); its step's figures."""

@@ -49,6 +49,7 @@ def _train(
             profiler.before(step)
         result, decision, step_s, agreed = run.step(step)
         run.advance(step, decision)
+        run.meet(step, decision)
         run.watch_spikes(step, result, decision)
         extra, evals = run.checks(step, decision)
         # The record is written before this step's checkpoint: a kill between a commit and its record would lose
@@ -135,6 +136,15 @@ class _Run:
             state.last_loss = decision.loss
         state.elapsed_s = self.elapsed_before + time.time() - self.run_start
 
+    def meet(self, step: int, decision: Decision) -> None:
+        """comm.sync rounds: the nodes meet at a round's end (and at the last step), before any check or checkpoint
+        of the step."""
+        outer, mon = self.parts.wrapped.outer, self.parts.mon
+        if outer is not None and outer.due(step, decision.last):
+            mon.watchdog.enter("outer sync", step)
+            with mon.clock.part("sync"):
+                outer.sync()
+
     def newest(self) -> str | None:
         return read_latest(self.parts.checkpoints.root)
 
@@ -158,7 +168,12 @@ class _Run:
         straggler check's fields or None, the eval metrics or {})."""
         parts, mon = self.parts, self.parts.mon
         extra, evals = _checks_and_eval(parts, step, decision.eval, self.publisher)
-        if mon.replicas is not None and mon.replicas.due(step, decision.checkpoint):  # before the checkpoint
+        outer = parts.wrapped.outer  # comm.sync rounds: the replicas agree at the rounds' ends only
+        if (
+            mon.replicas is not None
+            and mon.replicas.due(step, decision.checkpoint)
+            and (outer is None or outer.at_round_end(step, decision.last))
+        ):  # before the checkpoint
             mon.watchdog.enter("replica check", step)
             with mon.clock.part("sync"):
                 mon.replicas.check(parts.model, step)
@@ -198,6 +213,9 @@ class _Run:
         """The straggler check evicts a node: settle the deferred agreement, checkpoint, raise NodeEvicted."""
         parts, mon = self.parts, self.parts.mon
         self.agreed_later(self.boundary.settle())  # every rank is here (the straggler check is collective)
+        outer = parts.wrapped.outer
+        if outer is not None and not outer.at_round_end(step, decision.last):  # one model to save: meet first
+            outer.sync()
         if not decision.checkpoint:  # the launch ends here: nothing computed so far is lost
             mon.watchdog.enter("checkpoint", step)
             with mon.clock.part("ckpt"):

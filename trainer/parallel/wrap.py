@@ -23,6 +23,7 @@ from trainer.env import RuntimeEnv
 from trainer.errors import UserError
 from trainer.parallel.carrier import Carrier
 from trainer.parallel.comm import BucketDispatch, BucketReducer, SideStream, overlapped_hook, stream_hook, sync_hook
+from trainer.parallel.diloco import OuterSync
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
 from trainer.parallel.grad_buckets import ddp_bucket_caps
@@ -48,6 +49,7 @@ class Wrapped:
     pipe: Pipe | None = None  # pipeline parallelism: this rank's stage and schedule
     dispatch: BucketDispatch | None = None  # DDP's hook's choice of algorithm (comm.allreduce=auto: its plan)
     carrier: Carrier | None = None  # the step's agreement rides in DDP's gradient reduction (comm.carry_agreement)
+    outer: OuterSync | None = None  # comm.sync=diloco or local_sgd: DDP inside the node, the nodes meet in rounds
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -93,6 +95,8 @@ def wrap(
     if mesh is None:
         if materialise is not None:
             materialise(model)
+        if cfg.comm.sync != "ddp":
+            return _rounds(cfg, env, distributed, model, layout, n_params)
         carrier = Carrier(model, distributed.device) if carries_agreement(cfg, distributed) else None
         ddp = DDP(
             carrier or model,
@@ -119,6 +123,25 @@ def wrap(
             ledger=distributed.ledger,
         )
     return Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
+
+
+def _rounds(
+    cfg: RunConfig, env: RuntimeEnv, distributed: Distributed, model: nn.Module, layout: Layout, n_params: int
+) -> Wrapped:
+    """comm.sync=diloco or local_sgd: DDP over this node's ranks (its own gradient all-reduce, no hook, no carried
+    agreement: that must reach every node), the nodes meeting every comm.sync_every steps (diloco.py)."""
+    groups = distributed.groups
+    ddp = DDP(
+        model,
+        device_ids=[distributed.device.index] if distributed.device.type == "cuda" else None,
+        process_group=groups.intra,
+        **ddp_bucket_caps(cfg.comm),
+    )
+    outer = OuterSync(cfg.comm, model, groups, env.local_rank)
+    if env.rank == 0:
+        log.info("comm.sync=%s: DDP inside each node, the %d nodes meet every %d steps", cfg.comm.sync,
+                 env.topology.num_nodes, cfg.comm.sync_every)  # fmt: skip
+    return Wrapped(ddp, layout, cfg.comm.sync, ddp.no_sync, model, n_params, outer=outer)
 
 
 def _stage_and_blocks(cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe: Recipe, layout: Layout):

@@ -63,7 +63,7 @@ def begin(parts: Parts, booted: Booted, rundir: RunDir, comm: MPI.Comm, clock: S
 def _release_startup_groups(parts: Parts) -> None:
     """Where no hook reduces with the hierarchy's groups, start-up was their last use: each gloo group keeps a
     polling thread, so they go."""
-    if parts.wrapped.dispatch is not None:
+    if parts.wrapped.dispatch is not None or parts.wrapped.outer is not None:  # the rounds use them
         return
     began = time.perf_counter()
     released = parts.distributed.groups.release()

@@ -181,6 +181,7 @@ def _checkpointer(
         aliases=wrapped.aliases,
         code_sha256=code_sha256,
         injector=injector,
+        outer=wrapped.outer,
     )
     stack.callback(checkpoints.close)
     if tracker is not None:  # a step's metrics go to the tracker once a committed checkpoint covers it
