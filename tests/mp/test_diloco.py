@@ -1,0 +1,60 @@
+"""comm.sync=diloco with real processes: 2 simulated nodes meeting every 4 steps. A stop signal inside a round
+stops at the round's end, and the resumed run ends bit-identical to the uninterrupted one; so does a rank killed
+after a checkpoint in node memory, restored from it (each node's own optimizer state, the outer momentum)."""
+
+import os
+import signal
+
+import pytest
+
+from tests.conftest import history, rank_pids, summary, wait_for_step
+from tests.mp.test_checkpoint import common, memory_folder, rows, run, start, stopped_by_a_signal
+
+pytestmark = pytest.mark.mp
+
+
+def diloco(data) -> list[str]:
+    return [*common(data), "job.ranks_per_node=1", "comm.sync=diloco", "comm.sync_every=4",
+            "checkpoint.every_steps=8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, small_dataset):
+    run_dir = tmp_path_factory.mktemp("diloco") / "run"
+    proc = run(run_dir, diloco(small_dataset))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir
+
+
+def assert_same(reference, run_dir) -> None:
+    assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
+    assert rows(run_dir) == rows(reference)
+
+
+def test_diloco_trains_and_a_stop_waits_for_the_rounds_end(tmp_path, small_dataset, uninterrupted):
+    losses = [r["loss"] for r in rows(uninterrupted)]
+    assert len(losses) == 24 and sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses  # it learns
+    assert summary(uninterrupted)["allreduce"] == "diloco"
+    run_dir = tmp_path / "run"
+    stopped = stopped_by_a_signal(run_dir, diloco(small_dataset), at_step=5, rank=1)
+    assert stopped == 8, stopped  # the signal came inside the round 5..8: the stop waited for its end
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same(uninterrupted, run_dir)
+
+
+def test_diloco_resumes_from_node_memory_bitwise(tmp_path, small_dataset, uninterrupted):
+    run_dir = tmp_path / "run"
+    sets = [*diloco(small_dataset), "checkpoint.memory_every_steps=4", "job.max_failures=1",
+            "job.restart_backoff_s=0.2"]  # fmt: skip
+    proc = start(run_dir, sets)
+    wait_for_step(run_dir, 14, proc)
+    folder = memory_folder(run_dir)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    (resume,) = [e for e in history(run_dir) if e["event"] == "resume"]
+    assert resume["restored_from"]["from"] == "memory" and resume["step"] % 4 == 0, resume
+    assert resume["step"] >= 12 and resume["restored_from"]["durable_step"] == 8 * (resume["step"] // 8), resume
+    assert_same(uninterrupted, run_dir)
+    assert not folder.exists()
