@@ -401,6 +401,22 @@ def test_recovery_local(tmp_path):
     assert "checkpoint.memory_every_steps: 1" in out
 
 
+@pytest.mark.mp
+def test_diloco(tmp_path):
+    """The three runs unshaped (no root link), 2 nodes x 1 rank, 8 steps in rounds of 4: throughputs, tail losses,
+    the ratios, and ddp-link's losses equal to ddp-free's (the same algorithm, whatever the link)."""
+    args = ["--link-mbit", "0", "--steps", "8", "--sync-every", "4", "--link-steps", "4", "--skip", "1", "--tail", "2"]
+    res, out = run_bench("diloco", args, tmp_path)
+    assert res["benchmark"] == "diloco" and list(res["runs"]) == ["ddp-free", "ddp-link", "diloco-link"]
+    assert [r["steps"] for r in res["runs"].values()] == [8, 4, 8]
+    assert all(positive(r["tokens_per_s"]) and positive(r["tail_loss"]) for r in res["runs"].values()), res["runs"]
+    c = res["compare"]
+    assert c["ddp_link_same_losses"] is True
+    assert positive(c["diloco_link_vs_free"]) and positive(c["loss_diloco_vs_ddp"])
+    assert res["runs"]["diloco-link"]["losses"] != res["runs"]["ddp-free"]["losses"]  # another algorithm
+    table_lines(out, "run ", "ddp-free", "ddp-link", "diloco-link", "ddp-link / ddp-free tokens/s")
+
+
 def test_data(tmp_path):
     """bench/data.py at a toy size: every part but training (tests/s3/test_stream.py trains from S3), its own S3
     server, litdata included."""
