@@ -198,7 +198,7 @@ def run_srun_step(command: list[str], env: dict, failure: Path | None = None, nt
 
 
 def sweep_command(nodes: tuple[str, ...], memory: tuple[str, str] | None = None) -> list[str]:
-    """One task per node of the last launch removing the shared-memory segments killed ranks left
+    """One task per node of ``nodes`` removing the shared-memory segments killed ranks left
     (hpc/shmsweep.py), and with ``memory`` (checkpoint.memory_dir, run id) the run's checkpoints in node memory; it
     shares the nodes with whatever still runs there (a lost node, left out, would keep the step from starting)."""
     extra = ["--memory-dir", memory[0], "--run-id", memory[1]] if memory else []
@@ -319,7 +319,10 @@ class Driver:
             # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a
             # restarted launch does that itself, on each node, as it starts); with no launch left in this job, the
             # run's checkpoints in node memory go too.
-            self._sweep(cfg, launched.nodes, memory)
+            # every node of the allocation but those the launch lost (one that is gone keeps the step from
+            # starting): earlier launches' nodes may hold the run's memory checkpoints too
+            alive = tuple(n for n in job.nodes() if n not in launched.failed_nodes) or launched.nodes
+            self._sweep(cfg, alive, memory)
         if decision.action == "resubmit":
             return self._resubmit(cfg, rundir, job, decision.exclude, decision.message)
         if decision.action in ("requeue", "requeuehold"):

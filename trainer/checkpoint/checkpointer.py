@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -161,7 +162,8 @@ class Checkpointer:
         self.memory_pool = ThreadPoolExecutor(1, thread_name_prefix="memckpt") if background else None
         self.memory_pending: Future | None = None
         self._memory_staging: dict | None = None
-        group = None if not background and dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        own = background or dist.get_backend() != "gloo"
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.comm.timeout_s)) if own else None
         agreement = Agreement(self.env.rank, self.env.world_size, group, self.agreement.policy)
         return MemoryCheckpoints(memory_dir=self.ccfg.memory_dir, every=self.ccfg.memory_every_steps, env=self.env,
                                  agreement=agreement, identity=self.run)  # fmt: skip
@@ -244,7 +246,8 @@ class Checkpointer:
     def _fields(self, state: TrainState) -> dict:
         sync = None
         if self.outer is not None:  # a resume needs as many nodes: a node's optimizer state is its own
-            sync = {"kind": self.outer.kind, "every": self.outer.every, "nodes": self.env.topology.num_nodes}
+            sync = {"kind": self.outer.kind, "every": self.outer.every, "nodes": self.env.topology.num_nodes,
+                    "momentum": self.outer.has_momentum}  # fmt: skip
         return {"sync": sync} | manifest_fields(
             cfg=self.cfg,
             env=self.env,
@@ -323,11 +326,18 @@ class Checkpointer:
         directory has no checkpoint yet. Collective."""
         self.reader.skipped = []
         self.restored_from = None
+        self.partly_loaded = False
         if self.memory is not None and self._restore_from_memory(state):
             self.last_commit_time = time.monotonic()
             return True
         downloaded = self.remote.fetch_newest(self.reader.warn) if self.remote is not None else None
         restored = self.reader.restore(state, downloaded)
+        if not restored and self.partly_loaded:
+            raise RuntimeError(
+                f"{self.restored_from['memory']}, after part of it was loaded, and {self.root} holds no durable "
+                "checkpoint to restore instead: this launch cannot start afresh from a half-loaded model (a restart "
+                "of the launch builds the model anew)"
+            )
         if restored:
             self.last_commit_time = time.monotonic()
         return restored
@@ -350,19 +360,31 @@ class Checkpointer:
             self.restored_from = {"from": "durable", "memory": choice.why}
             return False
         try:
-            path, fetched = memory.fetch(choice)
+            path, fetched = memory.fetch(choice)  # raises on every rank or on none
+        except OSError as exc:
+            return self._memory_failed(choice.step, str(exc), loaded=False)
+        error = None
+        try:
             self.reader.load(path, choice.manifest, state, fingerprint=False)
-        except Exception as exc:  # noqa: BLE001 - the durable checkpoint is the safety net
-            if self.env.rank == 0:
-                log.warning("restoring the checkpoint in node memory at step %d failed (%s): restoring the durable "
-                            "checkpoint instead", choice.step, exc)  # fmt: skip
-            self.restored_from = {"from": "durable", "memory": f"restoring step {choice.step} failed: {exc}"}
-            return False
+        except Exception as exc:  # noqa: BLE001 - collective parts fail on every rank; a rank's own reads alone
+            error = f"rank {self.env.rank}: {exc}"
+        errors = [e for e in memory.agreement.gather(error) if e]
+        if errors:
+            return self._memory_failed(choice.step, errors[0], loaded=True)
         self.restored_from = {"from": "memory", "step": choice.step, "durable_step": durable, "files_fetched": fetched}
         if self.env.rank == 0:
             log.info("resumed from node memory at step %d (%d file(s) fetched from other nodes; durable: %s)",
                      choice.step, fetched, durable)  # fmt: skip
         return True
+
+    def _memory_failed(self, step: int, why: str, *, loaded: bool) -> bool:
+        """A generation in memory that could not be restored: the durable one is restored instead (every rank)."""
+        if self.env.rank == 0:
+            log.warning("restoring the checkpoint in node memory at step %d failed (%s): restoring the durable "
+                        "checkpoint instead", step, why)  # fmt: skip
+        self.restored_from = {"from": "durable", "memory": f"restoring step {step} failed: {why}"}
+        self.partly_loaded = loaded  # the model may hold part of it: a fresh start is no longer one
+        return False
 
     def remove_memory(self) -> None:
         """The run's generations in node memory removed (the run ended or stopped with a durable checkpoint).

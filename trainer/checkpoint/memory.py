@@ -102,10 +102,12 @@ class MemoryCheckpoints:
         ok = True
         if self.leader:
             try:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                (tmp / "dcp").mkdir(mode=0o700, parents=True)
-            except OSError as exc:
+                private_dir(self.node, what="checkpoint.memory_dir folder")  # still this user's own
+                for stale in self.node.glob(f"{TMP}*"):  # a partial generation of a save cut short
+                    shutil.rmtree(stale)
+                tmp.mkdir(mode=0o700)
+                (tmp / "dcp").mkdir(mode=0o700)
+            except (UnsafeFolder, OSError) as exc:
                 log.warning("rank %d: cannot prepare %s: %s", self.env.rank, tmp, exc)
                 ok = False
         if not self._all(ok):
@@ -166,43 +168,50 @@ class MemoryCheckpoints:
         return ranks[topo.local_rank(rank) % len(ranks)]
 
     def _replicate(self, tmp: Path, manifest: dict, shared: dict[str, bytes]) -> bool:
-        """This rank's files to its partner, its partners' files from them, and the shared files on every node."""
+        """This rank's files to its partner, its partners' files from them, and the shared files on every node.
+        Every file is read and written outside the exchange, which every rank enters once they all have their
+        files ready: no rank leaves a peer waiting for a message it never posted."""
+        by_rank: dict[int, list[str]] = {}
+        for rel, meta in manifest["files"].items():
+            if rel not in SHARED:
+                by_rank.setdefault(int(meta["rank"]), []).append(rel)
+        partner = self._partner(self.env.rank)
+        outgoing: list[tuple[int, bytes]] = []
         ok = True
         try:
             if self.leader and self.env.rank != 0:
                 for rel, data in shared.items():
                     (tmp / rel).write_bytes(data)
-            by_rank: dict[int, list[str]] = {}
-            for rel, meta in manifest["files"].items():
-                if rel not in SHARED:
-                    by_rank.setdefault(int(meta["rank"]), []).append(rel)
-            sends, recvs = [], []
-            partner = self._partner(self.env.rank)
             if partner is not None:
-                for i, rel in enumerate(sorted(by_rank.get(self.env.rank, []))):
-                    data = (tmp / rel).read_bytes()
-                    if data:
-                        sends.append(dist.isend(_as_tensor(data), partner, group=self.group, tag=i))
-                for src in range(self.env.world_size):
-                    if self._partner(src) != self.env.rank or self.env.topology.node_of(src) == self.node_index:
-                        continue
-                    for i, rel in enumerate(sorted(by_rank.get(src, []))):
-                        size = int(manifest["files"][rel]["size"])
-                        buf = torch.empty(size, dtype=torch.uint8)
-                        recvs.append((rel, buf, dist.irecv(buf, src, group=self.group, tag=i) if size else None))
-            for rel, buf, work in recvs:
-                if work is not None:
-                    work.wait()
+                outgoing = [
+                    (i, (tmp / rel).read_bytes()) for i, rel in enumerate(sorted(by_rank.get(self.env.rank, [])))
+                ]
+        except OSError as exc:
+            log.warning("rank %d: preparing the copies for the partner node failed: %s", self.env.rank, exc)
+            ok = False
+        if not self._all(ok):
+            return False
+        sends = [dist.isend(_as_tensor(data), partner, group=self.group, tag=i) for i, data in outgoing if data]
+        recvs = []
+        for src in range(self.env.world_size):
+            if partner is None or self._partner(src) != self.env.rank:
+                continue
+            for i, rel in enumerate(sorted(by_rank.get(src, []))):
+                size = int(manifest["files"][rel]["size"])
+                buf = torch.empty(size, dtype=torch.uint8)
+                recvs.append((rel, buf, dist.irecv(buf, src, group=self.group, tag=i) if size else None))
+        for work in [*sends, *(w for _, _, w in recvs if w is not None)]:
+            work.wait()  # a peer that died fails this wait: the launch is failing anyway
+        try:
+            for rel, buf, _ in recvs:
                 _write_checked(tmp / rel, buf.numpy().tobytes(), manifest["files"][rel])
-            for work in sends:
-                work.wait()
-        except Exception as exc:  # noqa: BLE001 - a memory save never stops the run
-            log.warning("rank %d: copying checkpoint files to the partner node failed: %s", self.env.rank, exc)
+        except (OSError, ValueError) as exc:
+            log.warning("rank %d: writing the partner node's copies failed: %s", self.env.rank, exc)
             ok = False
         return ok
 
     def _prune(self) -> None:
-        """Leader: the committed generations beyond the KEEP newest removed, and stale partial ones."""
+        """Leader: the committed generations beyond the KEEP newest removed (partial ones go as a save begins)."""
         committed = sorted(generations(self.node))
         for _, path in committed[:-KEEP]:
             shutil.rmtree(path, ignore_errors=True)
@@ -222,11 +231,11 @@ class MemoryCheckpoints:
             return Choice(None, why="checkpoints in node memory are off")
         held = self._held() if self.leader else None
         views = self.agreement.gather(held)
-        # Every rank judges the same gathered views. A step's manifest is the one most nodes hold (they are copies).
-        by_step: dict[int, dict] = {}
-        for view in views:
-            for step, (manifest, _) in (view or {}).items():
-                by_step.setdefault(step, manifest)
+        # Every rank judges the same gathered views; a node holding another manifest for a step is no holder.
+        by_step: dict[int, dict] = {}  # each step's manifest: the one most nodes hold (they are copies)
+        for step in sorted({step for view in views for step in (view or {})}):
+            copies = [json.dumps(v[step][0], sort_keys=True) for v in views if v and step in v]
+            by_step[step] = json.loads(max(set(copies), key=copies.count))
         why = "no checkpoint in node memory"
         for step in sorted(by_step, reverse=True):
             manifest = by_step[step]
@@ -237,8 +246,8 @@ class MemoryCheckpoints:
             if mismatch:
                 why = f"the checkpoint in node memory at step {step} was written with another {mismatch[0]}"
                 continue
-            holders = {rel: [n for n, v in enumerate(views) if v and step in v and rel in v[step][1]]
-                       for rel in manifest["files"]}  # fmt: skip
+            same = [v[step][1] if v and step in v and v[step][0] == manifest else set() for v in views]
+            holders = {rel: [n for n, files in enumerate(same) if rel in files] for rel in manifest["files"]}
             lost = [rel for rel, nodes in holders.items() if not nodes]
             if lost:
                 why = f"no node holds {lost[0]} of the checkpoint in node memory at step {step}"
@@ -275,30 +284,40 @@ class MemoryCheckpoints:
 
     def fetch(self, choice: Choice) -> tuple[Path, int]:
         """Complete generation ``choice`` in this node's folder from the nodes that hold its files; (its path, the
-        files the nodes received, over all nodes). Collective."""
+        files the nodes received, over all nodes). Collective: raises OSError on every rank, or on none."""
         step, manifest = choice.step, choice.manifest
         path = self.node / step_name(step)
-        views = self.agreement.gather(self._held().get(step, (None, set()))[1] if self.leader else None)
-        files = sorted(manifest["files"])
-        works, received = [], []
-        for tag, rel in enumerate(files):
-            holders = [n for n, leader in enumerate(self.leaders) if views[leader] is not None and rel in views[leader]]
+        mine = None
+        if self.leader:
+            held = self._held().get(step)
+            mine = held[1] if held is not None and held[0] == manifest else set()
+        views = self.agreement.gather(mine)
+        plan = []  # (tag, file, size, source rank, nodes lacking it)
+        for tag, rel in enumerate(sorted(manifest["files"])):
+            holders = [n for n, leader in enumerate(self.leaders) if rel in (views[leader] or set())]
             lacking = [n for n in range(len(self.leaders)) if n not in holders]
-            if not lacking:
-                continue
-            source = self.leaders[holders[0]]
-            size = int(manifest["files"][rel]["size"])
-            if self.env.rank == source and size:
-                data = _as_tensor((path / rel).read_bytes())
+            if lacking:
+                plan.append((tag, rel, int(manifest["files"][rel]["size"]), self.leaders[holders[0]], lacking))
+        problem, outgoing = None, {}
+        try:
+            outgoing = {
+                tag: (path / rel).read_bytes() for tag, rel, size, src, _ in plan if src == self.env.rank and size
+            }
+        except OSError as exc:
+            problem = f"rank {self.env.rank}: {exc}"
+        self._raise_any(step, problem)
+        works, received = [], []
+        for tag, rel, size, source, lacking in plan:
+            if tag in outgoing:
+                data = _as_tensor(outgoing[tag])
                 works += [dist.isend(data, self.leaders[n], group=self.group, tag=tag) for n in lacking]
             if self.leader and self.node_index in lacking:
                 buf = torch.empty(size, dtype=torch.uint8)
-                works.append(dist.irecv(buf, source, group=self.group, tag=tag) if size else None)
+                if size:
+                    works.append(dist.irecv(buf, source, group=self.group, tag=tag))
                 received.append((rel, buf))
         for work in works:
-            if work is not None:
-                work.wait()
-        problem = None
+            work.wait()
         try:
             for rel, buf in received:
                 _write_checked(path / rel, buf.numpy().tobytes(), manifest["files"][rel])
@@ -306,16 +325,21 @@ class MemoryCheckpoints:
                 (path / MANIFEST).write_text(json.dumps(manifest))
         except (OSError, ValueError) as exc:
             problem = f"rank {self.env.rank}: {exc}"
-        reports = self.agreement.gather((problem, len(received)))
-        problems = [p for p, _ in reports if p]
+        self._raise_any(step, problem)
+        return path, int(sum(self.agreement.gather(len(received))))
+
+    def _raise_any(self, step: int, problem: str | None) -> None:
+        """OSError on every rank when some rank has a problem (collective)."""
+        problems = [p for p in self.agreement.gather(problem) if p]
         if problems:
             raise OSError(f"completing the checkpoint in node memory at step {step} failed: {problems[0]}")
-        return path, sum(n for _, n in reports)
 
     # -- clean --------------------------------------------------------------------------------------------
     def remove(self) -> None:
         """This node's folder removed (the leader), and the run's folder once empty: the run needs none of it
         again (collective: every rank is past its last restore)."""
+        if not self.enabled:  # another user's folder in the way, or none made: nothing of this run's to remove
+            return
         dist.barrier(group=self.group)
         if self.leader:
             shutil.rmtree(self.node, ignore_errors=True)

@@ -79,6 +79,7 @@ class GenerationReader:
             manifest, path, self.identity, self.optimizer, allow_shape_change=self.allow_shape_change
         )
         self.saved_optim = self._saved_optim_key(path, manifest)
+        self.saved_momentum = bool((manifest.get("sync") or {}).get("momentum"))
         self._load_retrying(path, changed, manifest["format"])
         if fingerprint:
             self._check_fingerprint(path, manifest, changed)
@@ -184,12 +185,14 @@ class GenerationReader:
         try:
             if changed:
                 warm_start(path, changed, fmt, self.model, self.optimizer, group=group, rank=self.rank)
+                if self.outer is not None:  # the rounds' last meeting is the warm-started model, no momentum
+                    self.outer.load_state_dict({}, has_momentum=False)
             else:
                 msd, osd = get_state_dict(self.model, self.optimizer, options=options(fmt))
                 osd = renamed(osd, self.aliases)  # a tied copy's moments: read under the whole model's name
                 state = {"model": msd, self.saved_optim: osd}
                 momentum = self.outer.template() if self.outer is not None else {}
-                if momentum and self.saved_optim != "optim":  # saved by rounds: with the outer momentum
+                if momentum and self.saved_momentum:  # saved by DiLoCo rounds with the outer momentum
                     state["outer"] = momentum
                 dcp.load(state, checkpoint_id=path / "dcp", process_group=group)
                 osd = renamed(osd, {whole: alias for alias, whole in self.aliases.items()})

@@ -33,9 +33,12 @@ class OuterSync:
         self.groups, self.local_rank = groups, local_rank
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in self.named]
+        # Floating-point buffers (a norm's running statistics) drift apart between meetings too: they are averaged
+        # at each meeting, so a checkpoint at a round's end holds one value of each.
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         with torch.no_grad():  # every replica starts from global rank 0's parameters (DDP broadcasts per node only)
-            for p in params:
-                dist.broadcast(p.data, src=0)
+            for t in [*params, *model.buffers()]:
+                dist.broadcast(t.data, src=0)
         self.originals = [p.detach().clone() for p in params]
         self.outer: torch.optim.SGD | None = None
         self.has_momentum = self.kind == "diloco" and cfg.outer_momentum > 0  # buffers to checkpoint
@@ -55,10 +58,9 @@ class OuterSync:
     def sync(self) -> None:
         """The meeting of the nodes (collective over every rank)."""
         params = [p for _, p in self.named]
-        delta = torch.cat(
-            [(o - p.detach()).reshape(-1).to(torch.float32) for o, p in zip(self.originals, params, strict=True)]
-        )
-        averaged = self._average_over_nodes(delta)
+        pairs = zip(self.originals, params, strict=True)
+        parts = [o.float() - p.detach().float() for o, p in pairs] + [b.float() for b in self.buffers]
+        averaged = self._average_over_nodes(torch.cat([t.reshape(-1) for t in parts]))
         offset = 0
         for p, original in zip(params, self.originals, strict=True):
             n = p.numel()
@@ -69,6 +71,9 @@ class OuterSync:
                 p.sub_(g)  # local SGD: the mean of the replicas
             else:
                 p.grad = g.clone()
+        for b in self.buffers:
+            b.copy_(averaged[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
         if self.outer is not None:
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
@@ -86,7 +91,7 @@ class OuterSync:
             dist.all_reduce(flat, group=g.inter)
             return flat.div_(g.num_nodes)
         size = -(-flat.numel() // k)
-        padded = torch.zeros(size * k, dtype=flat.dtype)
+        padded = flat.new_zeros(size * k)  # on the parameters' device: NCCL groups take no CPU tensors
         padded[: flat.numel()] = flat
         pieces = list(padded.view(k, size).unbind(0))
         mine = pieces[self.local_rank].clone()
