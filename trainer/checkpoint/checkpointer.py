@@ -33,7 +33,7 @@ from rundir.identity import ensure_identity
 from storage.ioretry import BUDGET_S, RetryPolicy
 from storage.objstore import Store
 from trainer.checkpoint.agreement import Agreement, Failed
-from trainer.checkpoint.compat import FORMAT, options
+from trainer.checkpoint.compat import FORMAT, optim_key, options
 from trainer.checkpoint.fingerprint import params_sha256
 from trainer.checkpoint.memory import MemoryCheckpoints
 from trainer.checkpoint.provenance import manifest_fields
@@ -399,8 +399,3 @@ MATCHED = ("format", "config_sha256", "code_sha256", "recipe", "architecture", "
 def _comparable(fields: dict) -> dict:
     """The manifest fields a generation in node memory must share with this run, as its manifest.json reads back."""
     return json.loads(json.dumps({k: fields.get(k) for k in MATCHED}))
-
-
-def optim_key(node: int | None) -> str:
-    """DCP's key of a rank's optimizer state: "optim", or with comm.sync rounds its node's own."""
-    return "optim" if node is None else f"optim_node{node:05d}"

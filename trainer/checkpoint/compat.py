@@ -142,3 +142,8 @@ def renamed(osd: dict, names: dict[str, str]) -> dict:
         fqn, _, leaf = rest.rpartition(".")
         out[f"{kind}.{names.get(fqn, fqn)}.{leaf}"] = value
     return out
+
+
+def optim_key(node: int | None) -> str:
+    """DCP's key of a rank's optimizer state: "optim", or with comm.sync rounds its node's own."""
+    return "optim" if node is None else f"optim_node{node:05d}"

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from rundir.checkpoints import CheckpointInvalid, generations, newest_valid, remove_stale_tmp, sha256_file, validate
 from storage.ioretry import GaveUp, is_transient
 from trainer.checkpoint.agreement import Agreement, Failed, raise_crash, read_failed, root_cause
-from trainer.checkpoint.compat import Changes, check_compatible, options, renamed, warm_start
+from trainer.checkpoint.compat import Changes, check_compatible, optim_key, options, renamed, warm_start
 from trainer.checkpoint.fingerprint import owners, params_sha256, params_sha256_v1
 from trainer.checkpoint.kernels import kernels, restore_kernels
 from trainer.checkpoint.rng import seed_rank, set_rng_state
@@ -218,8 +218,6 @@ class GenerationReader:
         """The DCP key this rank's optimizer state was saved under: "optim", or with comm.sync rounds its node's (a
         run that had rounds and now has none takes node 0's; one that now has rounds from a checkpoint without
         them starts every node from the one saved state)."""
-        from trainer.checkpoint.checkpointer import optim_key
-
         sync = manifest.get("sync")
         if not sync:
             return "optim"
