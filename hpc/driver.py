@@ -319,9 +319,10 @@ class Driver:
             # Ranks killed or dead in MPI_Init leave shared memory on their nodes: remove it on every node (a
             # restarted launch does that itself, on each node, as it starts); with no launch left in this job, the
             # run's checkpoints in node memory go too.
-            # every node of the allocation but those the launch lost (one that is gone keeps the step from
-            # starting): earlier launches' nodes may hold the run's memory checkpoints too
-            alive = tuple(n for n in job.nodes() if n not in launched.failed_nodes) or launched.nodes
+            # every node of the allocation but those the launch lost and the run's bad nodes (one that is gone
+            # keeps the step from starting): earlier launches' nodes may hold the run's memory checkpoints too
+            left_out = {*launched.failed_nodes, *bad_nodes(rundir)}
+            alive = tuple(n for n in job.nodes() if n not in left_out) or launched.nodes
             self._sweep(cfg, alive, memory)
         if decision.action == "resubmit":
             return self._resubmit(cfg, rundir, job, decision.exclude, decision.message)
