@@ -130,8 +130,13 @@ class MemoryCheckpoints:
             body = {**meta, "kind": "memory", "files": {k: v for p in parts for k, v in sorted(p.items())},
                     "committed_at": time.time()}  # fmt: skip
             manifest = seal_manifest(body, self.identity) if self.identity is not None else body
-            shared = {rel: (tmp / rel).read_bytes() for rel in SHARED}
+            try:
+                shared = {rel: (tmp / rel).read_bytes() for rel in SHARED}
+            except OSError as exc:
+                log.warning("rank 0: reading %s back failed: %s", tmp, exc)
         manifest, shared = self.agreement.from_rank0((manifest, shared))
+        if shared is None:  # rank 0 could not read its shared files back: every rank skips the generation
+            return False
         ok = self._replicate(tmp, manifest, shared)
         if not self._all(ok):
             return False
