@@ -348,8 +348,8 @@ def newest_in_memory(node: Path) -> Path:
 
 def test_a_killed_rank_resumes_from_node_memory_bitwise(tmp_path, small_dataset, reference_2x1):
     """A generation in node memory every step, a durable one every 4: a rank SIGKILLed after step 6 costs at most
-    the steps since the last one. The restarted ranks take the newest generation in memory (newer than the durable one), and
-    the run ends bit-identical to the uninterrupted one, its node folders removed."""
+    the steps since the last one. The restarted ranks take the newest generation in memory (at least as new as the
+    durable one), and the run ends bit-identical to the uninterrupted one, its node folders removed."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, [*common(small_dataset), *TWO_NODES, *MEMORY, "job.max_failures=1"])
     wait_for_step(run_dir, 6, proc)
