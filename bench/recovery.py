@@ -35,7 +35,10 @@ from common import (  # bench/ is on sys.path
     wait,
 )
 
+from rundir import RunDir
 from rundir.contract import EVENT_HANG, EVENT_RESTART, EVENT_RESUME
+from rundir.identity import read_identity
+from storage.nodememory import remove_run
 
 PORTS = {"HPC_SLURM_CTLD_PORT": "18927", "HPC_SLURM_NODE_PORT": "19121"}
 METHODS = ("local-kill", "kill", "requeue", "node-kept", "node-fail")  # kill and requeue on Slurm; node-*: hosts
@@ -100,6 +103,7 @@ def one(method: str, data: Path, work: Path) -> dict:
         proc.wait()
     else:
         subprocess.run(["scancel", job], check=False)
+        forget_memory(run_dir)
     return {
         "method": method,
         "restart_decided_s": restarts[0]["time"] - issued if restarts else None,
@@ -109,6 +113,16 @@ def one(method: str, data: Path, work: Path) -> dict:
         "steps_lost": resume.get("discarded_records"),  # the steps recorded before the loss, trained again
         "restored_from": resume.get("restored_from", {}).get("from", "durable"),
     }
+
+
+def forget_memory(run_dir: Path) -> None:
+    """A job cancelled outright leaves its checkpoints in node memory (the site's /dev/shm clean-up removes them at
+    the job's end); the bench's nodes share this host's /dev/shm, so it removes them itself (after scancel, once the
+    ranks have had a moment to go)."""
+    if not any(s.startswith("checkpoint.memory_every_steps=") for s in SETS):
+        return
+    time.sleep(2)
+    remove_run("/dev/shm", read_identity(RunDir(run_dir).identity).run_id)
 
 
 def resumed(run_dir: Path, timeout: float = 180.0) -> tuple[dict, dict]:
@@ -142,6 +156,7 @@ def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
     finally:
         for job in {json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()}:
             subprocess.run(["scancel", job], check=False)
+        forget_memory(run_dir)
         sh("bash", "envs/slurm/cluster.sh", "node-up", node, str(state), cwd=ROOT)
         usable = ("idle", "mixed", "allocated")  # Slurm took it back (ReturnToService=2), maybe after a DOWN
         try:
