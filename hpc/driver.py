@@ -33,7 +33,7 @@ from pathlib import Path
 
 from hpc import runlock, slurmctl
 from hpc.jobs import exclude_pending, never_requeue, record_job
-from hpc.local import trainer_command, trainer_environment
+from hpc.local import memory_of, trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from hpc.policy.badnodes import bad_nodes, record_bad_node, recorded, usable_nodes
 from hpc.policy.decide import Situation
@@ -44,7 +44,6 @@ from hpc.sweep import element_ended
 from runconfig import RunConfig, load_config
 from rundir import RunDir
 from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
-from rundir.identity import read_identity
 from rundir.paths import read_jsonl
 from rundir.slurmvars import slurm_job_id, slurm_job_nodes, slurm_queue_id, slurm_restart_count
 
@@ -215,16 +214,6 @@ def sweep_command(nodes: tuple[str, ...], memory: tuple[str, str] | None = None)
         "hpc.shmsweep",
         *extra,
     ]
-
-
-def memory_of(cfg: RunConfig, rundir: RunDir) -> tuple[str, str] | None:
-    """(checkpoint.memory_dir, the run id) when the run keeps checkpoints in node memory."""
-    if not cfg.checkpoint.memory_every_steps:
-        return None
-    try:
-        return cfg.checkpoint.memory_dir, read_identity(rundir.identity).run_id
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def run_complete(rundir: RunDir, cfg: RunConfig) -> bool:

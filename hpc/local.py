@@ -100,16 +100,21 @@ def simulated_nodes(cfg: RunConfig) -> tuple[str, ...]:
     return tuple(f"node{i}" for i in range(cfg.job.nodes))
 
 
+def memory_of(cfg: RunConfig, rundir: RunDir) -> tuple[str, str] | None:
+    """(checkpoint.memory_dir, the run id) when the run keeps checkpoints in node memory."""
+    if not cfg.checkpoint.memory_every_steps:
+        return None
+    try:
+        return cfg.checkpoint.memory_dir, read_identity(rundir.identity).run_id
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def remove_memory_checkpoints(cfg: RunConfig, rundir: RunDir) -> bool:
     """The run's checkpoints in node memory on this host removed (checkpoint.memory_every_steps), once its launcher
     ends; whether there were any."""
-    if not cfg.checkpoint.memory_every_steps:
-        return False
-    try:
-        run_id = read_identity(rundir.identity).run_id
-    except (OSError, ValueError, KeyError):
-        return False
-    return nodememory.remove_run(cfg.checkpoint.memory_dir, run_id)
+    memory = memory_of(cfg, rundir)
+    return memory is not None and nodememory.remove_run(*memory)
 
 
 def run_local(

@@ -107,8 +107,10 @@ class Checkpointer:
         self.last_save_s: float | None = None  # the newest committed save's seconds, save() -> committed
         self.on_commit: Callable[[int], None] | None = None  # told each committed step (rank 0's tracker)
         self.tracking_run: Callable[[], str | None] | None = None  # the tracker run's id, in the manifest
+        self.memory_pool: ThreadPoolExecutor | None = None  # checkpoint.memory_every_steps with async_save
+        self.memory_pending: Future | None = None
+        self._memory_staging: dict | None = None  # CPU buffers reused by background memory saves
         self.memory = self._memory()
-        self.memory_s: list[float] = []  # time the training loop waited per save in node memory
         self.restored_from: dict | None = None  # where the last restore came from and why (the resume event)
 
     # -- build --------------------------------------------------------------------------------------------
@@ -159,9 +161,8 @@ class Checkpointer:
         if not self.ccfg.memory_every_steps:
             return None
         background = self.ccfg.async_save
-        self.memory_pool = ThreadPoolExecutor(1, thread_name_prefix="memckpt") if background else None
-        self.memory_pending: Future | None = None
-        self._memory_staging: dict | None = None
+        if background:
+            self.memory_pool = ThreadPoolExecutor(1, thread_name_prefix="memckpt")
         own = background or dist.get_backend() != "gloo"
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.comm.timeout_s)) if own else None
         agreement = Agreement(self.env.rank, self.env.world_size, group, self.agreement.policy)
@@ -210,6 +211,13 @@ class Checkpointer:
             state["outer"] = self.outer.state_dict()
         return state
 
+    def _own_files(self, state: TrainState) -> dict[str, bytes]:
+        """This rank's files of a generation besides DCP's: its RNG streams, and rank 0's loop state."""
+        files = {f"rank_{self.env.rank:05d}.pt": torch_bytes({"rng": rng_state()})}
+        if self.env.rank == 0:
+            files["train_state.json"] = json_bytes(state.state_dict())
+        return files
+
     def memory_due(self, step: int) -> bool:
         return self.memory is not None and self.memory.due(step)
 
@@ -219,11 +227,8 @@ class Checkpointer:
         from CPU buffers in the background, after the previous one is done (the loop waits for it here). A failure
         is logged: the durable checkpoints go on. Collective."""
         assert self.memory is not None
-        start = time.perf_counter()
         self.wait_memory()
-        files = {f"rank_{self.env.rank:05d}.pt": torch_bytes({"rng": rng_state()})}
-        if self.env.rank == 0:
-            files["train_state.json"] = json_bytes(state.state_dict())
+        files = self._own_files(state)
         full = self._state()
         fields = self._fields(state)
         if self.memory_pool is None:
@@ -233,11 +238,10 @@ class Checkpointer:
             if any(t.is_cuda for t in full["model"].values() if isinstance(t, torch.Tensor)):
                 torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
             self.memory_pending = self.memory_pool.submit(self.memory.save, state.step, staged, files, fields)
-        self.memory_s.append(time.perf_counter() - start)
 
     def wait_memory(self) -> bool | None:
         """Wait for the save in node memory in flight, if any; whether it was committed (None: none in flight)."""
-        pending = getattr(self, "memory_pending", None)
+        pending = self.memory_pending
         if pending is None:
             return None
         self.memory_pending = None
@@ -265,9 +269,7 @@ class Checkpointer:
         name = step_name(state.step)
         # This rank's own files, serialised now: every attempt of the save (in the background with async_save)
         # writes these same bytes, whatever the loop has done since.
-        files = {f"rank_{self.env.rank:05d}.pt": torch_bytes({"rng": rng_state()})}
-        if self.env.rank == 0:
-            files["train_state.json"] = json_bytes(state.state_dict())
+        files = self._own_files(state)
         full = self._state()
         meta = self._fields(state)
         if self.tracking_run is not None:
@@ -317,7 +319,7 @@ class Checkpointer:
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=True)
-            if self.memory is not None and self.memory_pool is not None:
+            if self.memory_pool is not None:
                 self.memory_pool.shutdown(wait=True)
 
     # -- restore ------------------------------------------------------------------------------------------

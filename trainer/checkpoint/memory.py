@@ -36,6 +36,7 @@ from storage.private import UnsafeFolder, private_dir
 from trainer.checkpoint.agreement import Agreement
 from trainer.checkpoint.writer import hash_files, own_files
 from trainer.env import RuntimeEnv
+from trainer.observe.memory import nbytes
 
 log = logging.getLogger(__name__)
 
@@ -358,9 +359,9 @@ class _Planner(DefaultSavePlanner):
 
 
 def _tensor_bytes(obj) -> int:
+    """Bytes of this rank's own tensors in a (nested) state dict."""
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return local.numel() * local.element_size()
+        return nbytes(obj)
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -140,7 +140,7 @@ class _Run:
         """comm.sync rounds: the nodes meet at a round's end (and at the last step), before any check or checkpoint
         of the step."""
         outer, mon = self.parts.wrapped.outer, self.parts.mon
-        if outer is not None and outer.due(step, decision.last):
+        if outer is not None and outer.at_round_end(step, decision.last):
             mon.watchdog.enter("outer sync", step)
             with mon.clock.part("sync"):
                 outer.sync()

@@ -13,7 +13,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's own part of ``t`` (its local shard of a DTensor)."""
     local = _local(t)
     return local.numel() * local.element_size()
 
@@ -22,9 +23,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     """{"params", "grads", "optimizer"}: bytes of this rank's own tensors (grads: as large as the parameters
     whether or not they exist right now, since they do during every step)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optim = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    optim = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     return {
-        "params": sum(_nbytes(p) for p in model.parameters()),
-        "grads": sum(_nbytes(p) for p in params),
+        "params": sum(nbytes(p) for p in model.parameters()),
+        "grads": sum(nbytes(p) for p in params),
         "optimizer": optim,
     }

@@ -45,14 +45,11 @@ class OuterSync:
         if self.kind == "diloco":
             nesterov = cfg.outer_nesterov and cfg.outer_momentum > 0
             self.outer = torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=nesterov)
-        self.rounds = 0  # meetings in this launch
-
-    def due(self, step: int, last: bool) -> bool:
-        return step % self.every == 0 or last
 
     def at_round_end(self, step: int, last: bool) -> bool:
-        """Where every replica holds the same parameters: a checkpoint, a stop or a node's eviction may happen."""
-        return self.due(step, last)
+        """Where the nodes meet (every comm.sync_every steps and at the last step), after which every replica holds
+        the same parameters: a checkpoint, a stop or a node's eviction may happen there."""
+        return step % self.every == 0 or last
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -79,7 +76,6 @@ class OuterSync:
             self.outer.zero_grad(set_to_none=True)
         for original, p in zip(self.originals, params, strict=True):
             original.copy_(p.detach())
-        self.rounds += 1
 
     def _average_over_nodes(self, flat: torch.Tensor) -> torch.Tensor:
         """The mean of ``flat`` over the nodes; every rank of every node gets the same bits."""
