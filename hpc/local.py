@@ -19,6 +19,7 @@ from hpc.follow import JsonlFollower, Progress, resume_notes
 from hpc.mpi import LauncherError, MpiLauncher
 from hpc.policy.outcome import Ended, how_it_ended, new_launch_id
 from hpc.ranks import RankWatch
+from hpc.spares import Spares
 from runconfig import RunConfig
 from rundir import RunDir
 from rundir.contract import EVENT_RESUME, FAILURE_HANG, LAUNCH_VAR, NODE_LABELS_VAR, NODE_WRAP_VAR, SIMULATE_VAR
@@ -138,12 +139,15 @@ def run_local(
     tail_lines: deque[str] = deque(maxlen=200)
     env = trainer_environment(cfg, simulate_nodes=True, launch_id=launch_id)
     env[NODE_LABELS_VAR] = ",".join(nodes)
+    spares = Spares(cfg, rundir, env, world_size) if cfg.job.spare_ranks else None
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"
     )
     # The survivors of a rank that died name it by a roll call (1-5 s, trainer/observe/watchdog.py) and abort;
-    # ranks still running well after that (blocked in MPI), or after the failure is on record, are killed.
-    watch = RankWatch(proc.pid, world_size, grace_s=4 * cfg.monitor.heartbeat_s + 20, settled=partial(settle_s, rundir))
+    # ranks still running well after that (blocked in MPI), or after the failure is on record, are killed. With
+    # spares the survivors go on in a new generation: only a failure on record ends them.
+    grace = float("inf") if spares is not None else 4 * cfg.monitor.heartbeat_s + 20
+    watch = RankWatch(proc.pid, world_size, grace_s=grace, settled=partial(settle_s, rundir))
     copier = threading.Thread(target=_copy_output, args=(proc, rundir.launcher_log, command, tail_lines), daemon=True)
     copier.start()
     try:
@@ -153,7 +157,11 @@ def run_local(
             if progress:
                 progress.tick()
         _show(events, metrics, progress)
+        if spares is not None:
+            spares.finish()
     except KeyboardInterrupt:
+        if spares is not None:
+            spares.kill()
         proc.terminate()
         try:
             proc.wait(timeout=20)
@@ -165,6 +173,8 @@ def run_local(
             progress.close()
         copier.join(timeout=10)
         watch.close()
+        if spares is not None:
+            spares.kill()
         # Ranks killed during MPI start-up leave their shared-memory segments; the launch removes them.
         shm.sweep()
     ended = how_it_ended(rundir, launch_id, proc.returncode)

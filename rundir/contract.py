@@ -31,6 +31,7 @@ EVENT_PRUNED = "pruned"  # a sweep element stopped at a rung (prune.*), its chec
 EVENT_HANG = "hang"  # the hang watchdog ended the job
 EVENT_CODE = "code"  # the recipe's code snapshot was taken or refreshed (login node)
 EVENT_RESTART = "restart"  # a launch failed (not the user's fault): the launcher restarts the ranks in the job
+EVENT_REJOIN = "rejoin"  # a rank died and the others went on in the same processes, a spare in its place
 EVENT_BAD_NODE = "bad_node"  # a node a failure pointed at, with the evidence: no later launch of the run uses it
 EVENT_NODE_BACK = "node_back"  # a bad node taken back (by hand, or after job.retake_nodes_after_s): launches use it
 EVENT_PREFLIGHT = "preflight"  # the gang preflight's figures before step 0 (trainer/observe/preflight.py)
@@ -50,6 +51,10 @@ SIMULATE_VAR = "HPC_SIMULATE_RANKS_PER_NODE"  # lay one host's ranks out as simu
 DATA_CACHE_VAR = "HPC_DATA_CACHE"  # datasets prepared on first use (default ~/.cache/hpc-trainer/data)
 NODE_LABELS_VAR = "HPC_NODE_LABELS"  # simulated nodes' names, comma-separated in node order (local launcher)
 INJECT_VAR = "HPC_INJECT"  # faults injected on purpose by tests (trainer/observe/inject.py)
+# With job.spare_ranks, the launch's keeper (trainer/parallel/keeper.py): "ADDR:STORE_PORT:LIVE_PORT", and the
+# launch's store key (hex; made by the launcher, never written to a file; the ranks drop it from their environment)
+KEEPER_VAR = "HPC_KEEPER"
+STORE_KEY_VAR = "HPC_STORE_KEY"
 # Read by the local launcher (hpc/local.py): one command prefix per simulated node, "|"-separated (benchmarks run
 # each emulated node's ranks in a network namespace of its own: `ip netns exec NAME`)
 NODE_WRAP_VAR = "HPC_LOCAL_NODE_WRAP"

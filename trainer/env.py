@@ -8,18 +8,27 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
 
 from mpi4py import MPI
 
-from rundir.contract import INJECT_VAR, LAUNCH_VAR, NODE_LABELS_VAR, SIMULATE_VAR, data_cache
+from rundir.contract import (
+    INJECT_VAR,
+    KEEPER_VAR,
+    LAUNCH_VAR,
+    NODE_LABELS_VAR,
+    SIMULATE_VAR,
+    STORE_KEY_VAR,
+    data_cache,
+)
 from rundir.slurmvars import slurm_job_id, slurm_restart_count
 from tracking import MLFLOW_URI_VAR, TRACKING_VAR
 from trainer.errors import UserError
 from trainer.observe import inject
 from trainer.observe.inject import Fault
+from trainer.parallel.keeper import KeeperAddress
 from trainer.parallel.topology import Topology
 
 T = TypeVar("T")
@@ -47,6 +56,8 @@ class RuntimeEnv:
     launch_id: str = ""  # the launcher's id for this start of the ranks ($HPC_LAUNCH_ID), in history events
     inject: tuple[Fault, ...] = ()  # faults injected on purpose by tests ($HPC_INJECT, trainer/observe/inject.py)
     tracking_vars: tuple[tuple[str, str], ...] = ()  # HPC_TRACKING, MLFLOW_TRACKING_URI (tracking/)
+    keeper: KeeperAddress | None = None  # job.spare_ranks: the launch's keeper ($HPC_KEEPER)
+    store_key: bytes = field(default=b"", repr=False, compare=False)  # its store's key ($HPC_STORE_KEY, then dropped)
 
     @property
     def node(self) -> int:
@@ -67,6 +78,27 @@ class RuntimeEnv:
 
     def default_threads(self) -> int:
         return max(1, self.cpus // self.host_local_size)
+
+    #: the fields a spare takes over from the launch's ranks (the rest are its own process's)
+    SHARED = ("world_size", "hosts", "one_network", "node_names", "simulated_nodes", "launch_id")
+
+    def shared_record(self, host_local: list[tuple[int, int]]) -> dict:
+        """What a spare needs to take any rank's place: the launch's layout (JSON), ``host_local`` the
+        (host_local_rank, host_local_size) of every rank."""
+        record = {name: getattr(self, name) for name in self.SHARED}
+        record["node_ids"] = [self.topology.node_of(r) for r in range(self.world_size)]
+        record["host_local"] = host_local
+        return record
+
+    def as_rank(self, rank: int, record: dict) -> RuntimeEnv:
+        """This spare's environment in ``rank``'s place (``record``: ``shared_record``'s)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self)}
+        shared = {name: record[name] for name in self.SHARED}
+        shared["hosts"], shared["node_names"] = tuple(shared["hosts"]), tuple(shared["node_names"])
+        local_rank, local_size = record["host_local"][rank]
+        topology = Topology.from_node_ids(record["node_ids"])
+        place = {"rank": rank, "host_local_rank": local_rank, "host_local_size": local_size, "topology": topology}
+        return RuntimeEnv(**{**own, **shared, **place})
 
 
 def _network_namespace() -> str:
@@ -113,7 +145,48 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
         launch_id=environ.get(LAUNCH_VAR, ""),
         inject=inject.parse(environ.get(INJECT_VAR, "")),
         tracking_vars=tuple((k, environ[k]) for k in (TRACKING_VAR, MLFLOW_URI_VAR) if k in environ),
+        **keeper_fields(environ),
     )
+
+
+def own_env(environ: dict[str, str] | None = None) -> RuntimeEnv:
+    """A warm spare's own process facts (job.spare_ranks), before it takes a rank's place (``as_rank``)."""
+    environ = dict(os.environ if environ is None else environ)
+    return RuntimeEnv(
+        rank=-1,
+        world_size=1,
+        host_local_rank=0,
+        host_local_size=1,
+        hostname=socket.gethostname(),
+        slurm_node=environ.get("SLURMD_NODENAME"),
+        hosts=(),
+        one_network=True,
+        node_names=(),
+        topology=Topology(1, 1),
+        simulated_nodes=False,
+        cpus=len(os.sched_getaffinity(0)),
+        slurm_job_id=slurm_job_id(environ),
+        slurm_restart_count=slurm_restart_count(environ),
+        data_cache=data_cache(environ),
+        launch_id=environ.get(LAUNCH_VAR, ""),
+        inject=inject.parse(environ.get(INJECT_VAR, "")),
+        tracking_vars=tuple((k, environ[k]) for k in (TRACKING_VAR, MLFLOW_URI_VAR) if k in environ),
+        **keeper_fields(environ),
+    )
+
+
+def keeper_fields(environ: dict[str, str]) -> dict:
+    """The keeper's address and the store's key (job.spare_ranks), the key dropped from this process's environment
+    (nothing it starts inherits it)."""
+    text = environ.get(KEEPER_VAR, "").strip()
+    if not text:
+        return {}
+    key = os.environ.pop(STORE_KEY_VAR, "") or environ.get(STORE_KEY_VAR, "")
+    try:
+        return {"keeper": KeeperAddress.parse(text), "store_key": bytes.fromhex(key)}
+    except ValueError:
+        raise UserError(f"environment variable {KEEPER_VAR}={text!r} is not ADDR:STORE_PORT:LIVE_PORT, or "
+                        f"{STORE_KEY_VAR} is not hex: the launcher sets both") from None  # fmt: skip
 
 
 def _check_slurm_world(environ: dict[str, str], size: int, hostname: str) -> None:

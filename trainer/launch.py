@@ -37,14 +37,18 @@ from trainer.loop.train import train
 from trainer.observe.memory import state_bytes
 from trainer.observe.replicas import ReplicasDiverged
 from trainer.observe.stragglers import NodeEvicted
+from trainer.parallel.rejoin import PEER_GONE, PeerLost, PlanWatch
 from trainer.startup.boot import Booted
 
 log = logging.getLogger("trainer")
 
 
-def train_diagnosed(parts: Parts, booted: Booted, rundir: RunDir, progress=None) -> tuple[object | None, int | None]:
+def train_diagnosed(
+    parts: Parts, booted: Booted, rundir: RunDir, progress=None, watch: PlanWatch | None = None
+) -> tuple[object | None, int | None]:
     """Train; (how it stopped, None), or (None, EXIT_FAILED) when the ranks left a slow node out after a committed
-    checkpoint. A collective that failed (a peer's connection closed) is diagnosed, reported and raised."""
+    checkpoint. A collective that failed (a peer's connection closed) is diagnosed, reported and raised; with a
+    keeper (``watch``, job.spare_ranks) a rank's death the keeper planned a new generation for raises PeerLost."""
     env, cfg, state = booted.env, booted.cfg, parts.state
     relaxed = progress.relaxed() if progress is not None else contextlib.nullcontext()
     pruner = Pruner(cfg, rundir, env.rank) if cfg.prune.metric else None
@@ -77,6 +81,14 @@ def train_diagnosed(parts: Parts, booted: Booted, rundir: RunDir, progress=None)
         _report_eviction(booted, rundir, evicted.info, state.step)
         return None, EXIT_FAILED
     except RuntimeError as exc:  # a collective failed (a peer's connection closed): name who went away
+        if watch is not None and (watch.plan is not None or PEER_GONE.search(str(exc))):
+            plan = watch.plan or watch.link.plan(watch.next, cfg.monitor.rejoin_timeout_s)
+            if plan is not None and "fallback" not in plan:
+                log.warning("rank %d: a collective failed at step %d; generation %d: %s", env.rank, state.step + 1,
+                            plan["gen"], plan)  # fmt: skip
+                raise PeerLost(plan, exc) from exc
+            if plan is not None:
+                log.error("rank %d: no in-process restart (%s): the launch restarts", env.rank, plan["fallback"])
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         diagnosis, suspects = parts.mon.watchdog.diagnose(exc)
         message = f"rank {env.rank}: a collective failed at step {state.step + 1}{diagnosis}. The error: {first}"

@@ -40,6 +40,10 @@ from trainer.parallel.mpi_library import apply_defaults  # noqa: E402
 
 MPI_DEFAULTS = apply_defaults()  # before MPI starts: the MPI library reads these at MPI_Init
 
+if "--spare" in sys.argv:  # a warm spare (job.spare_ranks) is no MPI process: it takes a place the keeper gives it
+    import mpi4py  # noqa: E402
+
+    mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
 from rundir import RunDir  # noqa: E402
@@ -49,19 +53,15 @@ from trainer.failure import abort_job, describe, meet, report_failure  # noqa: E
 from trainer.parallel.mpi_progress import ProgressThread  # noqa: E402
 
 
-def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) -> int:
+def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, spare: int | None = None) -> int:
     """Train to the configured step count; return the exit status (0 done, EXIT_STOPPED stopped by a signal,
     EXIT_FAILED a node left out). Start-up runs its phases in order, each in its module of trainer/startup/;
-    everything built is closed on every path (an ExitStack)."""
+    everything built is closed on every path (an ExitStack). With job.spare_ranks, a rank's death starts a new
+    generation in these processes (``_rejoin``); ``spare``: this process is a warm spare, which waits for a place."""
     # Imported here so that `--help` and config errors do not pay for importing torch.
-    from trainer.launch import finish, train_diagnosed
-    from trainer.observe.preflight import run_preflight
     from trainer.observe.startup import StartupClock
-    from trainer.startup.allreduce import settle_allreduce
-    from trainer.startup.begin import begin
-    from trainer.startup.boot import boot
-    from trainer.startup.parts import build_parts
-    from trainer.startup.restore import restore_or_start
+    from trainer.parallel.rejoin import PeerLost
+    from trainer.startup.boot import boot, boot_spare, leave_mpi
 
     # DDP's constructor imports torch._dynamo: import it in the background while this thread reads the config and
     # the MPI layout and meets the other ranks, which import nothing; joined before the parts are built. Never
@@ -69,12 +69,54 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
     importer = threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True)
     importer.start()
     clock = StartupClock(PROCESS_START)
-    booted = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
+    if spare is None:
+        booted = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
+        if booted.distributed.keeper is not None:  # from here on the ranks meet over their process group
+            comm = leave_mpi(booted, comm, rundir, progress)
+            WHO.update(comm=comm)
+    else:
+        importer.join()
+        placed = boot_spare(rundir, spare, clock, EARLY_SIGNALS)
+        if placed is None:  # the launch ended without needing this spare
+            return 0
+        booted, comm = placed
+        WHO.update(comm=comm, rank=booted.env.rank)
     importer.join()
     _collector_back_on()
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as outer:  # what outlives a generation: the tracker, the recipe's model and data
         if booted.tracker is not None:  # closed last: after the checkpoints, whose commits it is told of
-            stack.callback(booted.tracker.close)
+            outer.callback(booted.tracker.close)
+        kept: dict = {}
+        if spare is not None:  # built alone: the ranks it joins keep theirs
+            from trainer.parallel.groupcomm import SoloComm
+            from trainer.startup.recipe import make_recipe
+
+            d = booted.distributed
+            kept["recipe"] = make_recipe(booted.cfg, booted.env, d, rundir, SoloComm(), outer)
+        while True:
+            try:
+                return _generation(rundir, comm, progress, booted, clock, outer, kept)
+            except PeerLost as lost:
+                booted, comm = _rejoin(rundir, booted, lost)
+                WHO.update(comm=comm)
+                clock = StartupClock(time.time())
+
+
+def _generation(rundir: RunDir, comm, progress, booted, clock, outer: contextlib.ExitStack, kept: dict) -> int:
+    """One generation of the launch's ranks (the only one without spares): build, restore, check, train, finish."""
+    from trainer.launch import finish, train_diagnosed
+    from trainer.observe.preflight import run_preflight
+    from trainer.parallel.rejoin import PlanWatch
+    from trainer.startup.allreduce import settle_allreduce
+    from trainer.startup.begin import begin
+    from trainer.startup.parts import build_parts
+    from trainer.startup.restore import restore_or_start
+
+    gen, link = booted.distributed.gen, booted.distributed.keeper
+    with contextlib.ExitStack() as stack:
+        watch = PlanWatch(link, gen) if link is not None else None
+        if watch is not None:
+            stack.callback(watch.close)
         parts = build_parts(
             booted.cfg,
             booted.env,
@@ -82,38 +124,93 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None) 
             rundir,
             comm,
             booted.stop,
-            stack,
+            outer if link is not None else stack,
             code_sha256=booted.code_sha256,
             clock=clock,
             tracker=booted.tracker,
+            recipe=kept.get("recipe"),
         )
+        kept["recipe"] = parts.recipe
         clock.mark("build")
         resumed = restore_or_start(parts, rundir)
         settle_allreduce(parts, rundir)  # after the restore, which may hold the plan to reuse
         clock.mark("restore")
-        if not run_preflight(parts, comm, rundir):  # a node named, monitor.preflight: exclude (in failure.json)
+        if gen == 0 and not run_preflight(parts, comm, rundir):  # a node named, monitor.preflight: exclude
             return EXIT_FAILED  # every rank: all judged the same gathered figures; the normal teardown follows
         clock.mark("preflight")
         begin(parts, booted, rundir, comm, clock, resumed)
-        stopped, failed = train_diagnosed(parts, booted, rundir, progress)
+        stopped, failed = train_diagnosed(parts, booted, rundir, progress, watch)
         if failed is not None:
             return failed
-        return finish(parts, booted, rundir, comm, stopped)
+        status = finish(parts, booted, rundir, comm, stopped)
+        if link is not None:
+            link.bye()
+        return status
+
+
+def _rejoin(rundir: RunDir, booted, lost):
+    """The broken generation's groups ended; the next one joined, with a spare in each dead rank's place."""
+    import dataclasses
+
+    from rundir.contract import EVENT_REJOIN, append_event
+    from trainer.checkpoint.memory import forget_plans
+    from trainer.parallel.distributed import join_generation
+    from trainer.parallel.groupcomm import GroupComm
+    from trainer.parallel.rejoin import end_groups
+
+    began = time.time()
+    end_groups()
+    forget_plans()
+    gc.collect()  # the old DDP wrapper and its reducer (hooks on the kept model's parameters) go now
+    plan, env = lost.plan, booted.env
+    distributed = join_generation(env, booted.cfg.comm, booted.distributed.device, booted.distributed.keeper,
+                                  plan["gen"])  # fmt: skip
+    if env.rank == 0:
+        append_event(rundir.history, EVENT_REJOIN, gen=plan["gen"], dead=plan["dead"], spares=plan["spares"],
+                     launch=env.launch_id, planned_after_s=round(plan["at"] - began, 3),
+                     joined_s=round(time.time() - began, 3))  # fmt: skip
+    return dataclasses.replace(booted, distributed=distributed), GroupComm(None, env.store_key)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path, help="run directory holding config.yaml")
+    parser.add_argument("--spare", type=int, default=None, help=argparse.SUPPRESS)  # job.spare_ranks: its number
     args = parser.parse_args(argv)
     rundir = RunDir(args.run_dir)
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
+    if args.spare is None:
+        WHO.update(comm=MPI.COMM_WORLD, rank=MPI.COMM_WORLD.Get_rank())
+    else:
+        from trainer.parallel.groupcomm import SoloComm
+
+        WHO.update(comm=SoloComm(), rank=-1 - args.spare)  # until it takes a place
     clean = False
-    progress = ProgressThread.start_if_needed(comm)  # messages keep moving while this rank waits outside MPI
+    # messages keep moving while this rank waits outside MPI
+    progress = ProgressThread.start_if_needed(MPI.COMM_WORLD) if args.spare is None else None
     try:
-        status = run(rundir, comm, progress)
+        status = run(rundir, WHO["comm"], progress, args.spare)
         clean = True
         return status
+    except BaseException as exc:
+        return _failed(rundir, exc)
+    finally:
+        if "torch.distributed" in sys.modules:  # nothing to tear down if torch was never imported
+            from trainer.parallel.distributed import shutdown
+
+            shutdown(WHO["comm"], clean=clean)
+        if progress is not None:
+            progress.stop()
+
+
+#: the communicator the ranks meet in now (MPI's world, then, with job.spare_ranks, their process group's) and
+#: this process's rank in it: what a failure is reported and ended with
+WHO: dict = {}
+
+
+def _failed(rundir: RunDir, exc: BaseException) -> int:
+    comm, rank = WHO["comm"], WHO["rank"]
+    try:
+        raise exc
     except UserError as exc:
         if rank == 0 or not exc.collective:
             report_failure(rundir, rank if exc.rank is None else exc.rank, str(exc), FAILURE_USER)
@@ -143,13 +240,6 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         abort_job(comm, EXIT_FAILED)
         raise  # not reached
-    finally:
-        if "torch.distributed" in sys.modules:  # nothing to tear down if torch was never imported
-            from trainer.parallel.distributed import shutdown
-
-            shutdown(comm, clean=clean)
-        if progress is not None:
-            progress.stop()
 
 
 def _collector_back_on() -> None:

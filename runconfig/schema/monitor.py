@@ -59,6 +59,13 @@ class MonitorConfig(Section):
         15.0,
         bounds=Range(ge=0),
     )
+    rejoin_timeout_s: float = doc(
+        "With job.spare_ranks: seconds the ranks left after a rank died wait for the rest of the new generation (a "
+        "spare in the dead rank's place, every survivor out of its failed collective) before they give up and the "
+        "launch restarts.",
+        30.0,
+        bounds=Range(gt=0),
+    )
     heartbeat_s: float = doc(
         "How often each rank publishes its progress for the hang watchdog.", 2.0, bounds=Range(gt=0)
     )

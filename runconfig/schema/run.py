@@ -115,6 +115,10 @@ class RunConfig:
                         "at the launch it rejoins and names it bad again if it fails"))  # fmt: skip
         if self.monitor.straggler_exclude_after and self.job.nodes == 1:
             out.append(("monitor.straggler_exclude_after", "needs job.nodes >= 2: one node has no peers to lag behind"))
+        p = self.parallel
+        if self.job.spare_ranks and (p.dp_shard != 1 or p.tp != 1 or p.pp != 1):
+            out.append(("job.spare_ranks", "in-process restarts keep each survivor's whole replica: data-parallel "
+                        "layouts only (this config sets parallel degrees above 1)"))  # fmt: skip
         return out + self._sync_problems()
 
     def _sync_problems(self) -> Problems:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from rundir.checkpoints import generations, step_name
 from rundir.identity import RunIdentity, manifest_problem, seal_manifest
@@ -356,6 +357,14 @@ class MemoryCheckpoints:
 class _Planner(DefaultSavePlanner):
     """DCP's planner, its plans cached from one save in node memory to the next (the same state's layout every
     time): a save then skips gathering every rank's plan. A class of its own: DCP keys its cache by the class."""
+
+
+def forget_plans() -> None:
+    """The cached plans dropped (an in-process restart: a spare that joins has none, and every rank must plan the
+    next save alike)."""
+    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
+                 "_cached_metadata"):  # fmt: skip
+        getattr(SavePlanner, name, {}).pop(_Planner.__name__, None)
 
 
 def _tensor_bytes(obj) -> int:

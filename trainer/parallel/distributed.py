@@ -23,6 +23,7 @@ from trainer.env import RuntimeEnv, patient_barrier
 from trainer.errors import UserError
 from trainer.parallel.comm import HierGroups
 from trainer.parallel.commtime import CommLedger
+from trainer.parallel.rejoin import KeeperLink
 from trainer.parallel.storeseal import new_secret
 
 
@@ -39,6 +40,11 @@ class Distributed:
     # Exposed communication per parallel dimension where the layout's collectives block this thread (CPU mesh
     # layouts); built here, on the training thread, whose sleep it measures.
     ledger: CommLedger = field(default_factory=CommLedger, compare=False)
+    # With job.spare_ranks: the generation (0, then one more per in-process restart), whose keys in the keeper's
+    # store carry this prefix, and the link to the keeper
+    gen: int = 0
+    store_prefix: str = ""
+    keeper: KeeperLink | None = field(default=None, repr=False, compare=False)
 
 
 def pick_device(env: RuntimeEnv, device: str) -> torch.device:
@@ -125,6 +131,10 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type == "cuda":
         check_one_rank_per_gpu(env, device, comm)
+    if env.keeper is not None:
+        link = KeeperLink(env.keeper, env.store_key, cfg.timeout_s)
+        link.hello("rank", env.rank)
+        return join_generation(env, cfg, device, link, 0)
     timeout = timedelta(seconds=cfg.timeout_s)
     addr = rendezvous_address(env, cfg)
     port = None
@@ -149,8 +159,26 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
     if env.rank != 0:
         store = dist.TCPStore(addr, port, env.world_size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    return Distributed(backend, device, _groups(env, cfg, timeout), store_addr=addr, store_port=int(port),
+                       store_secret=secret)  # fmt: skip
+
+
+def join_generation(env: RuntimeEnv, cfg: CommConfig, device: torch.device, link: KeeperLink, gen: int) -> Distributed:
+    """With a keeper (job.spare_ranks): the default group and the hierarchy's of generation ``gen``, on the keeper's
+    store under the generation's prefix (a generation's ranks meet only their own)."""
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=cfg.timeout_s)
+    prefix = f"hpc/g{gen}/"
+    store = dist.PrefixStore(prefix, link.store)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    where = env.keeper
+    return Distributed(backend, device, _groups(env, cfg, timeout), store_addr=where.addr, store_port=where.store_port,
+                       store_secret=env.store_key, gen=gen, store_prefix=prefix, keeper=link)  # fmt: skip
+
+
+def _groups(env: RuntimeEnv, cfg: CommConfig, timeout: timedelta) -> HierGroups:
     topo = env.topology
-    groups = HierGroups(
+    return HierGroups(
         intra=own_group(topo.intra_groups(), env.rank, timeout),
         inter=own_group(topo.inter_groups(), env.rank, timeout),
         ranks_per_node=topo.ranks_per_node,
@@ -159,7 +187,6 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
         chunk_bytes=int(cfg.chunk_kb * 1024),
         world=dist.new_group(),  # the flat algorithm's inside hooks (apart from the default group's traffic)
     )
-    return Distributed(backend, device, groups, store_addr=addr, store_port=int(port), store_secret=secret)
 
 
 def gloo_threads() -> int:
@@ -200,5 +227,5 @@ def shutdown(comm: MPI.Comm, *, clean: bool) -> None:
     if clean:
         dist.barrier()
     dist.destroy_process_group()
-    if clean:
+    if clean and isinstance(comm, MPI.Comm):  # with a keeper (job.spare_ranks) the store is not rank 0's
         patient_barrier(comm)

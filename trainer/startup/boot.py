@@ -15,7 +15,7 @@ from runconfig import ConfigError, RunConfig, load_config
 from rundir import RunDir
 from rundir import snapshot as code
 from storage import shm
-from trainer.env import RuntimeEnv, agree, from_mpi
+from trainer.env import RuntimeEnv, agree, from_mpi, own_env, patient_barrier
 from trainer.errors import UserError
 from trainer.loop.stop import EarlySignals, StopFlag
 from trainer.loop.stopreport import record_signal_path
@@ -25,9 +25,11 @@ from trainer.observe.hostmem import fix_mmap_threshold
 from trainer.observe.inject import Injector
 from trainer.observe.startup import StartupClock
 from trainer.observe.tracker_sink import Tracker, open_tracker
-from trainer.parallel.distributed import Distributed, init_distributed, pick_device
+from trainer.parallel.distributed import Distributed, init_distributed, join_generation, pick_device
 from trainer.parallel.fdlimit import needed, raise_open_files
+from trainer.parallel.groupcomm import GroupComm
 from trainer.parallel.mpi_library import is_mpich, library_name
+from trainer.parallel.rejoin import KeeperLink
 
 log = logging.getLogger("trainer")
 
@@ -105,6 +107,61 @@ def boot(
     if deadline is not None:
         deadline.end()
     return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, distributed=d, tracker=tracker)
+
+
+#: where rank 0 leaves the launch's layout for the spares (job.spare_ranks), sealed like the keeper's values
+LAYOUT_KEY = "hpc/rejoin/layout"
+
+
+def leave_mpi(booted: Booted, comm: MPI.Comm, rundir: RunDir, progress) -> GroupComm:  # noqa: ANN001
+    """With a keeper (job.spare_ranks): rank 0 leaves the launch's layout for the spares, and the ranks meet over
+    their process group from here on. MPI is left as it is, not finalized: under hydra a rank that dies after
+    MPI_Finalize gets every other rank killed, and so does a rank's output after one died; this rank's standard
+    output and error therefore go to a file of its own (logs/rank_N.out) from here on."""
+    env = booted.env
+    host_local = comm.allgather((env.host_local_rank, env.host_local_size))
+    if env.rank == 0:
+        booted.distributed.keeper.publish(LAYOUT_KEY, env.shared_record(host_local))
+    if progress is not None:
+        progress.stop()
+    patient_barrier(comm)
+    if rundir.logs.is_dir():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(rundir.logs / f"rank_{env.rank:05d}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    return GroupComm(None, env.store_key)
+
+
+def boot_spare(rundir: RunDir, spare: int, clock: StartupClock, early: EarlySignals):  # noqa: ANN201
+    """A warm spare (job.spare_ranks): imported, it waits at the keeper for a dead rank's place; then that rank's
+    environment, logging, device, the generation's process groups and the recipe, built alone. (Booted, comm), or
+    None when the launch ended without needing it."""
+    cfg = load_config(str(rundir.config))
+    code_sha256 = code.activate(rundir)
+    own = own_env()
+    link = KeeperLink(own.keeper, own.store_key, cfg.comm.timeout_s)
+    link.hello("spare", spare)
+    place = link.assignment(spare)
+    if place.get("close"):
+        link.bye()
+        return None
+    layout = link.wait(LAYOUT_KEY, cfg.monitor.rejoin_timeout_s)
+    if layout is None:
+        raise RuntimeError(f"spare {spare}: the launch's layout is not in the keeper's store")
+    env = own.as_rank(int(place["rank"]), layout)
+    setup_logging(rundir, env.rank)
+    log.info("spare %d takes rank %d's place in generation %d (pid %d)", spare, env.rank, place["gen"], os.getpid())
+    stop = _stop_flag(cfg, early)
+    torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
+    device = pick_device(env, cfg.train.device)
+    d = join_generation(env, cfg.comm, device, link, int(place["gen"]))
+    clock.mark("rendezvous")
+    return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, distributed=d, tracker=None), GroupComm(
+        None, env.store_key
+    )
 
 
 def _open_files(env: RuntimeEnv, gloo: bool, comm: MPI.Comm) -> None:

@@ -52,12 +52,14 @@ def build_parts(
     code_sha256: str | None = None,
     clock: StartupClock | None = None,
     tracker: Tracker | None = None,
+    recipe: Recipe | None = None,
 ) -> Parts:
     """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``clock`` notes
     when the recipe was built and this rank's peak memory once the model is built and split (``model_built``),
     before any forward. ``tracker``: rank 0's (``trainer.boot`` opens it, so that its sender's start-up overlaps
-    the launch's)."""
-    recipe = make_recipe(cfg, env, distributed, rundir, comm, stack)
+    the launch's). ``recipe``: one built before (kept by an in-process restart: its model and data)."""
+    if recipe is None:
+        recipe = make_recipe(cfg, env, distributed, rundir, comm, stack)
     if clock is not None:
         clock.mark("recipe")
     wrapped, shapes = place_model(cfg, env, distributed, recipe, comm)

@@ -1,0 +1,239 @@
+"""The launch's keeper (job.spare_ranks): a process of its own, started by the launcher beside the ranks, that
+holds the rendezvous store (so that no rank's death takes it down) and watches every rank and spare by a socket
+each holds open to it. A socket closed without a goodbye is a dead process, known at once: the keeper puts a warm
+spare in its place and writes the next generation's plan to the store, sealed with the launch's key, for the
+survivors and the spare (trainer/parallel/rejoin.py). With no spare left, or past the restart cap, the plan says
+to fall back (the survivors end the launch and the launcher restarts it).
+
+    python -m trainer.parallel.keeper --store-fd FD --live-fd FD --addr ADDR --world N --max-restarts M
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import select
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from rundir.contract import STORE_KEY_VAR
+from trainer.parallel.storeseal import Seal
+
+log = logging.getLogger("keeper")
+
+KEEPER_RANK = -1  # the keeper's writer id in sealed values
+GATHER_S = 0.1  # after a first death, how long more deaths are gathered into the same plan (a node's ranks)
+HELLO_S = 5.0  # a new connection's time to prove it holds the launch's key
+
+
+def plan_key(gen: int) -> str:
+    return f"hpc/rejoin/plan/{gen}"
+
+
+def assign_key(spare: int) -> str:
+    return f"hpc/rejoin/spare/{spare}"
+
+
+def proof(secret: bytes, nonce: str, role: str, ident: int) -> str:
+    """What a member sends to show it holds the launch's key (a stranger's socket must not pose as a rank whose
+    close would set off a restart)."""
+    return hmac.new(secret, f"{nonce}|{role}|{ident}".encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeeperAddress:
+    addr: str
+    store_port: int
+    live_port: int
+
+    @classmethod
+    def parse(cls, text: str) -> KeeperAddress:
+        addr, store, live = text.rsplit(":", 2)
+        return cls(addr, int(store), int(live))
+
+
+@dataclass
+class Member:
+    role: str  # "rank" or "spare"
+    ident: int  # the rank, or the spare's number
+    sock: socket.socket
+    bye: bool = False
+    buffer: bytes = b""
+
+
+@dataclass
+class Keeper:
+    secret: bytes
+    world: int
+    max_restarts: int
+    store: object  # the TCPStore server (this process holds it)
+    live: socket.socket
+    gen: int = 0
+    restarts: int = 0
+    members: dict[int, Member] = field(default_factory=dict)  # by socket fd
+    pending: dict[int, tuple[socket.socket, str, float]] = field(default_factory=dict)  # fd -> (sock, nonce, since)
+    dead: dict[int, float] = field(default_factory=dict)  # rank -> when its socket closed, not yet planned for
+    done: bool = False
+    gen_started: bool = False  # a rank has said hello
+    fallen: bool = False  # a plan said to fall back: the launch ends, no further plans
+    seal: Seal = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seal = Seal(self.secret, KEEPER_RANK)
+
+    def _put(self, key: str, value: dict) -> None:
+        self.store.set(key, self.seal.seal(key, json.dumps(value, sort_keys=True)))
+
+    def ranks(self) -> dict[int, Member]:
+        return {m.ident: m for m in self.members.values() if m.role == "rank"}
+
+    def idle_spares(self) -> list[Member]:
+        return sorted((m for m in self.members.values() if m.role == "spare"), key=lambda m: m.ident)
+
+    def step(self, timeout: float) -> None:
+        """One wait for sockets: accept, check hellos, read goodbyes and closes; plan once deaths are gathered."""
+        socks = [self.live] + [m.sock for m in self.members.values()] + [p[0] for p in self.pending.values()]
+        readable, _, _ = select.select(socks, [], [], timeout)
+        now = time.monotonic()
+        for sock in readable:
+            if sock is self.live:
+                self._accept()
+            elif sock.fileno() in self.pending:
+                self._hello(sock)
+            else:
+                self._read(sock, now)
+        for fd, (sock, _, since) in list(self.pending.items()):
+            if now - since > HELLO_S:
+                self._drop(fd, sock)
+        if self.dead and now - min(self.dead.values()) >= GATHER_S:
+            self._plan()
+        if self.gen_started and not self.dead and not self.ranks():
+            self.done = True  # every rank said goodbye or died
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            sock, _ = self.live.accept()
+            nonce = secrets.token_hex(16)
+            sock.sendall(f"{nonce}\n".encode())
+            self.pending[sock.fileno()] = (sock, nonce, time.monotonic())
+
+    def _drop(self, fd: int, sock: socket.socket) -> None:
+        self.pending.pop(fd, None)
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    def _hello(self, sock: socket.socket) -> None:
+        fd = sock.fileno()
+        _, nonce, _ = self.pending[fd]
+        try:
+            line = sock.recv(512).decode("ascii", "replace").strip()
+            role, ident_text, mac = line.split()
+            ident = int(ident_text)
+        except (OSError, ValueError):
+            return self._drop(fd, sock)
+        if role not in ("rank", "spare") or not hmac.compare_digest(mac, proof(self.secret, nonce, role, ident)):
+            log.warning("keeper: a connection that does not hold the launch's key was refused")
+            return self._drop(fd, sock)
+        del self.pending[fd]
+        self.members[fd] = Member(role, ident, sock)
+        if role == "rank":
+            self.gen_started = True
+        sock.sendall(b"ok\n")
+
+    def _read(self, sock: socket.socket, now: float) -> None:
+        member = self.members[sock.fileno()]
+        try:
+            data = sock.recv(256)
+        except OSError:
+            data = b""
+        if data:
+            member.buffer += data
+            if b"bye" in member.buffer:
+                member.bye = True
+            return
+        del self.members[sock.fileno()]
+        with contextlib.suppress(OSError):
+            sock.close()
+        if member.role == "rank" and not member.bye and not self.fallen:
+            log.warning("keeper: rank %d's process ended without a goodbye (generation %d)", member.ident, self.gen)
+            self.dead[member.ident] = now
+        elif member.role == "spare" and not member.bye:
+            log.warning("keeper: spare %d ended while waiting", member.ident)
+
+    def _plan(self) -> None:
+        """The next generation: a spare in each dead rank's place, or the fall-back."""
+        dead = sorted(self.dead)
+        self.dead.clear()
+        self.gen += 1
+        self.restarts += 1
+        spares = self.idle_spares()
+        plan: dict = {"gen": self.gen, "dead": dead, "world": self.world, "at": time.time()}
+        if self.restarts > self.max_restarts:
+            plan["fallback"] = f"in-process restarts exceed job.max_failures={self.max_restarts}"
+        elif len(spares) < len(dead):
+            plan["fallback"] = f"{len(dead)} rank(s) died and {len(spares)} warm spare(s) are left"
+        else:
+            plan["spares"] = {}
+            for rank, spare in zip(dead, spares, strict=False):
+                plan["spares"][str(rank)] = spare.ident
+                self._put(assign_key(spare.ident), {"gen": self.gen, "rank": rank})
+                spare.role, spare.ident = "rank", rank  # its socket now watches that rank
+        self.fallen = "fallback" in plan
+        self._put(plan_key(self.gen), plan)
+        log.warning("keeper: generation %d: %s", self.gen, json.dumps(plan, sort_keys=True))
+
+    def close_spares(self) -> None:
+        """Tell the spares still waiting that no place will come."""
+        for spare in self.idle_spares():
+            with contextlib.suppress(Exception):
+                self._put(assign_key(spare.ident), {"close": True})
+
+
+def serve(args: argparse.Namespace) -> int:
+    import torch.distributed as dist  # the store's server; imported while the ranks start
+
+    secret = bytes.fromhex(os.environ.pop(STORE_KEY_VAR, ""))
+    if not secret:
+        print(f"keeper: no {STORE_KEY_VAR} in the environment", file=sys.stderr)
+        return 2
+    store_sock = socket.socket(fileno=args.store_fd)
+    port = store_sock.getsockname()[1]
+    store = dist.TCPStore(args.addr, port, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=300), master_listen_fd=args.store_fd)  # fmt: skip
+    live = socket.socket(fileno=args.live_fd)
+    keeper = Keeper(secret, args.world, args.max_restarts, store, live)
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(1))
+    parent = os.getppid()
+    while not stop and not keeper.done and os.getppid() == parent:
+        keeper.step(0.05)
+    keeper.close_spares()
+    time.sleep(0.2)  # the spares read their close before the store goes
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.parallel.keeper", description=__doc__.splitlines()[0])
+    parser.add_argument("--store-fd", type=int, required=True)
+    parser.add_argument("--live-fd", type=int, required=True)
+    parser.add_argument("--addr", required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--max-restarts", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""A rank's side of in-process restarts (job.spare_ranks): its link to the launch's keeper
+(trainer/parallel/keeper.py), which holds the store and watches every process; the watch for the keeper's next plan,
+which cuts this rank's gloo connections so that a collective blocked on a dead rank fails at once (gloo's abort
+does not wake a waiting collective); and the end of a broken generation's process groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trainer.parallel.keeper import KEEPER_RANK, KeeperAddress, assign_key, plan_key, proof
+from trainer.parallel.storeseal import Seal
+
+log = logging.getLogger(__name__)
+
+#: gloo's words for a peer that went away, or a connection cut by the watch below
+PEER_GONE = re.compile(r"closed by peer|reset by peer|Read error|Write error|Broken pipe|Connection refused|"
+                       r"Socket closed|Timed out waiting", re.IGNORECASE)  # fmt: skip
+
+
+class PeerLost(Exception):
+    """This generation's collectives failed because a rank died; ``plan`` is the keeper's next generation."""
+
+    def __init__(self, plan: dict, cause: BaseException) -> None:
+        super().__init__(f"generation {plan.get('gen')}: {plan}")
+        self.plan, self.cause = plan, cause
+
+
+class KeeperLink:
+    """This process's store client and watched socket at the keeper."""
+
+    def __init__(self, where: KeeperAddress, secret: bytes, timeout_s: float) -> None:
+        self.where, self._secret = where, secret
+        self.store = dist.TCPStore(where.addr, where.store_port, None, is_master=False,
+                                   timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        self.seal = Seal(secret, 0)
+        self._sock: socket.socket | None = None
+
+    def hello(self, role: str, ident: int) -> None:
+        """Open the socket the keeper watches: its close without a goodbye is this process's death."""
+        sock = socket.create_connection((self.where.addr, self.where.live_port), timeout=30)
+        nonce = _line(sock)
+        sock.sendall(f"{role} {ident} {proof(self._secret, nonce, role, ident)}\n".encode())
+        if _line(sock) != "ok":
+            raise RuntimeError(
+                f"the launch's keeper at {self.where.addr}:{self.where.live_port} refused {role} {ident}"
+            )
+        sock.settimeout(None)
+        self._sock = sock
+
+    def bye(self) -> None:
+        """This process ends on purpose: its socket's close is no death."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.sendall(b"bye\n")
+                self._sock.close()
+            self._sock = None
+
+    def read(self, key: str) -> dict | None:
+        if not self.store.check([key]):
+            return None
+        value = self.seal.open(key, self.store.get(key))
+        return None if value is None else json.loads(value)
+
+    def wait(self, key: str, timeout_s: float, poll_s: float = 0.02) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.read(key)
+            if value is not None or time.monotonic() >= deadline:
+                return value
+            time.sleep(poll_s)
+
+    def plan(self, gen: int, timeout_s: float) -> dict | None:
+        return self.wait(plan_key(gen), timeout_s)
+
+    def assignment(self, spare: int) -> dict:
+        """Block until the keeper gives this spare a place (or tells it to close)."""
+        while True:
+            value = self.wait(assign_key(spare), 60.0, poll_s=0.01)
+            if value is not None:
+                return value
+
+    def publish(self, key: str, value: dict) -> None:
+        """A value for the spares (sealed as the keeper's own: only this launch's processes hold the key)."""
+        seal = Seal(self._secret, KEEPER_RANK)
+        self.store.set(key, seal.seal(key, json.dumps(value, sort_keys=True)))
+
+
+def _line(sock: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n") and len(data) < 512:
+        chunk = sock.recv(512)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode("ascii", "replace").strip()
+
+
+class PlanWatch:
+    """A daemon thread that waits for the keeper's plan for generation ``gen + 1``; when it comes, cuts this
+    process's accepted TCP connections (gloo's pairs: every pair has one accepting end, so every survivor's cut
+    fails every blocked collective) and keeps the plan for the main thread."""
+
+    def __init__(self, link: KeeperLink, gen: int) -> None:
+        self.link, self.next = link, gen + 1
+        self.plan: dict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hpc-plan-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                plan = self.link.read(plan_key(self.next))
+            except Exception:  # the store gone: the launch is ending
+                return
+            if plan is not None:
+                self.plan = plan
+                if "fallback" not in plan:
+                    cut = cut_accepted()
+                    log.info("generation %d planned: %d gloo connection(s) cut", self.next, cut)
+                return
+            self._stop.wait(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def cut_accepted() -> int:
+    """Shut down every TCP connection this process accepted (the ones whose local port is one it listens on)."""
+    table = _tcp_table()
+    mine: dict[int, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                mine[int(fd)] = int(link[8:-1])
+    listening = {table[i][0] for i in mine.values() if i in table and table[i][1] == "0A"}
+    cut = 0
+    for fd, inode in mine.items():
+        port, state = table.get(inode, (None, None))
+        if state == "01" and port in listening:  # ESTABLISHED on a listening port: accepted
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=os.dup(fd))
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+                cut += 1
+    return cut
+
+
+def _tcp_table() -> dict[int, tuple[int, str]]:
+    """{socket inode: (local port, state)} from /proc/self/net/tcp and tcp6."""
+    out: dict[int, tuple[int, str]] = {}
+    for name in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/self/net/{name}").read_text().splitlines()[1:]:
+                f = line.split()
+                out[int(f[9])] = (int(f[1].rsplit(":", 1)[1], 16), f[3])
+    return out
+
+
+def end_groups() -> None:
+    """The broken generation's process groups gone, so that the next can be made in this process."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):
+        with contextlib.suppress(Exception):
+            pg.abort()
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
