@@ -22,6 +22,8 @@ from runconfig import RunConfig
 from rundir import RunDir
 from rundir.contract import KEEPER_VAR, STORE_KEY_VAR
 
+NETMOD_VAR = "MPIR_CVAR_CH4_NETMOD"
+
 #: seconds the launcher waits, once mpirun ended, for the spares that took places to finish (their ranks' work)
 FINISH_S = 600.0
 
@@ -36,6 +38,10 @@ class Spares:
         store, live = _listener(addr), _listener(addr)
         env[KEEPER_VAR] = f"{addr}:{store.getsockname()[1]}:{live.getsockname()[1]}"
         env[STORE_KEY_VAR] = key
+        # MPICH's OFI network module (the trainer's default, trainer/parallel/mpi_library.py) ends every rank when
+        # one dies, long after MPI's last use; UCX leaves them be (docs/measurements/notes-trainer.md). Under hydra
+        # UCX's long business cards are no problem.
+        env.setdefault(NETMOD_VAR, "ucx")
         logs = rundir.logs if rundir.logs.is_dir() else Path(os.devnull).parent
         python = [sys.executable, "-u", "-m"]
         keeper = [*python, "trainer.parallel.keeper", "--store-fd", str(store.fileno()), "--live-fd",

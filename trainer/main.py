@@ -165,7 +165,7 @@ def _rejoin(rundir: RunDir, booted, lost):
     plan, env = lost.plan, booted.env
     distributed = join_generation(env, booted.cfg.comm, booted.distributed.device, booted.distributed.keeper,
                                   plan["gen"])  # fmt: skip
-    if env.rank == 0:
+    if env.rank == min(set(range(env.world_size)) - set(plan["dead"])):  # the first survivor (rank 0 may be new)
         append_event(rundir.history, EVENT_REJOIN, gen=plan["gen"], dead=plan["dead"], spares=plan["spares"],
                      launch=env.launch_id, planned_after_s=round(plan["at"] - began, 3),
                      joined_s=round(time.time() - began, 3))  # fmt: skip

@@ -397,6 +397,42 @@ def test_both_copies_of_a_shard_gone_fall_back_to_the_durable_checkpoint(tmp_pat
     assert_same_as(reference_2x1, run_dir)
 
 
+SPARE = [*MEMORY, "job.spare_ranks=1"]
+
+
+def spare_processes(run_dir) -> list[str]:
+    """The run's keeper and spares still running."""
+    found = subprocess.run(["pgrep", "-af", f"keeper|--run-dir {run_dir} --spare"], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if str(run_dir) in line or "trainer.parallel.keeper" in line]
+
+
+def test_a_killed_rank_is_restarted_in_the_same_processes_bitwise(tmp_path, small_dataset, reference_2x1):
+    """job.spare_ranks=1: rank 0 (no store on it: the keeper holds it) SIGKILLed after step 6. The keeper puts the
+    warm spare in its place, the survivor stays in its process and both go on from node memory in the same launch;
+    a second kill finds no spare left and falls back to a new launch. The run ends bit-identical to the
+    uninterrupted one, with no keeper, spare or node folder left."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, [*common(small_dataset), *TWO_NODES, *SPARE, "job.max_failures=3"])
+    wait_for_step(run_dir, 6, proc)
+    survivor = rank_pids(run_dir)[1]
+    os.kill(rank_pids(run_dir)[0], signal.SIGKILL)
+    rejoin = wait_for_event(run_dir, "rejoin", 1, proc)
+    assert rejoin["dead"] == [0] and rejoin["spares"] == {"0": 0}, rejoin
+    resume = wait_for_event(run_dir, "resume", 1, proc)
+    assert resume["launch"] == rejoin["launch"] and rank_pids(run_dir)[1] == survivor  # the same launch and process
+    assert resume["restored_from"]["from"] == "memory" and resume["step"] >= 5, resume
+    wait_for_step(run_dir, resume["step"] + 3, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # no spare left: the launch restarts
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    events = history(run_dir)
+    assert [e["event"] for e in events if e["event"] in ("rejoin", "restart")] == ["rejoin", "restart"], events
+    assert "1 rank(s) died and 0 warm spare(s) are left" in (run_dir / "logs" / "keeper.log").read_text()
+    assert_same_as(reference_2x1, run_dir)
+    assert not memory_folder(run_dir).exists()
+    assert not spare_processes(run_dir), spare_processes(run_dir)
+
+
 def test_a_hung_rank_is_restarted_in_the_job_and_ends_bitwise(tmp_path, small_dataset, reference_2x1):
     """A rank that stops (SIGSTOP: a real hang, no injected code path): the others' watchdog ends the launch, the
     launcher restarts the ranks from the newest checkpoint, and the run ends bit-identical, the hang in history."""

@@ -1,0 +1,90 @@
+"""The launch's keeper (trainer/parallel/keeper.py) as a real process: it plans a spare into a dead rank's place the
+moment the rank's socket closes, refuses sockets that do not hold the launch's key (their close sets off nothing),
+and its plans cannot be forged by someone who reaches the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpc.spares import _listener
+from rundir.contract import STORE_KEY_VAR
+from tests.conftest import ROOT
+from trainer.parallel.keeper import KeeperAddress, assign_key, plan_key, proof
+from trainer.parallel.rejoin import KeeperLink
+
+
+@pytest.fixture()
+def keeper():
+    key = secrets.token_bytes(32)
+    store, live = _listener("127.0.0.1"), _listener("127.0.0.1")
+    where = KeeperAddress("127.0.0.1", store.getsockname()[1], live.getsockname()[1])
+    env = {**os.environ, STORE_KEY_VAR: key.hex(), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "trainer.parallel.keeper", "--store-fd", str(store.fileno()), "--live-fd",
+               str(live.fileno()), "--addr", "127.0.0.1", "--world", "2", "--max-restarts", "1"]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, pass_fds=(store.fileno(), live.fileno()), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    store.close()
+    live.close()
+    yield proc, where, key
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def hello(where: KeeperAddress, key: bytes, role: str, ident: int) -> socket.socket:
+    sock = socket.create_connection((where.addr, where.live_port), timeout=30)
+    nonce = sock.recv(64).decode().strip()
+    sock.sendall(f"{role} {ident} {proof(key, nonce, role, ident)}\n".encode())
+    assert sock.recv(8) == b"ok\n"
+    return sock
+
+
+def test_a_dead_rank_gets_a_spare_and_strangers_set_off_nothing(keeper):
+    proc, where, key = keeper
+    link = KeeperLink(where, key, timeout_s=30)  # waits for the keeper's store (it imports torch first)
+    link.hello("rank", 0)
+    spare = hello(where, key, "spare", 0)
+    rank1 = hello(where, key, "rank", 1)
+    # A stranger: a wrong proof is refused, a posing rank's close sets off no plan.
+    stranger = socket.create_connection((where.addr, where.live_port), timeout=10)
+    nonce = stranger.recv(64).decode().strip()
+    stranger.sendall(f"rank 1 {proof(b'not the key', nonce, 'rank', 1)}\n".encode())
+    assert stranger.recv(8) == b""  # closed by the keeper
+    stranger.close()
+    # A forged plan in the store reads as nothing.
+    forged = json.dumps({"v": json.dumps({"gen": 1, "spares": {"1": 7}}), "r": -1, "n": 1, "m": "0" * 64})
+    link.store.set(plan_key(1), forged)
+    time.sleep(0.5)
+    assert link.read(plan_key(1)) is None
+    # rank 1 dies: the keeper's plan (its own, sealed) replaces the forged value at once.
+    died = time.monotonic()
+    rank1.close()
+    plan = link.wait(plan_key(1), 10.0)
+    assert plan is not None and time.monotonic() - died < 2.0
+    assert plan["dead"] == [1] and plan["spares"] == {"1": 0} and "fallback" not in plan, plan
+    assert link.read(assign_key(0)) == {"gen": 1, "rank": 1}
+    # The spare now stands for rank 1: its goodbye, then rank 0's, end the keeper.
+    spare.sendall(b"bye\n")
+    spare.close()
+    link.bye()
+    assert proc.wait(timeout=10) == 0, proc.stdout.read()
+
+
+def test_no_spare_left_is_a_fallback(keeper):
+    proc, where, key = keeper
+    link = KeeperLink(where, key, timeout_s=30)
+    link.hello("rank", 0)
+    rank1 = hello(where, key, "rank", 1)
+    rank1.close()
+    plan = link.wait(plan_key(1), 10.0)
+    assert plan["fallback"] == "1 rank(s) died and 0 warm spare(s) are left", plan
+    link.bye()
+    assert proc.wait(timeout=10) == 0
