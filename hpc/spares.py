@@ -1,10 +1,9 @@
-"""The launcher's side of in-process restarts (job.spare_ranks, torch-free): the launch's keeper and its warm
-spares, started beside the ranks and ended with them.
+"""The launcher's side of in-process restarts (job.spare_ranks, torch-free): the launch's keeper, which keeps the
+warm spares, started beside the ranks and ended with them.
 
 The keeper (``python -m trainer.parallel.keeper``) gets its two listening sockets from here, bound before anything
 starts (no port race, and the ranks' address is known at once); the store's key is made here and handed to the
-keeper, the ranks and the spares in their environment only. A spare (``python -m trainer --spare N``) imports and
-waits for a place.
+keeper and the ranks in their environment only.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ class Spares:
     the store's key."""
 
     def __init__(self, cfg: RunConfig, rundir: RunDir, env: dict, world_size: int, addr: str = "127.0.0.1") -> None:
-        self.procs: list[subprocess.Popen] = []
         key = secrets.token_bytes(32).hex()
         store, live = _listener(addr), _listener(addr)
         env[KEEPER_VAR] = f"{addr}:{store.getsockname()[1]}:{live.getsockname()[1]}"
@@ -42,39 +40,37 @@ class Spares:
         # one dies, long after MPI's last use; UCX leaves them be (docs/measurements/notes-trainer.md). Under hydra
         # UCX's long business cards are no problem.
         env.setdefault(NETMOD_VAR, "ucx")
-        logs = rundir.logs if rundir.logs.is_dir() else Path(os.devnull).parent
-        python = [sys.executable, "-u", "-m"]
-        keeper = [*python, "trainer.parallel.keeper", "--store-fd", str(store.fileno()), "--live-fd",
-                  str(live.fileno()), "--addr", addr, "--world", str(world_size), "--max-restarts",
-                  str(cfg.job.max_failures)]  # fmt: skip
+        log = rundir.logs / "keeper.log" if rundir.logs.is_dir() else Path(os.devnull)
+        command = [sys.executable, "-u", "-m", "trainer.parallel.keeper", "--store-fd", str(store.fileno()),
+                   "--live-fd", str(live.fileno()), "--addr", addr, "--world", str(world_size), "--max-restarts",
+                   str(cfg.job.max_failures), "--run-dir", str(rundir.root), "--spares",
+                   str(cfg.job.spare_ranks)]  # fmt: skip
         try:
-            self.keeper = self._start(keeper, env, logs / "keeper.log", (store.fileno(), live.fileno()))
+            with open(log, "ab") as out:
+                fds = (store.fileno(), live.fileno())
+                self.keeper = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=fds,
+                                               start_new_session=True)  # fmt: skip
         finally:
             store.close()  # the keeper holds its own copies
             live.close()
-        for n in range(cfg.job.spare_ranks):
-            command = [*python, "trainer", "--run-dir", str(rundir.root), "--spare", str(n)]
-            self.procs.append(self._start(command, env, logs / f"spare_{n}.log", ()))
-
-    def _start(self, command: list[str], env: dict, log: Path, fds: tuple[int, ...]) -> subprocess.Popen:
-        with open(log, "ab") as out:
-            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=fds,
-                                    start_new_session=True)  # fmt: skip
 
     def finish(self, timeout_s: float = FINISH_S) -> None:
         """After mpirun ended: the keeper ends once every rank (spares that took a place included) has ended, and
         tells the idle spares to go; what is still running after ``timeout_s`` is killed."""
         deadline = time.monotonic() + timeout_s
-        for proc in [self.keeper, *self.procs]:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.keeper.wait(timeout=max(0.1, deadline - time.monotonic()))
         self.kill()
 
     def kill(self) -> None:
-        for proc in [self.keeper, *self.procs]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        """The keeper ended now (it ends its idle spares first: SIGTERM, then SIGKILL after a while)."""
+        if self.keeper.poll() is None:
+            self.keeper.terminate()
+            try:
+                self.keeper.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.keeper.kill()
+                self.keeper.wait()
 
 
 def _listener(addr: str) -> socket.socket:

@@ -22,13 +22,14 @@ from trainer.parallel.rejoin import KeeperLink
 
 
 @pytest.fixture()
-def keeper():
+def keeper(tmp_path):
     key = secrets.token_bytes(32)
     store, live = _listener("127.0.0.1"), _listener("127.0.0.1")
     where = KeeperAddress("127.0.0.1", store.getsockname()[1], live.getsockname()[1])
     env = {**os.environ, STORE_KEY_VAR: key.hex(), "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "trainer.parallel.keeper", "--store-fd", str(store.fileno()), "--live-fd",
-               str(live.fileno()), "--addr", "127.0.0.1", "--world", "2", "--max-restarts", "1"]  # fmt: skip
+               str(live.fileno()), "--addr", "127.0.0.1", "--world", "2", "--max-restarts", "1",
+               "--run-dir", str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(command, env=env, pass_fds=(store.fileno(), live.fileno()), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     store.close()

@@ -5,7 +5,11 @@ spare in its place and writes the next generation's plan to the store, sealed wi
 survivors and the spare (trainer/parallel/rejoin.py). With no spare left, or past the restart cap, the plan says
 to fall back (the survivors end the launch and the launcher restarts it).
 
-    python -m trainer.parallel.keeper --store-fd FD --live-fd FD --addr ADDR --world N --max-restarts M
+    python -m trainer.parallel.keeper --store-fd FD --live-fd FD --addr ADDR --world N --max-restarts M \
+        --run-dir RUN --spares K
+
+It keeps K warm spares (``python -m trainer --run-dir RUN --spare N``) ready: one that takes a place is replaced
+at once, importing while the ranks go on. When every rank has said goodbye or died, it tells the idle spares to go.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import secrets
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -78,6 +84,7 @@ class Keeper:
     max_restarts: int
     store: object  # the TCPStore server (this process holds it)
     live: socket.socket
+    spawn: Callable[[], None] = lambda: None  # start one more warm spare (one took a place)
     gen: int = 0
     restarts: int = 0
     members: dict[int, Member] = field(default_factory=dict)  # by socket fd
@@ -188,6 +195,7 @@ class Keeper:
                 plan["spares"][str(rank)] = spare.ident
                 self._put(assign_key(spare.ident), {"gen": self.gen, "rank": rank})
                 spare.role, spare.ident = "rank", rank  # its socket now watches that rank
+                self.spawn()  # a new warm spare for the next failure, importing while the ranks go on
         self.fallen = "fallback" in plan
         self._put(plan_key(self.gen), plan)
         log.warning("keeper: generation %d: %s", self.gen, json.dumps(plan, sort_keys=True))
@@ -211,7 +219,10 @@ def serve(args: argparse.Namespace) -> int:
     store = dist.TCPStore(args.addr, port, None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300), master_listen_fd=args.store_fd)  # fmt: skip
     live = socket.socket(fileno=args.live_fd)
-    keeper = Keeper(secret, args.world, args.max_restarts, store, live)
+    spares = SparePool(args.run_dir, args.spares, secret)
+    keeper = Keeper(secret, args.world, args.max_restarts, store, live, spawn=spares.start)
+    for _ in range(args.spares):
+        spares.start()
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(1))
@@ -219,8 +230,37 @@ def serve(args: argparse.Namespace) -> int:
     while not stop and not keeper.done and os.getppid() == parent:
         keeper.step(0.05)
     keeper.close_spares()
-    time.sleep(0.2)  # the spares read their close before the store goes
+    spares.end()  # the idle ones read their close and go (before the store does); any left are killed
     return 0
+
+
+class SparePool:
+    """The warm spares this keeper started (``python -m trainer --run-dir RUN --spare N``), each logging to
+    logs/spare_N.log; the launch's store key is handed over in their environment only."""
+
+    def __init__(self, run_dir: str, count: int, secret: bytes) -> None:
+        self.run_dir, self.count = run_dir, count
+        self.env = {**os.environ, STORE_KEY_VAR: secret.hex()}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        if not self.count:
+            return
+        n = len(self.procs)
+        logs = os.path.join(self.run_dir, "logs")
+        log_path = os.path.join(logs, f"spare_{n}.log") if os.path.isdir(logs) else os.devnull
+        command = [sys.executable, "-u", "-m", "trainer", "--run-dir", self.run_dir, "--spare", str(n)]
+        with open(log_path, "ab") as out:
+            self.procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env))
+
+    def end(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--addr", required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--max-restarts", type=int, required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--spares", type=int, default=0, help="warm spares kept ready")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     return serve(args)
