@@ -4,7 +4,9 @@ going back through the queue, and the goodput of a run whose ranks are killed ev
     python bench/recovery.py [--reps 2] [--methods local-kill,kill,requeue,node-kept,node-fail]
         [--goodput-steps 3000 --kill-every 1000] [--memory-every N] [--slurm-conf FILE] [--json PATH]
 
-``--memory-every N`` adds checkpoints in node memory every N steps (checkpoint.memory_every_steps) to every run.
+``--memory-every N`` adds checkpoints in node memory every N steps (checkpoint.memory_every_steps) to every run;
+``--spares N`` warm spares (job.spare_ranks) to the local runs, whose killed rank is then restarted in-process
+(restart_decided_s: the keeper's plan).
 
 On its own local Slurm clusters (envs/slurm/cluster.sh) and under the local launcher; the methods, the clock and
 the goodput's definition: bench/README.md.
@@ -36,7 +38,7 @@ from common import (  # bench/ is on sys.path
 )
 
 from rundir import RunDir
-from rundir.contract import EVENT_HANG, EVENT_RESTART, EVENT_RESUME
+from rundir.contract import EVENT_HANG, EVENT_REJOIN, EVENT_RESTART, EVENT_RESUME
 from rundir.identity import read_identity
 from storage.nodememory import remove_run
 
@@ -78,6 +80,7 @@ def submit_args(run_dir: Path, data: Path, sets: list[str], *extra: str) -> list
     return args + list(extra)
 
 
+LOCAL_SETS: list[str] = []  # the local runs' own (--spares)
 KILL_AT = [20]  # the step after which a rank is killed or a node lost (--kill-at)
 
 
@@ -86,7 +89,8 @@ def one(method: str, data: Path, work: Path) -> dict:
     local = method == "local-kill"
     proc = None
     if local:
-        proc = subprocess.Popen(submit_args(run_dir, data, SETS, "--local"), cwd=ROOT, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(submit_args(run_dir, data, SETS + LOCAL_SETS, "--local"), cwd=ROOT,
+                                stdout=subprocess.DEVNULL)  # fmt: skip
     else:
         sh(*submit_args(run_dir, data, SETS), cwd=ROOT)
         job = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
@@ -97,7 +101,7 @@ def one(method: str, data: Path, work: Path) -> dict:
     else:
         os.kill(wait(lambda: rank_pid(run_dir, 1), every=0.02), signal.SIGKILL)
     resume, first = resumed(run_dir)
-    restarts = [e for e in lines(run_dir / "history.jsonl") if e["event"] == EVENT_RESTART]
+    restarts = [e for e in lines(run_dir / "history.jsonl") if e["event"] in (EVENT_RESTART, EVENT_REJOIN)]
     if proc is not None:  # as Ctrl-C: the launcher stops its mpirun and waits for the ranks (a SIGTERM would end
         proc.send_signal(signal.SIGINT)  # the launcher alone, and the ranks would train on into the next run)
         proc.wait()
@@ -233,7 +237,8 @@ def goodput(data: Path, work: Path, steps: int, every: int) -> dict:
     for label, interval in (("uninterrupted", 0), ("killed", every)):
         run_dir = work / f"goodput-{label}"
         start = time.time()
-        proc = subprocess.Popen(submit_args(run_dir, data, sets, "--local"), cwd=ROOT, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(submit_args(run_dir, data, sets + LOCAL_SETS, "--local"), cwd=ROOT,
+                                stdout=subprocess.DEVNULL)  # fmt: skip
         kills = kill_every(run_dir, proc, interval)
         status = proc.wait()
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
@@ -269,12 +274,15 @@ def main() -> int:
     p.add_argument("--no-slurm", action="store_true", help="only the local measurements")
     p.add_argument("--kill-at", type=int, default=20, help="the step after which the rank or node is lost")
     p.add_argument("--memory-every", type=int, default=0, help="checkpoint.memory_every_steps of every run (0: off)")
+    p.add_argument("--spares", type=int, default=0, help="job.spare_ranks of the local runs (0: off)")
     add_slurm_options(p, METHODS)
     args = p.parse_args()
     KILL_AT[0] = args.kill_at
     if args.memory_every:
         SETS.append(f"checkpoint.memory_every_steps={args.memory_every}")
         NODE_SETS.append(f"checkpoint.memory_every_steps={args.memory_every}")
+    if args.spares:  # in-process restarts: local runs only (the local launcher keeps the spares)
+        LOCAL_SETS.append(f"job.spare_ranks={args.spares}")
     methods = chosen_methods(p, args.methods, METHODS)
     if args.no_slurm:
         methods = [m for m in methods if m == "local-kill"]
@@ -286,7 +294,7 @@ def main() -> int:
                         shard_tokens=400_000), data)  # fmt: skip
     rows = interruptions(args, methods, data, work)
     setup = {"reps": args.reps, "methods": methods, "config": SETS, "memory_every": args.memory_every,
-             "kill_at": args.kill_at}  # fmt: skip
+             "kill_at": args.kill_at, "spares": args.spares}  # fmt: skip
     result = {"benchmark": "recovery", "setup": setup, "summary": medians(rows), "runs": rows}
     if args.goodput_steps:
         result["goodput"] = goodput(data, work, args.goodput_steps, args.kill_every)

@@ -295,3 +295,11 @@ def test_a_renamed_key_is_still_read_with_a_one_line_warning_naming_the_new_one(
     config.write_text("job:\n  max_restarts: 3\n  max_requeues: 4\n")
     with pytest.raises(ConfigError, match="'job.max_restarts' and 'job.max_requeues' are the same setting"):
         load_config(str(config))
+
+
+def test_spares_need_a_data_parallel_layout():
+    """job.spare_ranks keeps each survivor's whole replica across an in-process restart: a sharded layout is refused
+    at the edge, naming the key; a DDP one loads."""
+    assert load_config("tiny", ["job.spare_ranks=2"]).job.spare_ranks == 2
+    with pytest.raises(ConfigError, match=r"job\.spare_ranks.*data-parallel layouts only"):
+        load_config("tiny", ["job.spare_ranks=1", "job.nodes=2", "parallel.dp_shard=2"])

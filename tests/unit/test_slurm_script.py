@@ -176,3 +176,12 @@ def test_the_mpi_note_stays_out_of_the_evaled_block(tmp_path):
     shown = f'{block}\necho "$hpc_mpi_cfg ${{hpc_srun_args[*]}} ${{hpc_setup[*]}}"'
     shown = subprocess.run(["bash", "-c", shown], capture_output=True, text=True)
     assert shown.stdout.strip() == "pmi2 --cpu-bind=cores echo kept", shown
+
+
+def test_spares_are_refused_under_slurm_with_what_to_do():
+    """job.spare_ranks (in-process restarts) runs under the local launcher only so far: a Slurm submission says so
+    and names the key, rather than submitting a job that would silently restart its launches."""
+    proc = run_cli(["-m", "hpc.submit", "tiny", "--dry-run", "--slurm", "--run-dir", "/RUN", "--set",
+                    "job.spare_ranks=1"])  # fmt: skip
+    assert proc.returncode != 0
+    assert "job.spare_ranks=1" in proc.stderr and "--local" in proc.stderr and "Set job.spare_ranks: 0" in proc.stderr

@@ -75,6 +75,7 @@ def build_monitors(
         Seal(distributed.store_secret, env.rank),
         heartbeats=cfg.live.enabled,  # live metrics show each rank's heartbeat
         memory=lambda: memory_now_mb(distributed.device),
+        prefix=distributed.store_prefix,
     )
     watchdog.start()
     distributed.groups.blocked.on_block = watchdog.block

@@ -75,6 +75,7 @@ class Watchdog:
         heartbeats: bool = False,
         memory: Callable[[], dict] | None = None,
         relay: bool = True,
+        prefix: str = "",
     ) -> None:
         """``heartbeats``: publish heartbeats even with the hang watchdog off (live metrics read them);
         ``memory``: this rank's memory now, published with each heartbeat; ``relay``: a node's ranks share its
@@ -85,6 +86,7 @@ class Watchdog:
         self.sigterm_at: float | None = None
         self._memory = memory
         self._addr, self._port = store_addr, store_port
+        self._prefix = prefix  # a generation's keys (job.spare_ranks): a spare's heartbeats never meet the dead rank's
         self.seal = seal
         self._table: BeatTable | None = None  # rank 0's last opened heartbeat of each rank (made at first read)
         self.seq = 0
@@ -223,7 +225,8 @@ class Watchdog:
         process gone), where a TCPStore client retries until its timeout (a rank's last writes took 10 s so)."""
         if not listening(self._addr, self._port, min(timeout.total_seconds(), 5.0)):
             raise ConnectionRefusedError(f"nothing listens on {self._addr}:{self._port} (the rendezvous store)")
-        return dist.TCPStore(self._addr, self._port, self.env.world_size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(self._addr, self._port, self.env.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore(self._prefix, store) if self._prefix else store
 
     def _answer_roll_call(self) -> None:
         """Block in the store (on its own connection: no traffic while nothing happens) until this rank's key is
@@ -299,7 +302,7 @@ class Watchdog:
         return False
 
     def _relay_path(self):  # noqa: ANN202
-        return relay_path(self.seal.token(f"relay/{self.env.launch_id}"), self.env.node)
+        return relay_path(self.seal.token(f"relay/{self.env.launch_id}{self._prefix}"), self.env.node)
 
     def _wake_all(self, store: dist.TCPStore, claim: dict) -> None:
         """Every other rank's roll-call thread: follow this rank's claim now (one multi-key write; a node's first
