@@ -140,9 +140,14 @@ def run_local(
     env = trainer_environment(cfg, simulate_nodes=True, launch_id=launch_id)
     env[NODE_LABELS_VAR] = ",".join(nodes)
     spares = Spares(cfg, rundir, env, world_size) if cfg.job.spare_ranks else None
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"
-    )
+    try:
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"
+        )
+    except BaseException:
+        if spares is not None:
+            spares.kill()
+        raise
     # The survivors of a rank that died name it by a roll call (1-5 s, trainer/observe/watchdog.py) and abort;
     # ranks still running well after that (blocked in MPI), or after the failure is on record, are killed. With
     # spares the survivors go on in a new generation: only a failure on record ends them.
@@ -159,14 +164,14 @@ def run_local(
         _show(events, metrics, progress)
         if spares is not None:
             spares.finish()
-    except KeyboardInterrupt:
-        if spares is not None:
-            spares.kill()
+    except KeyboardInterrupt:  # the ranks stop first (spares that took a place got the Ctrl-C too), then the keeper
         proc.terminate()
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if spares is not None:
+            spares.finish(timeout_s=30)
         raise
     finally:
         if progress:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from runconfig import RunConfig
@@ -48,8 +48,9 @@ class Spares:
         try:
             with open(log, "ab") as out:
                 fds = (store.fileno(), live.fileno())
-                self.keeper = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=fds,
-                                               start_new_session=True)  # fmt: skip
+                # In the launcher's process group: a Ctrl-C reaches the spares too (a stop for one that took a place);
+                # the keeper itself ignores it and stays while the ranks stop.
+                self.keeper = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=fds)
         finally:
             store.close()  # the keeper holds its own copies
             live.close()
@@ -57,9 +58,10 @@ class Spares:
     def finish(self, timeout_s: float = FINISH_S) -> None:
         """After mpirun ended: the keeper ends once every rank (spares that took a place included) has ended, and
         tells the idle spares to go; what is still running after ``timeout_s`` is killed."""
-        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(ProcessLookupError):
+            self.keeper.send_signal(signal.SIGUSR1)  # mpirun ended: with no rank left (none ever came) it ends now
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.keeper.wait(timeout=max(0.1, deadline - time.monotonic()))
+            self.keeper.wait(timeout=timeout_s)
         self.kill()
 
     def kill(self) -> None:

@@ -42,7 +42,7 @@ from runconfig import ConfigError, RunConfig, dump_yaml, load_config
 from runconfig.schema import BUILTIN_RECIPE
 from rundir import RunDir, record
 from rundir import snapshot as codesnap
-from rundir.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, append_event
+from rundir.contract import EVENT_CODE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, NODE_WRAP_VAR, append_event
 from storage.files import write_atomic
 
 
@@ -230,6 +230,9 @@ def plan(args: argparse.Namespace) -> Planned:
     launcher = None if use_slurm else find_launcher()
     if launcher is not None and not args.dry_run:
         node_wraps(cfg, simulated_nodes(cfg))  # refused here, before the run directory, if malformed
+        if cfg.job.spare_ranks and os.environ.get(NODE_WRAP_VAR):
+            raise SubmitError(f"job.spare_ranks: the keeper listens on this host's loopback, which ranks wrapped by "
+                              f"{NODE_WRAP_VAR} (network namespaces) cannot reach; set job.spare_ranks: 0")  # fmt: skip
     default_path = not (resume_dir or args.run_dir)
     return Planned(cfg, run_path, default_path, bool(resume_dir), search, launcher)
 

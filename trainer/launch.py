@@ -86,7 +86,7 @@ def train_diagnosed(
             if plan is not None and "fallback" not in plan:
                 log.warning("rank %d: a collective failed at step %d; generation %d: %s", env.rank, state.step + 1,
                             plan["gen"], plan)  # fmt: skip
-                raise PeerLost(plan, exc) from exc
+                raise PeerLost(plan) from exc
             if plan is not None:
                 log.error("rank %d: no in-process restart (%s): the launch restarts", env.rank, plan["fallback"])
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -73,14 +73,14 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, 
         booted = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
         if booted.distributed.keeper is not None:  # from here on the ranks meet over their process group
             comm = leave_mpi(booted, comm, rundir, progress)
-            WHO.update(comm=comm)
+            WHO.update(comm=comm, link=booted.distributed.keeper)
     else:
         importer.join()
         placed = boot_spare(rundir, spare, clock, EARLY_SIGNALS)
         if placed is None:  # the launch ended without needing this spare
             return 0
         booted, comm = placed
-        WHO.update(comm=comm, rank=booted.env.rank)
+        WHO.update(comm=comm, rank=booted.env.rank, link=booted.distributed.keeper)
     importer.join()
     _collector_back_on()
     with contextlib.ExitStack() as outer:  # what outlives a generation: the tracker, the recipe's model and data
@@ -97,9 +97,10 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, 
             try:
                 return _generation(rundir, comm, progress, booted, clock, outer, kept)
             except PeerLost as lost:
-                booted, comm = _rejoin(rundir, booted, lost)
-                WHO.update(comm=comm)
-                clock = StartupClock(time.time())
+                plan = lost.plan  # outside this block the failed generation (its frames, its parts) is garbage
+            booted, comm = _rejoin(rundir, booted, plan)
+            WHO.update(comm=comm)
+            clock = StartupClock(time.time())
 
 
 def _generation(rundir: RunDir, comm, progress, booted, clock, outer: contextlib.ExitStack, kept: dict) -> int:
@@ -124,11 +125,12 @@ def _generation(rundir: RunDir, comm, progress, booted, clock, outer: contextlib
             rundir,
             comm,
             booted.stop,
-            outer if link is not None else stack,
+            stack,  # the generation's parts end with it; the recipe (model, data) outlives it
             code_sha256=booted.code_sha256,
             clock=clock,
             tracker=booted.tracker,
             recipe=kept.get("recipe"),
+            recipe_stack=outer,
         )
         kept["recipe"] = parts.recipe
         clock.mark("build")
@@ -142,13 +144,10 @@ def _generation(rundir: RunDir, comm, progress, booted, clock, outer: contextlib
         stopped, failed = train_diagnosed(parts, booted, rundir, progress, watch)
         if failed is not None:
             return failed
-        status = finish(parts, booted, rundir, comm, stopped)
-        if link is not None:
-            link.bye()
-        return status
+        return finish(parts, booted, rundir, comm, stopped)
 
 
-def _rejoin(rundir: RunDir, booted, lost):
+def _rejoin(rundir: RunDir, booted, plan: dict):
     """The broken generation's groups ended; the next one joined, with a spare in each dead rank's place."""
     import dataclasses
 
@@ -158,17 +157,17 @@ def _rejoin(rundir: RunDir, booted, lost):
     from trainer.parallel.groupcomm import GroupComm
     from trainer.parallel.rejoin import end_groups
 
-    began = time.time()
     end_groups()
     forget_plans()
     gc.collect()  # the old DDP wrapper and its reducer (hooks on the kept model's parameters) go now
-    plan, env = lost.plan, booted.env
+    env = booted.env
     distributed = join_generation(env, booted.cfg.comm, booted.distributed.device, booted.distributed.keeper,
                                   plan["gen"])  # fmt: skip
     if env.rank == min(set(range(env.world_size)) - set(plan["dead"])):  # the first survivor (rank 0 may be new)
+        died = plan["died_at"]
         append_event(rundir.history, EVENT_REJOIN, gen=plan["gen"], dead=plan["dead"], spares=plan["spares"],
-                     launch=env.launch_id, planned_after_s=round(plan["at"] - began, 3),
-                     joined_s=round(time.time() - began, 3))  # fmt: skip
+                     launch=env.launch_id, died_at=died, planned_s=round(plan["at"] - died, 3),
+                     joined_s=round(time.time() - died, 3))  # fmt: skip
     return dataclasses.replace(booted, distributed=distributed), GroupComm(None, env.store_key)
 
 
@@ -192,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
         return status
     except BaseException as exc:
+        if WHO.get("link") is not None:  # with a keeper: this rank ends the launch (not a death to replace)
+            WHO["link"].bye(b"fail")
         return _failed(rundir, exc)
     finally:
         if "torch.distributed" in sys.modules:  # nothing to tear down if torch was never imported
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             shutdown(WHO["comm"], clean=clean)
         if progress is not None:
             progress.stop()
+        if WHO.get("link") is not None:
+            WHO["link"].bye()
 
 
 #: the communicator the ranks meet in now (MPI's world, then, with job.spare_ranks, their process group's) and

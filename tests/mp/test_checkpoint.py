@@ -407,27 +407,31 @@ def spare_processes(run_dir) -> list[str]:
 
 
 def test_a_killed_rank_is_restarted_in_the_same_processes_bitwise(tmp_path, small_dataset, reference_2x1):
-    """job.spare_ranks=1: rank 0 (no store on it: the keeper holds it) SIGKILLed after step 6. The keeper puts the
-    warm spare in its place, the survivor stays in its process and both go on from node memory in the same launch;
-    a second kill finds no spare left and falls back to a new launch. The run ends bit-identical to the
-    uninterrupted one, with no keeper, spare or node folder left."""
+    """job.spare_ranks=1: rank 1 SIGKILLed after step 6. The keeper puts the warm spare in its place, rank 0 stays
+    in its process and both go on from node memory in the same launch; rank 1 is slowed (0.3 s a step) so that the
+    run goes on past the 3 s peer timeout, which the broken generation's watchdog must not act on. A second kill, of
+    rank 0 (the store is the keeper's), is past job.max_failures=1 in-process restarts and falls back to a new
+    launch. The run ends bit-identical to the uninterrupted one, with no keeper, spare or node folder left."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, [*common(small_dataset), *TWO_NODES, *SPARE, "job.max_failures=3"])
+    sets = [*common(small_dataset), *TWO_NODES, *SPARE, "job.max_failures=1", "monitor.heartbeat_s=1",
+            "monitor.peer_timeout_s=3"]  # fmt: skip
+    proc = start(run_dir, sets, inject="slow:1:0.3")
     wait_for_step(run_dir, 6, proc)
-    survivor = rank_pids(run_dir)[1]
-    os.kill(rank_pids(run_dir)[0], signal.SIGKILL)
+    survivor = rank_pids(run_dir)[0]
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
     rejoin = wait_for_event(run_dir, "rejoin", 1, proc)
-    assert rejoin["dead"] == [0] and rejoin["spares"] == {"0": 0}, rejoin
+    assert rejoin["dead"] == [1] and rejoin["spares"] == {"1": 0}, rejoin
     resume = wait_for_event(run_dir, "resume", 1, proc)
-    assert resume["launch"] == rejoin["launch"] and rank_pids(run_dir)[1] == survivor  # the same launch and process
+    assert resume["launch"] == rejoin["launch"] and rank_pids(run_dir)[0] == survivor  # the same launch and process
     assert resume["restored_from"]["from"] == "memory" and resume["step"] >= 5, resume
-    wait_for_step(run_dir, resume["step"] + 3, proc)
-    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # no spare left: the launch restarts
+    wait_for_step(run_dir, resume["step"] + 14, proc)  # over 4 s: past the peer timeout
+    assert not [e for e in history(run_dir) if e["event"] in ("hang", "restart")], history(run_dir)
+    os.kill(survivor, signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     events = history(run_dir)
-    assert [e["event"] for e in events if e["event"] in ("rejoin", "restart")] == ["rejoin", "restart"], events
-    assert "1 rank(s) died and 0 warm spare(s) are left" in (run_dir / "logs" / "keeper.log").read_text()
+    assert [e["event"] for e in events if e["event"] in ("rejoin", "restart", "hang")] == ["rejoin", "restart"], events
+    assert "in-process restarts exceed job.max_failures=1" in (run_dir / "logs" / "keeper.log").read_text()
     assert_same_as(reference_2x1, run_dir)
     assert not memory_folder(run_dir).exists()
     assert not spare_processes(run_dir), spare_processes(run_dir)

@@ -132,6 +132,9 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
     if backend == "nccl" and device.type == "cuda":
         check_one_rank_per_gpu(env, device, comm)
     if env.keeper is not None:
+        if backend == "nccl":  # GroupComm and the connection cut that wakes a blocked collective are gloo's
+            raise UserError("job.spare_ranks: in-process restarts run on the gloo backend only so far (CPU ranks, or "
+                            "comm.backend: gloo); set job.spare_ranks: 0 for NCCL")  # fmt: skip
         link = KeeperLink(env.keeper, env.store_key, cfg.timeout_s)
         link.hello("rank", env.rank)
         return join_generation(env, cfg, device, link, 0)

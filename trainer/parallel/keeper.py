@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import secrets
-import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -40,6 +40,7 @@ log = logging.getLogger("keeper")
 KEEPER_RANK = -1  # the keeper's writer id in sealed values
 GATHER_S = 0.1  # after a first death, how long more deaths are gathered into the same plan (a node's ranks)
 HELLO_S = 5.0  # a new connection's time to prove it holds the launch's key
+MAX_PENDING = 256  # connections not yet proven; more are closed at once
 
 
 def plan_key(gen: int) -> str:
@@ -48,6 +49,10 @@ def plan_key(gen: int) -> str:
 
 def assign_key(spare: int) -> str:
     return f"hpc/rejoin/spare/{spare}"
+
+
+#: where rank 0 leaves the launch's layout for the spares (trainer/startup/boot.py), sealed like the plans
+LAYOUT_KEY = "hpc/rejoin/layout"
 
 
 def proof(secret: bytes, nonce: str, role: str, ident: int) -> str:
@@ -73,7 +78,8 @@ class Member:
     role: str  # "rank" or "spare"
     ident: int  # the rank, or the spare's number
     sock: socket.socket
-    bye: bool = False
+    launched: bool = False  # one of the launcher's own rank processes (not a spare that took a place)
+    bye: bool = False  # it said goodbye ("bye": done; "fail": it ended the launch on purpose)
     buffer: bytes = b""
 
 
@@ -92,11 +98,14 @@ class Keeper:
     dead: dict[int, float] = field(default_factory=dict)  # rank -> when its socket closed, not yet planned for
     done: bool = False
     gen_started: bool = False  # a rank has said hello
+    launcher_done: bool = False  # the launcher's rank processes have all ended (SIGUSR1)
     fallen: bool = False  # a plan said to fall back: the launch ends, no further plans
     seal: Seal = field(init=False)
+    selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
 
     def __post_init__(self) -> None:
         self.seal = Seal(self.secret, KEEPER_RANK)
+        self.selector.register(self.live, selectors.EVENT_READ)
 
     def _put(self, key: str, value: dict) -> None:
         self.store.set(key, self.seal.seal(key, json.dumps(value, sort_keys=True)))
@@ -108,54 +117,63 @@ class Keeper:
         return sorted((m for m in self.members.values() if m.role == "spare"), key=lambda m: m.ident)
 
     def step(self, timeout: float) -> None:
-        """One wait for sockets: accept, check hellos, read goodbyes and closes; plan once deaths are gathered."""
-        socks = [self.live] + [m.sock for m in self.members.values()] + [p[0] for p in self.pending.values()]
-        readable, _, _ = select.select(socks, [], [], timeout)
+        """One wait for sockets: accept, check hellos, read goodbyes and closes; plan once deaths are gathered. A
+        socket's trouble (garbage, a reset) ends that socket, never the keeper."""
         now = time.monotonic()
-        for sock in readable:
-            if sock is self.live:
-                self._accept()
-            elif sock.fileno() in self.pending:
-                self._hello(sock)
-            else:
-                self._read(sock, now)
-        for fd, (sock, _, since) in list(self.pending.items()):
+        for key, _ in self.selector.select(timeout):
+            sock = key.fileobj
+            try:
+                if sock is self.live:
+                    self._accept()
+                elif sock.fileno() in self.pending:
+                    self._hello(sock)
+                elif sock.fileno() in self.members:
+                    self._read(sock, now)
+            except Exception as exc:  # noqa: BLE001 (one connection's fault)
+                log.warning("keeper: a connection failed (%s: %s); closed", type(exc).__name__, exc)
+                self._forget(sock)
+        for sock, _, since in list(self.pending.values()):
             if now - since > HELLO_S:
-                self._drop(fd, sock)
+                self._forget(sock)
         if self.dead and now - min(self.dead.values()) >= GATHER_S:
             self._plan()
-        if self.gen_started and not self.dead and not self.ranks():
+        if (self.gen_started or self.launcher_done) and not self.dead and not self.ranks():
             self.done = True  # every rank said goodbye or died
 
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            sock, _ = self.live.accept()
-            nonce = secrets.token_hex(16)
-            sock.sendall(f"{nonce}\n".encode())
-            self.pending[sock.fileno()] = (sock, nonce, time.monotonic())
-
-    def _drop(self, fd: int, sock: socket.socket) -> None:
-        self.pending.pop(fd, None)
+    def _forget(self, sock: socket.socket) -> None:
+        with contextlib.suppress(Exception):
+            self.selector.unregister(sock)
+        self.pending.pop(sock.fileno(), None)
+        self.members.pop(sock.fileno(), None)
         with contextlib.suppress(OSError):
             sock.close()
 
+    def _accept(self) -> None:
+        sock, _ = self.live.accept()
+        if len(self.pending) >= MAX_PENDING:  # a flood of connections that never prove anything
+            sock.close()
+            return
+        sock.setblocking(False)
+        nonce = secrets.token_hex(16)
+        sock.send(f"{nonce}\n".encode())
+        self.pending[sock.fileno()] = (sock, nonce, time.monotonic())
+        self.selector.register(sock, selectors.EVENT_READ)
+
     def _hello(self, sock: socket.socket) -> None:
-        fd = sock.fileno()
-        _, nonce, _ = self.pending[fd]
-        try:
-            line = sock.recv(512).decode("ascii", "replace").strip()
-            role, ident_text, mac = line.split()
-            ident = int(ident_text)
-        except (OSError, ValueError):
-            return self._drop(fd, sock)
-        if role not in ("rank", "spare") or not hmac.compare_digest(mac, proof(self.secret, nonce, role, ident)):
+        _, nonce, _ = self.pending[sock.fileno()]
+        role, ident_text, mac = sock.recv(512).split()
+        ident = int(ident_text)
+        role = role.decode("ascii")
+        if role not in ("rank", "spare") or not hmac.compare_digest(
+            mac, proof(self.secret, nonce, role, ident).encode()
+        ):
             log.warning("keeper: a connection that does not hold the launch's key was refused")
-            return self._drop(fd, sock)
-        del self.pending[fd]
-        self.members[fd] = Member(role, ident, sock)
+            return self._forget(sock)
+        del self.pending[sock.fileno()]
+        self.members[sock.fileno()] = Member(role, ident, sock, launched=role == "rank")
         if role == "rank":
             self.gen_started = True
-        sock.sendall(b"ok\n")
+        sock.send(b"ok\n")
 
     def _read(self, sock: socket.socket, now: float) -> None:
         member = self.members[sock.fileno()]
@@ -164,39 +182,47 @@ class Keeper:
         except OSError:
             data = b""
         if data:
-            member.buffer += data
-            if b"bye" in member.buffer:
-                member.bye = True
+            member.buffer = (member.buffer + data)[-64:]
+            if b"fail" in member.buffer and not member.bye and member.role == "rank" and not self.fallen:
+                self._fall_back(f"rank {member.ident} ended the launch")
+            member.bye = member.bye or b"bye" in member.buffer or b"fail" in member.buffer
             return
-        del self.members[sock.fileno()]
-        with contextlib.suppress(OSError):
-            sock.close()
+        self._forget(sock)
         if member.role == "rank" and not member.bye and not self.fallen:
             log.warning("keeper: rank %d's process ended without a goodbye (generation %d)", member.ident, self.gen)
             self.dead[member.ident] = now
         elif member.role == "spare" and not member.bye:
             log.warning("keeper: spare %d ended while waiting", member.ident)
 
+    def _fall_back(self, why: str, plan: dict | None = None) -> None:
+        """The next generation's plan says to end the launch (the launcher restarts it)."""
+        self.gen += 1
+        plan = {**(plan or {}), "gen": self.gen, "world": self.world, "at": time.time(), "fallback": why}
+        self.fallen = True
+        self._put(plan_key(self.gen), plan)
+        log.warning("keeper: generation %d: %s", self.gen, json.dumps(plan, sort_keys=True))
+
     def _plan(self) -> None:
         """The next generation: a spare in each dead rank's place, or the fall-back."""
         dead = sorted(self.dead)
+        died_at = time.time() - (time.monotonic() - min(self.dead.values()))
         self.dead.clear()
-        self.gen += 1
         self.restarts += 1
         spares = self.idle_spares()
-        plan: dict = {"gen": self.gen, "dead": dead, "world": self.world, "at": time.time()}
+        facts = {"dead": dead, "died_at": died_at}
         if self.restarts > self.max_restarts:
-            plan["fallback"] = f"in-process restarts exceed job.max_failures={self.max_restarts}"
-        elif len(spares) < len(dead):
-            plan["fallback"] = f"{len(dead)} rank(s) died and {len(spares)} warm spare(s) are left"
-        else:
-            plan["spares"] = {}
-            for rank, spare in zip(dead, spares, strict=False):
-                plan["spares"][str(rank)] = spare.ident
-                self._put(assign_key(spare.ident), {"gen": self.gen, "rank": rank})
-                spare.role, spare.ident = "rank", rank  # its socket now watches that rank
-                self.spawn()  # a new warm spare for the next failure, importing while the ranks go on
-        self.fallen = "fallback" in plan
+            return self._fall_back(f"in-process restarts exceed job.max_failures={self.max_restarts}", facts)
+        if len(spares) < len(dead):
+            return self._fall_back(f"{len(dead)} rank(s) died and {len(spares)} warm spare(s) are left", facts)
+        if not any(m.launched for m in self.ranks().values()):  # the launcher follows its own rank processes
+            return self._fall_back("none of the launcher's own rank processes is left", facts)
+        self.gen += 1
+        plan: dict = {**facts, "gen": self.gen, "world": self.world, "at": time.time(), "spares": {}}
+        for rank, spare in zip(dead, spares, strict=False):
+            plan["spares"][str(rank)] = spare.ident
+            self._put(assign_key(spare.ident), {"gen": self.gen, "rank": rank})
+            spare.role, spare.ident = "rank", rank  # its socket now watches that rank
+            self.spawn()  # a new warm spare for the next failure, importing while the ranks go on
         self._put(plan_key(self.gen), plan)
         log.warning("keeper: generation %d: %s", self.gen, json.dumps(plan, sort_keys=True))
 
@@ -208,6 +234,10 @@ class Keeper:
 
 
 def serve(args: argparse.Namespace) -> int:
+    flags: dict[str, bool] = {}  # the signals' notes, set before the slow import: a signal never kills the keeper
+    signal.signal(signal.SIGTERM, lambda *_: flags.update(stop=True))  # the launcher: end now
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the ranks, which still need the store
+    signal.signal(signal.SIGUSR1, lambda *_: flags.update(launcher_done=True))  # mpirun has ended
     import torch.distributed as dist  # the store's server; imported while the ranks start
 
     secret = bytes.fromhex(os.environ.pop(STORE_KEY_VAR, ""))
@@ -223,11 +253,9 @@ def serve(args: argparse.Namespace) -> int:
     keeper = Keeper(secret, args.world, args.max_restarts, store, live, spawn=spares.start)
     for _ in range(args.spares):
         spares.start()
-    stop = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.append(1))
     parent = os.getppid()
-    while not stop and not keeper.done and os.getppid() == parent:
+    while not flags.get("stop") and not keeper.done and os.getppid() == parent:
+        keeper.launcher_done = flags.get("launcher_done", False)
         keeper.step(0.05)
     keeper.close_spares()
     spares.end()  # the idle ones read their close and go (before the store does); any left are killed

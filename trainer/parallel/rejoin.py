@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainer.observe.beats import peek
 from trainer.parallel.keeper import KEEPER_RANK, KeeperAddress, assign_key, plan_key, proof
 from trainer.parallel.storeseal import Seal
 
@@ -26,15 +27,15 @@ log = logging.getLogger(__name__)
 
 #: gloo's words for a peer that went away, or a connection cut by the watch below
 PEER_GONE = re.compile(r"closed by peer|reset by peer|Read error|Write error|Broken pipe|Connection refused|"
-                       r"Socket closed|Timed out waiting", re.IGNORECASE)  # fmt: skip
+                       r"Socket closed", re.IGNORECASE)  # fmt: skip
 
 
 class PeerLost(Exception):
     """This generation's collectives failed because a rank died; ``plan`` is the keeper's next generation."""
 
-    def __init__(self, plan: dict, cause: BaseException) -> None:
+    def __init__(self, plan: dict) -> None:
         super().__init__(f"generation {plan.get('gen')}: {plan}")
-        self.plan, self.cause = plan, cause
+        self.plan = plan
 
 
 class KeeperLink:
@@ -59,18 +60,19 @@ class KeeperLink:
         sock.settimeout(None)
         self._sock = sock
 
-    def bye(self) -> None:
-        """This process ends on purpose: its socket's close is no death."""
+    def bye(self, word: bytes = b"bye") -> None:
+        """This process ends on purpose: its socket's close is no death. ``b"fail"``: it ends the launch (the keeper
+        tells the others at once to fall back rather than wait for a spare)."""
         if self._sock is not None:
             with contextlib.suppress(OSError):
-                self._sock.sendall(b"bye\n")
+                self._sock.sendall(word + b"\n")
                 self._sock.close()
             self._sock = None
 
     def read(self, key: str) -> dict | None:
-        if not self.store.check([key]):
-            return None
-        value = self.seal.open(key, self.store.get(key))
+        """The sealed value under ``key`` now (never waiting: a stranger may delete a key between a check and a
+        get), None when there is none or it is not the launch's."""
+        value = self.seal.open(key, peek(self.store, key))
         return None if value is None else json.loads(value)
 
     def wait(self, key: str, timeout_s: float, poll_s: float = 0.02) -> dict | None:
@@ -125,16 +127,18 @@ class PlanWatch:
                 plan = self.link.read(plan_key(self.next))
             except Exception:  # the store gone: the launch is ending
                 return
-            if plan is not None:
+            if plan is not None:  # a spare planned in, or the fall-back: either way this generation is over
                 self.plan = plan
-                if "fallback" not in plan:
-                    cut = cut_accepted()
-                    log.info("generation %d planned: %d gloo connection(s) cut", self.next, cut)
+                cut = cut_accepted()
+                log.info("generation %d planned: %d gloo connection(s) cut", self.next, cut)
                 return
             self._stop.wait(0.02)
 
     def close(self) -> None:
+        """Stopped and joined: a cut must not reach the next generation's connections."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 def cut_accepted() -> int:

@@ -28,6 +28,7 @@ from trainer.observe.tracker_sink import Tracker, open_tracker
 from trainer.parallel.distributed import Distributed, init_distributed, join_generation, pick_device
 from trainer.parallel.fdlimit import needed, raise_open_files
 from trainer.parallel.groupcomm import GroupComm
+from trainer.parallel.keeper import LAYOUT_KEY
 from trainer.parallel.mpi_library import is_mpich, library_name
 from trainer.parallel.rejoin import KeeperLink
 
@@ -109,10 +110,6 @@ def boot(
     return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, distributed=d, tracker=tracker)
 
 
-#: where rank 0 leaves the launch's layout for the spares (job.spare_ranks), sealed like the keeper's values
-LAYOUT_KEY = "hpc/rejoin/layout"
-
-
 def leave_mpi(booted: Booted, comm: MPI.Comm, rundir: RunDir, progress) -> GroupComm:  # noqa: ANN001
     """With a keeper (job.spare_ranks): rank 0 leaves the launch's layout for the spares, and the ranks meet over
     their process group from here on. MPI is left as it is, not finalized: under hydra a rank that dies after
@@ -144,7 +141,7 @@ def boot_spare(rundir: RunDir, spare: int, clock: StartupClock, early: EarlySign
     own = own_env()
     link = KeeperLink(own.keeper, own.store_key, cfg.comm.timeout_s)
     link.hello("spare", spare)
-    place = link.assignment(spare)
+    place = link.assignment(spare)  # as it waits, its link is the process's: a failure from here says "fail"
     if place.get("close"):
         link.bye()
         return None
@@ -154,6 +151,8 @@ def boot_spare(rundir: RunDir, spare: int, clock: StartupClock, early: EarlySign
     env = own.as_rank(int(place["rank"]), layout)
     setup_logging(rundir, env.rank)
     log.info("spare %d takes rank %d's place in generation %d (pid %d)", spare, env.rank, place["gen"], os.getpid())
+    if env.rank == 0 and cfg.tracking.backend not in ("off", False):
+        log.warning("rank 0's place taken by a spare: tracking stops for this launch (the next launch resumes it)")
     stop = _stop_flag(cfg, early)
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
     device = pick_device(env, cfg.train.device)

@@ -53,13 +53,16 @@ def build_parts(
     clock: StartupClock | None = None,
     tracker: Tracker | None = None,
     recipe: Recipe | None = None,
+    recipe_stack: contextlib.ExitStack | None = None,
 ) -> Parts:
     """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``clock`` notes
     when the recipe was built and this rank's peak memory once the model is built and split (``model_built``),
     before any forward. ``tracker``: rank 0's (``trainer.boot`` opens it, so that its sender's start-up overlaps
-    the launch's). ``recipe``: one built before (kept by an in-process restart: its model and data)."""
+    the launch's). ``recipe``: one built before (kept by an in-process restart: its model and data);
+    ``recipe_stack``: where a recipe built here registers its closes (default ``stack``; one that outlives the
+    parts keeps the recipe for the next generation)."""
     if recipe is None:
-        recipe = make_recipe(cfg, env, distributed, rundir, comm, stack)
+        recipe = make_recipe(cfg, env, distributed, rundir, comm, recipe_stack or stack)
     if clock is not None:
         clock.mark("recipe")
     wrapped, shapes = place_model(cfg, env, distributed, recipe, comm)
