@@ -6,7 +6,7 @@ going back through the queue, and the goodput of a run whose ranks are killed ev
 
 ``--memory-every N`` adds checkpoints in node memory every N steps (checkpoint.memory_every_steps) to every run;
 ``--spares N`` warm spares (job.spare_ranks) to the local runs, whose killed rank is then restarted in-process
-(restart_decided_s: the keeper's plan).
+(restart_decided_s: the rejoin event, once the survivors joined the new generation).
 
 On its own local Slurm clusters (envs/slurm/cluster.sh) and under the local launcher; the methods, the clock and
 the goodput's definition: bench/README.md.
@@ -205,12 +205,13 @@ def resumes(run_dir: Path) -> int:
 
 
 def kill_every(run_dir: Path, proc: subprocess.Popen, every: int) -> int:
-    """SIGKILL rank 1 each time the run passes another ``every`` steps; the number of kills."""
+    """SIGKILL a rank each time the run passes another ``every`` steps (rank 1, else the first of the launcher's
+    rank processes after rank 0 still there: a spare in a dead rank's place is no MPI rank); the number of kills."""
     kills = 0
     while every and proc.poll() is None:
         target = (kills + 1) * every
         wait(lambda t=target: proc.poll() is not None or step_reached(run_dir, t), timeout=3600)
-        pid = rank_pid(run_dir, 1)
+        pid = next((p for p in (rank_pid(run_dir, r) for r in range(1, 64)) if p), None)
         if proc.poll() is None and pid:
             os.kill(pid, signal.SIGKILL)
             kills += 1

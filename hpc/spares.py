@@ -23,8 +23,8 @@ from rundir.contract import KEEPER_VAR, STORE_KEY_VAR
 
 NETMOD_VAR = "MPIR_CVAR_CH4_NETMOD"
 
-#: seconds the launcher waits, once mpirun ended, for the spares that took places to finish (their ranks' work)
-FINISH_S = 600.0
+#: seconds the launcher waits, once mpirun ended, for the keeper to end (it gives the spares 10 s, then kills them)
+FINISH_S = 60.0
 
 
 class Spares:
@@ -56,8 +56,9 @@ class Spares:
             live.close()
 
     def finish(self, timeout_s: float = FINISH_S) -> None:
-        """After mpirun ended: the keeper ends once every rank (spares that took a place included) has ended, and
-        tells the idle spares to go; what is still running after ``timeout_s`` is killed."""
+        """After mpirun ended: the keeper tells the idle spares to go and ends, the spares that took a place having
+        ended with the launcher's ranks (every generation holds some); what is still running after ``timeout_s`` is
+        killed."""
         with contextlib.suppress(ProcessLookupError):
             self.keeper.send_signal(signal.SIGUSR1)  # mpirun ended: with no rank left (none ever came) it ends now
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -92,12 +92,12 @@ class JobConfig(Section):
         bounds=Range(ge=0),
     )
     spare_ranks: int = doc(
-        "Warm spare processes per launch (local launcher): started beside the ranks, they import and wait. With "
-        "spares, a rank that dies is restarted in the same processes: the survivors leave the broken process "
+        "Warm spare processes per launch (local launcher, gloo): started beside the ranks, they import and wait. "
+        "With spares, a rank that dies is restarted in the same processes: the survivors leave the broken process "
         "groups, a spare takes the dead rank's place, every rank restores the newest checkpoint in node memory "
-        "(else the durable one) and training goes on, without a new launch. Data-parallel layouts only; a failure "
-        "the survivors cannot get past in monitor.rejoin_timeout_s, or with no spare left, restarts the launch as "
-        "without spares. 0 = off.",
+        "(else the durable one) and training goes on, without a new launch. Data-parallel layouts only. With no "
+        "spare ready, past job.max_failures in-process restarts, or with no plan within monitor.rejoin_timeout_s, "
+        "the launch restarts as without spares. 0 = off.",
         0,
         bounds=Range(ge=0, le=64),
     )

@@ -60,9 +60,9 @@ class MonitorConfig(Section):
         bounds=Range(ge=0),
     )
     rejoin_timeout_s: float = doc(
-        "With job.spare_ranks: seconds the ranks left after a rank died wait for the rest of the new generation (a "
-        "spare in the dead rank's place, every survivor out of its failed collective) before they give up and the "
-        "launch restarts.",
+        "With job.spare_ranks: seconds a rank whose collective failed waits for the keeper's plan of the next "
+        "generation (a spare in the dead rank's place) before it gives up and the launch restarts. Joining the "
+        "new generation's process groups is bounded by comm.timeout_s.",
         30.0,
         bounds=Range(gt=0),
     )

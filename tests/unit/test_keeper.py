@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def keeper(tmp_path):
     where = KeeperAddress("127.0.0.1", store.getsockname()[1], live.getsockname()[1])
     env = {**os.environ, STORE_KEY_VAR: key.hex(), "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "trainer.parallel.keeper", "--store-fd", str(store.fileno()), "--live-fd",
-               str(live.fileno()), "--addr", "127.0.0.1", "--world", "2", "--max-restarts", "1",
+               str(live.fileno()), "--addr", "127.0.0.1", "--world", "2", "--max-restarts", "5",
                "--run-dir", str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(command, env=env, pass_fds=(store.fileno(), live.fileno()), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -54,12 +55,18 @@ def test_a_dead_rank_gets_a_spare_and_strangers_set_off_nothing(keeper):
     link.hello("rank", 0)
     spare = hello(where, key, "spare", 0)
     rank1 = hello(where, key, "rank", 1)
-    # A stranger: a wrong proof is refused, a posing rank's close sets off no plan.
+    # Strangers: a wrong proof is refused, a posing rank's close sets off no plan, garbage closes its own socket.
     stranger = socket.create_connection((where.addr, where.live_port), timeout=10)
     nonce = stranger.recv(64).decode().strip()
     stranger.sendall(f"rank 1 {proof(b'not the key', nonce, 'rank', 1)}\n".encode())
     assert stranger.recv(8) == b""  # closed by the keeper
     stranger.close()
+    for garbage in (b"rank 0 \xff\xfe\n", b"\x00" * 600, b"spare x y\n"):
+        bad = socket.create_connection((where.addr, where.live_port), timeout=10)
+        bad.recv(64)
+        bad.sendall(garbage)
+        assert bad.recv(8) == b""
+        bad.close()
     # A forged plan in the store reads as nothing.
     forged = json.dumps({"v": json.dumps({"gen": 1, "spares": {"1": 7}}), "r": -1, "n": 1, "m": "0" * 64})
     link.store.set(plan_key(1), forged)
@@ -88,4 +95,40 @@ def test_no_spare_left_is_a_fallback(keeper):
     plan = link.wait(plan_key(1), 10.0)
     assert plan["fallback"] == "1 rank(s) died and 0 warm spare(s) are left", plan
     link.bye()
+    assert proc.wait(timeout=10) == 0
+
+
+def test_a_rank_that_ends_the_launch_on_purpose_is_no_death_to_replace(keeper):
+    """A rank that fails on purpose (a user error, a failure it reports) says "fail": the keeper tells the others
+    to fall back at once and places no spare, though one waits; later closes set off nothing."""
+    proc, where, key = keeper
+    link = KeeperLink(where, key, timeout_s=30)
+    link.hello("rank", 0)
+    spare = hello(where, key, "spare", 0)
+    rank1 = hello(where, key, "rank", 1)
+    rank1.sendall(b"fail\n")
+    rank1.close()
+    plan = link.wait(plan_key(1), 10.0)
+    assert plan["fallback"] == "rank 1 ended the launch" and "spares" not in plan, plan
+    link.bye(b"fail")
+    assert proc.wait(timeout=10) == 0
+    assert link.read(assign_key(0)) is None or link.read(assign_key(0)) == {"close": True}
+    spare.close()
+
+
+def test_a_plan_never_leaves_the_launcher_without_its_own_ranks(keeper):
+    """Spares took every place the launcher's rank processes held: the next death falls back (mpirun, which the
+    launcher follows, would have ended with its ranks)."""
+    proc, where, key = keeper
+    link = KeeperLink(where, key, timeout_s=30)
+    spares = [hello(where, key, "spare", n) for n in range(3)]
+    ranks = [hello(where, key, "rank", r) for r in range(2)]
+    ranks[0].close()
+    assert link.wait(plan_key(1), 10.0)["spares"] == {"0": 0}
+    ranks[1].close()
+    assert link.wait(plan_key(2), 10.0)["spares"] == {"1": 1}
+    spares[0].close()  # spare 0, now rank 0, dies: spare 2 waits, but no launcher rank would be left
+    plan = link.wait(plan_key(3), 10.0)
+    assert plan["fallback"] == "none of the launcher's own rank processes is left", plan
+    os.kill(proc.pid, signal.SIGUSR1)  # the launcher: mpirun ended
     assert proc.wait(timeout=10) == 0

@@ -98,7 +98,7 @@ class Keeper:
     dead: dict[int, float] = field(default_factory=dict)  # rank -> when its socket closed, not yet planned for
     done: bool = False
     gen_started: bool = False  # a rank has said hello
-    launcher_done: bool = False  # the launcher's rank processes have all ended (SIGUSR1)
+    launcher_done: bool = False  # mpirun, and with it the launcher's own rank processes, ended (SIGUSR1)
     fallen: bool = False  # a plan said to fall back: the launch ends, no further plans
     seal: Seal = field(init=False)
     selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
@@ -137,8 +137,10 @@ class Keeper:
                 self._forget(sock)
         if self.dead and now - min(self.dead.values()) >= GATHER_S:
             self._plan()
-        if (self.gen_started or self.launcher_done) and not self.dead and not self.ranks():
+        if self.gen_started and not self.dead and not self.ranks():
             self.done = True  # every rank said goodbye or died
+        if self.launcher_done:  # mpirun ended: every generation holds one of its ranks, so the launch is over (the
+            self.done = True  # spares still running, if any, end with the keeper: SparePool.end)
 
     def _forget(self, sock: socket.socket) -> None:
         with contextlib.suppress(Exception):
