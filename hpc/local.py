@@ -130,7 +130,17 @@ def run_local(
     metrics, and return how it ended."""
     nodes = simulated_nodes(cfg) if nodes is None else nodes
     world_size = len(nodes) * cfg.job.ranks_per_node
-    command = launcher.command(world_size, trainer_command(rundir, cfg.job.launch_prefix), node_wraps(cfg, nodes))
+    if cfg.job.spare_ranks:  # the ranks are no MPI processes: hydra would end them all at a second death
+        command = [
+            sys.executable,
+            "-m",
+            "hpc.spawn",
+            str(world_size),
+            "--",
+            *trainer_command(rundir, cfg.job.launch_prefix),
+        ]
+    else:
+        command = launcher.command(world_size, trainer_command(rundir, cfg.job.launch_prefix), node_wraps(cfg, nodes))
     rundir.clear_failure()  # from an earlier attempt of this run directory
     launch_id = new_launch_id()
     metrics = JsonlFollower(rundir.metrics, launch=launch_id)  # this launch's steps only, not a resumed run's

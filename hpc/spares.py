@@ -21,8 +21,6 @@ from runconfig import RunConfig
 from rundir import RunDir
 from rundir.contract import KEEPER_VAR, STORE_KEY_VAR
 
-NETMOD_VAR = "MPIR_CVAR_CH4_NETMOD"
-
 #: seconds the launcher waits, once mpirun ended, for the keeper to end (it gives the spares 10 s, then kills them)
 FINISH_S = 60.0
 
@@ -36,10 +34,6 @@ class Spares:
         store, live = _listener(addr), _listener(addr)
         env[KEEPER_VAR] = f"{addr}:{store.getsockname()[1]}:{live.getsockname()[1]}"
         env[STORE_KEY_VAR] = key
-        # MPICH's OFI network module (the trainer's default, trainer/parallel/mpi_library.py) ends every rank when
-        # one dies, long after MPI's last use; UCX leaves them be (docs/measurements/notes-trainer.md). Under hydra
-        # UCX's long business cards are no problem.
-        env.setdefault(NETMOD_VAR, "ucx")
         log = rundir.logs / "keeper.log" if rundir.logs.is_dir() else Path(os.devnull)
         command = [sys.executable, "-u", "-m", "trainer.parallel.keeper", "--store-fd", str(store.fileno()),
                    "--live-fd", str(live.fileno()), "--addr", addr, "--world", str(world_size), "--max-restarts",

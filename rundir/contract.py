@@ -55,6 +55,10 @@ INJECT_VAR = "HPC_INJECT"  # faults injected on purpose by tests (trainer/observ
 # launch's store key (hex; made by the launcher, never written to a file; the ranks drop it from their environment)
 KEEPER_VAR = "HPC_KEEPER"
 STORE_KEY_VAR = "HPC_STORE_KEY"
+# With job.spare_ranks the local launcher starts the ranks itself (hpc/spawn.py), not through MPI: each one's rank
+# and the world size
+SPAWN_RANK_VAR = "HPC_SPAWN_RANK"
+SPAWN_WORLD_VAR = "HPC_SPAWN_WORLD"
 # Read by the local launcher (hpc/local.py): one command prefix per simulated node, "|"-separated (benchmarks run
 # each emulated node's ranks in a network namespace of its own: `ip netns exec NAME`)
 NODE_WRAP_VAR = "HPC_LOCAL_NODE_WRAP"

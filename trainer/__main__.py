@@ -8,7 +8,7 @@ import sys
 # a clean stop: tests/mp/test_checkpoint.py sends one while the processes start).
 from trainer.main import main  # isort: skip
 
-from rundir.contract import EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR, KEEPER_VAR  # noqa: E402
+from rundir.contract import EXIT_DONE, EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
 from trainer.loop.stop import ignore_stop_signals  # noqa: E402
 
 #: Outcomes after which every rank has met (the last barrier of a clean shutdown, or the user error's meeting) with
@@ -32,7 +32,6 @@ sys.stderr.flush()
 logging.shutdown()
 from mpi4py import MPI  # noqa: E402  (imported by trainer.main already)
 
-# With job.spare_ranks MPI is not finalized: a rank of the launch may be dead (trainer/startup/boot.py leave_mpi).
-if MPI.Is_initialized() and not MPI.Is_finalized() and not os.environ.get(KEEPER_VAR):
+if MPI.Is_initialized() and not MPI.Is_finalized():  # not with job.spare_ranks: no MPI there
     MPI.Finalize()
 os._exit(status)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,6 +20,8 @@ from rundir.contract import (
     LAUNCH_VAR,
     NODE_LABELS_VAR,
     SIMULATE_VAR,
+    SPAWN_RANK_VAR,
+    SPAWN_WORLD_VAR,
     STORE_KEY_VAR,
     data_cache,
 )
@@ -126,31 +128,31 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
     simulate = environ.get(SIMULATE_VAR, "").strip()
     topology = _topology(comm, environ, simulate, size, leader)
     node_names = _node_names(comm, environ, simulate, topology, size, hostname)
-    return RuntimeEnv(
-        rank=rank,
-        world_size=size,
-        host_local_rank=host_local_rank,
-        host_local_size=host_local_size,
-        hostname=hostname,
-        slurm_node=environ.get("SLURMD_NODENAME"),
-        hosts=hosts,
-        one_network=len(set(seen)) == 1,
-        node_names=node_names,
-        topology=topology,
-        simulated_nodes=bool(simulate),
-        cpus=len(os.sched_getaffinity(0)),
-        slurm_job_id=slurm_job_id(environ),
-        slurm_restart_count=slurm_restart_count(environ),
-        data_cache=data_cache(environ),
-        launch_id=environ.get(LAUNCH_VAR, ""),
-        inject=inject.parse(environ.get(INJECT_VAR, "")),
-        tracking_vars=tuple((k, environ[k]) for k in (TRACKING_VAR, MLFLOW_URI_VAR) if k in environ),
-        **keeper_fields(environ),
-    )
+    return replace(own_env(environ), rank=rank, world_size=size, host_local_rank=host_local_rank,
+                   host_local_size=host_local_size, hosts=hosts, one_network=len(set(seen)) == 1,
+                   node_names=node_names, topology=topology, simulated_nodes=bool(simulate))  # fmt: skip
+
+
+def from_spawn(environ: dict[str, str] | None = None) -> RuntimeEnv:
+    """A rank the local launcher started itself (job.spare_ranks, hpc/spawn.py; no MPI): its rank and the world
+    from the environment, every rank on this host, the nodes simulated."""
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        rank, size = int(environ[SPAWN_RANK_VAR]), int(environ[SPAWN_WORLD_VAR])
+    except (KeyError, ValueError):
+        raise UserError(f"environment variables {SPAWN_RANK_VAR} and {SPAWN_WORLD_VAR} must be integers: "
+                        "hpc/spawn.py sets them") from None  # fmt: skip
+    simulate = environ.get(SIMULATE_VAR, "").strip() or str(size)
+    topology = _topology(None, environ, simulate, size, 0)  # simulated: no meeting
+    own = own_env(environ)
+    return replace(own, rank=rank, world_size=size, host_local_rank=rank, host_local_size=size,
+                   hosts=(own.hostname,) * size, node_names=_node_names(None, environ, simulate, topology, size,
+                   own.hostname), topology=topology, simulated_nodes=True)  # fmt: skip
 
 
 def own_env(environ: dict[str, str] | None = None) -> RuntimeEnv:
-    """A warm spare's own process facts (job.spare_ranks), before it takes a rank's place (``as_rank``)."""
+    """This process's own facts (the scheduler's variables, CPUs, the keeper), the launch's layout left as one
+    rank alone: ``from_mpi`` and ``from_spawn`` fill it in, a warm spare takes a rank's (``as_rank``)."""
     environ = dict(os.environ if environ is None else environ)
     return RuntimeEnv(
         rank=-1,

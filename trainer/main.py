@@ -31,16 +31,21 @@ STARTUP_DEADLINE = StartupDeadline(PROCESS_START)  # a start-up that hangs ends 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from rundir.contract import SPAWN_RANK_VAR  # noqa: E402
 from trainer.parallel.mpi_library import apply_defaults  # noqa: E402
 
 MPI_DEFAULTS = apply_defaults()  # before MPI starts: the MPI library reads these at MPI_Init
 
-if "--spare" in sys.argv:  # a warm spare (job.spare_ranks) is no MPI process: it takes a place the keeper gives it
+# With job.spare_ranks no rank is an MPI process: the local launcher starts them itself (hpc/spawn.py), and a warm
+# spare takes the place the keeper gives it.
+SPAWNED = SPAWN_RANK_VAR in os.environ
+if SPAWNED or "--spare" in sys.argv:
     import mpi4py  # noqa: E402
 
     mpi4py.rc.initialize = False
@@ -61,7 +66,7 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, 
     # Imported here so that `--help` and config errors do not pay for importing torch.
     from trainer.observe.startup import StartupClock
     from trainer.parallel.rejoin import PeerLost
-    from trainer.startup.boot import boot, boot_spare, leave_mpi
+    from trainer.startup.boot import boot, boot_spare, boot_spawned
 
     # DDP's constructor imports torch._dynamo: import it in the background while this thread reads the config and
     # the MPI layout and meets the other ranks, which import nothing; joined before the parts are built. Never
@@ -69,11 +74,11 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, 
     importer = threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True)
     importer.start()
     clock = StartupClock(PROCESS_START)
-    if spare is None:
+    if SPAWNED:  # job.spare_ranks: no MPI; the ranks meet over their process group
+        booted, comm = boot_spawned(rundir, clock, EARLY_SIGNALS, STARTUP_DEADLINE)
+        WHO.update(comm=comm, link=booted.distributed.keeper)
+    elif spare is None:
         booted = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
-        if booted.distributed.keeper is not None:  # from here on the ranks meet over their process group
-            comm = leave_mpi(booted, comm, rundir, progress)
-            WHO.update(comm=comm, link=booted.distributed.keeper)
     else:
         importer.join()
         placed = boot_spare(rundir, spare, clock, EARLY_SIGNALS)
@@ -177,15 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spare", type=int, default=None, help=argparse.SUPPRESS)  # job.spare_ranks: its number
     args = parser.parse_args(argv)
     rundir = RunDir(args.run_dir)
-    if args.spare is None:
+    mpi = args.spare is None and not SPAWNED
+    if mpi:
         WHO.update(comm=MPI.COMM_WORLD, rank=MPI.COMM_WORLD.Get_rank())
-    else:
+    else:  # alone until it meets the others in its process group (a spare: until it takes a place)
         from trainer.parallel.groupcomm import SoloComm
 
-        WHO.update(comm=SoloComm(), rank=-1 - args.spare)  # until it takes a place
+        WHO.update(comm=SoloComm(), rank=int(os.environ[SPAWN_RANK_VAR]) if SPAWNED else -1 - args.spare)
     clean = False
     # messages keep moving while this rank waits outside MPI
-    progress = ProgressThread.start_if_needed(MPI.COMM_WORLD) if args.spare is None else None
+    progress = ProgressThread.start_if_needed(MPI.COMM_WORLD) if mpi else None
     try:
         status = run(rundir, WHO["comm"], progress, args.spare)
         clean = True

@@ -143,6 +143,19 @@ class GroupComm:
         self._next()
         return GroupRequest(dist.barrier(group=self._group, async_op=True))
 
+    def Split(self, color: int, key: int = 0) -> GroupComm:  # noqa: N802 (mpi4py's name)
+        """The ranks of the same ``color`` in a group of their own (collective: every rank makes every color's
+        group); ranked by rank in this one, not by ``key`` (the trainer's splits pass the rank)."""
+        if self._group is not None:
+            raise NotImplementedError("GroupComm.Split splits the default group only")
+        colors = self.allgather(color)
+        mine = None
+        for value in sorted(set(colors), key=repr):
+            group = dist.new_group([r for r, c in enumerate(colors) if c == value])
+            if value == color:
+                mine = group
+        return GroupComm(mine, self._secret)
+
     def Free(self) -> None:  # noqa: N802 (mpi4py's name)
         pass  # the group belongs to its maker
 

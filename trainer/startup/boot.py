@@ -15,7 +15,7 @@ from runconfig import ConfigError, RunConfig, load_config
 from rundir import RunDir
 from rundir import snapshot as code
 from storage import shm
-from trainer.env import RuntimeEnv, agree, from_mpi, own_env, patient_barrier
+from trainer.env import RuntimeEnv, agree, from_mpi, from_spawn, own_env
 from trainer.errors import UserError
 from trainer.loop.stop import EarlySignals, StopFlag
 from trainer.loop.stopreport import record_signal_path
@@ -27,7 +27,7 @@ from trainer.observe.startup import StartupClock
 from trainer.observe.tracker_sink import Tracker, open_tracker
 from trainer.parallel.distributed import Distributed, init_distributed, join_generation, pick_device
 from trainer.parallel.fdlimit import needed, raise_open_files
-from trainer.parallel.groupcomm import GroupComm
+from trainer.parallel.groupcomm import GroupComm, SoloComm
 from trainer.parallel.keeper import LAYOUT_KEY
 from trainer.parallel.mpi_library import is_mpich, library_name
 from trainer.parallel.rejoin import KeeperLink
@@ -110,26 +110,45 @@ def boot(
     return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, distributed=d, tracker=tracker)
 
 
-def leave_mpi(booted: Booted, comm: MPI.Comm, rundir: RunDir, progress) -> GroupComm:  # noqa: ANN001
-    """With a keeper (job.spare_ranks): rank 0 leaves the launch's layout for the spares, and the ranks meet over
-    their process group from here on. MPI is left as it is, not finalized: under hydra a rank that dies after
-    MPI_Finalize gets every other rank killed, and so does a rank's output after one died; this rank's standard
-    output and error therefore go to a file of its own (logs/rank_N.out) from here on."""
-    env = booted.env
-    host_local = comm.allgather((env.host_local_rank, env.host_local_size))
+def boot_spawned(
+    rundir: RunDir, clock: StartupClock, early: EarlySignals, deadline: StartupDeadline | None = None
+) -> tuple[Booted, GroupComm]:
+    """``boot`` for a rank the local launcher started itself (job.spare_ranks, hpc/spawn.py): no MPI. The rank
+    meets the others in the keeper's store, then over its process group (``GroupComm``) for the same checks, and
+    rank 0 leaves the launch's layout there for the spares."""
+    try:  # deterministic checks: every rank fails the same way
+        cfg = load_config(str(rundir.config))
+        code_sha256 = code.activate(rundir)
+        env = from_spawn()
+    except (ConfigError, UserError) as exc:
+        raise UserError(str(exc), collective=True) from None
+    setup_logging(rundir, env.rank)
+    if deadline is not None:
+        deadline.limit(cfg.monitor.startup_timeout_s, rundir.rank_log(env.rank) if rundir.logs.is_dir() else None)
+    fix_mmap_threshold(cfg.train.host_mmap_threshold_kb)
+    stop = _stop_flag(cfg, early)
+    torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
+    log.info("rank %d/%d on %s: node %d local rank %d (simulated nodes, started without MPI: job.spare_ranks), "
+             "%d threads, pid %d", env.rank, env.world_size, env.hostname, env.node, env.local_rank,
+             torch.get_num_threads(), os.getpid())  # fmt: skip
+    Injector(env.inject, env.rank).at_rendezvous(rundir)
+    device = pick_device(env, cfg.train.device)
+    _open_files(env, True, SoloComm())  # this rank's own limit: the others check theirs
+    d = init_distributed(env, cfg.comm, device, SoloComm())
+    comm = GroupComm(None, env.store_key)
+    clock.mark("rendezvous")
+    agree(comm, rundir.writable_error() if env.rank == 0 else None)
+    tracker = open_tracker(cfg, env, rundir, comm)
+    record_signal_path(rundir, env, cfg.checkpoint.stop_signals, early, comm)
     if env.rank == 0:
-        booted.distributed.keeper.publish(LAYOUT_KEY, env.shared_record(host_local))
-    if progress is not None:
-        progress.stop()
-    patient_barrier(comm)
-    if rundir.logs.is_dir():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        fd = os.open(rundir.logs / f"rank_{env.rank:05d}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    return GroupComm(None, env.store_key)
+        removed, relays = shm.sweep(), noderelay.sweep()
+        if removed or relays:
+            log.info("removed %d stale MPI segment(s) and %d relay folder(s) of killed launches", len(removed),
+                     len(relays))  # fmt: skip
+        d.keeper.publish(LAYOUT_KEY, env.shared_record([(r, env.world_size) for r in range(env.world_size)]))
+    if deadline is not None:
+        deadline.end()
+    return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, distributed=d, tracker=tracker), comm
 
 
 def boot_spare(rundir: RunDir, spare: int, clock: StartupClock, early: EarlySignals):  # noqa: ANN201
