@@ -1,7 +1,8 @@
-"""The subset of mpi4py's ``MPI.Comm`` that the trainer uses after start-up, over a torch.distributed gloo group.
+"""The subset of mpi4py's ``MPI.Comm`` that the trainer uses, over a torch.distributed gloo group.
 
-It carries the trainer's collectives after an in-process restart, when MPI's world has a dead rank or lacks the
-spare that replaced it. Payloads are pickled and HMAC-checked with the launch's secret before any is unpickled."""
+With job.spare_ranks the ranks are no MPI processes (hpc/spawn.py starts them, a spare takes a dead rank's place),
+so their meetings go through this. Payloads are pickled and HMAC-checked with the launch's key before any is
+unpickled."""
 
 from __future__ import annotations
 
