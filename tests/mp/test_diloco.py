@@ -1,6 +1,7 @@
 """comm.sync=diloco with real processes: 2 simulated nodes meeting every 4 steps. A stop signal inside a round
 stops at the round's end, and the resumed run ends bit-identical to the uninterrupted one; so does a rank killed
-after a checkpoint in node memory, restored from it (each node's own optimizer state, the outer momentum)."""
+after a checkpoint in node memory, restored from it (each node's own optimizer state, the outer momentum), in a new
+launch or in the same processes with a warm spare."""
 
 import os
 import signal
@@ -43,10 +44,13 @@ def test_diloco_trains_and_a_stop_waits_for_the_rounds_end(tmp_path, small_datas
     assert_same(uninterrupted, run_dir)
 
 
-def test_diloco_resumes_from_node_memory_bitwise(tmp_path, small_dataset, uninterrupted):
+@pytest.mark.parametrize("spares", [0, 1])
+def test_diloco_resumes_from_node_memory_bitwise(tmp_path, small_dataset, uninterrupted, spares):
+    """A replica lost inside a round (after step 14; rounds end at 12 and 16) resumes from the round's end in node
+    memory: in a new launch, or with a warm spare (job.spare_ranks) in the same launch, the survivor's process kept."""
     run_dir = tmp_path / "run"
     sets = [*diloco(small_dataset), "checkpoint.memory_every_steps=4", "job.max_failures=1",
-            "job.restart_backoff_s=0.2"]  # fmt: skip
+            "job.restart_backoff_s=0.2", f"job.spare_ranks={spares}"]  # fmt: skip
     proc = start(run_dir, sets)
     wait_for_step(run_dir, 14, proc)
     folder = memory_folder(run_dir)
@@ -54,6 +58,8 @@ def test_diloco_resumes_from_node_memory_bitwise(tmp_path, small_dataset, uninte
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     (resume,) = [e for e in history(run_dir) if e["event"] == "resume"]
+    kinds = [e["event"] for e in history(run_dir) if e["event"] in ("rejoin", "restart")]
+    assert kinds == (["rejoin"] if spares else ["restart"]), kinds
     assert resume["restored_from"]["from"] == "memory" and resume["step"] % 4 == 0, resume
     assert resume["step"] >= 12 and resume["restored_from"]["durable_step"] == 8 * (resume["step"] // 8), resume
     assert_same(uninterrupted, run_dir)
