@@ -89,9 +89,23 @@ class KeeperLink:
     def assignment(self, spare: int) -> dict:
         """Block until the keeper gives this spare a place (or tells it to close)."""
         while True:
-            value = self.wait(assign_key(spare), 60.0, poll_s=0.01)
+            value = self.until(self.store, assign_key(spare), 5.0)
             if value is not None:
                 return value
+
+    def until(self, store: dist.Store, key: str, timeout_s: float) -> dict | None:
+        """The sealed value under ``key`` once there, blocking in the store (no polling) at most ``timeout_s``; None
+        after that, or for a value not the launch's (then after a short pause: a stranger can make this poll, no
+        faster)."""
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except dist.DistError:  # not there in time (or the store gone: the caller's next call says)
+            return None
+        value = self.seal.open(key, peek(store, key))
+        if value is None:
+            time.sleep(0.05)
+            return None
+        return json.loads(value)
 
     def publish(self, key: str, value: dict) -> None:
         """A value for the spares (sealed as the keeper's own: only this launch's processes hold the key)."""
@@ -114,17 +128,24 @@ class PlanWatch:
     process's accepted TCP connections (gloo's pairs: every pair has one accepting end, so every survivor's cut
     fails every blocked collective) and keeps the plan for the main thread."""
 
+    WAIT_S = 0.25  # one blocking wait in the store; also the most ``close`` waits for the thread
+
     def __init__(self, link: KeeperLink, gen: int) -> None:
         self.link, self.next = link, gen + 1
         self.plan: dict | None = None
         self._stop = threading.Event()
+        # A connection of its own: its waits block in the store, never the main thread's calls on the link's.
+        where = link.where
+        self._store = dist.TCPStore(where.addr, where.store_port, None, is_master=False,
+                                    timeout=timedelta(seconds=30))  # fmt: skip
         self._thread = threading.Thread(target=self._run, name="hpc-plan-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        key = plan_key(self.next)
         while not self._stop.is_set():
             try:
-                plan = self.link.read(plan_key(self.next))
+                plan = self.link.until(self._store, key, self.WAIT_S)
             except Exception:  # the store gone: the launch is ending
                 return
             if plan is not None:  # a spare planned in, or the fall-back: either way this generation is over
@@ -132,7 +153,6 @@ class PlanWatch:
                 cut = cut_accepted()
                 log.info("generation %d planned: %d gloo connection(s) cut", self.next, cut)
                 return
-            self._stop.wait(0.02)
 
     def close(self) -> None:
         """Stopped and joined: a cut must not reach the next generation's connections."""
