@@ -161,13 +161,7 @@ class GroupComm:
         pass  # the group belongs to its maker
 
     def Abort(self, status: int = 1) -> None:  # noqa: N802 (mpi4py's name)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a closed or broken stream must not stop the abort
-                stream.flush()
-        logging.shutdown()
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.COMM_WORLD.Abort(status)  # an MPI rank: this ends the whole MPI job
-        os._exit(status)
+        abort(status)
 
 
 class _Done:
@@ -212,8 +206,16 @@ class SoloComm:
     def Free(self) -> None:  # noqa: N802 (mpi4py's name)
         return None
 
-    def Abort(self, status: int) -> None:  # noqa: N802 (mpi4py's name)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(status)
+    def Abort(self, status: int = 1) -> None:  # noqa: N802 (mpi4py's name)
+        abort(status)
+
+
+def abort(status: int) -> None:
+    """End this process now with ``status``, its output flushed; an MPI rank ends its whole MPI job."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream must not stop the abort
+            stream.flush()
+    logging.shutdown()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(status)  # an MPI rank: this ends the whole MPI job
+    os._exit(status)

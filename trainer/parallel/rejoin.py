@@ -75,13 +75,14 @@ class KeeperLink:
         value = self.seal.open(key, peek(self.store, key))
         return None if value is None else json.loads(value)
 
-    def wait(self, key: str, timeout_s: float, poll_s: float = 0.02) -> dict | None:
+    def wait(self, key: str, timeout_s: float) -> dict | None:
+        """The sealed value under ``key`` once there (blocking in the store), None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            value = self.read(key)
-            if value is not None or time.monotonic() >= deadline:
+        while (left := deadline - time.monotonic()) > 0:
+            value = self.until(self.store, key, left)
+            if value is not None:
                 return value
-            time.sleep(poll_s)
+        return None
 
     def plan(self, gen: int, timeout_s: float) -> dict | None:
         return self.wait(plan_key(gen), timeout_s)
@@ -89,7 +90,7 @@ class KeeperLink:
     def assignment(self, spare: int) -> dict:
         """Block until the keeper gives this spare a place (or tells it to close)."""
         while True:
-            value = self.until(self.store, assign_key(spare), 5.0)
+            value = self.wait(assign_key(spare), 5.0)
             if value is not None:
                 return value
 
@@ -195,11 +196,7 @@ def _tcp_table() -> dict[int, tuple[int, str]]:
 
 
 def end_groups() -> None:
-    """The broken generation's process groups gone, so that the next can be made in this process."""
-    from torch.distributed import distributed_c10d as c10d
-
-    for pg in list(c10d._world.pg_map):
-        with contextlib.suppress(Exception):
-            pg.abort()
+    """The broken generation's process groups gone, so that the next can be made in this process (no abort first:
+    gloo's does nothing, and the connections are already cut)."""
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
