@@ -5,8 +5,8 @@ going back through the queue, and the goodput of a run whose ranks are killed ev
         [--goodput-steps 3000 --kill-every 1000] [--memory-every N] [--slurm-conf FILE] [--json PATH]
 
 ``--memory-every N`` adds checkpoints in node memory every N steps (checkpoint.memory_every_steps) to every run;
-``--spares N`` warm spares (job.spare_ranks) to the local runs, whose killed rank is then restarted in-process
-(restart_decided_s: the rejoin event, once the survivors joined the new generation).
+``--spares N`` warm spares (job.spare_ranks) to the local runs and the Slurm kills, whose killed rank is then
+restarted in-process (restart_decided_s: the rejoin event, once the survivors joined the new generation).
 
 On its own local Slurm clusters (envs/slurm/cluster.sh) and under the local launcher; the methods, the clock and
 the goodput's definition: bench/README.md.
@@ -62,13 +62,19 @@ NODE_SHAPES = {
 
 
 def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the launcher's process of ``rank``: PMI_RANK under MPI (hpc/spawn.py sets it too), SLURM_PROCID for
+    srun's tasks without MPI (job.spare_ranks); srun itself and the warm spares are left out."""
     out = subprocess.run(["pgrep", "-f", f"trainer --run-dir {run_dir}"], capture_output=True, text=True).stdout
     for pid in out.split():
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"PMI_RANK={rank}".encode() in environ:
+        if b"--spare" in argv or argv[0].endswith(b"srun"):
+            continue
+        spawned = any(item.startswith(b"HPC_SPAWN_WORLD=") for item in environ)
+        if f"PMI_RANK={rank}".encode() in environ or (spawned and f"SLURM_PROCID={rank}".encode() in environ):
             return int(pid)
     return None
 
@@ -80,7 +86,7 @@ def submit_args(run_dir: Path, data: Path, sets: list[str], *extra: str) -> list
     return args + list(extra)
 
 
-LOCAL_SETS: list[str] = []  # the local runs' own (--spares)
+LOCAL_SETS: list[str] = []  # the local runs' and Slurm kills' own (--spares)
 KILL_AT = [20]  # the step after which a rank is killed or a node lost (--kill-at)
 
 
@@ -92,7 +98,7 @@ def one(method: str, data: Path, work: Path) -> dict:
         proc = subprocess.Popen(submit_args(run_dir, data, SETS + LOCAL_SETS, "--local"), cwd=ROOT,
                                 stdout=subprocess.DEVNULL)  # fmt: skip
     else:
-        sh(*submit_args(run_dir, data, SETS), cwd=ROOT)
+        sh(*submit_args(run_dir, data, SETS + (LOCAL_SETS if method == "kill" else [])), cwd=ROOT)
         job = json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
     wait(lambda: any(r.get("step", 0) >= KILL_AT[0] for r in lines(run_dir / "metrics.jsonl")))
     issued = time.time()  # trainer and launcher event times come from time.time() on this same host
@@ -282,7 +288,7 @@ def main() -> int:
     if args.memory_every:
         SETS.append(f"checkpoint.memory_every_steps={args.memory_every}")
         NODE_SETS.append(f"checkpoint.memory_every_steps={args.memory_every}")
-    if args.spares:  # in-process restarts: local runs only (the local launcher keeps the spares)
+    if args.spares:  # in-process restarts: the local kill, the Slurm kill and the local goodput runs
         LOCAL_SETS.append(f"job.spare_ranks={args.spares}")
     methods = chosen_methods(p, args.methods, METHODS)
     if args.no_slurm:

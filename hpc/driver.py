@@ -40,10 +40,11 @@ from hpc.policy.decide import Situation
 from hpc.policy.outcome import Ended, how_it_ended, new_launch_id
 from hpc.restarts import take_back_due_nodes, until_settled
 from hpc.slurmctl import FAILED_STATES, describe, held_by_slurm, node_states
+from hpc.spares import Spares, keeper_address
 from hpc.sweep import element_ended
 from runconfig import RunConfig, load_config
 from rundir import RunDir
-from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED
+from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED, SPAWN_WORLD_VAR
 from rundir.paths import read_jsonl
 from rundir.slurmvars import slurm_job_id, slurm_job_nodes, slurm_queue_id, slurm_restart_count
 
@@ -91,16 +92,27 @@ def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) ->
     # --overlap: a step whose node was lost can stay RUNNING in slurmctld, holding its CPUs on the live nodes long
     # after its processes there ended; the restart's step must not queue behind it. The driver runs one step of
     # ranks at a time, so nothing is shared in fact.
+    # With job.spare_ranks the ranks are no MPI processes and a task's death must not end the others: a spare takes
+    # its place (hpc/spares.py).
+    spares = bool(cfg.job.spare_ranks)
     return [
         "srun",
-        f"--mpi={mpi_plugin(cfg)}",
-        "--kill-on-bad-exit=1",
+        "--mpi=none" if spares else f"--mpi={mpi_plugin(cfg)}",
+        f"--kill-on-bad-exit={0 if spares else 1}",
         "--overlap",
         f"--ntasks-per-node={cfg.job.ranks_per_node}",
         *placement,
         *cfg.job.srun_args,
         *trainer_command(rundir, cfg.job.launch_prefix),
     ]
+
+
+def spare_commands(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...]) -> list[list[str]]:
+    """The warm spares' command lines (job.spare_ranks), used in turn by the keeper: an srun step of one task on each
+    of ``nodes``, the last node first (the first holds the batch step and rank 0)."""
+    return [["srun", "--overlap", "--mpi=none", "--kill-on-bad-exit=0", "--nodes=1", "--ntasks=1",
+             f"--nodelist={node}", *cfg.job.srun_args, *trainer_command(rundir, cfg.job.launch_prefix)]
+            for node in reversed(nodes)]  # fmt: skip
 
 
 #: srun's line for tasks that ended badly: "srun: error: n2: task 3: Killed", "... tasks 0-1: Exited with exit code 1"
@@ -345,7 +357,19 @@ class Driver:
         rundir.clear_failure()  # an earlier launch's diagnosis is not this one's
         STOP_SIGNAL.clear()  # a signal before this launch is not what ends it
         ntasks = len(nodes or allocation) * cfg.job.ranks_per_node
-        end = run_srun_step(command, env, rundir.failure, ntasks)
+        spares = None
+        if cfg.job.spare_ranks:  # the keeper on this (the batch) host, its spares on the launch's nodes
+            env[SPAWN_WORLD_VAR] = str(ntasks)
+            spares = Spares(cfg, rundir, env, ntasks, spare_commands(cfg, rundir, nodes or allocation),
+                            addr=keeper_address(cfg))  # fmt: skip
+        try:
+            end = run_srun_step(command, env, rundir.failure, ntasks)
+        except BaseException:
+            if spares is not None:
+                spares.kill()
+            raise
+        if spares is not None:
+            spares.finish()
         status = end.status
         # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks were
         # killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.

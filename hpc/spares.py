@@ -9,6 +9,8 @@ keeper and the ranks in their environment only.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -29,7 +31,18 @@ class Spares:
     """The keeper and the spares of one launch; ``env`` (the ranks' environment) gains the keeper's address and
     the store's key."""
 
-    def __init__(self, cfg: RunConfig, rundir: RunDir, env: dict, world_size: int, addr: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        rundir: RunDir,
+        env: dict,
+        world_size: int,
+        spare_commands: list[list[str]],
+        addr: str = "127.0.0.1",
+    ) -> None:
+        """``spare_commands``: the spares' command lines, used in turn (the trainer's, under Slurm in an srun step on
+        one of the nodes); ``addr``: where the ranks reach the keeper (this host's loopback for local runs, the batch
+        host's cluster address under Slurm)."""
         key = secrets.token_bytes(32).hex()
         store, live = _listener(addr), _listener(addr)
         env[KEEPER_VAR] = f"{addr}:{store.getsockname()[1]}:{live.getsockname()[1]}"
@@ -38,7 +51,8 @@ class Spares:
         command = [sys.executable, "-u", "-m", "trainer.parallel.keeper", "--store-fd", str(store.fileno()),
                    "--live-fd", str(live.fileno()), "--addr", addr, "--world", str(world_size), "--max-restarts",
                    str(cfg.job.max_failures), "--run-dir", str(rundir.root), "--spares",
-                   str(cfg.job.spare_ranks)]  # fmt: skip
+                   str(cfg.job.spare_ranks), "--spare-commands",
+                   json.dumps(spare_commands)]  # fmt: skip
         try:
             with open(log, "ab") as out:
                 fds = (store.fileno(), live.fileno())
@@ -70,10 +84,24 @@ class Spares:
                 self.keeper.wait()
 
 
+def keeper_address(cfg: RunConfig) -> str:
+    """Under Slurm, where every node reaches the keeper on the batch host: comm.master_addr, else the address this
+    host's name resolves to (a loopback one only serves nodes on this host: a warning names the key to set)."""
+    if cfg.comm.master_addr:
+        return cfg.comm.master_addr
+    addr = socket.gethostbyname(socket.gethostname())
+    if ipaddress.ip_address(addr).is_loopback:
+        print(f"warning: job.spare_ranks: this host's name resolves to {addr}, which other hosts cannot reach: the "
+              "keeper listens there (set comm.master_addr to the batch host's cluster address)",
+              flush=True)  # fmt: skip
+    return addr
+
+
 def _listener(addr: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((addr, 0))
+    sock.bind(sockaddr)
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock

@@ -216,11 +216,6 @@ def plan(args: argparse.Namespace) -> Planned:
     use_slurm = args.slurm or (not args.local and slurmctl.available())
     if args.chain < 1:
         raise SubmitError(f"--chain must be >= 1, got {args.chain}.")
-    if use_slurm and cfg.job.spare_ranks:
-        raise SubmitError(
-            f"job.spare_ranks={cfg.job.spare_ranks}: in-process restarts with warm spares run under the local launcher "
-            "only so far (--local); under Slurm a dead rank restarts the launch in the job. Set job.spare_ranks: 0."
-        )
     run_path = (resume_dir or args.run_dir or default_run_dir(cfg.job.name)).absolute()
     search = None if resume_dir else config_search(args.config)
     if search is not None:

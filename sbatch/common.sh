@@ -59,6 +59,12 @@ def fail(message):
     sys.exit(2)
 
 
+def no_spares(cfg, where):
+    if cfg.job.spare_ranks:
+        fail(f"{where}: job.spare_ranks={cfg.job.spare_ranks}: the plain sbatch scripts keep no warm spares (their "
+             "ranks are MPI processes, ended together); submit with python -m hpc.submit, or set job.spare_ranks: 0.")
+
+
 def write_config(cfg):  # atomically: a job killed half-way leaves the old file or none, never a partial one
     tmp = rundir.config.with_name(f".config.yaml.tmp-{os.getpid()}")
     tmp.write_text(dump_yaml(cfg))
@@ -98,6 +104,7 @@ try:
             print(f"{rundir.config} exists: resuming this run (CONFIG and HPC_SET apply only to a new run)")
             overrides = []
         cfg = load_config(str(rundir.config), overrides)
+        no_spares(cfg, rundir.config)
         if overrides:
             write_config(cfg)
             print(f"updated {rundir.config}: {' '.join(overrides)}")
@@ -110,6 +117,7 @@ try:
     else:
         # The allocation's shape first, so the config records the job that runs it; HPC_SET may still override.
         cfg = load_config(os.environ["CONFIG"], allocation_shape() + overrides)
+        no_spares(cfg, os.environ["CONFIG"])
         # An existing folder is fine (it may hold this job's own --output file), but not another run's files.
         leftovers = [p.name for p in (rundir.metrics, rundir.history, rundir.summary, rundir.failure) if p.exists()]
         leftovers += [p.name for p in (rundir.checkpoints, rundir.logs) if p.is_dir() and any(p.iterdir())]

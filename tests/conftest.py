@@ -178,18 +178,24 @@ def tiny_startup_s(tmp_path_factory, small_dataset) -> float:
 
 
 def rank_pids(run_dir) -> dict[int, int]:
-    """rank -> pid of the trainer processes of this run (MPICH puts PMI_RANK in each rank's environment)."""
+    """rank -> pid of the trainer processes the launcher started for this run: MPICH puts PMI_RANK in each rank's
+    environment, hpc/spawn.py too; srun with no MPI plugin (job.spare_ranks) SLURM_PROCID. Warm spares (``--spare``)
+    and srun are left out."""
     out = {}
     for pid in subprocess.run(
         ["pgrep", "-f", f"trainer --run-dir {run_dir}"], capture_output=True, text=True
     ).stdout.split():
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"--spare" in argv or argv[0].endswith(b"srun"):  # a spare, or srun itself (it has the batch step's
+                continue  # SLURM_PROCID)
         except OSError:
             continue
-        for item in environ:
-            if item.startswith(b"PMI_RANK="):
-                out[int(item.split(b"=")[1])] = int(pid)
+        found = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        rank = found.get(b"PMI_RANK", found.get(b"SLURM_PROCID"))
+        if rank is not None and rank.isdigit() and (b"PMI_RANK" in found or b"HPC_SPAWN_WORLD" in found):
+            out[int(rank)] = int(pid)
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TypeVar
@@ -25,7 +26,7 @@ from rundir.contract import (
     STORE_KEY_VAR,
     data_cache,
 )
-from rundir.slurmvars import slurm_job_id, slurm_restart_count
+from rundir.slurmvars import PROCID_VAR, slurm_job_id, slurm_restart_count
 from tracking import MLFLOW_URI_VAR, TRACKING_VAR
 from trainer.errors import UserError
 from trainer.observe import inject
@@ -81,19 +82,12 @@ class RuntimeEnv:
     def default_threads(self) -> int:
         return max(1, self.cpus // self.host_local_size)
 
-    #: the fields a spare takes over from the launch's ranks (the rest are its own process's)
+    #: the fields a rank started without MPI takes from the launch's layout (``spawned_layout``; the rest are its own
+    #: process's)
     SHARED = ("world_size", "hosts", "one_network", "node_names", "simulated_nodes", "launch_id")
 
-    def shared_record(self, host_local: list[tuple[int, int]]) -> dict:
-        """What a spare needs to take any rank's place: the launch's layout (JSON), ``host_local`` the
-        (host_local_rank, host_local_size) of every rank."""
-        record = {name: getattr(self, name) for name in self.SHARED}
-        record["node_ids"] = [self.topology.node_of(r) for r in range(self.world_size)]
-        record["host_local"] = host_local
-        return record
-
     def as_rank(self, rank: int, record: dict) -> RuntimeEnv:
-        """This spare's environment in ``rank``'s place (``record``: ``shared_record``'s)."""
+        """This process's environment in ``rank``'s place (``record``: ``spawned_layout``'s)."""
         own = {f.name: getattr(self, f.name) for f in fields(self)}
         shared = {name: record[name] for name in self.SHARED}
         shared["hosts"], shared["node_names"] = tuple(shared["hosts"]), tuple(shared["node_names"])
@@ -134,20 +128,64 @@ def from_mpi(comm: MPI.Comm = MPI.COMM_WORLD, environ: dict[str, str] | None = N
 
 
 def from_spawn(environ: dict[str, str] | None = None) -> RuntimeEnv:
-    """A rank the local launcher started itself (job.spare_ranks, hpc/spawn.py; no MPI): its rank and the world
-    from the environment, every rank on this host, the nodes simulated."""
+    """A rank started without MPI (job.spare_ranks): by the local launcher (hpc/spawn.py: $HPC_SPAWN_RANK) or by
+    srun with no MPI plugin ($SLURM_PROCID), the world in $HPC_SPAWN_WORLD. The launch's layout is left as one rank
+    alone: the ranks meet in the keeper's store for it (``where`` from each, ``spawned_layout`` by rank 0, then
+    ``as_rank``), as a spare does."""
     environ = dict(os.environ if environ is None else environ)
+    rank_text = environ.get(SPAWN_RANK_VAR, environ.get(PROCID_VAR, ""))
     try:
-        rank, size = int(environ[SPAWN_RANK_VAR]), int(environ[SPAWN_WORLD_VAR])
+        rank, size = int(rank_text), int(environ[SPAWN_WORLD_VAR])
     except (KeyError, ValueError):
-        raise UserError(f"environment variables {SPAWN_RANK_VAR} and {SPAWN_WORLD_VAR} must be integers: "
-                        "hpc/spawn.py sets them") from None  # fmt: skip
-    simulate = environ.get(SIMULATE_VAR, "").strip() or str(size)
-    topology = _topology(None, environ, simulate, size, 0)  # simulated: no meeting
-    own = own_env(environ)
-    return replace(own, rank=rank, world_size=size, host_local_rank=rank, host_local_size=size,
-                   hosts=(own.hostname,) * size, node_names=_node_names(None, environ, simulate, topology, size,
-                   own.hostname), topology=topology, simulated_nodes=True)  # fmt: skip
+        raise UserError(f"environment variables {SPAWN_RANK_VAR} (or Slurm's {PROCID_VAR}) and {SPAWN_WORLD_VAR} "
+                        "must be integers: the launcher sets them") from None  # fmt: skip
+    if not 0 <= rank < size:
+        raise UserError(f"rank {rank} is outside the launch's world of {size} ({SPAWN_WORLD_VAR}): the launcher's "
+                        "task count and job.nodes x job.ranks_per_node differ")  # fmt: skip
+    return replace(own_env(environ), rank=rank, world_size=size)
+
+
+def spawned_rank(environ: dict[str, str]) -> int:
+    """A spawned rank's number before its environment is read whole (what a failure is reported under); -1 where
+    the launcher set none."""
+    text = environ.get(SPAWN_RANK_VAR, environ.get(PROCID_VAR, ""))
+    return int(text) if text.isdigit() else -1
+
+
+def where(environ: dict[str, str] | None = None) -> dict:
+    """This process's place, for the spawned ranks' meeting: its host, network namespace and Slurm node."""
+    environ = dict(os.environ if environ is None else environ)
+    node_id = environ.get("SLURM_NODEID", "")
+    in_step = node_id.isdigit() and environ.get("SLURM_STEP_ID") is not None
+    return {"host": socket.gethostname(), "net": _network_namespace(), "node_id": int(node_id) if in_step else None,
+            "node": environ.get("SLURMD_NODENAME") or socket.gethostname()}  # fmt: skip
+
+
+def spawned_layout(places: list[dict], environ: dict[str, str] | None = None) -> dict:
+    """The launch's layout (``RuntimeEnv.shared_record``'s form) from every rank's ``where``, made by rank 0: nodes
+    simulated ($HPC_SIMULATE_RANKS_PER_NODE), else Slurm's node index, else one node per host."""
+    environ = dict(os.environ if environ is None else environ)
+    size = len(places)
+    simulate = environ.get(SIMULATE_VAR, "").strip()
+    if simulate:
+        topology = _topology(None, environ, simulate, size, 0)
+        names = _node_names(None, environ, simulate, topology, size, places[0]["host"])
+    else:
+        if all(p["node_id"] is not None for p in places):
+            ids = [p["node_id"] for p in places]
+        else:
+            dense = {host: i for i, host in enumerate(dict.fromkeys(p["host"] for p in places))}
+            ids = [dense[p["host"]] for p in places]
+        topology = Topology.from_node_ids(ids)
+        names = tuple(p["node"] for p in places)
+    hosts = [p["host"] for p in places]
+    counts, seen, host_local = Counter(hosts), Counter(), []
+    for host in hosts:
+        host_local.append((seen[host], counts[host]))
+        seen[host] += 1
+    return {"world_size": size, "hosts": hosts, "one_network": len({(p["host"], p["net"]) for p in places}) == 1,
+            "node_names": list(names), "simulated_nodes": bool(simulate), "launch_id": environ.get(LAUNCH_VAR, ""),
+            "node_ids": [topology.node_of(r) for r in range(size)], "host_local": host_local}  # fmt: skip
 
 
 def own_env(environ: dict[str, str] | None = None) -> RuntimeEnv:

@@ -37,14 +37,14 @@ import threading  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from rundir.contract import SPAWN_RANK_VAR  # noqa: E402
+from rundir.contract import SPAWN_WORLD_VAR  # noqa: E402
 from trainer.parallel.mpi_library import apply_defaults  # noqa: E402
 
 MPI_DEFAULTS = apply_defaults()  # before MPI starts: the MPI library reads these at MPI_Init
 
-# With job.spare_ranks no rank is an MPI process: the local launcher starts them itself (hpc/spawn.py), and a warm
-# spare takes the place the keeper gives it.
-SPAWNED = SPAWN_RANK_VAR in os.environ
+# With job.spare_ranks no rank is an MPI process: the local launcher starts them itself (hpc/spawn.py), srun with
+# no MPI plugin under Slurm, and a warm spare takes the place the keeper gives it.
+SPAWNED = SPAWN_WORLD_VAR in os.environ
 if SPAWNED or "--spare" in sys.argv:
     import mpi4py  # noqa: E402
 
@@ -74,18 +74,18 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, 
     importer = threading.Thread(target=_import_quietly, args=("torch._dynamo",), daemon=True)
     importer.start()
     clock = StartupClock(PROCESS_START)
-    if SPAWNED:  # job.spare_ranks: no MPI; the ranks meet over their process group
-        booted, comm = boot_spawned(rundir, clock, EARLY_SIGNALS, STARTUP_DEADLINE)
-        WHO.update(comm=comm, link=booted.distributed.keeper)
-    elif spare is None:
-        booted = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
-    else:
+    if spare is not None:
         importer.join()
         placed = boot_spare(rundir, spare, clock, EARLY_SIGNALS)
         if placed is None:  # the launch ended without needing this spare
             return 0
         booted, comm = placed
         WHO.update(comm=comm, rank=booted.env.rank, link=booted.distributed.keeper)
+    elif SPAWNED:  # job.spare_ranks: no MPI; the ranks meet over their process group
+        booted, comm = boot_spawned(rundir, clock, EARLY_SIGNALS, STARTUP_DEADLINE)
+        WHO.update(comm=comm, rank=booted.env.rank, link=booted.distributed.keeper)
+    else:
+        booted = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
     importer.join()
     _collector_back_on()
     with contextlib.ExitStack() as outer:  # what outlives a generation: the tracker, the recipe's model and data
@@ -186,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     if mpi:
         WHO.update(comm=MPI.COMM_WORLD, rank=MPI.COMM_WORLD.Get_rank())
     else:  # alone until it meets the others in its process group (a spare: until it takes a place)
+        from trainer.env import spawned_rank
         from trainer.parallel.groupcomm import SoloComm
 
-        WHO.update(comm=SoloComm(), rank=int(os.environ[SPAWN_RANK_VAR]) if SPAWNED else -1 - args.spare)
+        WHO.update(comm=SoloComm(), rank=-1 - args.spare if args.spare is not None else spawned_rank(dict(os.environ)))
     clean = False
     # messages keep moving while this rank waits outside MPI
     progress = ProgressThread.start_if_needed(MPI.COMM_WORLD) if mpi else None

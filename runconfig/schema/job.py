@@ -92,7 +92,8 @@ class JobConfig(Section):
         bounds=Range(ge=0),
     )
     spare_ranks: int = doc(
-        "Warm spare processes per launch (local launcher, gloo): started beside the ranks, they import and wait. "
+        "Warm spare processes per launch (the local launcher and Slurm's driver, gloo): started beside the ranks "
+        "(under Slurm an srun step each, on the launch's nodes), they import and wait. "
         "With spares, a rank that dies is restarted in the same processes: the survivors leave the broken process "
         "groups, a spare takes the dead rank's place, every rank restores the newest checkpoint in node memory "
         "(else the durable one) and training goes on, without a new launch. Data-parallel layouts only. With no "

@@ -128,6 +128,19 @@ def test_resume_refuses_a_run_dir_without_config(slurm, tmp_path):
     assert not run_dir.exists()  # nothing created
 
 
+def test_train_refuses_spares_before_making_the_run(slurm, tmp_path):
+    """job.spare_ranks needs the driver of python -m hpc.submit (its keeper, ranks without MPI): the plain script says
+    so, naming the key, before it makes anything."""
+    run_dir = tmp_path / "run"
+    env = {"RUN_DIR": str(run_dir), "CONFIG": "tiny", "HPC_SET": "job.spare_ranks=1"}
+    job_id = sbatch("train.sbatch", env, f"--output={tmp_path}/slurm-%j.out")
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=60)
+    output = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, output)
+    assert "job.spare_ranks=1: the plain sbatch scripts keep no warm spares" in output, output
+    assert not (run_dir / "config.yaml").exists()
+
+
 def test_sbatch_args_from_the_config_are_what_sbatch_accepts(slurm, tmp_path):
     """`python -m hpc sbatch-args CONFIG`: the job section (signal and its lead, time, partition, shape) as options
     for the plain scripts, checked by the real sbatch (--test-only: validated against the cluster, not queued)."""

@@ -178,10 +178,20 @@ def test_the_mpi_note_stays_out_of_the_evaled_block(tmp_path):
     assert shown.stdout.strip() == "pmi2 --cpu-bind=cores echo kept", shown
 
 
-def test_spares_are_refused_under_slurm_with_what_to_do():
-    """job.spare_ranks (in-process restarts) runs under the local launcher only so far: a Slurm submission says so
-    and names the key, rather than submitting a job that would silently restart its launches."""
-    proc = run_cli(["-m", "hpc.submit", "tiny", "--dry-run", "--slurm", "--run-dir", "/RUN", "--set",
-                    "job.spare_ranks=1"])  # fmt: skip
-    assert proc.returncode != 0
-    assert "job.spare_ranks=1" in proc.stderr and "--local" in proc.stderr and "Set job.spare_ranks: 0" in proc.stderr
+def test_with_spares_the_ranks_step_has_no_mpi_and_survives_a_task_death():
+    """job.spare_ranks under Slurm: the ranks are srun tasks with no MPI plugin (they meet in the keeper's store) whose
+    death ends no other task; each spare is an srun step of one task on one of the launch's nodes, the last first."""
+    from hpc.driver import spare_commands, srun_command
+
+    cfg = load_config("tiny", ["job.spare_ranks=1", "job.nodes=2", "job.srun_args=[--cpu-bind=none]"])
+    rundir = RunDir(Path("/RUN"))
+    ranks = srun_command(cfg, rundir, ())
+    assert "--mpi=none" in ranks and "--kill-on-bad-exit=0" in ranks and "--kill-on-bad-exit=1" not in ranks, ranks
+    spares = spare_commands(cfg, rundir, ("n1", "n2"))
+    assert [[a for a in c if a.startswith(("--nodes", "--ntasks", "--nodelist"))] for c in spares] == [
+        ["--nodes=1", "--ntasks=1", "--nodelist=n2"], ["--nodes=1", "--ntasks=1", "--nodelist=n1"]
+    ], spares  # fmt: skip
+    assert all("--cpu-bind=none" in c and "--mpi=none" in c and c[-3:] == ["trainer", "--run-dir", "/RUN"]
+               for c in spares), spares  # fmt: skip
+    plain = srun_command(load_config("tiny", ["job.nodes=2"]), rundir, ())
+    assert "--kill-on-bad-exit=1" in plain and "--mpi=none" not in plain, plain

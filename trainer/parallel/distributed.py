@@ -131,13 +131,6 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type == "cuda":
         check_one_rank_per_gpu(env, device, comm)
-    if env.keeper is not None:
-        if backend == "nccl":  # GroupComm and the connection cut that wakes a blocked collective are gloo's
-            raise UserError("job.spare_ranks: in-process restarts run on the gloo backend only so far (CPU ranks, or "
-                            "comm.backend: gloo); set job.spare_ranks: 0 for NCCL")  # fmt: skip
-        link = KeeperLink(env.keeper, env.store_key, cfg.timeout_s)
-        link.hello("rank", env.rank)
-        return join_generation(env, cfg, device, link, 0)
     timeout = timedelta(seconds=cfg.timeout_s)
     addr = rendezvous_address(env, cfg)
     port = None
@@ -170,6 +163,9 @@ def join_generation(env: RuntimeEnv, cfg: CommConfig, device: torch.device, link
     """With a keeper (job.spare_ranks): the default group and the hierarchy's of generation ``gen``, on the keeper's
     store under the generation's prefix (a generation's ranks meet only their own)."""
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl":  # GroupComm and the connection cut that wakes a blocked collective are gloo's
+        raise UserError("job.spare_ranks: in-process restarts run on the gloo backend only so far (CPU ranks, or "
+                        "comm.backend: gloo); set job.spare_ranks: 0 for NCCL", collective=True)  # fmt: skip
     timeout = timedelta(seconds=cfg.timeout_s)
     prefix = f"hpc/g{gen}/"
     store = dist.PrefixStore(prefix, link.store)

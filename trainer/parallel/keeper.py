@@ -6,10 +6,12 @@ survivors and the spare (trainer/parallel/rejoin.py). With no spare left, or pas
 to fall back (the survivors end the launch and the launcher restarts it).
 
     python -m trainer.parallel.keeper --store-fd FD --live-fd FD --addr ADDR --world N --max-restarts M \
-        --run-dir RUN --spares K
+        --run-dir RUN --spares K --spare-commands JSON
 
-It keeps K warm spares (``python -m trainer --run-dir RUN --spare N``) ready: one that takes a place is replaced
-at once, importing while the ranks go on. When every rank has said goodbye or died, it tells the idle spares to go.
+It keeps K warm spares (the launcher's trainer command with ``--spare N``; under Slurm an srun step on one of the
+launch's nodes) ready: one that takes a place is replaced at once, importing while the ranks go on. When every rank
+has said goodbye or died, it tells the idle spares to go. On SIGTERM (the launch is ending) it plans nothing more and
+keeps the store for the ranks still stopping, at most STOP_GRACE_S.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from rundir.contract import STORE_KEY_VAR
+from rundir.contract import SPAWN_RANK_VAR, SPAWN_WORLD_VAR, STORE_KEY_VAR
 from trainer.parallel.storeseal import Seal
 
 log = logging.getLogger("keeper")
@@ -41,6 +43,7 @@ KEEPER_RANK = -1  # the keeper's writer id in sealed values
 GATHER_S = 0.1  # after a first death, how long more deaths are gathered into the same plan (a node's ranks)
 HELLO_S = 5.0  # a new connection's time to prove it holds the launch's key
 MAX_PENDING = 256  # connections not yet proven; more are closed at once
+STOP_GRACE_S = 10.0  # after SIGTERM, how long the store stays for the ranks still stopping
 
 
 def plan_key(gen: int) -> str:
@@ -51,8 +54,13 @@ def assign_key(spare: int) -> str:
     return f"hpc/rejoin/spare/{spare}"
 
 
-#: where rank 0 leaves the launch's layout for the spares (trainer/startup/boot.py), sealed like the plans
+#: where rank 0 leaves the launch's layout for the ranks and the spares (trainer/startup/boot.py), sealed like the
+#: plans, from each rank's place under ``where_key``
 LAYOUT_KEY = "hpc/rejoin/layout"
+
+
+def where_key(rank: int) -> str:
+    return f"hpc/rejoin/where/{rank}"
 
 
 def proof(secret: bytes, nonce: str, role: str, ident: int) -> str:
@@ -202,6 +210,7 @@ class Keeper:
         plan = {**(plan or {}), "gen": self.gen, "world": self.world, "at": time.time(), "fallback": why}
         self.fallen = True
         self._put(plan_key(self.gen), plan)
+        self._notify()
         log.warning("keeper: generation %d: %s", self.gen, json.dumps(plan, sort_keys=True))
 
     def _plan(self) -> None:
@@ -226,6 +235,7 @@ class Keeper:
             spare.role, spare.ident = "rank", rank  # its socket now watches that rank
             self.spawn()  # a new warm spare for the next failure, importing while the ranks go on
         self._put(plan_key(self.gen), plan)
+        self._notify()
         log.warning("keeper: generation %d: %s", self.gen, json.dumps(plan, sort_keys=True))
 
     def close_spares(self) -> None:
@@ -233,13 +243,22 @@ class Keeper:
         for spare in self.idle_spares():
             with contextlib.suppress(Exception):
                 self._put(assign_key(spare.ident), {"close": True})
+        self._notify()
+
+    def _notify(self) -> None:
+        """Every member told to look in the store (a plan, a place or a close is there): their watches block on
+        these sockets rather than in timed waits in the store. A socket that cannot take the line is skipped (its
+        owner finds the news when it looks)."""
+        for member in list(self.members.values()):
+            with contextlib.suppress(OSError):
+                member.sock.send(b"look\n")
 
 
 def serve(args: argparse.Namespace) -> int:
     flags: dict[str, bool] = {}  # the signals' notes, set before the slow import: a signal never kills the keeper
-    signal.signal(signal.SIGTERM, lambda *_: flags.update(stop=True))  # the launcher: end now
+    signal.signal(signal.SIGTERM, lambda *_: flags.update(stop=True))  # the launch is ending: no more plans
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the ranks, which still need the store
-    signal.signal(signal.SIGUSR1, lambda *_: flags.update(launcher_done=True))  # mpirun has ended
+    signal.signal(signal.SIGUSR1, lambda *_: flags.update(launcher_done=True))  # mpirun (srun) has ended
     import torch.distributed as dist  # the store's server; imported while the ranks start
 
     secret = bytes.fromhex(os.environ.pop(STORE_KEY_VAR, ""))
@@ -251,13 +270,19 @@ def serve(args: argparse.Namespace) -> int:
     store = dist.TCPStore(args.addr, port, None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300), master_listen_fd=args.store_fd)  # fmt: skip
     live = socket.socket(fileno=args.live_fd)
-    spares = SparePool(args.run_dir, args.spares, secret)
+    commands = json.loads(args.spare_commands) or [[sys.executable, "-u", "-m", "trainer", "--run-dir", args.run_dir]]
+    spares = SparePool(args.run_dir, commands, args.spares, secret)
     keeper = Keeper(secret, args.world, args.max_restarts, store, live, spawn=spares.start)
     for _ in range(args.spares):
         spares.start()
-    parent = os.getppid()
-    while not flags.get("stop") and not keeper.done and os.getppid() == parent:
+    parent, stopping = os.getppid(), None
+    while not keeper.done and os.getppid() == parent:
         keeper.launcher_done = flags.get("launcher_done", False)
+        if flags.get("stop") and stopping is None:  # scancel, a time limit, the launcher's end: the ranks stop too
+            stopping, keeper.fallen = time.monotonic(), True  # and may still use the store while they save
+            keeper.close_spares()
+        if stopping is not None and time.monotonic() - stopping > STOP_GRACE_S:
+            break
         keeper.step(0.05)
     keeper.close_spares()
     spares.end()  # the idle ones read their close and go (before the store does); any left are killed
@@ -265,12 +290,14 @@ def serve(args: argparse.Namespace) -> int:
 
 
 class SparePool:
-    """The warm spares this keeper started (``python -m trainer --run-dir RUN --spare N``), each logging to
-    logs/spare_N.log; the launch's store key is handed over in their environment only."""
+    """The warm spares this keeper started, each logging to logs/spare_N.log: spare N runs ``commands[N % len]`` (the
+    launcher's trainer command, under Slurm an srun step on one of the launch's nodes) with ``--spare N``; the
+    launch's store key is handed over in their environment only."""
 
-    def __init__(self, run_dir: str, count: int, secret: bytes) -> None:
-        self.run_dir, self.count = run_dir, count
-        self.env = {**os.environ, STORE_KEY_VAR: secret.hex()}
+    def __init__(self, run_dir: str, commands: list[list[str]], count: int, secret: bytes) -> None:
+        self.run_dir, self.commands, self.count = run_dir, commands, count
+        drop = (SPAWN_RANK_VAR, SPAWN_WORLD_VAR)  # a spare is no rank until it takes a place
+        self.env = {**{k: v for k, v in os.environ.items() if k not in drop}, STORE_KEY_VAR: secret.hex()}
         self.procs: list[subprocess.Popen] = []
 
     def start(self) -> None:
@@ -279,16 +306,24 @@ class SparePool:
         n = len(self.procs)
         logs = os.path.join(self.run_dir, "logs")
         log_path = os.path.join(logs, f"spare_{n}.log") if os.path.isdir(logs) else os.devnull
-        command = [sys.executable, "-u", "-m", "trainer", "--run-dir", self.run_dir, "--spare", str(n)]
+        command = [*self.commands[n % len(self.commands)], "--spare", str(n)]
         with open(log_path, "ab") as out:
             self.procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env))
 
     def end(self, timeout_s: float = 10.0) -> None:
+        """Every spare ended: an idle one reads its close and goes; any left after ``timeout_s`` is ended (SIGTERM,
+        which srun passes on to its task, then SIGKILL)."""
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self.procs:
             if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
 
@@ -302,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--spares", type=int, default=0, help="warm spares kept ready")
+    parser.add_argument(
+        "--spare-commands",
+        default="[]",
+        help="JSON: the spares' command lines, used in turn (default: this Python's trainer)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     return serve(args)

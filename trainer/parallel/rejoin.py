@@ -11,16 +11,19 @@ import json
 import logging
 import os
 import re
+import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
+from trainer.errors import UserError
 from trainer.observe.beats import peek
-from trainer.parallel.keeper import KEEPER_RANK, KeeperAddress, assign_key, plan_key, proof
+from trainer.parallel.keeper import KEEPER_RANK, LAYOUT_KEY, KeeperAddress, assign_key, plan_key, proof, where_key
 from trainer.parallel.storeseal import Seal
 
 log = logging.getLogger(__name__)
@@ -88,11 +91,30 @@ class KeeperLink:
         return self.wait(plan_key(gen), timeout_s)
 
     def assignment(self, spare: int) -> dict:
-        """Block until the keeper gives this spare a place (or tells it to close)."""
+        """Block until the keeper gives this spare a place (or tells it to close; also when the keeper is gone)."""
         while True:
-            value = self.wait(assign_key(spare), 5.0)
+            value = self.read(assign_key(spare))
             if value is not None:
                 return value
+            if self.notice(timeout_s=5.0) == "gone":
+                return {"close": True}
+
+    def notice(self, wake: int | None = None, timeout_s: float | None = None) -> str:
+        """Block on the keeper's socket until it says there is news in the store ("look": a plan, a place, a close),
+        it closes ("gone"), ``wake`` (a pipe's read end) is readable ("woken"), or ``timeout_s`` ("timeout"). No
+        timed waits in the store: each one that times out is a warning line in the process's output."""
+        sock = self._sock
+        if sock is None:
+            return "gone"
+        try:
+            readable, _, _ = select.select([sock, *([] if wake is None else [wake])], [], [], timeout_s)
+            if wake is not None and wake in readable:
+                return "woken"
+            if not readable:
+                return "timeout"
+            return "look" if sock.recv(256) else "gone"
+        except (OSError, ValueError):  # closed meanwhile (the process ends)
+            return "gone"
 
     def until(self, store: dist.Store, key: str, timeout_s: float) -> dict | None:
         """The sealed value under ``key`` once there, blocking in the store (no polling) at most ``timeout_s``; None
@@ -108,6 +130,35 @@ class KeeperLink:
             return None
         return json.loads(value)
 
+    def meet(self, rank: int, world: int, place: dict, layout_of: Callable[[list[dict]], dict],
+             timeout_s: float) -> dict:  # fmt: skip
+        """The launch's layout, met in the store: every rank leaves its ``place``; rank 0 reads them all and leaves
+        ``layout_of(places)`` (or the UserError it raised, which every rank then raises)."""
+        self.publish(where_key(rank), place)
+        deadline = time.monotonic() + timeout_s
+        if rank == 0:
+            places = []
+            for other in range(world):
+                value = self.wait(where_key(other), max(0.1, deadline - time.monotonic()))
+                if value is None:
+                    self.publish(LAYOUT_KEY, {"error": f"rank {other} did not reach the launch's keeper at "
+                                              f"{self.where.addr}:{self.where.store_port} within {timeout_s:g} s "
+                                              "(comm.timeout_s)"})  # fmt: skip
+                    break
+                places.append(value)
+            else:
+                try:
+                    self.publish(LAYOUT_KEY, layout_of(places))
+                except UserError as exc:
+                    self.publish(LAYOUT_KEY, {"error": str(exc)})
+        layout = self.wait(LAYOUT_KEY, max(0.1, deadline - time.monotonic()))
+        if layout is None:
+            raise UserError(f"rank {rank}: rank 0 left no layout in the launch's keeper's store within "
+                            f"{timeout_s:g} s (comm.timeout_s)")  # fmt: skip
+        if "error" in layout:
+            raise UserError(layout["error"], collective=True)
+        return layout
+
     def publish(self, key: str, value: dict) -> None:
         """A value for the spares (sealed as the keeper's own: only this launch's processes hold the key)."""
         seal = Seal(self._secret, KEEPER_RANK)
@@ -115,38 +166,34 @@ class KeeperLink:
 
 
 def _line(sock: socket.socket) -> str:
+    """The keeper's first line (a notice may follow it at once: dropped, each watch looks in the store first)."""
     data = b""
-    while not data.endswith(b"\n") and len(data) < 512:
+    while b"\n" not in data and len(data) < 512:
         chunk = sock.recv(512)
         if not chunk:
             break
         data += chunk
-    return data.decode("ascii", "replace").strip()
+    return data.split(b"\n")[0].decode("ascii", "replace").strip()
 
 
 class PlanWatch:
     """A daemon thread that waits for the keeper's plan for generation ``gen + 1``; when it comes, cuts this
     process's accepted TCP connections (gloo's pairs: every pair has one accepting end, so every survivor's cut
-    fails every blocked collective) and keeps the plan for the main thread."""
-
-    WAIT_S = 0.25  # one blocking wait in the store; also the most ``close`` waits for the thread
+    fails every blocked collective) and keeps the plan for the main thread. It blocks on the keeper's socket, which
+    says when to look in the store (``KeeperLink.notice``)."""
 
     def __init__(self, link: KeeperLink, gen: int) -> None:
         self.link, self.next = link, gen + 1
         self.plan: dict | None = None
-        self._stop = threading.Event()
-        # A connection of its own: its waits block in the store, never the main thread's calls on the link's.
-        where = link.where
-        self._store = dist.TCPStore(where.addr, where.store_port, None, is_master=False,
-                                    timeout=timedelta(seconds=30))  # fmt: skip
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="hpc-plan-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         key = plan_key(self.next)
-        while not self._stop.is_set():
+        while True:
             try:
-                plan = self.link.until(self._store, key, self.WAIT_S)
+                plan = self.link.read(key)  # first: a plan may have come before this watch began
             except Exception:  # the store gone: the launch is ending
                 return
             if plan is not None:  # a spare planned in, or the fall-back: either way this generation is over
@@ -154,12 +201,16 @@ class PlanWatch:
                 cut = cut_accepted()
                 log.info("generation %d planned: %d gloo connection(s) cut", self.next, cut)
                 return
+            if self.link.notice(wake=self._wake_r) != "look":  # closed, or the keeper gone
+                return
 
     def close(self) -> None:
         """Stopped and joined: a cut must not reach the next generation's connections."""
-        self._stop.set()
+        os.write(self._wake_w, b"x")
         if self._thread is not threading.current_thread():
             self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 def cut_accepted() -> int:

@@ -14,8 +14,9 @@ from mpi4py import MPI
 from runconfig import ConfigError, RunConfig, load_config
 from rundir import RunDir
 from rundir import snapshot as code
+from rundir.contract import KEEPER_VAR
 from storage import shm
-from trainer.env import RuntimeEnv, agree, from_mpi, from_spawn, own_env
+from trainer.env import RuntimeEnv, agree, from_mpi, from_spawn, own_env, spawned_layout, where
 from trainer.errors import UserError
 from trainer.loop.stop import EarlySignals, StopFlag
 from trainer.loop.stopreport import record_signal_path
@@ -113,39 +114,46 @@ def boot(
 def boot_spawned(
     rundir: RunDir, clock: StartupClock, early: EarlySignals, deadline: StartupDeadline | None = None
 ) -> tuple[Booted, GroupComm]:
-    """``boot`` for a rank the local launcher started itself (job.spare_ranks, hpc/spawn.py): no MPI. The rank
-    meets the others in the keeper's store, then over its process group (``GroupComm``) for the same checks, and
-    rank 0 leaves the launch's layout there for the spares."""
+    """``boot`` for a rank started without MPI (job.spare_ranks: by the local launcher's hpc/spawn.py, or srun with
+    no MPI plugin). The ranks meet in the keeper's store for the launch's layout (rank 0 leaves it there for the
+    spares too), then over their process group (``GroupComm``) for the same checks as ``boot``."""
     try:  # deterministic checks: every rank fails the same way
         cfg = load_config(str(rundir.config))
         code_sha256 = code.activate(rundir)
-        env = from_spawn()
+        own = from_spawn()
     except (ConfigError, UserError) as exc:
         raise UserError(str(exc), collective=True) from None
-    setup_logging(rundir, env.rank)
+    if own.keeper is None:
+        raise UserError(f"rank {own.rank}: started without MPI but with no keeper ({KEEPER_VAR}): the launcher "
+                        "starts one with job.spare_ranks", collective=True)  # fmt: skip
     if deadline is not None:
-        deadline.limit(cfg.monitor.startup_timeout_s, rundir.rank_log(env.rank) if rundir.logs.is_dir() else None)
+        deadline.limit(cfg.monitor.startup_timeout_s, rundir.rank_log(own.rank) if rundir.logs.is_dir() else None)
+    link = KeeperLink(own.keeper, own.store_key, cfg.comm.timeout_s)
+    link.hello("rank", own.rank)
+    layout = link.meet(own.rank, own.world_size, where(), spawned_layout, cfg.comm.timeout_s)
+    env = own.as_rank(own.rank, layout)
+    setup_logging(rundir, env.rank)
     fix_mmap_threshold(cfg.train.host_mmap_threshold_kb)
     stop = _stop_flag(cfg, early)
     torch.set_num_threads(cfg.job.threads_per_rank or env.default_threads())
-    log.info("rank %d/%d on %s: node %d local rank %d (simulated nodes, started without MPI: job.spare_ranks), "
-             "%d threads, pid %d", env.rank, env.world_size, env.hostname, env.node, env.local_rank,
+    log.info("rank %d/%d on %s%s: node %d local rank %d%s, started without MPI (job.spare_ranks), %d threads, "
+             "pid %d", env.rank, env.world_size, env.hostname, f" (slurm node {env.slurm_node})" if env.slurm_node
+             else "", env.node, env.local_rank, " (simulated nodes)" if env.simulated_nodes else "",
              torch.get_num_threads(), os.getpid())  # fmt: skip
     Injector(env.inject, env.rank).at_rendezvous(rundir)
     device = pick_device(env, cfg.train.device)
     _open_files(env, True, SoloComm())  # this rank's own limit: the others check theirs
-    d = init_distributed(env, cfg.comm, device, SoloComm())
+    d = join_generation(env, cfg.comm, device, link, 0)
     comm = GroupComm(None, env.store_key)
     clock.mark("rendezvous")
     agree(comm, rundir.writable_error() if env.rank == 0 else None)
     tracker = open_tracker(cfg, env, rundir, comm)
     record_signal_path(rundir, env, cfg.checkpoint.stop_signals, early, comm)
-    if env.rank == 0:
+    if env.host_local_rank == 0:  # what ranks of an earlier, killed launch left on this host
         removed, relays = shm.sweep(), noderelay.sweep()
         if removed or relays:
             log.info("removed %d stale MPI segment(s) and %d relay folder(s) of killed launches", len(removed),
                      len(relays))  # fmt: skip
-        d.keeper.publish(LAYOUT_KEY, env.shared_record([(r, env.world_size) for r in range(env.world_size)]))
     if deadline is not None:
         deadline.end()
     return Booted(cfg=cfg, code_sha256=code_sha256, env=env, stop=stop, distributed=d, tracker=tracker), comm

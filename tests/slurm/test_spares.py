@@ -1,0 +1,55 @@
+"""In-process restarts under Slurm (job.spare_ranks) on the cluster of separate hosts (tests/slurm/conftest.py's
+hosts_cluster): the ranks are srun tasks with no MPI plugin, the keeper runs on the batch host and each warm spare is
+an srun step on one of the job's nodes. A task's death ends neither the step nor the others: the spare takes its place
+over the network, in the same launch of the same job."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from tests.conftest import history, rank_pids, summary
+from tests.slurm.conftest import TWO_NODES, job_log, sets_for, submit, wait_state, wait_step
+from tests.slurm.test_badnodes import assert_separate_hosts
+
+pytestmark = pytest.mark.slurm
+
+
+def test_a_killed_task_is_replaced_by_a_spare_on_another_host_in_the_same_step(
+    on_hosts, small_dataset, reference_2x1, tmp_path
+):
+    """2 nodes x 1 rank, 1 spare, memory checkpoints every step: rank 1 (on n2) SIGKILLed after step 12. The spare,
+    an srun step on n2, takes its place; rank 0 on n1 stays in its process and reaches the keeper on n1's address
+    from another network; both go on from node memory in the same launch, and the job ends bit-identical to the
+    uninterrupted run with no restart, no bad node, and no keeper or spare left."""
+    run_dir = tmp_path / "run"
+    sets = [*sets_for(small_dataset), *TWO_NODES, "checkpoint.memory_every_steps=1", "job.spare_ranks=1"]
+    job_id = submit(run_dir, sets)
+    wait_step(run_dir, 12)
+    pids = rank_pids(run_dir)
+    assert_separate_hosts(run_dir, pids, 1)
+    survivor = pids[0]
+    os.kill(pids[1], signal.SIGKILL)
+    wait_step(run_dir, 20)  # after the rejoin: rank 0 is the same process
+    assert rank_pids(run_dir).get(0) == survivor, (survivor, rank_pids(run_dir))
+    info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    log = job_log(run_dir, job_id)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{log}"
+    events = history(run_dir)
+    (rejoin,) = [e for e in events if e["event"] == "rejoin"]
+    assert rejoin["dead"] == [1] and rejoin["spares"] == {"1": 0} and rejoin["joined_s"] < 10, rejoin
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["launch"] == rejoin["launch"], resumes
+    assert resumes[0]["restored_from"]["from"] == "memory" and resumes[0]["step"] >= 11, resumes[0]
+    assert not [e for e in events if e["event"] in ("restart", "bad_node", "hang")], events
+    assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 1
+    took = (run_dir / "logs" / "rank_00001.log").read_text()  # the spare logs as the rank it replaces
+    assert "spare 0 takes rank 1's place in generation 1" in took, took
+    assert "waitForInput" not in log + took, "timed waits in the store fill the output with warnings"
+    assert "n2: task 1: Killed" in log, log  # srun saw the task die, and went on
+    assert summary(run_dir)["params_sha256"] == reference_2x1
+    left = subprocess.run(["pgrep", "-af", f"keeper|--run-dir {run_dir}"], capture_output=True, text=True).stdout
+    assert str(run_dir) not in left and "trainer.parallel.keeper" not in left, left
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 60
