@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) ->
         "srun",
         "--mpi=none" if spares else f"--mpi={mpi_plugin(cfg)}",
         f"--kill-on-bad-exit={0 if spares else 1}",
+        *(["--no-kill"] if spares else []),  # a lost node's tasks end neither the step nor the survivors
         "--overlap",
         f"--ntasks-per-node={cfg.job.ranks_per_node}",
         *placement,
@@ -122,6 +124,8 @@ SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)$")
 #: seconds srun may go on after the ranks recorded their diagnosis: a lost node's tasks never report, and srun
 #: would wait for them until slurmctld declares the node failed (SlurmdTimeout)
 STEP_GRACE_S = 5.0
+#: seconds srun may go on after the launch recorded its end (done or stopped) with job.spare_ranks
+ENDED_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -151,13 +155,21 @@ def suspect_ranks(failure: Path) -> set[int]:
         return set()
 
 
-def run_srun_step(command: list[str], env: dict, failure: Path | None = None, ntasks: int = 0) -> SrunStepEnd:
+def run_srun_step(
+    command: list[str],
+    env: dict,
+    failure: Path | None = None,
+    ntasks: int = 0,
+    recorded: Callable[[], bool] | None = None,
+) -> SrunStepEnd:
     """Run srun, copying its output through; how it ended.
 
     srun's first failed-task line comes within ~0.1 s of a rank's death. Once the ranks have written their
     diagnosis (``failure``: they ended the launch themselves, naming the ranks at fault), srun is ended as soon as
     every one of its ``ntasks`` tasks has either reported its end or been named in the diagnosis, and at the latest
-    STEP_GRACE_S later: it would wait for the tasks of a lost node, which never report."""
+    STEP_GRACE_S later: it would wait for the tasks of a lost node, which never report. With ``recorded``
+    (job.spare_ranks: whether the launch recorded its end), srun still running ENDED_GRACE_S after that record is
+    ended too: a task the keeper counted dead (stopped, cut off) would keep it waiting."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     first: list[int] = []
     failed: list[str] = []
@@ -183,12 +195,24 @@ def run_srun_step(command: list[str], env: dict, failure: Path | None = None, nt
     diagnosed: float | None = None
     named: set[int] = set()
     ended_srun = False
+    ended_at: float | None = None  # when the launch's end was first seen recorded
+    looked = 0.0
     while True:
         try:
             status = proc.wait(timeout=0.25)
             break
         except subprocess.TimeoutExpired:
             pass
+        now = time.monotonic()
+        if recorded is not None and ended_at is None and now - looked > 1.0:
+            looked = now
+            ended_at = now if recorded() else None
+        if ended_at is not None and now - ended_at > ENDED_GRACE_S:
+            print(f"the launch recorded its end and srun still waits {ENDED_GRACE_S:g} s later (a task counted dead "
+                  "by the keeper): ending srun", flush=True)  # fmt: skip
+            proc.kill()
+            ended_srun, ended_at = True, None
+            recorded = None
         if failure is None:
             continue
         if diagnosed is None and failure.exists():  # written whole (atomically): its suspects are read once
@@ -363,7 +387,8 @@ class Driver:
             spares = Spares(cfg, rundir, env, ntasks, spare_commands(cfg, rundir, nodes or allocation),
                             addr=keeper_address(cfg))  # fmt: skip
         try:
-            end = run_srun_step(command, env, rundir.failure, ntasks)
+            recorded = (lambda: how_it_ended(rundir, launch_id, -1).recorded) if spares is not None else None
+            end = run_srun_step(command, env, rundir.failure, ntasks, recorded)
         except BaseException:
             if spares is not None:
                 spares.kill()

@@ -51,7 +51,7 @@ class Spares:
         command = [sys.executable, "-u", "-m", "trainer.parallel.keeper", "--store-fd", str(store.fileno()),
                    "--live-fd", str(live.fileno()), "--addr", addr, "--world", str(world_size), "--max-restarts",
                    str(cfg.job.max_failures), "--run-dir", str(rundir.root), "--spares",
-                   str(cfg.job.spare_ranks), "--spare-commands",
+                   str(cfg.job.spare_ranks), "--silence-s", str(cfg.monitor.peer_timeout_s), "--spare-commands",
                    json.dumps(spare_commands)]  # fmt: skip
         try:
             with open(log, "ab") as out:

@@ -162,6 +162,12 @@ def _rejoin(rundir: RunDir, booted, plan: dict):
     from trainer.parallel.groupcomm import GroupComm
     from trainer.parallel.rejoin import end_groups
 
+    if booted.env.rank in plan["dead"]:  # counted dead while silent (stopped, cut off): a spare has its place now
+        import logging
+
+        logging.getLogger("trainer").error("rank %d: the keeper counted this process dead and gave its place to a "
+                                           "spare in generation %d: it ends", booted.env.rank, plan["gen"])  # fmt: skip
+        os._exit(EXIT_FAILED)  # no report, no goodbye: the launch goes on without this process
     end_groups()
     forget_plans()
     gc.collect()  # the old DDP wrapper and its reducer (hooks on the kept model's parameters) go now

@@ -55,7 +55,9 @@ class MonitorConfig(Section):
         "A rank whose heartbeats stop for this long (its process ended, its node went down, its link was lost) ends "
         "the launch on the other ranks, named with its node, rather than leaving them blocked in a collective until "
         "the scheduler notices (Slurm: SlurmdTimeout, then KillWait). Watched by rank 0, which hosts the rendezvous "
-        "store: a rank that loses the store for this long ends too. At least 3 x monitor.heartbeat_s; 0 = off.",
+        "store: a rank that loses the store for this long ends too. With job.spare_ranks the launch's keeper counts a "
+        "rank or spare unheard this long dead instead, and a spare of another node takes a rank's place. At least 3 x "
+        "monitor.heartbeat_s; 0 = off.",
         15.0,
         bounds=Range(ge=0),
     )

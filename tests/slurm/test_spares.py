@@ -10,9 +10,10 @@ import subprocess
 
 import pytest
 
+from rundir.paths import read_jsonl
 from tests.conftest import history, rank_pids, summary
 from tests.slurm.conftest import TWO_NODES, job_log, sets_for, submit, wait_state, wait_step
-from tests.slurm.test_badnodes import assert_separate_hosts
+from tests.slurm.test_badnodes import assert_separate_hosts, node_lost
 
 pytestmark = pytest.mark.slurm
 
@@ -53,3 +54,35 @@ def test_a_killed_task_is_replaced_by_a_spare_on_another_host_in_the_same_step(
     left = subprocess.run(["pgrep", "-af", f"keeper|--run-dir {run_dir}"], capture_output=True, text=True).stdout
     assert str(run_dir) not in left and "trainer.parallel.keeper" not in left, left
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 60
+
+
+def test_a_lost_node_is_replaced_by_a_spare_on_another_node_in_the_same_step(on_hosts, small_dataset, tmp_path):
+    """3 nodes x 1 rank, 1 spare (an srun step on n3), the allocation kept (job.no_kill): n2 is lost with its link, so
+    no socket of its ever closes. The keeper counts rank 1 dead once it is unheard for monitor.peer_timeout_s, and
+    places the spare of n3; the survivors cut their connections to n2's address, and all three go on from node memory
+    (n2's files from its partner's copies) in the same launch, the world and the batch unchanged."""
+    run_dir = tmp_path / "run"
+    shape = ["job.nodes=3", "job.ranks_per_node=1", "job.no_kill=true", "job.spare_ranks=1"]
+    batch = ["train.global_batch_size=24", "train.micro_batch_size=4", "train.steps=80"]
+    watch = ["monitor.peer_timeout_s=6", "monitor.heartbeat_s=1", "checkpoint.memory_every_steps=1"]
+    job_id = submit(run_dir, [*sets_for(small_dataset), *shape, *batch, *watch])
+    wait_step(run_dir, 12)
+    pids = rank_pids(run_dir)
+    with node_lost(on_hosts, "n2") as lost:
+        wait_step(run_dir, 30, timeout=120)
+        assert {r: rank_pids(run_dir).get(r) for r in (0, 2)} == {0: pids[0], 2: pids[2]}  # the same processes
+        info = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    log = job_log(run_dir, job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{log}"
+    events = history(run_dir)
+    (rejoin,) = [e for e in events if e["event"] == "rejoin"]
+    assert rejoin["dead"] == [1] and rejoin["spares"] == {"1": 0}, rejoin
+    assert 5 < rejoin["died_at"] - lost < 6 + 3, rejoin  # counted dead after peer_timeout_s
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["launch"] == rejoin["launch"], resumes
+    assert resumes[0]["restored_from"]["from"] == "memory", resumes[0]
+    first = next(r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == resumes[0]["step"] + 1)
+    assert first["time"] - lost < 6 + 3 + 3, (first, lost)  # the issue's bound, with room for this loaded host
+    assert not [e for e in events if e["event"] in ("restart", "hang")], events
+    assert "keeper: rank 1 on n2 unheard" in (run_dir / "logs" / "keeper.log").read_text()
+    assert summary(run_dir)["final_step"] == 80 and summary(run_dir)["world_size"] == 3

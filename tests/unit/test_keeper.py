@@ -23,14 +23,14 @@ from trainer.parallel.rejoin import KeeperLink
 
 
 @pytest.fixture()
-def keeper(tmp_path):
+def keeper(tmp_path, request):
     key = secrets.token_bytes(32)
     store, live = _listener("127.0.0.1"), _listener("127.0.0.1")
     where = KeeperAddress("127.0.0.1", store.getsockname()[1], live.getsockname()[1])
     env = {**os.environ, STORE_KEY_VAR: key.hex(), "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "trainer.parallel.keeper", "--store-fd", str(store.fileno()), "--live-fd",
                str(live.fileno()), "--addr", "127.0.0.1", "--world", "2", "--max-restarts", "5",
-               "--run-dir", str(tmp_path)]  # fmt: skip
+               "--run-dir", str(tmp_path), *getattr(request, "param", [])]  # fmt: skip
     proc = subprocess.Popen(command, env=env, pass_fds=(store.fileno(), live.fileno()), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     store.close()
@@ -49,10 +49,10 @@ def closed(sock: socket.socket) -> bool:
         return True
 
 
-def hello(where: KeeperAddress, key: bytes, role: str, ident: int) -> socket.socket:
+def hello(where: KeeperAddress, key: bytes, role: str, ident: int, node: str = "n1") -> socket.socket:
     sock = socket.create_connection((where.addr, where.live_port), timeout=30)
     nonce = sock.recv(64).decode().strip()
-    sock.sendall(f"{role} {ident} {proof(key, nonce, role, ident)}\n".encode())
+    sock.sendall(f"{role} {ident} {node} {proof(key, nonce, role, ident, node)}\n".encode())
     assert sock.recv(8) == b"ok\n"
     return sock
 
@@ -60,13 +60,13 @@ def hello(where: KeeperAddress, key: bytes, role: str, ident: int) -> socket.soc
 def test_a_dead_rank_gets_a_spare_and_strangers_set_off_nothing(keeper):
     proc, where, key = keeper
     link = KeeperLink(where, key, timeout_s=30)  # waits for the keeper's store (it imports torch first)
-    link.hello("rank", 0)
+    link.hello("rank", 0, "n1")
     spare = hello(where, key, "spare", 0)
     rank1 = hello(where, key, "rank", 1)
     # Strangers: a wrong proof is refused, a posing rank's close sets off no plan, garbage closes its own socket.
     stranger = socket.create_connection((where.addr, where.live_port), timeout=10)
     nonce = stranger.recv(64).decode().strip()
-    stranger.sendall(f"rank 1 {proof(b'not the key', nonce, 'rank', 1)}\n".encode())
+    stranger.sendall(f"rank 1 n1 {proof(b'not the key', nonce, 'rank', 1, 'n1')}\n".encode())
     assert stranger.recv(8) == b""  # closed by the keeper
     stranger.close()
     for garbage in (b"rank 0 \xff\xfe\n", b"\x00" * 600, b"spare x y\n"):
@@ -97,7 +97,7 @@ def test_a_dead_rank_gets_a_spare_and_strangers_set_off_nothing(keeper):
 def test_no_spare_left_is_a_fallback(keeper):
     proc, where, key = keeper
     link = KeeperLink(where, key, timeout_s=30)
-    link.hello("rank", 0)
+    link.hello("rank", 0, "n1")
     rank1 = hello(where, key, "rank", 1)
     rank1.close()
     plan = link.wait(plan_key(1), 10.0)
@@ -111,7 +111,7 @@ def test_a_rank_that_ends_the_launch_on_purpose_is_no_death_to_replace(keeper):
     to fall back at once and places no spare, though one waits; later closes set off nothing."""
     proc, where, key = keeper
     link = KeeperLink(where, key, timeout_s=30)
-    link.hello("rank", 0)
+    link.hello("rank", 0, "n1")
     spare = hello(where, key, "spare", 0)
     rank1 = hello(where, key, "rank", 1)
     rank1.sendall(b"fail\n")
@@ -141,3 +141,28 @@ def test_a_plan_never_leaves_the_launcher_without_its_own_ranks(keeper):
     assert proc.wait(timeout=10) == 0
     for sock in spares:
         sock.close()
+
+
+@pytest.mark.parametrize("keeper", [["--silence-s", "1.5"]], indirect=True)
+def test_a_silent_rank_is_counted_dead_and_no_spare_of_its_node_takes_its_place(keeper):
+    """A lost node's sockets never close: a member unheard for monitor.peer_timeout_s (here 1.5 s) is counted dead.
+    The plan names it silent with its address (the survivors cut their connections there) and places a spare of
+    another node, though one of its own node still beats (the node may be going)."""
+    proc, where, key = keeper
+    links = [KeeperLink(where, key, timeout_s=30, beat_s=0.2) for _ in range(3)]
+    links[0].hello("rank", 0, "n1")
+    links[1].hello("spare", 0, "n2")
+    links[2].hello("spare", 1, "n3")
+    quiet = hello(where, key, "rank", 1, node="n2")  # never beats
+    began = time.monotonic()
+    plan = links[0].wait(plan_key(1), 10.0)
+    assert plan is not None and 1.4 < time.monotonic() - began < 5.0
+    assert plan["dead"] == [1] and plan["silent"] == [1] and plan["spares"] == {"1": 1}, plan
+    assert plan["addrs"] == {"1": "127.0.0.1"}, plan
+    assert quiet.recv(16).startswith(b"gone"), "told, should it ever read"
+    assert links[0].read(assign_key(1)) == {"gen": 1, "rank": 1} and links[0].read(assign_key(0)) is None
+    time.sleep(2.0)  # the beating ones are never counted dead
+    assert links[0].read(plan_key(2)) is None
+    for link in links:
+        link.bye()
+    assert proc.wait(timeout=10) == 0, proc.stdout.read()

@@ -101,7 +101,8 @@ class Watchdog:
         self.store_ok = time.time()  # the heartbeat thread's last answer from the store
         self.store_error = ""
         self.watching = cfg.hang_timeout_s > 0  # hangs are claimed; else only heartbeats are published
-        self.peers = cfg.peer_timeout_s > 0  # silent ranks are claimed (by rank 0)
+        # silent ranks are claimed (by rank 0); with a keeper (job.spare_ranks) it counts them dead, for a spare
+        self.peers = cfg.peer_timeout_s > 0 and env.keeper is None
         self.enabled = self.watching or self.peers or heartbeats
         self.exit: Callable[[int], None] = os._exit  # how the rank ends (bench/scale.py: a simulated rank's threads)
         node = env.topology.node_ranks(env.node)

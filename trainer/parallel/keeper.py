@@ -63,10 +63,10 @@ def where_key(rank: int) -> str:
     return f"hpc/rejoin/where/{rank}"
 
 
-def proof(secret: bytes, nonce: str, role: str, ident: int) -> str:
+def proof(secret: bytes, nonce: str, role: str, ident: int, node: str) -> str:
     """What a member sends to show it holds the launch's key (a stranger's socket must not pose as a rank whose
     close would set off a restart)."""
-    return hmac.new(secret, f"{nonce}|{role}|{ident}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(secret, f"{nonce}|{role}|{ident}|{node}".encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,13 @@ class Member:
     role: str  # "rank" or "spare"
     ident: int  # the rank, or the spare's number
     sock: socket.socket
+    node: str = ""  # the node it runs on (Slurm's name, else the host's)
+    addr: str = ""  # its address, as the keeper sees it
     launched: bool = False  # one of the launcher's own rank processes (not a spare that took a place)
     bye: bool = False  # it said goodbye ("bye": done; "fail": it ended the launch on purpose)
     buffer: bytes = b""
+    heard: float = field(default_factory=time.monotonic)  # its last word (a beat, every monitor.heartbeat_s)
+    silent: bool = False  # counted dead for its silence (a lost node, a stopped process), its socket still open
 
 
 @dataclass
@@ -99,11 +103,13 @@ class Keeper:
     store: object  # the TCPStore server (this process holds it)
     live: socket.socket
     spawn: Callable[[], None] = lambda: None  # start one more warm spare (one took a place)
+    silence_s: float = 0.0  # a member unheard this long is counted dead (monitor.peer_timeout_s; 0: never)
     gen: int = 0
     restarts: int = 0
     members: dict[int, Member] = field(default_factory=dict)  # by socket fd
     pending: dict[int, tuple[socket.socket, str, float]] = field(default_factory=dict)  # fd -> (sock, nonce, since)
     dead: dict[int, float] = field(default_factory=dict)  # rank -> when its socket closed, not yet planned for
+    dead_members: dict[int, Member] = field(default_factory=dict)  # rank -> its member record, for the plan
     done: bool = False
     gen_started: bool = False  # a rank has said hello
     launcher_done: bool = False  # mpirun, and with it the launcher's own rank processes, ended (SIGUSR1)
@@ -143,12 +149,30 @@ class Keeper:
         for sock, _, since in list(self.pending.values()):
             if now - since > HELLO_S:
                 self._forget(sock)
+        if self.silence_s and not self.fallen:
+            self._count_silent(now)
         if self.dead and now - min(self.dead.values()) >= GATHER_S:
             self._plan()
         if self.gen_started and not self.dead and not self.ranks():
             self.done = True  # every rank said goodbye or died
         if self.launcher_done:  # mpirun ended: every generation holds one of its ranks, so the launch is over (the
             self.done = True  # spares still running, if any, end with the keeper: SparePool.end)
+
+    def _count_silent(self, now: float) -> None:
+        """Members unheard for ``silence_s`` (their node lost: no close ever comes; or the process stopped) are
+        counted dead; they are told so, should they ever read it."""
+        for member in list(self.members.values()):
+            if member.bye or now - member.heard <= self.silence_s:
+                continue
+            log.warning("keeper: %s %d on %s unheard for %.1f s (node lost, link down or process stopped): counted "
+                        "dead", member.role, member.ident, member.node, now - member.heard)  # fmt: skip
+            with contextlib.suppress(OSError):
+                member.sock.send(b"gone\n")
+            member.silent = True
+            self._forget(member.sock)
+            if member.role == "rank":
+                self.dead[member.ident] = now
+                self.dead_members[member.ident] = member
 
     def _forget(self, sock: socket.socket) -> None:
         with contextlib.suppress(Exception):
@@ -171,16 +195,16 @@ class Keeper:
 
     def _hello(self, sock: socket.socket) -> None:
         _, nonce, _ = self.pending[sock.fileno()]
-        role, ident_text, mac = sock.recv(512).split()
+        role, ident_text, node_text, mac = sock.recv(512).split()
         ident = int(ident_text)
-        role = role.decode("ascii")
+        role, node = role.decode("ascii"), node_text.decode("ascii")
         if role not in ("rank", "spare") or not hmac.compare_digest(
-            mac, proof(self.secret, nonce, role, ident).encode()
+            mac, proof(self.secret, nonce, role, ident, node).encode()
         ):
             log.warning("keeper: a connection that does not hold the launch's key was refused")
             return self._forget(sock)
         del self.pending[sock.fileno()]
-        self.members[sock.fileno()] = Member(role, ident, sock, launched=role == "rank")
+        self.members[sock.fileno()] = Member(role, ident, sock, node=node, addr=_peer(sock), launched=role == "rank")
         if role == "rank":
             self.gen_started = True
         sock.send(b"ok\n")
@@ -192,6 +216,7 @@ class Keeper:
         except OSError:
             data = b""
         if data:
+            member.heard = now
             member.buffer = (member.buffer + data)[-64:]
             if b"fail" in member.buffer and not member.bye and member.role == "rank" and not self.fallen:
                 self._fall_back(f"rank {member.ident} ended the launch")
@@ -201,6 +226,7 @@ class Keeper:
         if member.role == "rank" and not member.bye and not self.fallen:
             log.warning("keeper: rank %d's process ended without a goodbye (generation %d)", member.ident, self.gen)
             self.dead[member.ident] = now
+            self.dead_members[member.ident] = member
         elif member.role == "spare" and not member.bye:
             log.warning("keeper: spare %d ended while waiting", member.ident)
 
@@ -217,10 +243,15 @@ class Keeper:
         """The next generation: a spare in each dead rank's place, or the fall-back."""
         dead = sorted(self.dead)
         died_at = time.time() - (time.monotonic() - min(self.dead.values()))
+        members = [self.dead_members.pop(rank) for rank in dead]
         self.dead.clear()
         self.restarts += 1
-        spares = self.idle_spares()
-        facts = {"dead": dead, "died_at": died_at}
+        lost_nodes = {m.node for m in members if m.silent}  # maybe gone with its spares: none placed there
+        spares = [s for s in self.idle_spares() if s.node not in lost_nodes]
+        # the dead ranks' addresses: a survivor cuts its connections there (a lost node's never close)
+        addrs = {str(m.ident): m.addr for m in members}
+        facts = {"dead": dead, "died_at": died_at, "silent": sorted(m.ident for m in members if m.silent),
+                 "addrs": addrs}  # fmt: skip
         if self.restarts > self.max_restarts:
             return self._fall_back(f"in-process restarts exceed job.max_failures={self.max_restarts}", facts)
         if len(spares) < len(dead):
@@ -229,7 +260,7 @@ class Keeper:
             return self._fall_back("none of the launcher's own rank processes is left", facts)
         self.gen += 1
         plan: dict = {**facts, "gen": self.gen, "world": self.world, "at": time.time(), "spares": {}}
-        for rank, spare in zip(dead, spares, strict=False):
+        for rank, spare in zip(dead, _placed(members, spares), strict=False):
             plan["spares"][str(rank)] = spare.ident
             self._put(assign_key(spare.ident), {"gen": self.gen, "rank": rank})
             spare.role, spare.ident = "rank", rank  # its socket now watches that rank
@@ -254,6 +285,27 @@ class Keeper:
                 member.sock.send(b"look\n")
 
 
+def _peer(sock: socket.socket) -> str:
+    try:
+        return sock.getpeername()[0]
+    except OSError:  # already closed
+        return ""
+
+
+def _placed(members: list[Member], spares: list[Member]) -> list[Member]:
+    """A spare for each dead member, in order: one on its own node where there is one (its process died, not the
+    node), else the first left."""
+    left, out = list(spares), []
+    for member in members:
+        same = next((s for s in left if s.node == member.node and not member.silent), None)
+        choice = same or (left[0] if left else None)
+        if choice is None:
+            break
+        left.remove(choice)
+        out.append(choice)
+    return out
+
+
 def serve(args: argparse.Namespace) -> int:
     flags: dict[str, bool] = {}  # the signals' notes, set before the slow import: a signal never kills the keeper
     signal.signal(signal.SIGTERM, lambda *_: flags.update(stop=True))  # the launch is ending: no more plans
@@ -272,7 +324,7 @@ def serve(args: argparse.Namespace) -> int:
     live = socket.socket(fileno=args.live_fd)
     commands = json.loads(args.spare_commands) or [[sys.executable, "-u", "-m", "trainer", "--run-dir", args.run_dir]]
     spares = SparePool(args.run_dir, commands, args.spares, secret)
-    keeper = Keeper(secret, args.world, args.max_restarts, store, live, spawn=spares.start)
+    keeper = Keeper(secret, args.world, args.max_restarts, store, live, spawn=spares.start, silence_s=args.silence_s)
     for _ in range(args.spares):
         spares.start()
     parent, stopping = os.getppid(), None
@@ -337,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--spares", type=int, default=0, help="warm spares kept ready")
+    parser.add_argument("--silence-s", type=float, default=0.0, help="a member unheard this long is dead (0: never)")
     parser.add_argument(
         "--spare-commands",
         default="[]",

@@ -13,6 +13,7 @@ import os
 import re
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -44,28 +45,50 @@ class PeerLost(Exception):
 class KeeperLink:
     """This process's store client and watched socket at the keeper."""
 
-    def __init__(self, where: KeeperAddress, secret: bytes, timeout_s: float) -> None:
-        self.where, self._secret = where, secret
+    def __init__(self, where: KeeperAddress, secret: bytes, timeout_s: float, beat_s: float = 1.0) -> None:
+        """``beat_s``: how often this process tells the keeper it lives (monitor.heartbeat_s): a member unheard for
+        monitor.peer_timeout_s is counted dead, as on a lost node, whose sockets never close."""
+        self.where, self._secret, self.beat_s = where, secret, beat_s
         self.store = dist.TCPStore(where.addr, where.store_port, None, is_master=False,
                                    timeout=timedelta(seconds=timeout_s))  # fmt: skip
         self.seal = Seal(secret, 0)
         self._sock: socket.socket | None = None
+        self._quiet = threading.Event()
 
-    def hello(self, role: str, ident: int) -> None:
-        """Open the socket the keeper watches: its close without a goodbye is this process's death."""
+    def hello(self, role: str, ident: int, node: str) -> None:
+        """Open the socket the keeper watches (its close without a goodbye is this process's death, as is its
+        silence) and start beating on it; ``node``: where this process runs (a spare is placed off a lost node)."""
         sock = socket.create_connection((self.where.addr, self.where.live_port), timeout=30)
         nonce = _line(sock)
-        sock.sendall(f"{role} {ident} {proof(self._secret, nonce, role, ident)}\n".encode())
+        node = "".join(c if c.isascii() and c.isprintable() and not c.isspace() else "_" for c in node)[:200] or "?"
+        sock.sendall(f"{role} {ident} {node} {proof(self._secret, nonce, role, ident, node)}\n".encode())
         if _line(sock) != "ok":
             raise RuntimeError(
                 f"the launch's keeper at {self.where.addr}:{self.where.live_port} refused {role} {ident}"
             )
         sock.settimeout(None)
         self._sock = sock
+        threading.Thread(target=self._beat, args=(sock,), name="hpc-keeper-beat", daemon=True).start()
+
+    def _beat(self, sock: socket.socket) -> None:
+        while not self._quiet.wait(self.beat_s):
+            try:
+                sock.sendall(b"beat\n")
+            except OSError:  # closed: a goodbye, or the keeper gone
+                return
+
+    @property
+    def local_addr(self) -> str:
+        """This process's address on its link to the keeper ("" before the hello)."""
+        try:
+            return self._sock.getsockname()[0] if self._sock is not None else ""
+        except OSError:
+            return ""
 
     def bye(self, word: bytes = b"bye") -> None:
         """This process ends on purpose: its socket's close is no death. ``b"fail"``: it ends the launch (the keeper
         tells the others at once to fall back rather than wait for a spare)."""
+        self._quiet.set()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.sendall(word + b"\n")
@@ -199,6 +222,12 @@ class PlanWatch:
             if plan is not None:  # a spare planned in, or the fall-back: either way this generation is over
                 self.plan = plan
                 cut = cut_accepted()
+                # A lost node's connections never close: the ones to its address go too (the keeper's stay).
+                mine = self.link.local_addr
+                away = {a for a in plan.get("addrs", {}).values() if a and a != mine}
+                keep = {(self.link.where.addr, self.link.where.store_port), (self.link.where.addr,
+                        self.link.where.live_port)}  # fmt: skip
+                cut += cut_connected(away, keep) if away else 0
                 log.info("generation %d planned: %d gloo connection(s) cut", self.next, cut)
                 return
             if self.link.notice(wake=self._wake_r) != "look":  # closed, or the keeper gone
@@ -216,17 +245,25 @@ class PlanWatch:
 def cut_accepted() -> int:
     """Shut down every TCP connection this process accepted (the ones whose local port is one it listens on)."""
     table = _tcp_table()
+    listening = {row[0] for row in table.values() if row[1] == "0A"}
+    return _cut(lambda row: row[1] == "01" and row[0] in listening, table)  # ESTABLISHED on a listening port
+
+
+def cut_connected(addrs: set[str], keep: set[tuple[str, int]]) -> int:
+    """Shut down every TCP connection of this process to one of ``addrs``, but those to ``keep`` (address, port)."""
+    return _cut(lambda row: row[1] == "01" and row[2][0] in addrs and row[2] not in keep, _tcp_table())
+
+
+def _cut(chosen: Callable[[tuple], bool], table: dict[int, tuple]) -> int:
     mine: dict[int, int] = {}
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError, ValueError):
             link = os.readlink(f"/proc/self/fd/{fd}")
             if link.startswith("socket:["):
                 mine[int(fd)] = int(link[8:-1])
-    listening = {table[i][0] for i in mine.values() if i in table and table[i][1] == "0A"}
     cut = 0
     for fd, inode in mine.items():
-        port, state = table.get(inode, (None, None))
-        if state == "01" and port in listening:  # ESTABLISHED on a listening port: accepted
+        if inode in table and chosen(table[inode]):
             with contextlib.suppress(OSError):
                 sock = socket.socket(fileno=os.dup(fd))
                 sock.shutdown(socket.SHUT_RDWR)
@@ -235,15 +272,26 @@ def cut_accepted() -> int:
     return cut
 
 
-def _tcp_table() -> dict[int, tuple[int, str]]:
-    """{socket inode: (local port, state)} from /proc/self/net/tcp and tcp6."""
-    out: dict[int, tuple[int, str]] = {}
+def _tcp_table() -> dict[int, tuple[int, str, tuple[str, int]]]:
+    """{socket inode: (local port, state, (remote address, remote port))} from /proc/self/net/tcp and tcp6."""
+    out: dict[int, tuple[int, str, tuple[str, int]]] = {}
     for name in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/self/net/{name}").read_text().splitlines()[1:]:
                 f = line.split()
-                out[int(f[9])] = (int(f[1].rsplit(":", 1)[1], 16), f[3])
+                remote, rport = f[2].rsplit(":", 1)
+                out[int(f[9])] = (int(f[1].rsplit(":", 1)[1], 16), f[3], (_address(remote), int(rport, 16)))
     return out
+
+
+def _address(hexed: str) -> str:
+    """/proc/net/tcp's address (host byte order words) as text; an IPv4-mapped IPv6 one as IPv4."""
+    raw = b"".join(struct.pack("<I", int(hexed[i : i + 8], 16)) for i in range(0, len(hexed), 8))
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw)
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":
+        return socket.inet_ntop(socket.AF_INET, raw[12:])
+    return socket.inet_ntop(socket.AF_INET6, raw)
 
 
 def end_groups() -> None:

@@ -128,8 +128,8 @@ def boot_spawned(
                         "starts one with job.spare_ranks", collective=True)  # fmt: skip
     if deadline is not None:
         deadline.limit(cfg.monitor.startup_timeout_s, rundir.rank_log(own.rank) if rundir.logs.is_dir() else None)
-    link = KeeperLink(own.keeper, own.store_key, cfg.comm.timeout_s)
-    link.hello("rank", own.rank)
+    link = KeeperLink(own.keeper, own.store_key, cfg.comm.timeout_s, cfg.monitor.heartbeat_s)
+    link.hello("rank", own.rank, own.slurm_node or own.hostname)
     layout = link.meet(own.rank, own.world_size, where(), spawned_layout, cfg.comm.timeout_s)
     env = own.as_rank(own.rank, layout)
     setup_logging(rundir, env.rank)
@@ -166,8 +166,8 @@ def boot_spare(rundir: RunDir, spare: int, clock: StartupClock, early: EarlySign
     cfg = load_config(str(rundir.config))
     code_sha256 = code.activate(rundir)
     own = own_env()
-    link = KeeperLink(own.keeper, own.store_key, cfg.comm.timeout_s)
-    link.hello("spare", spare)
+    link = KeeperLink(own.keeper, own.store_key, cfg.comm.timeout_s, cfg.monitor.heartbeat_s)
+    link.hello("spare", spare, own.slurm_node or own.hostname)
     place = link.assignment(spare)  # as it waits, its link is the process's: a failure from here says "fail"
     if place.get("close"):
         link.bye()
