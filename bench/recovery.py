@@ -5,8 +5,8 @@ going back through the queue, and the goodput of a run whose ranks are killed ev
         [--goodput-steps 3000 --kill-every 1000] [--memory-every N] [--slurm-conf FILE] [--json PATH]
 
 ``--memory-every N`` adds checkpoints in node memory every N steps (checkpoint.memory_every_steps) to every run;
-``--spares N`` warm spares (job.spare_ranks) to the local runs and the Slurm kills, whose killed rank is then
-restarted in-process (restart_decided_s: the rejoin event, once the survivors joined the new generation).
+``--spares N`` warm spares (job.spare_ranks) to the local runs, the Slurm kills and the lost nodes, whose dead ranks
+are then restarted in-process (restart_decided_s: the rejoin event, once the survivors joined the new generation).
 
 On its own local Slurm clusters (envs/slurm/cluster.sh) and under the local launcher; the methods, the clock and
 the goodput's definition: bench/README.md.
@@ -86,7 +86,7 @@ def submit_args(run_dir: Path, data: Path, sets: list[str], *extra: str) -> list
     return args + list(extra)
 
 
-LOCAL_SETS: list[str] = []  # the local runs' and Slurm kills' own (--spares)
+LOCAL_SETS: list[str] = []  # --spares: the local runs', the Slurm kills' and the lost nodes' own
 KILL_AT = [20]  # the step after which a rank is killed or a node lost (--kill-at)
 
 
@@ -153,12 +153,13 @@ def launch_nodes(run_dir: Path) -> list[str]:
 
 
 def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
-    """Lose the last node of the launch at step 20 (cluster.sh node-down); bring it back when the run has a new
+    """Lose the second node of the launch at step 20 (cluster.sh node-down); bring it back when the run has a new
     step, and wait until Slurm has it idle again for the next repetition."""
     run_dir = work / f"{method}-{time.monotonic_ns()}"
-    sh(*submit_args(run_dir, data, [*NODE_SETS, *NODE_SHAPES[method]]), cwd=ROOT)
+    sh(*submit_args(run_dir, data, [*NODE_SETS, *NODE_SHAPES[method], *LOCAL_SETS]), cwd=ROOT)
     wait(lambda: any(r.get("step", 0) >= KILL_AT[0] for r in lines(run_dir / "metrics.jsonl")))
-    node = wait(lambda: (lambda n: n[-1] if len(n) >= 2 and all(n) else None)(launch_nodes(run_dir)))
+    # the second node: the first holds the batch step (the driver, the keeper), the last the first warm spare
+    node = wait(lambda: (lambda n: n[1] if len(n) >= 2 and all(n) else None)(launch_nodes(run_dir)))
     lost = time.time()
     sh("bash", "envs/slurm/cluster.sh", "node-down", node, str(state), cwd=ROOT)
     try:
@@ -176,7 +177,7 @@ def node_loss(method: str, data: Path, work: Path, state: Path) -> dict:
     events = lines(run_dir / "history.jsonl")
     hangs = [e for e in events if e["event"] == EVENT_HANG]
     start = next(e for e in events if e["event"] == "start")
-    restarts = [e for e in events if e["event"] == EVENT_RESTART]
+    restarts = [e for e in events if e["event"] in (EVENT_RESTART, EVENT_REJOIN)]
     return {
         "method": method,
         "lost_node": node,

@@ -38,14 +38,14 @@ from hpc.local import memory_of, trainer_command, trainer_environment
 from hpc.mpi import find_launcher
 from hpc.policy.badnodes import bad_nodes, record_bad_node, recorded, usable_nodes
 from hpc.policy.decide import Situation
-from hpc.policy.outcome import Ended, how_it_ended, new_launch_id
+from hpc.policy.outcome import Ended, how_it_ended, launch_events, new_launch_id
 from hpc.restarts import take_back_due_nodes, until_settled
 from hpc.slurmctl import FAILED_STATES, describe, held_by_slurm, node_states
 from hpc.spares import Spares, keeper_address
 from hpc.sweep import element_ended
 from runconfig import RunConfig, load_config
 from rundir import RunDir
-from rundir.contract import EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED, SPAWN_WORLD_VAR
+from rundir.contract import EVENT_REJOIN, EVENT_RESUME, EVENT_START, EXIT_DONE, EXIT_STOPPED, SPAWN_WORLD_VAR
 from rundir.paths import read_jsonl
 from rundir.slurmvars import slurm_job_id, slurm_job_nodes, slurm_queue_id, slurm_restart_count
 
@@ -395,6 +395,7 @@ class Driver:
             raise
         if spares is not None:
             spares.finish()
+            record_lost_in_place(rundir, launch_id, job.job_id)
         status = end.status
         # The run directory says how the launch ended; srun's status alone misreads a stop whose slower ranks were
         # killed by --kill-on-bad-exit while tearing down after the checkpoint was committed.
@@ -437,6 +438,25 @@ class Driver:
             subprocess.run(sweep_command(nodes, memory), env=env, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"warning: the shared-memory sweep after the failed launch did not finish: {exc}", flush=True)
+
+
+def record_lost_in_place(rundir: RunDir, launch_id: str, job_id: str) -> list[str]:
+    """job.spare_ranks: the nodes whose ranks the keeper counted dead for their silence during the launch (replaced
+    by spares in the same processes: the ``rejoin`` events' lost_nodes) named bad nodes, so that later launches
+    leave them out."""
+    known, named = recorded(rundir), []
+    for event in launch_events(rundir, launch_id):
+        if event.get("event") != EVENT_REJOIN:
+            continue
+        for node in event.get("lost_nodes") or []:
+            evidence = (f"its rank(s) among {event.get('dead')} were unheard for monitor.peer_timeout_s and were "
+                        f"replaced by warm spares in generation {event.get('gen')} of launch {launch_id}")  # fmt: skip
+            record_bad_node(rundir, str(node), reason="node lost (silent)", evidence=evidence, launch=launch_id,
+                            known=known, slurm_job_id=job_id)  # fmt: skip
+            print(f"node {node} was lost during the launch (its ranks replaced in place): left out from now on",
+                  flush=True)  # fmt: skip
+            named.append(str(node))
+    return named
 
 
 def note_lost_nodes(rundir: RunDir, job: SlurmJob) -> list[str]:

@@ -27,6 +27,7 @@ PY = sys.executable
 SLURM_SECOND_UNIT = {
     "tests/slurm/test_accounting.py",
     "tests/slurm/test_badnodes.py",
+    "tests/slurm/test_spares.py",
     "tests/slurm/test_sweep_chain.py",
 }
 

@@ -60,7 +60,8 @@ def test_a_lost_node_is_replaced_by_a_spare_on_another_node_in_the_same_step(on_
     """3 nodes x 1 rank, 1 spare (an srun step on n3), the allocation kept (job.no_kill): n2 is lost with its link, so
     no socket of its ever closes. The keeper counts rank 1 dead once it is unheard for monitor.peer_timeout_s, and
     places the spare of n3; the survivors cut their connections to n2's address, and all three go on from node memory
-    (n2's files from its partner's copies) in the same launch, the world and the batch unchanged."""
+    (n2's files from its partner's copies) in the same launch, the world and the batch unchanged. n2 is named a bad
+    node for later launches."""
     run_dir = tmp_path / "run"
     shape = ["job.nodes=3", "job.ranks_per_node=1", "job.no_kill=true", "job.spare_ranks=1"]
     batch = ["train.global_batch_size=24", "train.micro_batch_size=4", "train.steps=80"]
@@ -84,5 +85,8 @@ def test_a_lost_node_is_replaced_by_a_spare_on_another_node_in_the_same_step(on_
     first = next(r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == resumes[0]["step"] + 1)
     assert first["time"] - lost < 6 + 3 + 3, (first, lost)  # the issue's bound, with room for this loaded host
     assert not [e for e in events if e["event"] in ("restart", "hang")], events
+    bad = [e for e in events if e["event"] == "bad_node"]  # left out of later launches
+    assert rejoin["lost_nodes"] == ["n2"] and [e["node"] for e in bad] == ["n2"], (rejoin, bad)
+    assert "replaced by warm spares" in bad[0]["evidence"], bad
     assert "keeper: rank 1 on n2 unheard" in (run_dir / "logs" / "keeper.log").read_text()
     assert summary(run_dir)["final_step"] == 80 and summary(run_dir)["world_size"] == 3
