@@ -109,11 +109,11 @@ def srun_command(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...] = ()) ->
     ]
 
 
-def spare_commands(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...]) -> list[list[str]]:
-    """The warm spares' command lines (job.spare_ranks), used in turn by the keeper: an srun step of one task on each
-    of ``nodes``, the last node first (the first holds the batch step and rank 0)."""
-    return [["srun", "--overlap", "--mpi=none", "--kill-on-bad-exit=0", "--nodes=1", "--ntasks=1",
-             f"--nodelist={node}", *cfg.job.srun_args, *trainer_command(rundir, cfg.job.launch_prefix)]
+def spare_commands(cfg: RunConfig, rundir: RunDir, nodes: tuple[str, ...]) -> list[list]:
+    """The warm spares' (node, command line) pairs (job.spare_ranks), used in turn by the keeper: an srun step of one
+    task on each of ``nodes``, the last node first (the first holds the batch step and rank 0)."""
+    return [[node, ["srun", "--overlap", "--mpi=none", "--kill-on-bad-exit=0", "--nodes=1", "--ntasks=1",
+                    f"--nodelist={node}", *cfg.job.srun_args, *trainer_command(rundir, cfg.job.launch_prefix)]]
             for node in reversed(nodes)]  # fmt: skip
 
 
@@ -124,7 +124,8 @@ SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)$")
 #: seconds srun may go on after the ranks recorded their diagnosis: a lost node's tasks never report, and srun
 #: would wait for them until slurmctld declares the node failed (SlurmdTimeout)
 STEP_GRACE_S = 5.0
-#: seconds srun may go on after the launch recorded its end (done or stopped) with job.spare_ranks
+#: seconds srun may go on after the launch recorded its end (done or stopped) with job.spare_ranks, beyond the
+#: tracker's flush
 ENDED_GRACE_S = 30.0
 
 
@@ -161,6 +162,7 @@ def run_srun_step(
     failure: Path | None = None,
     ntasks: int = 0,
     recorded: Callable[[], bool] | None = None,
+    ended_grace_s: float = 0.0,
 ) -> SrunStepEnd:
     """Run srun, copying its output through; how it ended.
 
@@ -168,7 +170,7 @@ def run_srun_step(
     diagnosis (``failure``: they ended the launch themselves, naming the ranks at fault), srun is ended as soon as
     every one of its ``ntasks`` tasks has either reported its end or been named in the diagnosis, and at the latest
     STEP_GRACE_S later: it would wait for the tasks of a lost node, which never report. With ``recorded``
-    (job.spare_ranks: whether the launch recorded its end), srun still running ENDED_GRACE_S after that record is
+    (job.spare_ranks: whether the launch recorded its end), srun still running ``ended_grace_s`` after that record is
     ended too: a task the keeper counted dead (stopped, cut off) would keep it waiting."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     first: list[int] = []
@@ -207,8 +209,8 @@ def run_srun_step(
         if recorded is not None and ended_at is None and now - looked > 1.0:
             looked = now
             ended_at = now if recorded() else None
-        if ended_at is not None and now - ended_at > ENDED_GRACE_S:
-            print(f"the launch recorded its end and srun still waits {ENDED_GRACE_S:g} s later (a task counted dead "
+        if ended_at is not None and now - ended_at > ended_grace_s:
+            print(f"the launch recorded its end and srun still waits {ended_grace_s:g} s later (a task counted dead "
                   "by the keeper): ending srun", flush=True)  # fmt: skip
             proc.kill()
             ended_srun, ended_at = True, None
@@ -388,7 +390,9 @@ class Driver:
                             addr=keeper_address(cfg))  # fmt: skip
         try:
             recorded = (lambda: how_it_ended(rundir, launch_id, -1).recorded) if spares is not None else None
-            end = run_srun_step(command, env, rundir.failure, ntasks, recorded)
+            # after the record: rank 0 still flushes the tracker, then every rank meets for the teardown
+            grace = ENDED_GRACE_S + (cfg.tracking.flush_timeout_s if cfg.tracking.backend not in ("off", False) else 0)
+            end = run_srun_step(command, env, rundir.failure, ntasks, recorded, grace)
         except BaseException:
             if spares is not None:
                 spares.kill()

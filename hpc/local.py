@@ -150,7 +150,7 @@ def run_local(
     env = trainer_environment(cfg, simulate_nodes=True, launch_id=launch_id)
     env[NODE_LABELS_VAR] = ",".join(nodes)
     spare_command = trainer_command(rundir, cfg.job.launch_prefix)
-    spares = Spares(cfg, rundir, env, world_size, [spare_command]) if cfg.job.spare_ranks else None
+    spares = Spares(cfg, rundir, env, world_size, [["", spare_command]]) if cfg.job.spare_ranks else None
     try:
         proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"

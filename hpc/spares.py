@@ -37,12 +37,12 @@ class Spares:
         rundir: RunDir,
         env: dict,
         world_size: int,
-        spare_commands: list[list[str]],
+        spare_commands: list[list],
         addr: str = "127.0.0.1",
     ) -> None:
-        """``spare_commands``: the spares' command lines, used in turn (the trainer's, under Slurm in an srun step on
-        one of the nodes); ``addr``: where the ranks reach the keeper (this host's loopback for local runs, the batch
-        host's cluster address under Slurm)."""
+        """``spare_commands``: the spares' (node, command line) pairs, used in turn (the trainer's, under Slurm in an
+        srun step on that node; node "" locally); ``addr``: where the ranks reach the keeper (this host's loopback
+        for local runs, the batch host's cluster address under Slurm)."""
         key = secrets.token_bytes(32).hex()
         store, live = _listener(addr), _listener(addr)
         env[KEEPER_VAR] = f"{addr}:{store.getsockname()[1]}:{live.getsockname()[1]}"

@@ -176,7 +176,7 @@ def _rejoin(rundir: RunDir, booted, plan: dict):
                                   plan["gen"])  # fmt: skip
     if env.rank == min(set(range(env.world_size)) - set(plan["dead"])):  # the first survivor (rank 0 may be new)
         died = plan["died_at"]
-        lost = sorted({env.node_names[r] for r in plan.get("silent", [])})  # counted dead for their silence
+        lost = plan.get("lost_nodes", [])  # the nodes of the processes counted dead for their silence
         append_event(rundir.history, EVENT_REJOIN, gen=plan["gen"], dead=plan["dead"], spares=plan["spares"],
                      launch=env.launch_id, died_at=died, planned_s=round(plan["at"] - died, 3),
                      joined_s=round(time.time() - died, 3), lost_nodes=lost)  # fmt: skip

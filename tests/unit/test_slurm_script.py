@@ -189,7 +189,9 @@ def test_with_spares_the_ranks_step_has_no_mpi_and_survives_a_task_death():
     assert {"--mpi=none", "--kill-on-bad-exit=0", "--no-kill"} <= set(ranks) and "--kill-on-bad-exit=1" not in ranks, (
         ranks
     )
-    spares = spare_commands(cfg, rundir, ("n1", "n2"))
+    pairs = spare_commands(cfg, rundir, ("n1", "n2"))
+    assert [node for node, _ in pairs] == ["n2", "n1"], pairs
+    spares = [command for _, command in pairs]
     assert [[a for a in c if a.startswith(("--nodes", "--ntasks", "--nodelist"))] for c in spares] == [
         ["--nodes=1", "--ntasks=1", "--nodelist=n2"], ["--nodes=1", "--ntasks=1", "--nodelist=n1"]
     ], spares  # fmt: skip

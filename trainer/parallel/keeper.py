@@ -11,7 +11,7 @@ to fall back (the survivors end the launch and the launcher restarts it).
 It keeps K warm spares (the launcher's trainer command with ``--spare N``; under Slurm an srun step on one of the
 launch's nodes) ready: one that takes a place is replaced at once, importing while the ranks go on. When every rank
 has said goodbye or died, it tells the idle spares to go. On SIGTERM (the launch is ending) it plans nothing more and
-keeps the store for the ranks still stopping, at most STOP_GRACE_S.
+keeps the store for the ranks still stopping, until they are gone or the launcher says it ended (SIGUSR1).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ KEEPER_RANK = -1  # the keeper's writer id in sealed values
 GATHER_S = 0.1  # after a first death, how long more deaths are gathered into the same plan (a node's ranks)
 HELLO_S = 5.0  # a new connection's time to prove it holds the launch's key
 MAX_PENDING = 256  # connections not yet proven; more are closed at once
-STOP_GRACE_S = 10.0  # after SIGTERM, how long the store stays for the ranks still stopping
 
 
 def plan_key(gen: int) -> str:
@@ -110,6 +109,7 @@ class Keeper:
     pending: dict[int, tuple[socket.socket, str, float]] = field(default_factory=dict)  # fd -> (sock, nonce, since)
     dead: dict[int, float] = field(default_factory=dict)  # rank -> when its socket closed, not yet planned for
     dead_members: dict[int, Member] = field(default_factory=dict)  # rank -> its member record, for the plan
+    lost_nodes: set[str] = field(default_factory=set)  # nodes whose members went silent: no new spare goes there
     done: bool = False
     gen_started: bool = False  # a rank has said hello
     launcher_done: bool = False  # mpirun, and with it the launcher's own rank processes, ended (SIGUSR1)
@@ -160,10 +160,14 @@ class Keeper:
 
     def _count_silent(self, now: float) -> None:
         """Members unheard for ``silence_s`` (their node lost: no close ever comes; or the process stopped) are
-        counted dead; they are told so, should they ever read it."""
-        for member in list(self.members.values()):
-            if member.bye or now - member.heard <= self.silence_s:
-                continue
+        counted dead, and with them the members of their node unheard for half that (beats come every
+        monitor.heartbeat_s, at most a third of it: those are gone too), so that a node's ranks, whose beats drift
+        apart, go in one plan; they are told so, should they ever read it."""
+        silent = [m for m in self.members.values() if not m.bye and now - m.heard > self.silence_s]
+        nodes = {m.node for m in silent}
+        silent += [m for m in self.members.values() if m not in silent and not m.bye and m.node in nodes
+                   and now - m.heard > self.silence_s / 2]  # fmt: skip
+        for member in silent:
             log.warning("keeper: %s %d on %s unheard for %.1f s (node lost, link down or process stopped): counted "
                         "dead", member.role, member.ident, member.node, now - member.heard)  # fmt: skip
             with contextlib.suppress(OSError):
@@ -251,7 +255,8 @@ class Keeper:
         # the dead ranks' addresses: a survivor cuts its connections there (a lost node's never close)
         addrs = {str(m.ident): m.addr for m in members}
         facts = {"dead": dead, "died_at": died_at, "silent": sorted(m.ident for m in members if m.silent),
-                 "addrs": addrs}  # fmt: skip
+                 "addrs": addrs, "lost_nodes": sorted(lost_nodes)}  # fmt: skip
+        self.lost_nodes |= lost_nodes
         if self.restarts > self.max_restarts:
             return self._fall_back(f"in-process restarts exceed job.max_failures={self.max_restarts}", facts)
         if len(spares) < len(dead):
@@ -286,22 +291,28 @@ class Keeper:
 
 
 def _peer(sock: socket.socket) -> str:
+    """The peer's address, an IPv4-mapped IPv6 one as IPv4 (as the members read theirs from /proc)."""
     try:
-        return sock.getpeername()[0]
+        return str(sock.getpeername()[0]).removeprefix("::ffff:")
     except OSError:  # already closed
         return ""
 
 
 def _placed(members: list[Member], spares: list[Member]) -> list[Member]:
-    """A spare for each dead member, in order: one on its own node where there is one (its process died, not the
-    node), else the first left."""
-    left, out = list(spares), []
-    for member in members:
+    """A spare for each dead member, in order: first one on its own node for each whose process died (not its node),
+    then the first left for the rest; as many as there are spares."""
+    left = list(spares)
+    own: dict[int, Member] = {}
+    for i, member in enumerate(members):
         same = next((s for s in left if s.node == member.node and not member.silent), None)
-        choice = same or (left[0] if left else None)
+        if same is not None:
+            own[i] = same
+            left.remove(same)
+    out = []
+    for i in range(len(members)):
+        choice = own.get(i) or (left.pop(0) if left else None)
         if choice is None:
             break
-        left.remove(choice)
         out.append(choice)
     return out
 
@@ -322,19 +333,19 @@ def serve(args: argparse.Namespace) -> int:
     store = dist.TCPStore(args.addr, port, None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300), master_listen_fd=args.store_fd)  # fmt: skip
     live = socket.socket(fileno=args.live_fd)
-    commands = json.loads(args.spare_commands) or [[sys.executable, "-u", "-m", "trainer", "--run-dir", args.run_dir]]
+    commands = json.loads(args.spare_commands) or [["", [sys.executable, "-u", "-m", "trainer", "--run-dir",
+                                                         args.run_dir]]]  # fmt: skip
     spares = SparePool(args.run_dir, commands, args.spares, secret)
-    keeper = Keeper(secret, args.world, args.max_restarts, store, live, spawn=spares.start, silence_s=args.silence_s)
+    keeper = Keeper(secret, args.world, args.max_restarts, store, live, silence_s=args.silence_s)
+    keeper.spawn = lambda: spares.start(avoid=keeper.lost_nodes)
     for _ in range(args.spares):
         spares.start()
-    parent, stopping = os.getppid(), None
+    parent, stopping = os.getppid(), False
     while not keeper.done and os.getppid() == parent:
         keeper.launcher_done = flags.get("launcher_done", False)
-        if flags.get("stop") and stopping is None:  # scancel, a time limit, the launcher's end: the ranks stop too
-            stopping, keeper.fallen = time.monotonic(), True  # and may still use the store while they save
+        if flags.get("stop") and not stopping:  # scancel, a time limit, the launcher's end: the ranks stop too, and
+            stopping, keeper.fallen = True, True  # use the store while they save: it stays until they are gone
             keeper.close_spares()
-        if stopping is not None and time.monotonic() - stopping > STOP_GRACE_S:
-            break
         keeper.step(0.05)
     keeper.close_spares()
     spares.end()  # the idle ones read their close and go (before the store does); any left are killed
@@ -342,23 +353,29 @@ def serve(args: argparse.Namespace) -> int:
 
 
 class SparePool:
-    """The warm spares this keeper started, each logging to logs/spare_N.log: spare N runs ``commands[N % len]`` (the
-    launcher's trainer command, under Slurm an srun step on one of the launch's nodes) with ``--spare N``; the
-    launch's store key is handed over in their environment only."""
+    """The warm spares this keeper started, each logging to logs/spare_N.log: spare N runs the next of ``commands``
+    in turn, (node, command line) pairs (the launcher's trainer command; under Slurm an srun step on that node), with
+    ``--spare N``; the launch's store key is handed over in their environment only."""
 
-    def __init__(self, run_dir: str, commands: list[list[str]], count: int, secret: bytes) -> None:
+    def __init__(self, run_dir: str, commands: list[list], count: int, secret: bytes) -> None:
         self.run_dir, self.commands, self.count = run_dir, commands, count
         drop = (SPAWN_RANK_VAR, SPAWN_WORLD_VAR)  # a spare is no rank until it takes a place
         self.env = {**{k: v for k, v in os.environ.items() if k not in drop}, STORE_KEY_VAR: secret.hex()}
         self.procs: list[subprocess.Popen] = []
 
-    def start(self) -> None:
+    def start(self, avoid: set[str] = frozenset()) -> None:
+        """One more spare, on the next node in turn but those in ``avoid`` (lost); none when every node is."""
         if not self.count:
             return
         n = len(self.procs)
+        turns = [self.commands[(n + i) % len(self.commands)] for i in range(len(self.commands))]
+        node_command = next((c for c in turns if not c[0] or c[0] not in avoid), None)
+        if node_command is None:
+            log.warning("keeper: no node left for a new spare (lost: %s)", ", ".join(sorted(avoid)))
+            return
         logs = os.path.join(self.run_dir, "logs")
         log_path = os.path.join(logs, f"spare_{n}.log") if os.path.isdir(logs) else os.devnull
-        command = [*self.commands[n % len(self.commands)], "--spare", str(n)]
+        command = [*node_command[1], "--spare", str(n)]
         with open(log_path, "ab") as out:
             self.procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env))
 
@@ -393,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--spare-commands",
         default="[]",
-        help="JSON: the spares' command lines, used in turn (default: this Python's trainer)",
+        help="JSON: [node, command line] pairs, used in turn (default: this Python's trainer)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)

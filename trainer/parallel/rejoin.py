@@ -80,8 +80,18 @@ class KeeperLink:
     @property
     def local_addr(self) -> str:
         """This process's address on its link to the keeper ("" before the hello)."""
+        return self._end(0)
+
+    @property
+    def keeper_addr(self) -> str:
+        """The keeper's address as this process reached it, resolved ("" before the hello)."""
+        return self._end(1)
+
+    def _end(self, which: int) -> str:
         try:
-            return self._sock.getsockname()[0] if self._sock is not None else ""
+            sock = self._sock
+            name = (sock.getsockname() if which == 0 else sock.getpeername()) if sock is not None else ("",)
+            return str(name[0]).removeprefix("::ffff:")  # as /proc's table reads an IPv4-mapped address
         except OSError:
             return ""
 
@@ -223,10 +233,9 @@ class PlanWatch:
                 self.plan = plan
                 cut = cut_accepted()
                 # A lost node's connections never close: the ones to its address go too (the keeper's stay).
-                mine = self.link.local_addr
+                mine, keeper = self.link.local_addr, self.link.keeper_addr
                 away = {a for a in plan.get("addrs", {}).values() if a and a != mine}
-                keep = {(self.link.where.addr, self.link.where.store_port), (self.link.where.addr,
-                        self.link.where.live_port)}  # fmt: skip
+                keep = {(keeper, self.link.where.store_port), (keeper, self.link.where.live_port)}
                 cut += cut_connected(away, keep) if away else 0
                 log.info("generation %d planned: %d gloo connection(s) cut", self.next, cut)
                 return
@@ -285,8 +294,8 @@ def _tcp_table() -> dict[int, tuple[int, str, tuple[str, int]]]:
 
 
 def _address(hexed: str) -> str:
-    """/proc/net/tcp's address (host byte order words) as text; an IPv4-mapped IPv6 one as IPv4."""
-    raw = b"".join(struct.pack("<I", int(hexed[i : i + 8], 16)) for i in range(0, len(hexed), 8))
+    """/proc/net/tcp's address (words in the host's byte order) as text; an IPv4-mapped IPv6 one as IPv4."""
+    raw = b"".join(struct.pack("=I", int(hexed[i : i + 8], 16)) for i in range(0, len(hexed), 8))
     if len(raw) == 4:
         return socket.inet_ntop(socket.AF_INET, raw)
     if raw[:12] == b"\0" * 10 + b"\xff\xff":

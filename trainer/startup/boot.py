@@ -173,8 +173,9 @@ def boot_spare(rundir: RunDir, spare: int, clock: StartupClock, early: EarlySign
         link.bye()
         return None
     layout = link.wait(LAYOUT_KEY, cfg.monitor.rejoin_timeout_s)
-    if layout is None:
-        raise RuntimeError(f"spare {spare}: the launch's layout is not in the keeper's store")
+    if layout is None or "error" in layout:
+        raise RuntimeError(f"spare {spare}: the launch's layout is not in the keeper's store "
+                           f"({layout['error'] if layout else 'none'})")  # fmt: skip
     env = own.as_rank(int(place["rank"]), layout)
     setup_logging(rundir, env.rank)
     log.info("spare %d takes rank %d's place in generation %d (pid %d)", spare, env.rank, place["gen"], os.getpid())
