@@ -231,11 +231,12 @@ class StepTail:
         return self.step >= step
 
 
-def kill_every(run_dir: Path, proc: subprocess.Popen, every: int) -> int:
-    """SIGKILL a rank each time the run passes another ``every`` steps (rank 1, else the first of the launcher's
-    rank processes after rank 0 still there: a spare in a dead rank's place is no MPI rank); the number of kills."""
+def kill_every(run_dir: Path, proc: subprocess.Popen, every: int, steps: int) -> int:
+    """SIGKILL a rank each time the run passes another ``every`` steps, before its last step (a kill after that hits
+    the teardown, not the training: rank 1, else the first of the launcher's rank processes after rank 0 still
+    there); the number of kills."""
     kills, tail = 0, StepTail(run_dir / "metrics.jsonl")
-    while every and proc.poll() is None:
+    while every and proc.poll() is None and (kills + 1) * every < steps:
         target = (kills + 1) * every
         wait(lambda t=target: proc.poll() is not None or tail.reached(t), timeout=3600, every=0.5)
         pid = next((p for p in (rank_pid(run_dir, r) for r in range(1, 64)) if p), None)
@@ -267,7 +268,7 @@ def goodput(data: Path, work: Path, steps: int, every: int) -> dict:
         start = time.time()
         proc = subprocess.Popen(submit_args(run_dir, data, sets + LOCAL_SETS, "--local"), cwd=ROOT,
                                 stdout=subprocess.DEVNULL)  # fmt: skip
-        kills = kill_every(run_dir, proc, interval)
+        kills = kill_every(run_dir, proc, interval, steps)
         status = proc.wait()
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
         wall = time.time() - start

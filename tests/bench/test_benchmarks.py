@@ -538,3 +538,21 @@ def test_scale_model(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     header, line = table_lines(out, "quantity", "rank0_sockets")
     assert header.split()[-1] == "16384" and line.split()[-1] == "4.916e+04"
+
+
+def test_the_goodput_watch_reads_each_record_once(tmp_path, monkeypatch):
+    """bench/recovery.py's goodput runs watch the killed run's steps from where the last look ended (a half-written
+    line is left for the next look), not by reading the whole file each time: that watch had taken CPU from the very
+    run it measured."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_recovery", ROOT / "bench" / "recovery.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = tmp_path / "metrics.jsonl"
+    tail = module.StepTail(path)
+    assert not tail.reached(1)  # no file yet
+    path.write_text('{"step": 1}\n{"step": 2}\n{"st')
+    assert tail.reached(2) and not tail.reached(3) and tail.pos == len('{"step": 1}\n{"step": 2}\n')
+    with open(path, "a") as f:
+        f.write('ep": 3}\n')
+    assert tail.reached(3) and tail.pos == path.stat().st_size
