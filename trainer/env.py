@@ -133,9 +133,8 @@ def from_spawn(environ: dict[str, str] | None = None) -> RuntimeEnv:
     alone: the ranks meet in the keeper's store for it (``where`` from each, ``spawned_layout`` by rank 0, then
     ``as_rank``), as a spare does."""
     environ = dict(os.environ if environ is None else environ)
-    rank_text = environ.get(SPAWN_RANK_VAR, environ.get(PROCID_VAR, ""))
     try:
-        rank, size = int(rank_text), int(environ[SPAWN_WORLD_VAR])
+        rank, size = int(_spawned_rank_text(environ)), int(environ[SPAWN_WORLD_VAR])
     except (KeyError, ValueError):
         raise UserError(f"environment variables {SPAWN_RANK_VAR} (or Slurm's {PROCID_VAR}) and {SPAWN_WORLD_VAR} "
                         "must be integers: the launcher sets them") from None  # fmt: skip
@@ -145,24 +144,26 @@ def from_spawn(environ: dict[str, str] | None = None) -> RuntimeEnv:
     return replace(own_env(environ), rank=rank, world_size=size)
 
 
+def _spawned_rank_text(environ: dict[str, str]) -> str:
+    return environ.get(SPAWN_RANK_VAR, environ.get(PROCID_VAR, ""))
+
+
 def spawned_rank(environ: dict[str, str]) -> int:
     """A spawned rank's number before its environment is read whole (what a failure is reported under); -1 where
     the launcher set none."""
-    text = environ.get(SPAWN_RANK_VAR, environ.get(PROCID_VAR, ""))
+    text = _spawned_rank_text(environ)
     return int(text) if text.isdigit() else -1
 
 
 def where(environ: dict[str, str] | None = None) -> dict:
     """This process's place, for the spawned ranks' meeting: its host, network namespace and Slurm node."""
     environ = dict(os.environ if environ is None else environ)
-    node_id = environ.get("SLURM_NODEID", "")
-    in_step = node_id.isdigit() and environ.get("SLURM_STEP_ID") is not None
-    return {"host": socket.gethostname(), "net": _network_namespace(), "node_id": int(node_id) if in_step else None,
+    return {"host": socket.gethostname(), "net": _network_namespace(), "node_id": _slurm_node_index(environ),
             "node": environ.get("SLURMD_NODENAME") or socket.gethostname()}  # fmt: skip
 
 
 def spawned_layout(places: list[dict], environ: dict[str, str] | None = None) -> dict:
-    """The launch's layout (``RuntimeEnv.shared_record``'s form) from every rank's ``where``, made by rank 0: nodes
+    """The launch's layout (what ``RuntimeEnv.as_rank`` takes) from every rank's ``where``, made by rank 0: nodes
     simulated ($HPC_SIMULATE_RANKS_PER_NODE), else Slurm's node index, else one node per host."""
     environ = dict(os.environ if environ is None else environ)
     size = len(places)
@@ -244,19 +245,24 @@ def _check_slurm_world(environ: dict[str, str], size: int, hostname: str) -> Non
 def _topology(comm: MPI.Comm, environ: dict[str, str], simulate: str, size: int, leader: int) -> Topology:
     """Which rank is on which node: simulated ($HPC_SIMULATE_RANKS_PER_NODE), Slurm's node index, or the hosts
     (``leader``: the world rank of the first rank on this host). Collective outside a simulation."""
-    slurm_node = environ.get("SLURM_NODEID", "")
+    slurm_node = _slurm_node_index(environ)
     if simulate:
         try:
             per_node = int(simulate)
         except ValueError:
             raise UserError(f"environment variable {SIMULATE_VAR}={simulate!r} must be an integer.") from None
         return Topology(size, per_node)
-    if slurm_node.isdigit() and environ.get("SLURM_STEP_ID") is not None:
-        # Inside a Slurm step the scheduler's node index is the node (also for several slurmd on one host).
-        return Topology.from_node_ids(comm.allgather(int(slurm_node)))
+    if slurm_node is not None:  # the scheduler's node index is the node (also for several slurmd on one host)
+        return Topology.from_node_ids(comm.allgather(slurm_node))
     leaders = comm.allgather(leader)
     dense = {lead: i for i, lead in enumerate(dict.fromkeys(leaders))}
     return Topology.from_node_ids([dense[lead] for lead in leaders])
+
+
+def _slurm_node_index(environ: dict[str, str]) -> int | None:
+    """This task's node index inside a Slurm step (SLURM_NODEID), None outside one."""
+    node_id = environ.get("SLURM_NODEID", "")
+    return int(node_id) if node_id.isdigit() and environ.get("SLURM_STEP_ID") is not None else None
 
 
 def _node_names(

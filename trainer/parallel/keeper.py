@@ -92,6 +92,7 @@ class Member:
     buffer: bytes = b""
     heard: float = field(default_factory=time.monotonic)  # its last word (a beat, every monitor.heartbeat_s)
     silent: bool = False  # counted dead for its silence (a lost node, a stopped process), its socket still open
+    died: float = 0.0  # when it was counted dead (monotonic)
 
 
 @dataclass
@@ -107,8 +108,7 @@ class Keeper:
     restarts: int = 0
     members: dict[int, Member] = field(default_factory=dict)  # by socket fd
     pending: dict[int, tuple[socket.socket, str, float]] = field(default_factory=dict)  # fd -> (sock, nonce, since)
-    dead: dict[int, float] = field(default_factory=dict)  # rank -> when its socket closed, not yet planned for
-    dead_members: dict[int, Member] = field(default_factory=dict)  # rank -> its member record, for the plan
+    dead: dict[int, Member] = field(default_factory=dict)  # rank -> its member, counted dead, not yet planned for
     lost_nodes: set[str] = field(default_factory=set)  # nodes whose members went silent: no new spare goes there
     done: bool = False
     gen_started: bool = False  # a rank has said hello
@@ -151,7 +151,7 @@ class Keeper:
                 self._forget(sock)
         if self.silence_s and not self.fallen:
             self._count_silent(now)
-        if self.dead and now - min(self.dead.values()) >= GATHER_S:
+        if self.dead and now - min(m.died for m in self.dead.values()) >= GATHER_S:
             self._plan()
         if self.gen_started and not self.dead and not self.ranks():
             self.done = True  # every rank said goodbye or died
@@ -175,8 +175,11 @@ class Keeper:
             member.silent = True
             self._forget(member.sock)
             if member.role == "rank":
-                self.dead[member.ident] = now
-                self.dead_members[member.ident] = member
+                self._died(member, now)
+
+    def _died(self, member: Member, now: float) -> None:
+        member.died = now
+        self.dead[member.ident] = member
 
     def _forget(self, sock: socket.socket) -> None:
         with contextlib.suppress(Exception):
@@ -229,8 +232,7 @@ class Keeper:
         self._forget(sock)
         if member.role == "rank" and not member.bye and not self.fallen:
             log.warning("keeper: rank %d's process ended without a goodbye (generation %d)", member.ident, self.gen)
-            self.dead[member.ident] = now
-            self.dead_members[member.ident] = member
+            self._died(member, now)
         elif member.role == "spare" and not member.bye:
             log.warning("keeper: spare %d ended while waiting", member.ident)
 
@@ -246,8 +248,8 @@ class Keeper:
     def _plan(self) -> None:
         """The next generation: a spare in each dead rank's place, or the fall-back."""
         dead = sorted(self.dead)
-        died_at = time.time() - (time.monotonic() - min(self.dead.values()))
-        members = [self.dead_members.pop(rank) for rank in dead]
+        members = [self.dead[rank] for rank in dead]
+        died_at = time.time() - (time.monotonic() - min(m.died for m in members))
         self.dead.clear()
         self.restarts += 1
         lost_nodes = {m.node for m in members if m.silent}  # maybe gone with its spares: none placed there
@@ -290,10 +292,14 @@ class Keeper:
                 member.sock.send(b"look\n")
 
 
+def plain_address(text: str) -> str:
+    """An address as /proc/net/tcp6 reads back an IPv4-mapped one: as IPv4 (the keeper and the ranks compare them)."""
+    return text.removeprefix("::ffff:")
+
+
 def _peer(sock: socket.socket) -> str:
-    """The peer's address, an IPv4-mapped IPv6 one as IPv4 (as the members read theirs from /proc)."""
     try:
-        return str(sock.getpeername()[0]).removeprefix("::ffff:")
+        return plain_address(str(sock.getpeername()[0]))
     except OSError:  # already closed
         return ""
 

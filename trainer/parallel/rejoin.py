@@ -24,7 +24,16 @@ import torch.distributed as dist
 
 from trainer.errors import UserError
 from trainer.observe.beats import peek
-from trainer.parallel.keeper import KEEPER_RANK, LAYOUT_KEY, KeeperAddress, assign_key, plan_key, proof, where_key
+from trainer.parallel.keeper import (
+    KEEPER_RANK,
+    LAYOUT_KEY,
+    KeeperAddress,
+    assign_key,
+    plain_address,
+    plan_key,
+    proof,
+    where_key,
+)
 from trainer.parallel.storeseal import Seal
 
 log = logging.getLogger(__name__)
@@ -91,7 +100,7 @@ class KeeperLink:
         try:
             sock = self._sock
             name = (sock.getsockname() if which == 0 else sock.getpeername()) if sock is not None else ("",)
-            return str(name[0]).removeprefix("::ffff:")  # as /proc's table reads an IPv4-mapped address
+            return plain_address(str(name[0]))
         except OSError:
             return ""
 
@@ -112,12 +121,18 @@ class KeeperLink:
         return None if value is None else json.loads(value)
 
     def wait(self, key: str, timeout_s: float) -> dict | None:
-        """The sealed value under ``key`` once there (blocking in the store), None after ``timeout_s``."""
+        """The sealed value under ``key`` once there, blocking in the store (no polling); None after ``timeout_s``.
+        A value not the launch's is waited past, after a short pause (a stranger can make this poll, no faster)."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            value = self.until(self.store, key, left)
+            try:
+                self.store.wait([key], timedelta(seconds=left))
+            except dist.DistError:  # not there in time (or the store gone: the caller's next call says)
+                return None
+            value = self.read(key)
             if value is not None:
                 return value
+            time.sleep(0.05)
         return None
 
     def plan(self, gen: int, timeout_s: float) -> dict | None:
@@ -148,20 +163,6 @@ class KeeperLink:
             return "look" if sock.recv(256) else "gone"
         except (OSError, ValueError):  # closed meanwhile (the process ends)
             return "gone"
-
-    def until(self, store: dist.Store, key: str, timeout_s: float) -> dict | None:
-        """The sealed value under ``key`` once there, blocking in the store (no polling) at most ``timeout_s``; None
-        after that, or for a value not the launch's (then after a short pause: a stranger can make this poll, no
-        faster)."""
-        try:
-            store.wait([key], timedelta(seconds=timeout_s))
-        except dist.DistError:  # not there in time (or the store gone: the caller's next call says)
-            return None
-        value = self.seal.open(key, peek(store, key))
-        if value is None:
-            time.sleep(0.05)
-            return None
-        return json.loads(value)
 
     def meet(self, rank: int, world: int, place: dict, layout_of: Callable[[list[dict]], dict],
              timeout_s: float) -> dict:  # fmt: skip
@@ -231,12 +232,10 @@ class PlanWatch:
                 return
             if plan is not None:  # a spare planned in, or the fall-back: either way this generation is over
                 self.plan = plan
-                cut = cut_accepted()
                 # A lost node's connections never close: the ones to its address go too (the keeper's stay).
                 mine, keeper = self.link.local_addr, self.link.keeper_addr
                 away = {a for a in plan.get("addrs", {}).values() if a and a != mine}
-                keep = {(keeper, self.link.where.store_port), (keeper, self.link.where.live_port)}
-                cut += cut_connected(away, keep) if away else 0
+                cut = cut_connections(away, {(keeper, self.link.where.store_port), (keeper, self.link.where.live_port)})
                 log.info("generation %d planned: %d gloo connection(s) cut", self.next, cut)
                 return
             if self.link.notice(wake=self._wake_r) != "look":  # closed, or the keeper gone
@@ -251,19 +250,15 @@ class PlanWatch:
         os.close(self._wake_w)
 
 
-def cut_accepted() -> int:
-    """Shut down every TCP connection this process accepted (the ones whose local port is one it listens on)."""
+def cut_connections(away: set[str], keep: set[tuple[str, int]]) -> int:
+    """Shut down every TCP connection this process accepted (the ones on a port it listens on), and every one to an
+    address in ``away`` but those to ``keep`` (address, port); how many."""
     table = _tcp_table()
     listening = {row[0] for row in table.values() if row[1] == "0A"}
-    return _cut(lambda row: row[1] == "01" and row[0] in listening, table)  # ESTABLISHED on a listening port
 
+    def chosen(row: tuple) -> bool:
+        return row[1] == "01" and (row[0] in listening or (row[2][0] in away and row[2] not in keep))  # ESTABLISHED
 
-def cut_connected(addrs: set[str], keep: set[tuple[str, int]]) -> int:
-    """Shut down every TCP connection of this process to one of ``addrs``, but those to ``keep`` (address, port)."""
-    return _cut(lambda row: row[1] == "01" and row[2][0] in addrs and row[2] not in keep, _tcp_table())
-
-
-def _cut(chosen: Callable[[tuple], bool], table: dict[int, tuple]) -> int:
     mine: dict[int, int] = {}
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError, ValueError):
