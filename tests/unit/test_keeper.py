@@ -143,9 +143,9 @@ def test_a_plan_never_leaves_the_launcher_without_its_own_ranks(keeper):
         sock.close()
 
 
-@pytest.mark.parametrize("keeper", [["--silence-s", "1.5"]], indirect=True)
+@pytest.mark.parametrize("keeper", [["--silence-s", "3"]], indirect=True)
 def test_a_silent_rank_is_counted_dead_and_no_spare_of_its_node_takes_its_place(keeper):
-    """A lost node's sockets never close: a member unheard for monitor.peer_timeout_s (here 1.5 s) is counted dead,
+    """A lost node's sockets never close: a member unheard for monitor.peer_timeout_s (here 3 s) is counted dead,
     and with it the members of its node unheard for half that (their beats drift apart: one plan for the node). The
     plan names it silent with its address (the survivors cut their connections there) and places a spare of another
     node, though one of its own node still beats (the node may be going)."""
@@ -156,18 +156,18 @@ def test_a_silent_rank_is_counted_dead_and_no_spare_of_its_node_takes_its_place(
     links[2].hello("spare", 1, "n3")
     quiet = hello(where, key, "rank", 1, node="n2")  # never beats
     began = time.monotonic()
-    drifted = hello(where, key, "spare", 2, node="n2")  # beats once, 0.5 s later: its node's silence, half as old
+    drifted = hello(where, key, "spare", 2, node="n2")  # beats once, 0.5 s later: unheard over half the timeout
     time.sleep(0.5)
     drifted.sendall(b"beat\n")
     plan = links[0].wait(plan_key(1), 10.0)
-    assert plan is not None and 1.4 < time.monotonic() - began < 5.0
+    assert plan is not None and 2.9 < time.monotonic() - began < 10.0
     assert plan["dead"] == [1] and plan["silent"] == [1] and plan["spares"] == {"1": 1}, plan
     assert plan["addrs"] == {"1": "127.0.0.1"} and plan["lost_nodes"] == ["n2"], plan
     assert quiet.recv(16).startswith(b"gone"), "told, should it ever read"
-    drifted.settimeout(0.3)  # counted dead with its node's rank, not 0.5 s later on its own
+    drifted.settimeout(0.3)  # counted dead with its node's rank (told before the plan), not later on its own
     assert drifted.recv(16).startswith(b"gone")
     assert links[0].read(assign_key(1)) == {"gen": 1, "rank": 1} and links[0].read(assign_key(0)) is None
-    time.sleep(2.0)  # the beating ones are never counted dead
+    time.sleep(3.5)  # the beating ones are never counted dead
     assert links[0].read(plan_key(2)) is None
     for link in links:
         link.bye()
