@@ -2,16 +2,18 @@
 equal tokens.
 
     python bench/diloco.py [--link-mbit 20] [--steps 200] [--sync-every 50] [--ranks 1] [--link-steps 12]
-        [--reps 3] [--set KEY=VALUE ...] [--json PATH]
+        [--fragments F] [--reps 3] [--set KEY=VALUE ...] [--outer KEY=VALUE ...] [--json PATH]
 
 Three runs of the same layout (2 nodes x ``--ranks``), the same data order and seed: ``ddp-free``, DDP with every
 rank on one network (the inter-node link costs nothing: the no-cost figure); ``ddp-link``, DDP with each node in a
 network namespace of its own, joined by a veth pair shaped to ``--link-mbit`` (bench/common.py, root only), for
 ``--link-steps`` steps (its losses are ddp-free's, checked bitwise: the same algorithm); ``diloco-link``, DiLoCo over
-that link. Throughput is tokens over the summed step times after ``--skip`` warm-up steps; the loss at equal tokens is
-the mean of the last ``--tail`` steps' losses. ``--reps`` repeats the three runs; the ratios are medians over the
-repetitions, each computed inside its own repetition (the runs side by side). Without ``--link-mbit`` (a smoke test,
-or no root) the link runs are unshaped.
+that link; with ``--fragments F`` a fourth, ``streaming-link``, the same DiLoCo streaming in F fragments
+(comm.sync_fragments). ``--outer`` overrides go to the DiLoCo runs only. Throughput is tokens over the summed step
+times after ``--skip`` warm-up steps; a run's longest step is its worst stall (a whole model's meeting, or a
+fragment's); the loss at equal tokens is the mean of the last ``--tail`` steps' losses. ``--reps`` repeats the
+runs; the ratios are medians over the repetitions, each computed inside its own repetition (the runs side by side).
+Without ``--link-mbit`` (a smoke test, or no root) the link runs are unshaped.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the throughput")
     p.add_argument("--tail", type=int, default=10, help="steps whose mean loss is compared")
     p.add_argument("--reps", type=int, default=1, help="repetitions of the three runs (ratios: medians)")
+    p.add_argument("--fragments", type=int, default=1, help="above 1: a streaming-link run in that many fragments")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
+    p.add_argument("--outer", action="append", default=[], metavar="KEY=VALUE", help="overrides of the DiLoCo runs")
     args = p.parse_args(argv)
     if args.link_mbit and os.geteuid() != 0:
         p.error("--link-mbit emulates 2 nodes with network namespaces, which needs root (--link-mbit 0: unshaped)")
@@ -65,8 +69,10 @@ def one(name: str, args: argparse.Namespace, data: Path, work: Path, namespaces:
     """One run: its throughput and losses."""
     steps = args.link_steps if name == "ddp-link" else args.steps
     sets = [*settings(args, data), f"train.steps={steps}"]
-    if name == "diloco-link":
-        sets += ["comm.sync=diloco", f"comm.sync_every={args.sync_every}"]
+    if name in ("diloco-link", "streaming-link"):
+        sets += ["comm.sync=diloco", f"comm.sync_every={args.sync_every}", *args.outer]
+    if name == "streaming-link":
+        sets.append(f"comm.sync_fragments={args.fragments}")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if namespaces is not None and name != "ddp-free":
         env[NODE_WRAP_VAR] = "|".join(f"ip netns exec {ns}" for ns in namespaces)
@@ -89,6 +95,7 @@ def one(name: str, args: argparse.Namespace, data: Path, work: Path, namespaces:
         "steps": steps,
         "wall_s": time.perf_counter() - started,
         "tokens_per_s": tokens / sum(r["step_time_s"] for r in timed),
+        "longest_step_s": max(r["step_time_s"] for r in timed),
         "losses": [r["loss"] for r in records],
         "tail_loss": sum(r["loss"] for r in records[-args.tail :]) / min(args.tail, len(records)),
     }
@@ -96,21 +103,32 @@ def one(name: str, args: argparse.Namespace, data: Path, work: Path, namespaces:
 
 def compare(runs: dict[str, dict], args: argparse.Namespace) -> dict:
     free, link, dl = runs["ddp-free"], runs["ddp-link"], runs["diloco-link"]
-    return {
+    out = {
         "ddp_link_vs_free": link["tokens_per_s"] / free["tokens_per_s"],
         "diloco_link_vs_free": dl["tokens_per_s"] / free["tokens_per_s"],
         "diloco_vs_ddp_link": dl["tokens_per_s"] / link["tokens_per_s"],
         "loss_diloco_vs_ddp": dl["tail_loss"] / free["tail_loss"],
         "ddp_link_same_losses": link["losses"] == free["losses"][: len(link["losses"])],
     }
+    if "streaming-link" in runs:
+        st = runs["streaming-link"]
+        out["streaming_link_vs_free"] = st["tokens_per_s"] / free["tokens_per_s"]
+        out["loss_streaming_vs_ddp"] = st["tail_loss"] / free["tail_loss"]
+        out["longest_step_streaming_vs_diloco"] = st["longest_step_s"] / dl["longest_step_s"]
+    return out
 
 
 def show(result: dict) -> None:
     print(f"\nthe last repetition's runs; ratios: medians over {result['setup']['reps']} repetition(s)")
-    print(f"{'run':12} {'steps':>6} {'tokens/s':>10} {'tail loss':>10} {'wall s':>8}")
+    print(f"{'run':14} {'steps':>6} {'tokens/s':>10} {'longest step s':>15} {'tail loss':>10} {'wall s':>8}")
     for r in result["runs"].values():
-        print(f"{r['name']:12} {r['steps']:>6} {r['tokens_per_s']:>10.0f} {r['tail_loss']:>10.4f} {r['wall_s']:>8.1f}")
+        print(f"{r['name']:14} {r['steps']:>6} {r['tokens_per_s']:>10.0f} {r['longest_step_s']:>15.3f} "
+              f"{r['tail_loss']:>10.4f} {r['wall_s']:>8.1f}")  # fmt: skip
     c = result["compare"]
+    if "streaming_link_vs_free" in c:
+        print(f"streaming-link / ddp-free tokens/s: {c['streaming_link_vs_free']:.3f}; its tail loss / ddp's: "
+              f"{c['loss_streaming_vs_ddp']:.4f}; its longest step / diloco's: "
+              f"{c['longest_step_streaming_vs_diloco']:.3f} ({result['setup']['fragments']} fragments)")  # fmt: skip
     print(f"ddp-link / ddp-free tokens/s: {c['ddp_link_vs_free']:.3f}; diloco-link / ddp-free: "
           f"{c['diloco_link_vs_free']:.3f}; diloco's tail loss / ddp's: {c['loss_diloco_vs_ddp']:.4f} "
           f"(link {result['setup']['link_mbit'] or 'unshaped'} Mbit/s, H={result['setup']['sync_every']}; ddp-link's "
@@ -126,19 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     prepare(PrepareSpec(source="stdlib", include=("*.py",), max_source_bytes=2_000_000, val_fraction=0.1,
                         shard_tokens=400_000), data)  # fmt: skip
     reps = []
+    linked = ["ddp-link", "diloco-link"] + (["streaming-link"] if args.fragments > 1 else [])
     for rep in range(args.reps):
         folder = work / f"rep{rep}"
         runs = {"ddp-free": one("ddp-free", args, data, folder, None)}
         if args.link_mbit:
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are removed on TERM too
             with emulated_link(args.link_mbit) as namespaces:
-                for name in ("ddp-link", "diloco-link"):
+                for name in linked:
                     runs[name] = one(name, args, data, folder, namespaces)
         else:
-            for name in ("ddp-link", "diloco-link"):
+            for name in linked:
                 runs[name] = one(name, args, data, folder, None)
         reps.append({"runs": runs, "compare": compare(runs, args)})
     setup = {"link_mbit": args.link_mbit, "sync_every": args.sync_every, "ranks_per_node": args.ranks,
+             "fragments": args.fragments, "outer": args.outer,
              "steps": args.steps, "reps": args.reps, "settings": settings(args, Path("DATA"))}  # fmt: skip
     medians = {
         k: statistics.median(r["compare"][k] for r in reps) for k in reps[0]["compare"] if k != "ddp_link_same_losses"

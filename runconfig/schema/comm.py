@@ -83,14 +83,26 @@ class CommConfig(Section):
         "at the last sync minus now) and an outer SGD optimizer (comm.outer_lr, outer_momentum, Nesterov) applies "
         "it to the parameters of the last sync. local_sgd: the same rounds, the nodes' parameters averaged. With "
         "either, checkpoints (and a stop's, a time-based one's) wait for the round's end, where every replica holds "
-        "the same parameters; a resume needs the same number of nodes (each keeps its own optimizer state). DDP "
-        "layouts only.",
+        "the same parameters (with comm.sync_fragments above 1, only the last meetings are); a resume needs the "
+        "same number of nodes (each keeps its own optimizer state). DDP layouts only.",
         "ddp",
     )
     sync_every: int = doc(
         "comm.sync=diloco or local_sgd: optimizer steps per round (H); checkpoint.every_steps and "
         "memory_every_steps must be multiples of it.",
         50,
+        bounds=Range(ge=1),
+    )
+    sync_fragments: int = doc(
+        "comm.sync=diloco or local_sgd: streaming (Streaming DiLoCo, Douillard et al., 2025) when above 1. The "
+        "parameters are cut into this many fragments (whole tensors in the model's order, of near-equal size; at "
+        "most one per trained tensor), and "
+        "fragment p meets every comm.sync_every steps at an offset of (p + 1) x comm.sync_every / sync_fragments "
+        "steps, so each meeting carries one fragment and the link's peak load is a fragment's, not the model's; "
+        "the last fragment meets at the round's end, every fragment at the last step. A checkpoint at a round's "
+        "end holds the fragments' last meetings as the model and each node's own parameters beside them. "
+        "comm.sync_every must be a multiple of it.",
+        1,
         bounds=Range(ge=1),
     )
     outer_lr: float = doc("comm.sync=diloco: the outer SGD's learning rate.", 0.7, bounds=Range(gt=0))

@@ -125,8 +125,14 @@ class RunConfig:
         """comm.sync=diloco or local_sgd: a DDP layout, and checkpoints at the rounds' ends."""
         comm, ckpt = self.comm, self.checkpoint
         if comm.sync == "ddp":
+            if comm.sync_fragments != 1:
+                return [("comm.sync_fragments", f"{comm.sync_fragments} fragments stream the meetings of "
+                         "comm.sync=diloco or local_sgd rounds; comm.sync is ddp")]  # fmt: skip
             return []
         out: Problems = []
+        if comm.sync_every % comm.sync_fragments:
+            out.append(("comm.sync_fragments", f"{comm.sync_fragments} does not divide comm.sync_every="
+                        f"{comm.sync_every}: each fragment meets at a whole step of the round"))  # fmt: skip
         p = self.parallel
         if p.dp_shard not in (1,) or p.tp != 1 or p.pp != 1:
             out.append(("comm.sync", f"{comm.sync} averages whole replicas between nodes: DDP layouts only (this "

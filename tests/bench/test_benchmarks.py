@@ -403,18 +403,25 @@ def test_recovery_local(tmp_path):
 
 @pytest.mark.mp
 def test_diloco(tmp_path):
-    """The three runs unshaped (no root link), 2 nodes x 1 rank, 8 steps in rounds of 4: throughputs, tail losses,
-    the ratios, and ddp-link's losses equal to ddp-free's (the same algorithm, whatever the link)."""
-    args = ["--link-mbit", "0", "--steps", "8", "--sync-every", "4", "--link-steps", "4", "--skip", "1", "--tail", "2"]
+    """The four runs unshaped (no root link), 2 nodes x 1 rank, 8 steps in rounds of 4, the streaming one in 2
+    fragments: throughputs, longest steps, tail losses, the ratios, and ddp-link's losses equal to ddp-free's (the
+    same algorithm, whatever the link)."""
+    args = ["--link-mbit", "0", "--steps", "8", "--sync-every", "4", "--link-steps", "4", "--skip", "1", "--tail", "2",
+            "--fragments", "2", "--outer", "comm.outer_lr=0.5"]  # fmt: skip
     res, out = run_bench("diloco", args, tmp_path)
-    assert res["benchmark"] == "diloco" and list(res["runs"]) == ["ddp-free", "ddp-link", "diloco-link"]
-    assert [r["steps"] for r in res["runs"].values()] == [8, 4, 8]
-    assert all(positive(r["tokens_per_s"]) and positive(r["tail_loss"]) for r in res["runs"].values()), res["runs"]
+    runs = res["runs"]
+    assert res["benchmark"] == "diloco" and list(runs) == ["ddp-free", "ddp-link", "diloco-link", "streaming-link"]
+    assert [r["steps"] for r in runs.values()] == [8, 4, 8, 8]
+    assert all(positive(r["tokens_per_s"]) and positive(r["tail_loss"]) and positive(r["longest_step_s"])
+               for r in runs.values()), runs  # fmt: skip
     c = res["compare"]
     assert c["ddp_link_same_losses"] is True
     assert positive(c["diloco_link_vs_free"]) and positive(c["loss_diloco_vs_ddp"])
-    assert res["runs"]["diloco-link"]["losses"] != res["runs"]["ddp-free"]["losses"]  # another algorithm
-    table_lines(out, "run ", "ddp-free", "ddp-link", "diloco-link", "ddp-link / ddp-free tokens/s")
+    assert positive(c["streaming_link_vs_free"]) and positive(c["longest_step_streaming_vs_diloco"])
+    assert runs["diloco-link"]["losses"] != runs["ddp-free"]["losses"]  # another algorithm
+    assert runs["streaming-link"]["losses"] != runs["diloco-link"]["losses"]  # the fragments meet apart
+    table_lines(out, "run ", "ddp-free", "ddp-link", "diloco-link", "streaming-link", "ddp-link / ddp-free tokens/s",
+                "streaming-link / ddp-free tokens/s")  # fmt: skip
 
 
 def test_data(tmp_path):

@@ -1,12 +1,15 @@
 """comm.sync=diloco with real processes: 2 simulated nodes meeting every 4 steps. A stop signal inside a round
 stops at the round's end, and the resumed run ends bit-identical to the uninterrupted one; so does a rank killed
 after a checkpoint in node memory, restored from it (each node's own optimizer state, the outer momentum), in a new
-launch or in the same processes with a warm spare."""
+launch or in the same processes with a warm spare. Streaming (comm.sync_fragments=2): a stop at a round's end, where
+the nodes' parameters differ, resumes bit-identical from each node's own parameters in the checkpoint."""
 
+import json
 import os
 import signal
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from tests.conftest import history, rank_pids, summary, wait_for_step
 from tests.mp.test_checkpoint import common, memory_folder, rows, run, start, stopped_by_a_signal
@@ -64,3 +67,19 @@ def test_diloco_resumes_from_node_memory_bitwise(tmp_path, small_dataset, uninte
     assert resume["step"] >= 12 and resume["restored_from"]["durable_step"] == 8 * (resume["step"] // 8), resume
     assert_same(uninterrupted, run_dir)
     assert not folder.exists()
+
+
+def test_streaming_diloco_resumes_each_nodes_own_parameters_bitwise(tmp_path, small_dataset):
+    sets = [*diloco(small_dataset), "comm.sync_fragments=2", "train.steps=12"]
+    reference = tmp_path / "reference"
+    proc = run(reference, sets)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "run"
+    assert stopped_by_a_signal(run_dir, sets, at_step=5, rank=1) == 8
+    (saved,) = [p for p in (run_dir / "checkpoints").iterdir() if (p / "dcp").is_dir()]
+    assert json.loads((saved / "manifest.json").read_text())["sync"]["fragments"] == 2
+    keys = FileSystemReader(saved / "dcp").read_metadata().state_dict_metadata
+    assert {k.split(".")[0] for k in keys} >= {"model", "outer", "outer_node0", "outer_node1"}, sorted(keys)
+    done = run(run_dir, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same(reference, run_dir)

@@ -303,3 +303,13 @@ def test_spares_need_a_data_parallel_layout():
     assert load_config("tiny", ["job.spare_ranks=2"]).job.spare_ranks == 2
     with pytest.raises(ConfigError, match=r"job\.spare_ranks.*data-parallel layouts only"):
         load_config("tiny", ["job.spare_ranks=1", "job.nodes=2", "parallel.dp_shard=2"])
+
+
+def test_sync_fragments_stream_diloco_rounds_and_divide_them():
+    """comm.sync_fragments: a fragment meets at a whole step of the round, and only rounds have fragments."""
+    base = ["job.nodes=2", "comm.sync=diloco", "comm.sync_every=8", "checkpoint.every_steps=8"]
+    assert load_config("tiny", [*base, "comm.sync_fragments=4"]).comm.sync_fragments == 4
+    with pytest.raises(ConfigError, match=r"comm\.sync_fragments.*3 does not divide comm\.sync_every=8"):
+        load_config("tiny", [*base, "comm.sync_fragments=3"])
+    with pytest.raises(ConfigError, match=r"comm\.sync_fragments.*comm\.sync is ddp"):
+        load_config("tiny", ["comm.sync_fragments=2"])

@@ -204,11 +204,11 @@ class Checkpointer:
 
     def _state(self) -> dict:
         """What DCP saves: the model, this rank's optimizer state (under its node's key with comm.sync rounds) and
-        the outer optimizer's momentum."""
+        the rounds' own entries (the outer momentum; streaming: the node's own parameters)."""
         msd, osd = get_state_dict(self.model, self.optimizer, options=options())
         state = {"model": msd, self.optim_key: osd}
-        if self.outer is not None and self.outer.has_momentum:
-            state["outer"] = self.outer.state_dict()
+        if self.outer is not None:
+            state |= self.outer.checkpoint(msd, self.env.node)
         return state
 
     def _own_files(self, state: TrainState) -> dict[str, bytes]:
@@ -251,7 +251,7 @@ class Checkpointer:
         sync = None
         if self.outer is not None:  # a resume needs as many nodes: a node's optimizer state is its own
             sync = {"kind": self.outer.kind, "every": self.outer.every, "nodes": self.env.topology.num_nodes,
-                    "momentum": self.outer.has_momentum}  # fmt: skip
+                    "momentum": self.outer.has_momentum, "fragments": len(self.outer.fragments)}  # fmt: skip
         return {"sync": sync} | manifest_fields(
             cfg=self.cfg,
             env=self.env,

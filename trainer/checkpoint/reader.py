@@ -79,10 +79,17 @@ class GenerationReader:
             manifest, path, self.identity, self.optimizer, allow_shape_change=self.allow_shape_change
         )
         self.saved_optim = self._saved_optim_key(path, manifest)
-        self.saved_momentum = bool((manifest.get("sync") or {}).get("momentum"))
+        sync = manifest.get("sync") or {}
+        self.saved_momentum = bool(sync.get("momentum"))
+        # a node's own parameters, saved by streaming rounds, are read back by the same streaming only; otherwise
+        # every node goes on from the fragments' last meetings, the checkpoint's model
+        fragments = len(self.outer.fragments) if self.outer is not None else 1
+        self.saved_local = fragments > 1 and sync.get("fragments", 1) == fragments
         self._load_retrying(path, changed, manifest["format"])
         if fingerprint:
             self._check_fingerprint(path, manifest, changed)
+        if self.outer is not None:
+            self.outer.resume_local()
         state.load_state_dict(json.loads(self._read(path / "train_state.json")))
         if manifest["world_size"] == self.world_size:
             rank_file = path / f"rank_{self.rank:05d}.pt"
@@ -191,16 +198,16 @@ class GenerationReader:
                 msd, osd = get_state_dict(self.model, self.optimizer, options=options(fmt))
                 osd = renamed(osd, self.aliases)  # a tied copy's moments: read under the whole model's name
                 state = {"model": msd, self.saved_optim: osd}
-                momentum = self.outer.template() if self.outer is not None else {}
-                if momentum and self.saved_momentum:  # saved by DiLoCo rounds with the outer momentum
-                    state["outer"] = momentum
-                dcp.load(state, checkpoint_id=path / "dcp", process_group=group)
+                rounds = {}
+                if self.outer is not None:  # saved by comm.sync rounds: the outer momentum, a node's parameters
+                    rounds = self.outer.template(self.node, momentum=self.saved_momentum, local=self.saved_local)
+                dcp.load(state | rounds, checkpoint_id=path / "dcp", process_group=group)
                 osd = renamed(osd, {whole: alias for alias, whole in self.aliases.items()})
                 set_state_dict(
                     self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=options(fmt)
                 )
                 if self.outer is not None:
-                    self.outer.load_state_dict(momentum, has_momentum="outer" in state)
+                    self.outer.load(rounds, self.node)
         except (Exception, CheckpointException) as exc:
             error = (exc, f"reading {path / 'dcp'}: {root_cause(exc)}")
         differed = restore_kernels(self.optimizer, kept)

@@ -3,6 +3,7 @@ the boundary decision (stop, checkpoint, eval: the same on every rank), the stra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -137,13 +138,14 @@ class _Run:
         state.elapsed_s = self.elapsed_before + time.time() - self.run_start
 
     def meet(self, step: int, decision: Decision) -> None:
-        """comm.sync rounds: the nodes meet at a round's end (and at the last step), before any check or checkpoint
-        of the step."""
+        """comm.sync rounds: the nodes meet at a round's end (streaming: a fragment's step; every fragment at the
+        last step), before any check or checkpoint of the step."""
         outer, mon = self.parts.wrapped.outer, self.parts.mon
-        if outer is not None and outer.at_round_end(step, decision.last):
+        fragments = outer.meeting(step, decision.last) if outer is not None else []
+        if fragments:
             mon.watchdog.enter("outer sync", step)
             with mon.clock.part("sync"):
-                outer.sync()
+                outer.sync(fragments)
 
     def newest(self) -> str | None:
         return read_latest(self.parts.checkpoints.root)
@@ -172,7 +174,7 @@ class _Run:
         if (
             mon.replicas is not None
             and mon.replicas.due(step, decision.checkpoint)
-            and (outer is None or outer.at_round_end(step, decision.last))
+            and (outer is None or outer.one_model(step, decision.last))
         ):  # before the checkpoint
             mon.watchdog.enter("replica check", step)
             with mon.clock.part("sync"):
@@ -215,7 +217,8 @@ class _Run:
         self.agreed_later(self.boundary.settle())  # every rank is here (the straggler check is collective)
         outer = parts.wrapped.outer
         if outer is not None and not outer.at_round_end(step, decision.last):  # one model to save: meet first
-            outer.sync()
+            met = outer.meeting(step, decision.last)  # streaming: a fragment met at this step already
+            outer.sync([f for f in range(len(outer.fragments)) if f not in met])  # never empty: the last is due
         if not decision.checkpoint:  # the launch ends here: nothing computed so far is lost
             mon.watchdog.enter("checkpoint", step)
             with mon.clock.part("ckpt"):
@@ -237,7 +240,9 @@ def _checks_and_eval(parts: Parts, step: int, due_eval: bool, publisher: Publish
     if due_eval:
         mon.watchdog.enter("eval", step)
         eval_start = time.perf_counter()
-        evals = evaluate(parts, step)
+        outer = parts.wrapped.outer  # comm.sync rounds: the last meetings, the model a checkpoint holds
+        with outer.consensus() if outer is not None else contextlib.nullcontext():
+            evals = evaluate(parts, step)
         parts.state.last_eval_loss = evals["eval_loss"]
         parts.state.last_eval = {"step": step, **{k: float(v) for k, v in evals.items()}}
         publisher.interval_eval += time.perf_counter() - eval_start
