@@ -11,9 +11,10 @@ network namespace of its own, joined by a veth pair shaped to ``--link-mbit`` (b
 that link; with ``--fragments F`` a fourth, ``streaming-link``, the same DiLoCo streaming in F fragments
 (comm.sync_fragments). ``--outer`` overrides go to the DiLoCo runs only. Throughput is tokens over the summed step
 times after ``--skip`` warm-up steps; a run's longest step is its worst stall (a whole model's meeting, or a
-fragment's); the loss at equal tokens is the mean of the last ``--tail`` steps' losses. ``--reps`` repeats the
-runs; the ratios are medians over the repetitions, each computed inside its own repetition (the runs side by side).
-Without ``--link-mbit`` (a smoke test, or no root) the link runs are unshaped.
+fragment's); the loss at equal tokens is the mean of the last ``--tail`` steps' losses, and the evaluation at the
+last step (where every node's model has met; 256 held-out sequences). ``--reps`` repeats the runs; the ratios are
+medians over the repetitions, each computed inside its own repetition (the runs side by side). Without
+``--link-mbit`` (a smoke test, or no root) the link runs are unshaped.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def settings(args: argparse.Namespace, data: Path) -> list[str]:
     link: DDP over the link then waits on every step's all-reduce."""
     return [
         f"data.path={data}", "job.nodes=2", f"job.ranks_per_node={args.ranks}", "train.warmup_steps=10",
-        "train.eval_every=0", "model.d_model=128", "model.n_layers=3", "model.seq_len=128",
+        "train.eval_sequences=256", "model.d_model=128", "model.n_layers=3", "model.seq_len=128",
         "train.global_batch_size=32", "train.micro_batch_size=16", "checkpoint.every_steps=0",
         "checkpoint.at_end=false", "monitor.preflight=off", "comm.allreduce=flat", *args.set,
     ]  # fmt: skip
@@ -68,7 +69,7 @@ def settings(args: argparse.Namespace, data: Path) -> list[str]:
 def one(name: str, args: argparse.Namespace, data: Path, work: Path, namespaces: tuple[str, str] | None) -> dict:
     """One run: its throughput and losses."""
     steps = args.link_steps if name == "ddp-link" else args.steps
-    sets = [*settings(args, data), f"train.steps={steps}"]
+    sets = [*settings(args, data), f"train.steps={steps}", f"train.eval_every={steps}"]  # one evaluation, at the end
     if name in ("diloco-link", "streaming-link"):
         sets += ["comm.sync=diloco", f"comm.sync_every={args.sync_every}", *args.outer]
     if name == "streaming-link":
@@ -98,6 +99,7 @@ def one(name: str, args: argparse.Namespace, data: Path, work: Path, namespaces:
         "longest_step_s": max(r["step_time_s"] for r in timed),
         "losses": [r["loss"] for r in records],
         "tail_loss": sum(r["loss"] for r in records[-args.tail :]) / min(args.tail, len(records)),
+        "eval_loss": records[-1]["eval_loss"],
     }
 
 
@@ -108,29 +110,34 @@ def compare(runs: dict[str, dict], args: argparse.Namespace) -> dict:
         "diloco_link_vs_free": dl["tokens_per_s"] / free["tokens_per_s"],
         "diloco_vs_ddp_link": dl["tokens_per_s"] / link["tokens_per_s"],
         "loss_diloco_vs_ddp": dl["tail_loss"] / free["tail_loss"],
+        "eval_loss_diloco_vs_ddp": dl["eval_loss"] / free["eval_loss"],
         "ddp_link_same_losses": link["losses"] == free["losses"][: len(link["losses"])],
     }
     if "streaming-link" in runs:
         st = runs["streaming-link"]
         out["streaming_link_vs_free"] = st["tokens_per_s"] / free["tokens_per_s"]
         out["loss_streaming_vs_ddp"] = st["tail_loss"] / free["tail_loss"]
+        out["eval_loss_streaming_vs_ddp"] = st["eval_loss"] / free["eval_loss"]
         out["longest_step_streaming_vs_diloco"] = st["longest_step_s"] / dl["longest_step_s"]
     return out
 
 
 def show(result: dict) -> None:
     print(f"\nthe last repetition's runs; ratios: medians over {result['setup']['reps']} repetition(s)")
-    print(f"{'run':14} {'steps':>6} {'tokens/s':>10} {'longest step s':>15} {'tail loss':>10} {'wall s':>8}")
+    print(f"{'run':14} {'steps':>6} {'tokens/s':>10} {'longest step s':>15} {'tail loss':>10} {'eval loss':>10} "
+          f"{'wall s':>8}")  # fmt: skip
     for r in result["runs"].values():
         print(f"{r['name']:14} {r['steps']:>6} {r['tokens_per_s']:>10.0f} {r['longest_step_s']:>15.3f} "
-              f"{r['tail_loss']:>10.4f} {r['wall_s']:>8.1f}")  # fmt: skip
+              f"{r['tail_loss']:>10.4f} {r['eval_loss']:>10.4f} {r['wall_s']:>8.1f}")  # fmt: skip
     c = result["compare"]
     if "streaming_link_vs_free" in c:
         print(f"streaming-link / ddp-free tokens/s: {c['streaming_link_vs_free']:.3f}; its tail loss / ddp's: "
-              f"{c['loss_streaming_vs_ddp']:.4f}; its longest step / diloco's: "
+              f"{c['loss_streaming_vs_ddp']:.4f}, eval loss: {c['eval_loss_streaming_vs_ddp']:.4f}; its longest "
+              f"step / diloco's: "
               f"{c['longest_step_streaming_vs_diloco']:.3f} ({result['setup']['fragments']} fragments)")  # fmt: skip
     print(f"ddp-link / ddp-free tokens/s: {c['ddp_link_vs_free']:.3f}; diloco-link / ddp-free: "
-          f"{c['diloco_link_vs_free']:.3f}; diloco's tail loss / ddp's: {c['loss_diloco_vs_ddp']:.4f} "
+          f"{c['diloco_link_vs_free']:.3f}; diloco's tail loss / ddp's: {c['loss_diloco_vs_ddp']:.4f}, eval loss: "
+          f"{c['eval_loss_diloco_vs_ddp']:.4f} "
           f"(link {result['setup']['link_mbit'] or 'unshaped'} Mbit/s, H={result['setup']['sync_every']}; ddp-link's "
           f"losses are ddp-free's: {c['ddp_link_same_losses']})")  # fmt: skip
 

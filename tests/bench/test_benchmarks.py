@@ -413,10 +413,12 @@ def test_diloco(tmp_path):
     assert res["benchmark"] == "diloco" and list(runs) == ["ddp-free", "ddp-link", "diloco-link", "streaming-link"]
     assert [r["steps"] for r in runs.values()] == [8, 4, 8, 8]
     assert all(positive(r["tokens_per_s"]) and positive(r["tail_loss"]) and positive(r["longest_step_s"])
-               for r in runs.values()), runs  # fmt: skip
+               and positive(r["eval_loss"]) for r in runs.values()), runs  # fmt: skip
+    assert runs["ddp-free"]["eval_loss"] != runs["ddp-link"]["eval_loss"]  # each evaluated at its own last step
     c = res["compare"]
     assert c["ddp_link_same_losses"] is True
     assert positive(c["diloco_link_vs_free"]) and positive(c["loss_diloco_vs_ddp"])
+    assert positive(c["eval_loss_diloco_vs_ddp"]) and positive(c["eval_loss_streaming_vs_ddp"])
     assert positive(c["streaming_link_vs_free"]) and positive(c["longest_step_streaming_vs_diloco"])
     assert runs["diloco-link"]["losses"] != runs["ddp-free"]["losses"]  # another algorithm
     assert runs["streaming-link"]["losses"] != runs["diloco-link"]["losses"]  # the fragments meet apart
