@@ -10,11 +10,11 @@ network namespace of its own, joined by a veth pair shaped to ``--link-mbit`` (b
 ``--link-steps`` steps (its losses are ddp-free's, checked bitwise: the same algorithm); ``diloco-link``, DiLoCo over
 that link; with ``--fragments F`` a fourth, ``streaming-link``, the same DiLoCo streaming in F fragments
 (comm.sync_fragments). ``--outer`` overrides go to the DiLoCo runs only. Throughput is tokens over the summed step
-times after ``--skip`` warm-up steps; a run's longest step is its worst stall (a whole model's meeting, or a
-fragment's); the loss at equal tokens is the mean of the last ``--tail`` steps' losses, and the evaluation at the
-last step (where every node's model has met; 256 held-out sequences). ``--reps`` repeats the runs; the ratios are
-medians over the repetitions, each computed inside its own repetition (the runs side by side). Without
-``--link-mbit`` (a smoke test, or no root) the link runs are unshaped.
+times after ``--skip`` warm-up steps; a run's longest step before its last is its worst stall (a whole model's
+meeting, or a fragment's; at the last step every fragment meets); the loss at equal tokens is the mean of the last
+``--tail`` steps' losses, and the evaluation at the last step (where every node's model has met; 256 held-out
+sequences). ``--reps`` repeats the runs; the ratios are medians over the repetitions, each computed inside its own
+repetition (the runs side by side). Without ``--link-mbit`` (a smoke test, or no root) the link runs are unshaped.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def one(name: str, args: argparse.Namespace, data: Path, work: Path, namespaces:
         "steps": steps,
         "wall_s": time.perf_counter() - started,
         "tokens_per_s": tokens / sum(r["step_time_s"] for r in timed),
-        "longest_step_s": max(r["step_time_s"] for r in timed),
+        # the last step left out: every fragment meets there
+        "longest_step_s": max(r["step_time_s"] for r in timed if r["step"] < steps),
         "losses": [r["loss"] for r in records],
         "tail_loss": sum(r["loss"] for r in records[-args.tail :]) / min(args.tail, len(records)),
         "eval_loss": records[-1]["eval_loss"],
