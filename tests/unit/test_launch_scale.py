@@ -422,4 +422,6 @@ def test_the_reports_per_rank_chart_of_a_4096_rank_run(big, tmp_path):
     red = [i for i, c in enumerate(lines.get_colors()) if c[0] > 0.8 and c[2] < 0.3]
     assert red == [137], red  # the straggler metrics_record flags
     assert (tmp_path / "ranks.png").stat().st_size > 0
-    within(seconds, 1.2, "the per-rank chart")  # 0.75 CPU-s here, 1.09 once on CI's first draw under load
+    # the one collection above pins the fix; the bound only catches a gross regression on a slow machine (0.75 CPU-s
+    # here, 1.09 once on a loaded VM's first draw)
+    within(seconds, 3.0, "the per-rank chart")
