@@ -25,9 +25,9 @@ pytestmark = pytest.mark.mp
 UNIQUE = f"ckpt-{uuid.uuid4().hex[:8]}"  # this session's prefixes: a bucket may hold an earlier session's
 
 
-def remote(s3, prefix: str) -> dict[str, bool]:
-    """step name -> whether its manifest is there."""
-    fs = s3.fs()
+def remote(s3, prefix: str, fs=None) -> dict[str, bool]:
+    """step name -> whether its manifest is there (``fs``: a client to reuse, for a loop that polls)."""
+    fs = fs or s3.fs()
     root = f"{BUCKET}/{prefix}"
     if not fs.exists(root):
         return {}
@@ -140,9 +140,11 @@ def test_a_sigkill_during_an_upload_leaves_the_previous_generation_the_newest(tm
                                                                              disk_reference):  # fmt: skip
     run_dir, prefix = tmp_path / "run", f"{UNIQUE}/d"
     args = [*sets(str(small_dataset), tmp_path / "cache"), f"checkpoint.storage=s3://{BUCKET}/{prefix}"]
-    proc = start(run_dir, args, inject="slow_upload:0:0.5,slow_upload:1:0.5")
-    deadline = time.monotonic() + 120
-    while not any(not committed for committed in remote(s3, prefix).values()):  # an upload under way
+    # each file's upload waits 2 s first: a generation's files are there without its manifest for 2 s or more, a
+    # window a poll on a loaded machine (a few S3 requests) cannot miss, as it did at 0.5 s
+    proc = start(run_dir, args, inject="slow_upload:0:2,slow_upload:1:2")
+    deadline, fs = time.monotonic() + 180, s3.fs()
+    while not any(not committed for committed in remote(s3, prefix, fs).values()):  # an upload under way
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     for pid in rank_pids(run_dir).values():

@@ -102,21 +102,20 @@ def test_sweep_refuses_job_keys(tmp_path):
 
 
 def test_chain_of_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path):
-    """Each job has a 1-minute limit and is signalled 40 s before it; the run needs more than one job. Every job
+    """Each job has a 2-minute limit and is signalled 40 s before it; the run needs more than one job. Every job
     continues from the newest checkpoint; once training is complete the rest end at once (or the last link, which
     requeues itself when signalled, finishes it).
 
-    slurmctld sends a job's --signal from its time-limit pass, which runs every 30 s: with a 1-minute limit and a
-    40 s lead the signal is due 20 s after the job starts and comes 20-50 s after it. So one job must need more than
-    50 s: 200 steps in which rank 0 sleeps 0.2 s (0.1 s in each of its 2 micro-batches; about 48 s of training after
-    10-16 s of start-up; 150 steps, 36 s, once finished inside one job whose time-limit pass came late), on 2 nodes x
-    1 rank (the ranks of a node under Slurm: the other tests). The sleep, not computation, sets the run's
-    length, so that another launch on the same 2 cores (tests/run.sh's second worker) lengthens it little; a link
-    that trains only a few seconds under such load leaves the rest to the next, and the last link requeues itself
-    until the run is complete."""
+    slurmctld sends a job's --signal from its time-limit pass, which runs every 30 s: with a 2-minute limit and a
+    40 s lead the signal is due 80 s after the job starts and comes 80-110 s after it. So one job must need more than
+    110 s: 300 steps in which rank 0 sleeps 0.4 s (0.2 s in each of its 2 micro-batches; 120 s of sleep alone), on 2
+    nodes x 1 rank (the ranks of a node under Slurm: the other tests). The sleep, not computation, sets the run's
+    length, so that another launch on the same 2 cores (tests/run.sh's second worker) lengthens it little. The start-up
+    is 6-8 s alone and took tens of seconds on a loaded CI machine: with a 1-minute limit (a signal 20-50 s in) the
+    last link requeued itself 18 times in 10 minutes, each time signalled before or soon after its first step."""
     run_dir = tmp_path / "run"
-    sets = [*sets_for(small_dataset), *TWO_NODES, "train.steps=200", "checkpoint.every_steps=50", "train.eval_every=0",
-            "job.time=1", "job.signal_lead_s=40", f"job.env.{INJECT_VAR}=slow:0:0.1"]  # fmt: skip
+    sets = [*sets_for(small_dataset), *TWO_NODES, "train.steps=300", "checkpoint.every_steps=50", "train.eval_every=0",
+            "job.time=2", "job.signal_lead_s=40", f"job.env.{INJECT_VAR}=slow:0:0.2"]  # fmt: skip
     last = submit(run_dir, sets, "--chain", "4")
     ids = [json.loads(x)["job_id"] for x in (run_dir / "jobs.jsonl").read_text().splitlines()]
     assert len(ids) == 4 and ids[-1] == last
@@ -124,7 +123,7 @@ def test_chain_of_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path)
     for job in ids:  # the last link may requeue itself a few times on a slow machine
         wait_state(job, DONE, timeout=600)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["final_step"] == 200
+    assert summary["final_step"] == 300
     events = history(run_dir)
     worked = {e["slurm_job_id"] for e in events if e["event"] in (EVENT_START, EVENT_RESUME)}
     assert len(worked) >= 2, events  # one job could not finish it
