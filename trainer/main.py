@@ -13,6 +13,7 @@ import time
 PROCESS_START = time.time()  # before the heavy imports: a launch's start-up cost counts from here
 
 import gc  # noqa: E402
+import logging  # noqa: E402
 
 # Start-up's imports run with the cyclic garbage collector off: they leave nothing to collect, yet set off full
 # collections that walk everything imported so far (docs/measurements/notes-trainer.md). ``_collector_back_on``
@@ -67,6 +68,7 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, 
     from trainer.observe.startup import StartupClock
     from trainer.parallel.rejoin import PeerLost
     from trainer.startup.boot import boot, boot_spare, boot_spawned
+    from trainer.startup.parts import Kept
 
     # DDP's constructor imports torch._dynamo: import it in the background while this thread reads the config and
     # the MPI layout and meets the other ranks, which import nothing; joined before the parts are built. Never
@@ -88,19 +90,19 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, 
         booted = boot(rundir, comm, clock, EARLY_SIGNALS, MPI_DEFAULTS, STARTUP_DEADLINE)
     importer.join()
     _collector_back_on()
-    with contextlib.ExitStack() as outer:  # what outlives a generation: the tracker, the recipe's model and data
+    with contextlib.ExitStack() as outer:  # what outlives a generation: the tracker and the kept parts
         if booted.tracker is not None:  # closed last: after the checkpoints, whose commits it is told of
             outer.callback(booted.tracker.close)
-        kept: dict = {}
+        kept = Kept(outer)
         if spare is not None:  # built alone: the ranks it joins keep theirs
             from trainer.parallel.groupcomm import SoloComm
             from trainer.startup.recipe import make_recipe
 
             d = booted.distributed
-            kept["recipe"] = make_recipe(booted.cfg, booted.env, d, rundir, SoloComm(), outer)
+            kept.recipe = make_recipe(booted.cfg, booted.env, d, rundir, SoloComm(), outer)
         while True:
             try:
-                return _generation(rundir, comm, progress, booted, clock, outer, kept)
+                return _generation(rundir, comm, progress, booted, clock, kept)
             except PeerLost as lost:
                 plan = lost.plan  # outside this block the failed generation (its frames, its parts) is garbage
             booted, comm = _rejoin(rundir, booted, plan)
@@ -108,8 +110,9 @@ def run(rundir: RunDir, comm: MPI.Comm, progress: ProgressThread | None = None, 
             clock = StartupClock(time.time())
 
 
-def _generation(rundir: RunDir, comm, progress, booted, clock, outer: contextlib.ExitStack, kept: dict) -> int:
-    """One generation of the launch's ranks (the only one without spares): build, restore, check, train, finish."""
+def _generation(rundir: RunDir, comm, progress, booted, clock, kept) -> int:
+    """One generation of the launch's ranks (the only one without spares): build, restore, check, train, finish.
+    ``kept``: what this process built in the generations before (``trainer.startup.parts.Kept``)."""
     from trainer.launch import finish, train_diagnosed
     from trainer.observe.preflight import run_preflight
     from trainer.parallel.rejoin import PlanWatch
@@ -119,6 +122,9 @@ def _generation(rundir: RunDir, comm, progress, booted, clock, outer: contextlib
     from trainer.startup.restore import restore_or_start
 
     gen, link = booted.distributed.gen, booted.distributed.keeper
+    if gen > 0 and kept.names():
+        logging.getLogger("trainer").info("rank %d keeps its %s in generation %d", booted.env.rank,
+                                          ", ".join(kept.names()), gen)  # fmt: skip
     with contextlib.ExitStack() as stack:
         watch = PlanWatch(link, gen) if link is not None else None
         if watch is not None:
@@ -130,16 +136,21 @@ def _generation(rundir: RunDir, comm, progress, booted, clock, outer: contextlib
             rundir,
             comm,
             booted.stop,
-            stack,  # the generation's parts end with it; the recipe (model, data) outlives it
+            stack,  # the generation's parts end with it; the kept ones (model, data, optimizer, loader) outlive it
             code_sha256=booted.code_sha256,
             clock=clock,
             tracker=booted.tracker,
-            recipe=kept.get("recipe"),
-            recipe_stack=outer,
+            kept=kept,
         )
-        kept["recipe"] = parts.recipe
         clock.mark("build")
         resumed = restore_or_start(parts, rundir)
+        if gen > 0 and not resumed:
+            # the survivors' kept model and optimizer hold steps no checkpoint covers, the spare's a fresh start:
+            # only a new launch (every rank built anew) starts the run again consistently
+            raise RuntimeError(
+                f"generation {gen} of the in-process restart found no checkpoint in node memory or "
+                "on disk to restore (a rank died before the first was written): the launch restarts"
+            )
         settle_allreduce(parts, rundir)  # after the restore, which may hold the plan to reuse
         clock.mark("restore")
         if gen == 0 and not run_preflight(parts, comm, rundir):  # a node named, monitor.preflight: exclude
@@ -163,8 +174,6 @@ def _rejoin(rundir: RunDir, booted, plan: dict):
     from trainer.parallel.rejoin import end_groups
 
     if booted.env.rank in plan["dead"]:  # counted dead while silent (stopped, cut off): a spare has its place now
-        import logging
-
         logging.getLogger("trainer").error("rank %d: the keeper counted this process dead and gave its place to a "
                                            "spare in generation %d: it ends", booted.env.rank, plan["gen"])  # fmt: skip
         os._exit(EXIT_FAILED)  # no report, no goodbye: the launch goes on without this process

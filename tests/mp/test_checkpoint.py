@@ -424,6 +424,8 @@ def test_a_killed_rank_is_restarted_in_the_same_processes_bitwise(tmp_path, smal
     resume = wait_for_event(run_dir, "resume", 1, proc)
     assert resume["launch"] == rejoin["launch"] and rank_pids(run_dir)[0] == survivor  # the same launch and process
     assert resume["restored_from"]["from"] == "memory" and resume["step"] >= 5, resume
+    log = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert "rank 0 keeps its recipe, optimizer, loader in generation 1" in log, log  # built once, restored
     wait_for_step(run_dir, resume["step"] + 14, proc)  # over 4 s: past the peer timeout
     assert not [e for e in history(run_dir) if e["event"] in ("hang", "restart")], history(run_dir)
     os.kill(survivor, signal.SIGKILL)
@@ -434,6 +436,31 @@ def test_a_killed_rank_is_restarted_in_the_same_processes_bitwise(tmp_path, smal
     assert "in-process restarts exceed job.max_failures=1" in (run_dir / "logs" / "keeper.log").read_text()
     assert_same_as(reference_2x1, run_dir)
     assert not memory_folder(run_dir).exists()
+    assert not spare_processes(run_dir), spare_processes(run_dir)
+
+
+def test_a_rank_killed_before_the_first_checkpoint_restarts_the_launch(tmp_path, small_dataset, reference_2x1):
+    """job.spare_ranks=1, the first checkpoint (memory and durable) at the last step: rank 1 SIGKILLed once the spare
+    waits. The spare joins, but there is nothing to restore, and the survivor's kept model and optimizer hold steps
+    the spare's fresh ones do not: the generation ends the launch and the launcher starts a new one from step 0, which
+    ends bit-identical to the uninterrupted run (whose checkpoints every 4 steps change nothing of its result)."""
+    run_dir = tmp_path / "run"
+    sets = [*common(small_dataset), *TWO_NODES, "checkpoint.every_steps=24", "checkpoint.memory_every_steps=24",
+            "job.restart_backoff_s=0.2", "job.spare_ranks=1"]  # fmt: skip
+    proc = start(run_dir, sets, inject="slow:1:0.2")  # 24 steps take over 9 s: the kill lands before the last
+    deadline, keeper = time.monotonic() + 120, run_dir / "logs" / "keeper.log"
+    while not keeper.exists() or "keeper: spare 0 waits" not in keeper.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    wait_for_step(run_dir, 1, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    events = [e["event"] for e in history(run_dir) if e["event"] in ("start", "resume", "rejoin", "restart")]
+    assert events == ["start", "rejoin", "restart", "start"], history(run_dir)
+    restart = next(e for e in history(run_dir) if e["event"] == "restart")
+    assert "generation 1 of the in-process restart found no checkpoint" in restart["cause"], restart
+    assert_same_as(reference_2x1, run_dir)
     assert not spare_processes(run_dir), spare_processes(run_dir)
 
 

@@ -90,3 +90,20 @@ def test_compiled_blocks_are_traced_and_train_alike(plain, mode):
         assert (counters["stats"]["unique_graphs"] > 0) == compiled, dict(counters["stats"])
     for name, g in grads[True].items():
         assert torch.allclose(g, grads[False][name], rtol=1e-4, atol=1e-6), name
+
+
+def test_a_kept_model_wrapped_again_keeps_its_recomputation_and_compiled_code():
+    """An in-process restart (job.spare_ranks) keeps a survivor's model and wraps it again in the next generation:
+    each block keeps its one activation checkpoint and its compiled forward, rather than a second one around them
+    (a block recomputed twice over, or traced again)."""
+    from trainer.parallel.wrap import compile_blocks
+
+    cfg = load_config("tiny", ["model.d_model=32", f"model.n_layers={LAYERS}", "model.seq_len=16"])
+    model = GPT(cfg.model)
+    blocks = find_blocks(model, None, recipe="gpt")
+    forwards = []
+    for _generation in range(2):
+        assert checkpoint_blocks(blocks, "full") == LAYERS
+        compile_blocks(model, blocks, True)
+        forwards.append([b.forward for b in blocks])
+    assert forwards[0] == forwards[1]

@@ -44,7 +44,8 @@ def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> int:
     """Recompute activations in backward instead of keeping them: every block's (``full``), every other block's
     (``selective``), or in every block all but the matrix products' and attention's outputs (``op``: per-op
     selective checkpointing, which recomputes only the cheap element-wise ops: norms, activations, dropout).
-    Returns how many blocks were changed. Random numbers (dropout) are replayed exactly."""
+    Returns how many blocks recompute. Random numbers (dropout) are replayed exactly. A block done before (a model
+    kept by an in-process restart, wrapped again in the next generation) is left as it is."""
     if mode == "none":
         return 0
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -54,7 +55,9 @@ def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> int:
     if mode == "op":
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_products)
     for block in chosen:
-        block.forward = _recomputed(checkpoint, block.forward, options)
+        if not getattr(block, "_hpc_recomputed", False):
+            block.forward = _recomputed(checkpoint, block.forward, options)
+            block._hpc_recomputed = True
     return len(chosen)
 
 

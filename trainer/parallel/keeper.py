@@ -214,6 +214,8 @@ class Keeper:
         self.members[sock.fileno()] = Member(role, ident, sock, node=node, addr=_peer(sock), launched=role == "rank")
         if role == "rank":
             self.gen_started = True
+        else:
+            log.info("keeper: spare %d waits on %s", ident, node)
         sock.send(b"ok\n")
 
     def _read(self, sock: socket.socket, now: float) -> None:

@@ -207,11 +207,14 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], on: bool) -> None:
     """``parallel.compile``: ``torch.compile`` each block's forward (activation checkpointing's included), or the
     whole model's where it has no blocks. The modules stay what they were (parameter names and the checkpoint's
     keys do not change), and the hooks of FSDP2 and DDP around a block's call stay outside the compiled graph.
-    Compiled at the first call; blocks of one class share the compiled code."""
+    Compiled at the first call; blocks of one class share the compiled code. A block compiled before (a model kept
+    by an in-process restart) keeps its compiled code."""
     if not on:
         return
     for block in blocks or [model]:
-        block.forward = torch.compile(block.forward)
+        if not getattr(block, "_hpc_compiled", False):
+            block.forward = torch.compile(block.forward)
+            block._hpc_compiled = True
 
 
 @contextlib.contextmanager

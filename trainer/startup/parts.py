@@ -4,6 +4,7 @@ checkpointer and metrics the loop drives, each closed by the launch's ExitStack.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 
@@ -40,6 +41,23 @@ from trainer.startup.recipe import check_structure, make_recipe
 log = logging.getLogger("trainer")
 
 
+@dataclasses.dataclass
+class Kept:
+    """What an in-process restart (job.spare_ranks) keeps from one generation to the next in a surviving process:
+    the recipe (its model and data), the optimizer over that model's parameters and the loader over that data, built
+    once and closed by ``stack``, which outlives the generations. Their state (the optimizer's moments, the loader's
+    position) is restored from the checkpoint as in a new process; only building them again is saved. The layout is
+    the same in every generation (a spare takes a dead rank's place): the loader's rank and world size still hold."""
+
+    stack: contextlib.ExitStack
+    recipe: Recipe | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    loader: BatchLoader | None = None
+
+    def names(self) -> list[str]:
+        return [n for n in ("recipe", "optimizer", "loader") if getattr(self, n) is not None]
+
+
 def build_parts(
     cfg: RunConfig,
     env: RuntimeEnv,
@@ -52,24 +70,27 @@ def build_parts(
     code_sha256: str | None = None,
     clock: StartupClock | None = None,
     tracker: Tracker | None = None,
-    recipe: Recipe | None = None,
-    recipe_stack: contextlib.ExitStack | None = None,
+    kept: Kept | None = None,
 ) -> Parts:
     """Everything ``trainer.loop.train`` drives; what needs closing is registered on ``stack``. ``clock`` notes
     when the recipe was built and this rank's peak memory once the model is built and split (``model_built``),
     before any forward. ``tracker``: rank 0's (``trainer.boot`` opens it, so that its sender's start-up overlaps
-    the launch's). ``recipe``: one built before (kept by an in-process restart: its model and data);
-    ``recipe_stack``: where a recipe built here registers its closes (default ``stack``; one that outlives the
-    parts keeps the recipe for the next generation)."""
+    the launch's). ``kept``: what an in-process restart keeps (what it lacks is built here, kept there for the next
+    generation and closed by its stack rather than ``stack``)."""
+    recipe = kept.recipe if kept is not None else None
     if recipe is None:
-        recipe = make_recipe(cfg, env, distributed, rundir, comm, recipe_stack or stack)
+        recipe = make_recipe(cfg, env, distributed, rundir, comm, kept.stack if kept is not None else stack)
     if clock is not None:
         clock.mark("recipe")
     wrapped, shapes = place_model(cfg, env, distributed, recipe, comm)
     if clock is not None:
         clock.note_memory("model_built", peak_memory_mb(distributed.device))
     model = wrapped.model  # this rank's part under pipeline parallelism
-    loader = _loader(cfg, env, distributed, recipe, wrapped, stack)
+    loader = kept.loader if kept is not None else None
+    if loader is None:
+        loader = _loader(cfg, env, distributed, recipe, wrapped, kept.stack if kept is not None else stack)
+    elif wrapped.pipe is not None:
+        wrapped.pipe.accum = loader.accum
     agree(comm, error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
     settle(cfg, env, wrapped, recipe, loader, comm)
     # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
@@ -79,7 +100,11 @@ def build_parts(
         flops = count_flops_per_sample(cfg, recipe, distributed)
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
     seed_rank(cfg.train.seed, env.rank)
-    optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, cfg.train)
+    optimizer = kept.optimizer if kept is not None else None
+    if optimizer is None:
+        optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, cfg.train)
+    if kept is not None:
+        kept.recipe, kept.optimizer, kept.loader = recipe, optimizer, loader
     mon = _monitors(cfg, env, distributed, rundir, comm, stop, stack, wrapped=wrapped, flops=flops, tracker=tracker)
     checkpoints = _checkpointer(
         cfg, env, rundir, stack, recipe=recipe, wrapped=wrapped, optimizer=optimizer, shapes=shapes,
