@@ -97,8 +97,8 @@ class JobConfig(Section):
         "With spares, a rank that dies is restarted in the same processes: the survivors leave the broken process "
         "groups, a spare takes the dead rank's place, every rank restores the newest checkpoint in node memory "
         "(else the durable one) and training goes on, without a new launch. Data-parallel layouts only. With no "
-        "spare ready, past job.max_failures in-process restarts, or with no plan within monitor.rejoin_timeout_s, "
-        "the launch restarts as without spares. 0 = off.",
+        "spare ready, past job.max_failures in-process restarts, with no plan within monitor.rejoin_timeout_s, or "
+        "with no checkpoint yet to restore, the launch restarts as without spares. 0 = off.",
         0,
         bounds=Range(ge=0, le=64),
     )

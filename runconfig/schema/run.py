@@ -119,6 +119,9 @@ class RunConfig:
         if self.job.spare_ranks and (p.dp_shard != 1 or p.tp != 1 or p.pp != 1):
             out.append(("job.spare_ranks", "in-process restarts keep each survivor's whole replica: data-parallel "
                         "layouts only (this config sets parallel degrees above 1)"))  # fmt: skip
+        if self.job.spare_ranks and not self.checkpoint.resume:
+            out.append(("job.spare_ranks", "an in-process restart restores the newest checkpoint, which "
+                        "checkpoint.resume: false forbids (set it to true, or job.spare_ranks to 0)"))  # fmt: skip
         return out + self._sync_problems()
 
     def _sync_problems(self) -> Problems:

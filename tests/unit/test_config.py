@@ -299,10 +299,12 @@ def test_a_renamed_key_is_still_read_with_a_one_line_warning_naming_the_new_one(
 
 def test_spares_need_a_data_parallel_layout():
     """job.spare_ranks keeps each survivor's whole replica across an in-process restart: a sharded layout is refused
-    at the edge, naming the key; a DDP one loads."""
+    at the edge, naming the key, as is checkpoint.resume: false (a new generation restores); a DDP one loads."""
     assert load_config("tiny", ["job.spare_ranks=2"]).job.spare_ranks == 2
     with pytest.raises(ConfigError, match=r"job\.spare_ranks.*data-parallel layouts only"):
         load_config("tiny", ["job.spare_ranks=1", "job.nodes=2", "parallel.dp_shard=2"])
+    with pytest.raises(ConfigError, match=r"job\.spare_ranks.*checkpoint\.resume: false forbids"):
+        load_config("tiny", ["job.spare_ranks=1", "checkpoint.resume=false"])
 
 
 def test_sync_fragments_stream_diloco_rounds_and_divide_them():

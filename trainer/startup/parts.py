@@ -50,6 +50,7 @@ class Kept:
     the same in every generation (a spare takes a dead rank's place): the loader's rank and world size still hold."""
 
     stack: contextlib.ExitStack
+    built: int | None = None  # the generation that built the optimizer and loader
     recipe: Recipe | None = None
     optimizer: torch.optim.Optimizer | None = None
     loader: BatchLoader | None = None
@@ -105,6 +106,7 @@ def build_parts(
         optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, cfg.train)
     if kept is not None:
         kept.recipe, kept.optimizer, kept.loader = recipe, optimizer, loader
+        kept.built = distributed.gen if kept.built is None else kept.built
     mon = _monitors(cfg, env, distributed, rundir, comm, stop, stack, wrapped=wrapped, flops=flops, tracker=tracker)
     checkpoints = _checkpointer(
         cfg, env, rundir, stack, recipe=recipe, wrapped=wrapped, optimizer=optimizer, shapes=shapes,
