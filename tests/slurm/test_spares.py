@@ -52,7 +52,7 @@ def test_a_killed_task_is_replaced_by_a_spare_on_another_host_in_the_same_step(
     assert "n2: task 1: Killed" in log, log  # srun saw the task die, and went on
     assert summary(run_dir)["params_sha256"] == reference_2x1
     left = subprocess.run(["pgrep", "-af", f"keeper|--run-dir {run_dir}"], capture_output=True, text=True).stdout
-    assert str(run_dir) not in left and "trainer.parallel.keeper" not in left, left
+    assert str(run_dir) not in left, left  # its keeper and spares (another test's may run beside it)
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 60
 
 
