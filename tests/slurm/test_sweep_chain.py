@@ -107,12 +107,13 @@ def test_chain_of_short_jobs_finishes_a_long_run(slurm, small_dataset, tmp_path)
     requeues itself when signalled, finishes it).
 
     slurmctld sends a job's --signal from its time-limit pass, which runs every 30 s: with a 2-minute limit and a
-    40 s lead the signal is due 80 s after the job starts and comes 80-110 s after it. So one job must need more than
-    110 s: 300 steps in which rank 0 sleeps 0.4 s (0.2 s in each of its 2 micro-batches; 120 s of sleep alone), on 2
-    nodes x 1 rank (the ranks of a node under Slurm: the other tests). The sleep, not computation, sets the run's
-    length, so that another launch on the same 2 cores (tests/run.sh's second worker) lengthens it little. The start-up
-    is 6-8 s alone and took tens of seconds on a loaded CI machine: with a 1-minute limit (a signal 20-50 s in) the
-    last link requeued itself 18 times in 10 minutes, each time signalled before or soon after its first step."""
+    40 s lead the signal is due 80 s after the job starts, and came 64 s after it here (Slurm documents it as up to
+    60 s early) and no later than 110 s. So one job must need more than 110 s: 300 steps in which rank 0 sleeps
+    0.4 s (0.2 s in each of its 2 micro-batches; 120 s of sleep alone), on 2 nodes x 1 rank (the ranks of a node
+    under Slurm: the other tests). The sleep, not computation, sets the run's length, so that another launch on the
+    same 2 cores (tests/run.sh's other workers) lengthens it little. The start-up is 6-8 s alone and took tens of
+    seconds on a loaded CI machine: with a 1-minute limit (a signal 20-50 s in) the last link requeued itself 18
+    times in 10 minutes, each time signalled before or soon after its first step."""
     run_dir = tmp_path / "run"
     sets = [*sets_for(small_dataset), *TWO_NODES, "train.steps=300", "checkpoint.every_steps=50", "train.eval_every=0",
             "job.time=2", "job.signal_lead_s=40", f"job.env.{INJECT_VAR}=slow:0:0.2"]  # fmt: skip
