@@ -28,6 +28,11 @@ def layout_problems(cfg: RunConfig) -> Problems:
         problems = (
             _compress_problems(cfg, layout)
             or (_pipeline_problems(cfg, layout) if layout.pp > 1 and not shrunk else [])
+            or (
+                [("parallel.pp_stages_per_rank", "stages per rank cut a pipeline; parallel.pp is 1")]
+                if layout.pp == 1 and cfg.parallel.pp_stages_per_rank > 1
+                else []
+            )
             or _tensor_parallel_problems(cfg, layout, where)
             or _batch_problems(cfg, layout, nodes)
         )
@@ -48,12 +53,45 @@ def _compress_problems(cfg: RunConfig, layout: Layout) -> Problems:
     return []
 
 
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")  # input and weight gradients apart
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, placed in a V
+
+
+def schedule_problem(kind: str, per_rank: int, pp: int, n: int) -> tuple[str, str] | None:
+    """What torch's schedule ``kind`` refuses of ``per_rank`` stages on each of ``pp`` ranks and ``n`` pipeline
+    micro-batches (torch.distributed.pipelining's own checks, said before the job starts), or None."""
+    if kind in ("1F1B", "GPipe"):
+        if per_rank != 1:
+            return ("parallel.pp_stages_per_rank", f"{per_rank} stages per rank need an interleaved or V schedule; "
+                    f"parallel.pp_schedule={kind} runs one stage per rank")  # fmt: skip
+        if kind == "1F1B" and n < pp:
+            return ("parallel.pp_microbatches", f"{n} is fewer than the {pp} pipeline stages (1F1B)")
+        return None
+    if kind in V_SCHEDULES and per_rank != 2:
+        return ("parallel.pp_stages_per_rank", f"parallel.pp_schedule={kind} places exactly 2 stages on each rank "
+                f"(a V); this config sets {per_rank}")  # fmt: skip
+    if per_rank < 2:
+        return ("parallel.pp_stages_per_rank", f"parallel.pp_schedule={kind} interleaves 2 or more stages on each "
+                "rank; this config sets 1")  # fmt: skip
+    if kind == "DualPipeV" and n < 2 * pp:
+        return ("parallel.pp_microbatches", f"{n} is fewer than DualPipeV's 2 x pp = {2 * pp} stages")
+    if kind in ("Interleaved1F1B", "InterleavedZeroBubble") and n % max(1, n // pp):
+        return ("parallel.pp_microbatches", f"{n} is not a multiple of the {max(1, n // pp)} rounds of {pp} "
+                f"micro-batches that {kind} runs (use a multiple of parallel.pp={pp}, or fewer than it)")  # fmt: skip
+    return None
+
+
 def _pipeline_problems(cfg: RunConfig, layout: Layout) -> Problems:
     """Pipeline micro-batches that fit the stages and the loop's micro-batch; whole micro-batches to evaluate; a
     block per stage of the built-in GPT."""
     t, n = cfg.train, cfg.parallel.microbatches(layout.pp)
-    if n < layout.pp:
-        return [("parallel.pp_microbatches", f"{n} is fewer than the {layout.pp} pipeline stages")]
+    problem = schedule_problem(cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank, layout.pp, n)
+    if problem:
+        return [problem]
+    if cfg.parallel.compile and cfg.parallel.pp_schedule in SPLIT_BACKWARD:
+        kind = cfg.parallel.pp_schedule
+        return [("parallel.compile", f"parallel.pp_schedule={kind} splits each backward into its input and weight "
+                 "gradients, which a compiled block's backward cannot (set compile: false)")]  # fmt: skip
     if t.micro_batch_size % n:
         key = "parallel.pp_microbatches" if cfg.parallel.pp_microbatches else "parallel.pp"
         return [(key, f"{n} pipeline micro-batches do not divide train.micro_batch_size={t.micro_batch_size}")]
@@ -65,10 +103,10 @@ def _pipeline_problems(cfg: RunConfig, layout: Layout) -> Problems:
                 f"data-parallel rank ({layout.dp}): a pipeline evaluates whole micro-batches",
             )
         ]
-    if cfg.recipe == BUILTIN_RECIPE and layout.pp > cfg.model.n_layers:
-        return [
-            ("parallel.pp", f"{layout.pp} stages for model.n_layers={cfg.model.n_layers}: each stage needs a block")
-        ]
+    stages = layout.pp * cfg.parallel.pp_stages_per_rank
+    if cfg.recipe == BUILTIN_RECIPE and stages > cfg.model.n_layers:
+        key = "parallel.pp_stages_per_rank" if cfg.parallel.pp_stages_per_rank > 1 else "parallel.pp"
+        return [(key, f"{stages} stages for model.n_layers={cfg.model.n_layers}: each stage needs a block")]
     return []
 
 

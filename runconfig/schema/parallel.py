@@ -31,10 +31,21 @@ class ParallelConfig(Section):
         "split points (the built-in GPT: between blocks), one per group of ranks. 1 = off.",
         1,
     )
-    pp_schedule: Literal["1F1B", "GPipe"] = doc(
-        "Pipeline schedule: 1F1B (one forward, one backward: at most pp micro-batches' activations held) or GPipe "
-        "(all forwards, then all backwards).",
-        "1F1B",
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"] = (
+        doc(
+            "Pipeline schedule (torch.distributed.pipelining's): 1F1B (one forward, one backward: at most pp "
+            "micro-batches' activations held) or GPipe (all forwards, then all backwards), one stage per rank; "
+            "Interleaved1F1B and InterleavedZeroBubble (backward split into input and weight gradients), "
+            "parallel.pp_stages_per_rank stages per rank placed in a loop (rank r holds stages r, r + pp, ...); "
+            "ZBVZeroBubble and DualPipeV, two stages per rank placed in a V (rank r holds r and 2 pp - 1 - r).",
+            "1F1B",
+        )
+    )
+    pp_stages_per_rank: int = doc(
+        "Pipeline stages each rank holds (virtual stages): the model is cut into pp x this many stages. 1 for 1F1B "
+        "and GPipe, 2 or more for the interleaved schedules, 2 for ZBVZeroBubble and DualPipeV.",
+        1,
+        bounds=Range(ge=1, le=64),
     )
     pp_microbatches: int = doc(
         "Pipeline micro-batches each train.micro_batch_size batch is cut into (at least pp, dividing it); 0 = pp.",

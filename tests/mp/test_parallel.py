@@ -236,3 +236,29 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary(resharded)["allreduce"] in ("flat", "auto")
     assert_close_to(resharded, single)
+
+
+VIRTUAL = ["model.n_layers=4", "job.nodes=2", "job.ranks_per_node=1", "parallel.pp=2", "parallel.pp_stages_per_rank=2"]
+
+
+def test_virtual_pipeline_stages_train_like_one_process_and_resume_bitwise(tmp_path, sets):
+    """Two stages on each of 2 ranks (4 stages of a 4-block GPT): interleaved 1F1B and zero bubble in a loop (rank
+    0 runs stages 0 and 2), ZBV and DualPipeV in a V (rank 0 runs stages 0 and 3: the tied embedding and head on one
+    rank, its two stages one module for the checkpoint). Each follows one process's losses; ZBV stopped and resumed
+    ends bit-identical, and its checkpoint continues on one stage a rank."""
+    single = tmp_path / "single"
+    done = run(single, [*sets, "model.n_layers=4", "job.nodes=1", "job.ranks_per_node=1"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = {}
+    for kind, extra in (("Interleaved1F1B", []), ("InterleavedZeroBubble", []), ("ZBVZeroBubble", []),
+                        ("DualPipeV", ["parallel.pp_microbatches=4"])):  # fmt: skip
+        runs[kind] = tmp_path / kind
+        done = run(runs[kind], [*sets, *VIRTUAL, f"parallel.pp_schedule={kind}", *extra])
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert_close_to(runs[kind], single)  # measured: within 2.2e-7
+    zbv = [*sets, *VIRTUAL, "parallel.pp_schedule=ZBVZeroBubble"]
+    (tmp_path / "stop").mkdir()
+    stopped = stop_and_resume_bitwise(tmp_path / "stop", zbv, runs["ZBVZeroBubble"], rank=1)
+    done = run(stopped, ["parallel.pp=1", "parallel.pp_stages_per_rank=1", "parallel.pp_schedule=1F1B"], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_close_to(stopped, single)

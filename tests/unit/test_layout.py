@@ -145,6 +145,30 @@ def test_tensor_parallel_layouts():
         ({"pp": 2}, {"model": {"n_layers": 1}}, "key 'parallel.pp': 2 stages for model.n_layers=1"),
         ({"pp": 2}, {"train": {"global_batch_size": 8, "micro_batch_size": 2, "eval_sequences": 3}}, "eval_sequences"),
         ({"pp": 2, "pp_schedule": "zb"}, {}, "parallel.pp_schedule"),
+        ({"pp": 2, "pp_stages_per_rank": 2}, {}, "pp_stages_per_rank': 2 stages per rank need an interleaved"),
+        ({"pp": 2, "pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 3}, {}, "places exactly 2 stages on each"),
+        ({"pp": 2, "pp_schedule": "Interleaved1F1B"}, {}, "interleaves 2 or more stages on each rank; this config"),
+        (
+            {"pp": 2, "pp_schedule": "DualPipeV", "pp_stages_per_rank": 2},
+            {},
+            "'parallel.pp_microbatches': 2 is fewer than DualPipeV's 2 x pp = 4",
+        ),
+        (
+            {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2, "pp_microbatches": 5},
+            {},
+            "'parallel.pp_microbatches': 5 is not a multiple of the 2 rounds",
+        ),
+        (
+            {"pp": 2, "pp_schedule": "InterleavedZeroBubble", "pp_stages_per_rank": 2, "compile": True},
+            {},
+            "key 'parallel.compile': parallel.pp_schedule=InterleavedZeroBubble splits each backward",
+        ),
+        (
+            {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2},
+            {},
+            "'parallel.pp_stages_per_rank': 4 stages for model.n_layers=2",
+        ),
+        ({"pp_stages_per_rank": 2}, {}, "key 'parallel.pp_stages_per_rank': stages per rank cut a pipeline"),
     ],
 )
 def test_pipeline_layouts_refused(parallel, extra, words):

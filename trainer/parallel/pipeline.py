@@ -38,8 +38,9 @@ class Pipe:
     """One rank's pipeline: its stage's schedule and what it needs around it."""
 
     schedule: Any
-    stage: int
-    stages: int
+    held: list[int]  # the stages this rank runs (one, or parallel.pp_stages_per_rank)
+    stages: int  # of the whole pipeline: pp x stages per rank
+    pp: int
     microbatches: int
     recipe: Pipeline
     group: dist.ProcessGroup  # the pp group of this rank
@@ -48,14 +49,17 @@ class Pipe:
     tied: list[tuple[dist.ProcessGroup, nn.Parameter]] = field(default_factory=list)
     accum: int = 1  # loop micro-batches per optimizer step (set once the loader knows)
     ledger: CommLedger | None = None  # times the schedule's waits as ``pp`` (CPU)
+    evaluator: Any = None  # a forward-only schedule where the training one cannot run without backward (V)
 
     @property
     def first(self) -> bool:
-        return self.stage == 0
+        """Whether this rank runs the first stage (takes the model's input)."""
+        return 0 in self.held
 
     @property
     def last(self) -> bool:
-        return self.stage == self.stages - 1
+        """Whether this rank runs the last stage (computes the loss); under a V placement the first's rank too."""
+        return self.stages - 1 in self.held
 
     def scaled_loss(self, output: Any, targets: Any) -> torch.Tensor:
         loss = self.recipe.loss(output, targets)
@@ -69,26 +73,28 @@ class Pipe:
 
     def step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of one loop micro-batch through the pipeline. Returns this rank's share of the
-        step loss for the boundary's world mean: the last stage's (times ``stages``), 0 elsewhere."""
+        step loss for the boundary's world mean: the last stage's (times ``pp``), 0 elsewhere."""
         losses: list[torch.Tensor] = []
         # Timed as pp, less the stage's own chunks (TimedStage): send/recv waits and bubble.
         with self.ledger.region("pp") if self.ledger is not None else contextlib.nullcontext():
             self._run(self.schedule.step, batch, losses)
         if not self.last:
             return torch.zeros((), device=self.device)
-        return torch.stack(losses).sum().detach() * self.stages
+        return torch.stack(losses).sum().detach() * self.pp
 
     def eval_loss(self, batch: Any) -> torch.Tensor | None:
         """The batch's mean loss on the last stage (forward only), None elsewhere. Collective over the pp group."""
         losses: list[torch.Tensor] = []
-        self._run(self.schedule.eval, batch, losses)
+        self._run((self.evaluator or self.schedule).eval, batch, losses)
         if not self.last:
             return None
         return torch.stack(losses).sum() * self.accum
 
     def _run(self, call: Callable, batch: Any, losses: list) -> None:
         inputs, targets = self.recipe.split(batch)
-        if self.first:
+        if self.first and self.last:
+            call(inputs, target=targets, losses=losses)
+        elif self.first:
             call(inputs)
         elif self.last:
             call(target=targets, losses=losses)
@@ -112,9 +118,61 @@ class Pipe:
             dist.all_reduce(grad, group=group)
 
 
-def cut(model: nn.Module, recipe: Pipeline | None, layout: Layout, rank: int, *, spec: str) -> tuple[nn.Module, dict]:
-    """This rank's stage of ``model`` and what ``schedule`` needs about the cut: the tie groups ({canonical name:
-    [stages holding a copy, with the name there]}) and the aliases ({name of a tied copy: canonical name})."""
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def held_stages(kind: str, pp: int, per_rank: int, pp_rank: int) -> list[int]:
+    """The stages the rank at pipeline coordinate ``pp_rank`` runs: in a loop (rank r: r, r + pp, ...) or, for the
+    V schedules, r and 2 pp - 1 - r (torch's placements for these schedules)."""
+    if kind in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def coordinate_of(kind: str, pp: int, stage: int) -> int:
+    """The pipeline coordinate of the ranks that run ``stage``."""
+    if kind in V_SCHEDULES and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+def merge(parts: list[nn.Module]) -> nn.Module:
+    """One module over the stages a rank runs, under the whole model's names (a recipe's stages share their
+    submodules with the model): what the checkpoint, the optimizer and the replica check see of this rank. A
+    submodule in several stages is held once; containers the stages fill with different children (the blocks) are
+    merged into a new one, so that no stage's own container changes."""
+    if len(parts) == 1:
+        return parts[0]
+    out = nn.ModuleDict() if all(isinstance(p, nn.ModuleDict) for p in parts) else nn.Module()
+    for part in parts:
+        for name, param in part.named_parameters(recurse=False):
+            out.register_parameter(name, param)
+        for name, buffer in part.named_buffers(recurse=False):
+            out.register_buffer(name, buffer)
+    children: dict[str, list[nn.Module]] = {}
+    for part in parts:
+        for name, child in part.named_children():
+            same = children.setdefault(name, [])
+            if not any(child is c for c in same):
+                same.append(child)
+    for name, same in children.items():
+        out.add_module(name, same[0] if len(same) == 1 else merge(same))
+    return out
+
+
+def cut(
+    model: nn.Module,
+    recipe: Pipeline | None,
+    layout: Layout,
+    rank: int,
+    *,
+    spec: str,
+    kind: str = "1F1B",
+    per_rank: int = 1,
+) -> tuple[nn.Module, dict]:
+    """This rank's stages of ``model`` as one module (``merge``) and what ``schedule`` needs about the cut: the
+    stage modules and their indices, the tie groups ({canonical name: [stages holding a copy, with the name
+    there]}) and the aliases ({name of a tied copy: canonical name})."""
     if recipe is None:
         raise UserError(
             f"parallel.pp={layout.pp}: recipe {spec!r} does not say how to cut its model into pipeline stages. Give "
@@ -127,13 +185,15 @@ def cut(model: nn.Module, recipe: Pipeline | None, layout: Layout, rank: int, *,
         groups.setdefault(id(p), []).append(name)
     canonical = {names[0]: names for names in groups.values() if len(names) > 1}
     aliases = {n: names[0] for names in canonical.values() for n in names[1:]}  # tied copy -> the whole model's name
-    parts = []
+    parts, n_stages = [], layout.pp * per_rank
+    held = held_stages(kind, layout.pp, per_rank, layout.coords(rank)["pp"])
+    mine: dict[int, nn.Module] = {}
     try:
-        for s in range(layout.pp):  # every stage, on every rank: the tie groups must be the same everywhere
-            part = recipe.stage(model, s, layout.pp)
+        for s in range(n_stages):  # every stage, on every rank: the tie groups must be the same everywhere
+            part = recipe.stage(model, s, n_stages)
             parts.append({n for n, _ in part.named_parameters(remove_duplicate=False)})
-            if s == layout.coords(rank)["pp"]:
-                mine = part
+            if s in held:
+                mine[s] = part
     except (ValueError, TypeError, IndexError, AttributeError) as exc:
         raise UserError(
             f"parallel.pp={layout.pp}: recipe {spec!r}'s Pipeline.stage failed: {first_line(exc)}"
@@ -155,10 +215,28 @@ def cut(model: nn.Module, recipe: Pipeline | None, layout: Layout, rank: int, *,
         )
     ties = {}
     for name, names in canonical.items():
-        holders = [(s, next(n for n in names if n in parts[s])) for s in range(layout.pp) if parts[s] & set(names)]
-        if len(holders) > 1:
+        holders = [(s, next(n for n in names if n in parts[s])) for s in range(n_stages) if parts[s] & set(names)]
+        if len({coordinate_of(kind, layout.pp, s) for s, _ in holders}) > 1:  # copies on different ranks
             ties[name] = holders
-    return mine, {"ties": ties, "aliases": aliases}
+    modules = [mine[s] for s in held]
+    if per_rank > 1:
+        _check_shared(model, modules, spec)
+    info = {"ties": ties, "aliases": aliases, "held": held, "modules": modules, "stages": n_stages, "kind": kind}
+    return merge(modules), info
+
+
+def _check_shared(model: nn.Module, modules: list[nn.Module], spec: str) -> None:
+    """Several stages on a rank are merged by their shared submodules: a recipe whose Pipeline.stage copies the
+    model's parameters instead cannot hold more than one stage a rank."""
+    whole = {id(p) for p in model.parameters()}
+    for module in modules:
+        if any(id(p) not in whole for p in module.parameters()):
+            raise UserError(
+                f"parallel.pp_stages_per_rank: recipe {spec!r}'s Pipeline.stage returns parameters that are not "
+                "the model's own (a copy): several stages on one rank are held as one module only when each stage "
+                "keeps the model's submodules themselves (as trainer.models.gpt.Stage does); set "
+                "parallel.pp_stages_per_rank: 1."
+            )
 
 
 def schedule(
@@ -174,17 +252,19 @@ def schedule(
     microbatches: int,
     ledger: CommLedger | None = None,
 ) -> Pipe:
-    """The schedule of this rank's stage (``module``: tensor-parallel and/or FSDP-wrapped already), and the
-    groups that sum tied gradients. Collective: every rank creates every tie group in the same order. With an
-    enabled ``ledger``, the schedule's waits outside the stage's own forward and backward are timed as ``pp``."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """The schedule of this rank's stages (``module``: their merged module; each tensor-parallel and/or
+    FSDP-wrapped already), and the groups that sum tied gradients. Collective: every rank creates every tie group
+    in the same order. With an enabled ``ledger``, the schedule's waits outside the stages' own forward and backward
+    are timed as ``pp``."""
+    import torch.distributed.pipelining as pipelining
 
-    stage = layout.coords(rank)["pp"]
     group = mesh["pp"].get_group()
+    held, n_stages = cut_info["held"], cut_info["stages"]
     pipe = Pipe(
         schedule=None,
-        stage=stage,
-        stages=layout.pp,
+        held=held,
+        stages=n_stages,
+        pp=layout.pp,
         microbatches=microbatches,
         recipe=recipe,
         group=group,
@@ -192,22 +272,65 @@ def schedule(
         aliases=cut_info["aliases"],
         ledger=ledger if ledger is not None and ledger.enabled else None,
     )
-    runner = (_timed_stage(pipe.ledger) if pipe.ledger else PipelineStage)(
-        module, stage, layout.pp, device, group=group
-    )
-    cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[kind]
-    pipe.schedule = cls(runner, microbatches, loss_fn=pipe.scaled_loss, scale_grads=False)
+    stage_class = _timed_stage(pipe.ledger) if pipe.ledger else pipelining.PipelineStage
+    runners = [
+        stage_class(part, s, n_stages, device, group=group) for s, part in zip(held, cut_info["modules"], strict=True)
+    ]
+    cls = getattr(pipelining, f"Schedule{kind}")
+    if len(runners) == 1 and kind in ("1F1B", "GPipe"):
+        pipe.schedule = cls(runners[0], microbatches, loss_fn=pipe.scaled_loss, scale_grads=False)
+    else:
+        pipe.schedule = cls(runners, microbatches, loss_fn=pipe.scaled_loss, scale_grads=False)
+    if kind in V_SCHEDULES:  # their eval still runs backward actions: evaluation gets a forward-only schedule,
+        # over stages of its own (sharing the training stages, its forwards changed the next step's gradients)
+        own = [pipelining.PipelineStage(part, s, n_stages, device, group=group)
+               for s, part in zip(held, cut_info["modules"], strict=True)]  # fmt: skip
+        pipe.evaluator = _forward_only(own, microbatches, pipe.scaled_loss, kind, layout.pp)
     # One group per tie and per position in the other dimensions: the ranks that differ only in their stage.
     others = _columns(layout)
     params = dict(module.named_parameters(remove_duplicate=False))
+    me = layout.coords(rank)["pp"]
     for holders in cut_info["ties"].values():
+        at = {}  # pipeline coordinate -> the copy's name there (one copy a rank: a rank's stages share it)
+        for s, name in holders:
+            at.setdefault(coordinate_of(kind, layout.pp, s), name)
         for column in others:
-            ranks = [column[s] for s, _ in holders]
+            ranks = [column[c] for c in sorted(at)]
             g = dist.new_group(ranks, backend="gloo" if device.type == "cpu" else None)
             if rank in ranks:
-                name = dict(holders)[stage]
-                pipe.tied.append((g, params[name]))
+                pipe.tied.append((g, params[at[me]]))
     return pipe
+
+
+def _forward_only(runners: list, microbatches: int, loss_fn: Callable, kind: str, pp: int) -> Any:
+    """A schedule of forwards only over these stages (``kind``'s placement): every stage's micro-batches in stage
+    order, which no rank can wait on out of order. torch's runtime adds the sends and receives."""
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        _Action,
+        _ComputationType,
+        _PipelineScheduleRuntime,
+    )
+
+    mapping = {s: coordinate_of(kind, pp, s) for s in range(runners[0].num_stages)}
+
+    class Placed(PipelineScheduleMulti):
+        def _validate_and_set_stage_mapping(self, actions: dict) -> None:  # torch's check wants backwards too
+            self.stage_index_to_group_rank = mapping
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = mapping
+
+    class ForwardOnly(_PipelineScheduleRuntime, Placed):  # the runtime's super() call reaches Placed's check
+        def __init__(self) -> None:
+            super().__init__(stages=runners, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+            order: dict[int, list] = {r: [] for r in range(pp)}
+            for s in sorted(mapping):
+                for m in range(microbatches):
+                    order[mapping[s]].append(_Action(s, _ComputationType.FORWARD, m))
+            self.pipeline_order = order
+            self._prepare_schedule_with_comms(order)
+
+    return ForwardOnly()
 
 
 def _timed_stage(ledger: CommLedger) -> type:
