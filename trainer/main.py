@@ -122,7 +122,7 @@ def _generation(rundir: RunDir, comm, progress, booted, clock, kept) -> int:
     from trainer.startup.restore import restore_or_start
 
     gen, link = booted.distributed.gen, booted.distributed.keeper
-    if kept.built is not None and kept.built < gen:  # a spare's first generation kept nothing
+    if kept.optimizer is not None:  # built in an earlier generation (a spare's first has its recipe only)
         logging.getLogger("trainer").info("rank %d keeps its %s in generation %d", booted.env.rank,
                                           ", ".join(kept.names()), gen)  # fmt: skip
     with contextlib.ExitStack() as stack:

@@ -60,12 +60,12 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, placed in a
 def schedule_problem(kind: str, per_rank: int, pp: int, n: int) -> tuple[str, str] | None:
     """What torch's schedule ``kind`` refuses of ``per_rank`` stages on each of ``pp`` ranks and ``n`` pipeline
     micro-batches (torch.distributed.pipelining's own checks, said before the job starts), or None."""
+    if n < pp:
+        return ("parallel.pp_microbatches", f"{n} is fewer than the {pp} pipeline stages")
     if kind in ("1F1B", "GPipe"):
         if per_rank != 1:
             return ("parallel.pp_stages_per_rank", f"{per_rank} stages per rank need an interleaved or V schedule; "
                     f"parallel.pp_schedule={kind} runs one stage per rank")  # fmt: skip
-        if kind == "1F1B" and n < pp:
-            return ("parallel.pp_microbatches", f"{n} is fewer than the {pp} pipeline stages (1F1B)")
         return None
     if kind in V_SCHEDULES and per_rank != 2:
         return ("parallel.pp_stages_per_rank", f"parallel.pp_schedule={kind} places exactly 2 stages on each rank "
@@ -75,9 +75,9 @@ def schedule_problem(kind: str, per_rank: int, pp: int, n: int) -> tuple[str, st
                 "rank; this config sets 1")  # fmt: skip
     if kind == "DualPipeV" and n < 2 * pp:
         return ("parallel.pp_microbatches", f"{n} is fewer than DualPipeV's 2 x pp = {2 * pp} stages")
-    if kind in ("Interleaved1F1B", "InterleavedZeroBubble") and n % max(1, n // pp):
-        return ("parallel.pp_microbatches", f"{n} is not a multiple of the {max(1, n // pp)} rounds of {pp} "
-                f"micro-batches that {kind} runs (use a multiple of parallel.pp={pp}, or fewer than it)")  # fmt: skip
+    if kind in ("Interleaved1F1B", "InterleavedZeroBubble") and n % (n // pp):
+        return ("parallel.pp_microbatches", f"{n} is not a multiple of the {n // pp} rounds of {pp} micro-batches "
+                f"that {kind} runs (use a multiple of parallel.pp={pp})")  # fmt: skip
     return None
 
 
@@ -107,6 +107,9 @@ def _pipeline_problems(cfg: RunConfig, layout: Layout) -> Problems:
     if cfg.recipe == BUILTIN_RECIPE and stages > cfg.model.n_layers:
         key = "parallel.pp_stages_per_rank" if cfg.parallel.pp_stages_per_rank > 1 else "parallel.pp"
         return [(key, f"{stages} stages for model.n_layers={cfg.model.n_layers}: each stage needs a block")]
+    if cfg.parallel.pp_stages_per_rank > 1 and (layout.dp > 1 or layout.tp > 1):
+        return [("parallel.pp_stages_per_rank", f"{cfg.parallel.pp_stages_per_rank} stages a rank beside data or "
+                 "tensor parallelism is not built yet: pipeline parallelism alone (dp and tp 1)")]  # fmt: skip
     return []
 
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from runconfig.layout import Layout
+from runconfig.schema.feasible import V_SCHEDULES
 from trainer.errors import UserError, first_line
 from trainer.parallel.commtime import CommLedger
 from trainer.recipes.api import Pipeline
@@ -118,19 +119,9 @@ class Pipe:
             dist.all_reduce(grad, group=group)
 
 
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-
-
-def held_stages(kind: str, pp: int, per_rank: int, pp_rank: int) -> list[int]:
-    """The stages the rank at pipeline coordinate ``pp_rank`` runs: in a loop (rank r: r, r + pp, ...) or, for the
-    V schedules, r and 2 pp - 1 - r (torch's placements for these schedules)."""
-    if kind in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(per_rank)]
-
-
 def coordinate_of(kind: str, pp: int, stage: int) -> int:
-    """The pipeline coordinate of the ranks that run ``stage``."""
+    """The pipeline coordinate of the ranks that run ``stage`` (torch's placements): in a loop (rank r runs r,
+    r + pp, ...) or, for the V schedules, r and 2 pp - 1 - r."""
     if kind in V_SCHEDULES and stage >= pp:
         return 2 * pp - 1 - stage
     return stage % pp
@@ -186,7 +177,7 @@ def cut(
     canonical = {names[0]: names for names in groups.values() if len(names) > 1}
     aliases = {n: names[0] for names in canonical.values() for n in names[1:]}  # tied copy -> the whole model's name
     parts, n_stages = [], layout.pp * per_rank
-    held = held_stages(kind, layout.pp, per_rank, layout.coords(rank)["pp"])
+    held = [s for s in range(n_stages) if coordinate_of(kind, layout.pp, s) == layout.coords(rank)["pp"]]
     mine: dict[int, nn.Module] = {}
     try:
         for s in range(n_stages):  # every stage, on every rank: the tie groups must be the same everywhere
@@ -272,19 +263,21 @@ def schedule(
         aliases=cut_info["aliases"],
         ledger=ledger if ledger is not None and ledger.enabled else None,
     )
-    stage_class = _timed_stage(pipe.ledger) if pipe.ledger else pipelining.PipelineStage
-    runners = [
-        stage_class(part, s, n_stages, device, group=group) for s, part in zip(held, cut_info["modules"], strict=True)
-    ]
+
+    placed = list(zip(held, cut_info["modules"], strict=True))
+
+    def stages(stage_class: type) -> list:
+        return [stage_class(part, s, n_stages, device, group=group) for s, part in placed]
+
+    runners = stages(_timed_stage(pipe.ledger) if pipe.ledger else pipelining.PipelineStage)
     cls = getattr(pipelining, f"Schedule{kind}")
-    if len(runners) == 1 and kind in ("1F1B", "GPipe"):
+    if kind in ("1F1B", "GPipe"):  # one stage a rank
         pipe.schedule = cls(runners[0], microbatches, loss_fn=pipe.scaled_loss, scale_grads=False)
     else:
         pipe.schedule = cls(runners, microbatches, loss_fn=pipe.scaled_loss, scale_grads=False)
     if kind in V_SCHEDULES:  # their eval still runs backward actions: evaluation gets a forward-only schedule,
         # over stages of its own (sharing the training stages, its forwards changed the next step's gradients)
-        own = [pipelining.PipelineStage(part, s, n_stages, device, group=group)
-               for s, part in zip(held, cut_info["modules"], strict=True)]  # fmt: skip
+        own = stages(pipelining.PipelineStage)
         pipe.evaluator = _forward_only(own, microbatches, pipe.scaled_loss, kind, layout.pp)
     # One group per tie and per position in the other dimensions: the ranks that differ only in their stage.
     others = _columns(layout)

@@ -150,9 +150,6 @@ def _stage_and_blocks(cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe:
     cut_info = None
     if layout.pp > 1:  # first: everything else applies to this rank's stage
         p = cfg.parallel
-        if p.pp_stages_per_rank > 1 and (layout.dp > 1 or layout.tp > 1):
-            raise UserError(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} with data or tensor parallelism "
-                            "is not built yet: use pipeline parallelism alone (dp and tp 1)")  # fmt: skip
         model, cut_info = cut(model, recipe.pipeline, layout, env.rank, spec=cfg.recipe, kind=p.pp_schedule,
                               per_rank=p.pp_stages_per_rank)  # fmt: skip
     blocks = find_blocks(model, recipe.fsdp_wrap, recipe=cfg.recipe)

@@ -50,7 +50,6 @@ class Kept:
     the same in every generation (a spare takes a dead rank's place): the loader's rank and world size still hold."""
 
     stack: contextlib.ExitStack
-    built: int | None = None  # the generation that built the optimizer and loader
     recipe: Recipe | None = None
     optimizer: torch.optim.Optimizer | None = None
     loader: BatchLoader | None = None
@@ -77,20 +76,21 @@ def build_parts(
     when the recipe was built and this rank's peak memory once the model is built and split (``model_built``),
     before any forward. ``tracker``: rank 0's (``trainer.boot`` opens it, so that its sender's start-up overlaps
     the launch's). ``kept``: what an in-process restart keeps (what it lacks is built here, kept there for the next
-    generation and closed by its stack rather than ``stack``)."""
-    recipe = kept.recipe if kept is not None else None
-    if recipe is None:
-        recipe = make_recipe(cfg, env, distributed, rundir, comm, kept.stack if kept is not None else stack)
+    generation and closed by its stack); without, all is built here and closed by ``stack``."""
+    kept = kept or Kept(stack)
+    if kept.recipe is None:
+        kept.recipe = make_recipe(cfg, env, distributed, rundir, comm, kept.stack)
+    recipe = kept.recipe
     if clock is not None:
         clock.mark("recipe")
     wrapped, shapes = place_model(cfg, env, distributed, recipe, comm)
     if clock is not None:
         clock.note_memory("model_built", peak_memory_mb(distributed.device))
     model = wrapped.model  # this rank's part under pipeline parallelism
-    loader = kept.loader if kept is not None else None
-    if loader is None:
-        loader = _loader(cfg, env, distributed, recipe, wrapped, kept.stack if kept is not None else stack)
-    elif wrapped.pipe is not None:
+    if kept.loader is None:
+        kept.loader = _loader(cfg, env, distributed, recipe, wrapped, kept.stack)
+    loader = kept.loader
+    if wrapped.pipe is not None:  # a pipeline takes its accumulation count from the loader
         wrapped.pipe.accum = loader.accum
     agree(comm, error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
     settle(cfg, env, wrapped, recipe, loader, comm)
@@ -101,12 +101,9 @@ def build_parts(
         flops = count_flops_per_sample(cfg, recipe, distributed)
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
     seed_rank(cfg.train.seed, env.rank)
-    optimizer = kept.optimizer if kept is not None else None
-    if optimizer is None:
-        optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, cfg.train)
-    if kept is not None:
-        kept.recipe, kept.optimizer, kept.loader = recipe, optimizer, loader
-        kept.built = distributed.gen if kept.built is None else kept.built
+    if kept.optimizer is None:
+        kept.optimizer = recipe.optimizer(model) if recipe.optimizer else build_optimizer(model, cfg.train)
+    optimizer = kept.optimizer
     mon = _monitors(cfg, env, distributed, rundir, comm, stop, stack, wrapped=wrapped, flops=flops, tracker=tracker)
     checkpoints = _checkpointer(
         cfg, env, rundir, stack, recipe=recipe, wrapped=wrapped, optimizer=optimizer, shapes=shapes,
@@ -140,7 +137,7 @@ def _loader(
     wrapped: Wrapped,
     stack: contextlib.ExitStack,
 ) -> BatchLoader:
-    """The recipe's training data over the data-parallel ranks; a pipeline takes its accumulation count from it."""
+    """The recipe's training data over the data-parallel ranks."""
     t = cfg.train
     loader = BatchLoader(
         recipe.train_data,
@@ -156,8 +153,6 @@ def _loader(
         what=f"recipe {cfg.recipe!r}: train_data",
     )
     stack.callback(loader.close)
-    if wrapped.pipe is not None:
-        wrapped.pipe.accum = loader.accum
     return loader
 
 
