@@ -1,8 +1,9 @@
 """The trainer's CUDA/NCCL path on a real GPU machine, end to end, as one short script (one lease of a GPU node).
 
 ``python bench/gpu_check.py [--out DIR] [--only CHECK ...]`` runs each check (env, shared_gpu, tiny, resume,
-gloo_2x2, gpt124m, gpt124m_compile, plain, plain_large, profile, profile_large; what each checks: bench/README.md)
-through ``python -m hpc.submit ... --local`` as a user would; ``--device cpu --small`` rehearses it without a GPU.
+gloo_2x2, gpt124m, gpt124m_compile, offload, plain, plain_large, profile, profile_large; what each checks:
+bench/README.md) through ``python -m hpc.submit ... --local`` as a user would (offload: through
+bench/offload_memory.py); ``--device cpu --small`` rehearses it without a GPU.
 """
 
 from __future__ import annotations
@@ -192,6 +193,31 @@ def check_gpt124m(r: Runner, compile_: bool) -> dict:
     rc, _, run_dir, wall = r.run(name, "tiny", (1, 1), sets, timeout=420)
     s = summary(run_dir)
     return {"ok": rc == 0, "exit": rc, "wall_s": wall, "n_params": s.get("n_params"), **steady(metrics(run_dir), 10)}
+
+
+def check_offload(r: Runner, small: bool) -> dict:
+    """bench/offload_memory.py at GPT-2-small's shape (--small: the tiny one): the device's peak memory with FSDP2's
+    shards resident and offloaded to host memory (parallel.offload), one device each, in processes of their own.
+    On a GPU the offloaded run must keep its parameters and optimizer state in host memory and save at least half
+    of their size at the peak."""
+    shape = ["--d-model", "64", "--layers", "2", "--heads", "4", "--seq-len", "64"] if small else []
+    out = r.work / "offload.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "offload_memory.py"), "--device", r.device, *shape, "--json", str(out)]
+    started = time.perf_counter()
+    rc, _ = r.finish("offload", r.start(cmd), 900)
+    res = json.loads(out.read_text()) if out.exists() else {}
+    fig: dict = {"exit": rc, "wall_s": time.perf_counter() - started}
+    if rc or not res:
+        return {"ok": False, **fig}
+    resident, offload = res["modes"]["resident"], res["modes"]["offload"]
+    state_mb = sum(resident["params_bytes"].values()) / 2**20 + sum(resident["optimizer_bytes"].values()) / 2**20
+    fig |= {"state_mb": state_mb, "device_peak_resident_mb": resident["device_peak_mb"],
+            "device_peak_offload_mb": offload["device_peak_mb"], "device_peak_saved_mb": res["device_peak_saved_mb"],
+            "step_time_ratio": res["step_time_ratio"], "loss_resident": resident["final_loss"],
+            "loss_offload": offload["final_loss"]}  # fmt: skip
+    on_host = set(offload["params_bytes"]) == {"cpu"} and set(offload["optimizer_bytes"]) == {"cpu"}
+    saved = r.device != "cuda" or res["device_peak_saved_mb"] > 0.5 * state_mb
+    return {"ok": on_host and saved, **fig}
 
 
 def check_plain(r: Runner, rounds: int, name: str = "plain", more: list[str] | None = None) -> dict:
@@ -385,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "gloo_2x2": (lambda: check_gloo_2x2(r)) if cuda else None,
         "gpt124m": lambda: check_gpt124m(r, False),
         "gpt124m_compile": lambda: check_gpt124m(r, True),
+        "offload": lambda: check_offload(r, args.small),
         "plain": lambda: check_plain(r, args.rounds),
         "plain_large": lambda: check_plain(r, args.rounds, "plain_large", LARGE),
         "profile": lambda: check_profile(r),

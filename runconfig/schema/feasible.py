@@ -34,6 +34,7 @@ def layout_problems(cfg: RunConfig) -> Problems:
                 else []
             )
             or _tensor_parallel_problems(cfg, layout, where)
+            or _placement_problems(cfg, layout, where)
             or _batch_problems(cfg, layout, nodes)
         )
         if problems:
@@ -110,6 +111,18 @@ def _pipeline_problems(cfg: RunConfig, layout: Layout) -> Problems:
     if cfg.parallel.pp_stages_per_rank > 1 and (layout.dp > 1 or layout.tp > 1):
         return [("parallel.pp_stages_per_rank", f"{cfg.parallel.pp_stages_per_rank} stages a rank beside data or "
                  "tensor parallelism is not built yet: pipeline parallelism alone (dp and tp 1)")]  # fmt: skip
+    return []
+
+
+def _placement_problems(cfg: RunConfig, layout: Layout, where: str) -> Problems:
+    """Offload and loss parallelism need the layout dimension they work on."""
+    p = cfg.parallel
+    if p.offload and layout.dp_shard == 1:
+        return [("parallel.offload", f"{where}host offload moves FSDP2's shards, and the {layout.kind} layout "
+                 f"({layout.describe()}) shards nothing: set parallel.dp_shard > 1")]  # fmt: skip
+    if p.loss_parallel and layout.tp == 1:
+        return [("parallel.loss_parallel", f"{where}the logits are split over a tensor-parallel group, and the "
+                 f"{layout.kind} layout ({layout.describe()}) has none: set parallel.tp > 1")]  # fmt: skip
     return []
 
 

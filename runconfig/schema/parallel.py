@@ -52,6 +52,20 @@ class ParallelConfig(Section):
         0,
         bounds=Range(ge=0, text=">= 0 (0 = pp)"),
     )
+    offload: bool = doc(
+        "FSDP2 keeps each rank's shard of the parameters, gradients and optimizer state in host memory (pinned on "
+        "GPUs) and the optimizer steps on the CPU; each block's parameters come to the device for its forward and "
+        "backward (FSDP2's CPUOffloadPolicy, DeepSpeed's ZeRO-Offload). Less device memory, a slower step. Needs "
+        "sharding: parallel.dp_shard > 1.",
+        False,
+    )
+    loss_parallel: bool = doc(
+        "Under tensor parallelism, the logits stay split by vocabulary over the tp group and the loss (torch's "
+        "cross-entropy) is computed on the pieces, instead of gathering the whole logits on every rank "
+        "(torch.distributed.tensor.parallel.loss_parallel). Needs parallel.tp > 1, a recipe that names its "
+        "Recipe.output_layer, and a loss of F.cross_entropy on class indices (no label_smoothing).",
+        False,
+    )
     fsdp_reshard_after_forward: bool = doc(
         "FSDP: free each block's gathered parameters after its forward and gather them again for backward (less "
         "memory, more communication); the last block always keeps them.",

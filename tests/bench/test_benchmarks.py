@@ -90,19 +90,27 @@ def test_checkpoint(tmp_path):
 
 @pytest.mark.mp
 def test_gpu_check_cpu_rehearsal(tmp_path):
-    """``--device cpu --small``: the rehearsal without a GPU, its checks ``env`` and ``plain`` (the trainer, with
-    and without monitor.device_sync, against bench/plain_ddp.py under torchrun; one round). The CUDA-only checks
+    """``--device cpu --small``: the rehearsal without a GPU, its checks ``env``, ``offload`` (bench/offload_memory.py
+    at the tiny shape: on CPU both modes keep the state in host memory, and train alike) and ``plain`` (the
+    trainer, with and without monitor.device_sync, against bench/plain_ddp.py under torchrun; one round). The
+    CUDA-only checks
     (shared_gpu, gloo_2x2) do not run on CPU; tiny, resume, gpt124m(_compile), plain_large and profile(_large) run
     there too but take a minute together, so they are left to a rehearsal by hand."""
     out_dir = tmp_path / "out"
     res, out = run_bench(
         "gpu_check",
-        ["--device", "cpu", "--small", "--rounds", "1", "--only", "env", "plain", "--out", str(out_dir)],
+        ["--device", "cpu", "--small", "--rounds", "1", "--only", "env", "offload", "plain", "--out", str(out_dir)],
         tmp_path,
         printed_last=False,
     )
     assert json.loads((out_dir / "gpu_check.json").read_text()) == res  # --json's object, kept beside the logs too
-    assert list(res) == ["env", "plain"]
+    assert list(res) == ["env", "offload", "plain"]
+    offload = res["offload"]
+    assert offload["ok"] is True and offload["exit"] == 0 and offload["state_mb"] > 1, offload
+    assert offload["device_peak_resident_mb"] == offload["device_peak_offload_mb"] == 0.0  # no device on CPU
+    assert offload["loss_resident"] == offload["loss_offload"]  # the same sums: moves within host memory
+    assert positive(offload["step_time_ratio"])
+    assert "===== offload: " in (out_dir / "runs.log").read_text()
     env = res["env"]
     assert env["ok"] is True and env["torch"] and env["python"] and env["mpirun_beside_python"] is True
     assert env["mpi"]

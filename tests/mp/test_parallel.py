@@ -79,11 +79,11 @@ def fsdp(tmp_path_factory, sets):
     return run_dir
 
 
-def stop_and_resume_bitwise(tmp_path, sets, reference, *, rank: int):
-    """A run of ``sets`` (async saves) stopped by a signal to one rank after step 5, resumed at the same layout: it
-    must end bit-identical to ``reference``. Returns a copy of the stopped run, to resume at another layout. That
-    rank waits after step 7 until the signal is there (HPC_INJECT await_stop): 12 steps take 3 s, and a loaded
-    machine once delayed the signal past the last one."""
+def stop_and_resume_bitwise(tmp_path, sets, reference, *, rank: int, resume_sets=()):
+    """A run of ``sets`` (async saves) stopped by a signal to one rank after step 5, resumed at the same layout
+    (with ``resume_sets``, which must not change a bit): it must end bit-identical to ``reference``. Returns a copy
+    of the stopped run, to resume at another layout. That rank waits after step 7 until the signal is there
+    (HPC_INJECT await_stop): 12 steps take 3 s, and a loaded machine once delayed the signal past the last one."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, [*sets, "checkpoint.async_save=true"], inject=f"await_stop:{rank}:7")
     wait_for_step(run_dir, 5, proc)
@@ -93,7 +93,7 @@ def stop_and_resume_bitwise(tmp_path, sets, reference, *, rank: int):
     assert 6 <= history(run_dir)[-1]["step"] < STEPS
     stopped = tmp_path / "stopped"
     shutil.copytree(run_dir, stopped)
-    done = run(run_dir, [], resume=True)
+    done = run(run_dir, list(resume_sets), resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary(run_dir)["params_sha256"] == summary(reference)["params_sha256"]
     assert rows(run_dir) == rows(reference)
@@ -154,7 +154,12 @@ def test_bf16_trains_like_fp32_under_ddp_and_fsdp(tmp_path, sets, single):
 
 
 def test_fsdp_stop_resumes_bitwise_and_reshards_to_tp_and_pp(tmp_path, sets, single, fsdp):
-    resharded = stop_and_resume_bitwise(tmp_path, [*sets, *FSDP], fsdp, rank=1)
+    # Resumed with the shards offloaded to host memory (parallel.offload: FSDP2's CPUOffloadPolicy). On CPU ranks
+    # the moves are copies within host memory, so the run must end bit-identical (the memory saved on a GPU is
+    # bench/gpu_check.py's offload check).
+    resharded = stop_and_resume_bitwise(tmp_path, [*sets, *FSDP], fsdp, rank=1, resume_sets=["parallel.offload=true"])
+    log = (tmp_path / "run" / "logs" / "rank_00000.log").read_text()
+    assert "FSDP2's shards in host memory (offload)" in log
 
     # The DCP checkpoint is keyed by parameter name: the FSDP shards load into tensor-parallel pieces and into
     # pipeline stages (whole replicas: the pipeline test's PP -> DDP).
@@ -192,9 +197,13 @@ def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tm
     # TP x DP -> TP x FSDP (a 2-D mesh: FSDP2 shards the tensor-parallel pieces over the replicas), built on the
     # meta device (parallel.meta_init: each rank allocates and fills only its quarter of every matrix). Those fresh
     # values differ from the eager build's (tests/mp/test_fingerprint.py), so following the single process's curve
-    # shows that the checkpoint replaced every one of them.
-    done = run(resharded, ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.meta_init=true"], resume=True)
+    # shows that the checkpoint replaced every one of them. With loss parallelism: the head's logits stay split
+    # over the tp group and the cross-entropy runs on the pieces (measured within 3e-7 of gathered logits).
+    done = run(resharded, ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.meta_init=true",
+                           "parallel.loss_parallel=true"], resume=True)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "loss parallelism: head's output split by class" in (resharded / "logs" / "rank_00000.log").read_text()
+    assert_close_to(resharded, reference, tolerance=1e-5)
     s = summary(resharded)
     assert s["allreduce"] == "fsdp" and s["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     assert load_config(str(resharded / "config.yaml")).parallel.meta_init
@@ -218,7 +227,8 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
     assert 0.55 < s["state_bytes_per_rank"]["params"] / alone["state_bytes_per_rank"]["params"] < 0.62
 
     tp_pp = tmp_path / "tp_pp"
-    sets_tp_pp = [*sets, *PP, *TP, "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=4"]
+    sets_tp_pp = [*sets, *PP, *TP, "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=4",
+                  "parallel.loss_parallel=true"]  # the last stage's logits split for the loss  # fmt: skip
     # Rank 1 (rank 0's tensor-parallel peer) slowed: rank 0 waits in DTensor's collectives. Its pipeline wait (the
     # bubble while stage 1 computes) grows with the load on the cores. Medians per step, with a sleep in each of the
     # 4 loop micro-batches: 0.02 s alone, pp 0.15 against tp 0.35; 0.02 s beside another test's launch (a CI run),
@@ -229,6 +239,7 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
     assert_waits_in(tp_pp, "tp", slow=0.2)
     assert summary(tp_pp)["parallel"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
     assert summary(tp_pp)["allreduce"] == "tp"
+    assert "loss parallelism: head's output split by class" in (tp_pp / "logs" / "rank_00000.log").read_text()
     assert_close_to(tp_pp, single)
 
     resharded = stop_and_resume_bitwise(tmp_path, [*sets, *PP], reference, rank=3)

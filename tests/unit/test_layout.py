@@ -182,6 +182,21 @@ def test_pipeline_layouts_refused(parallel, extra, words):
     assert words in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("parallel", "words"),
+    [
+        ({"offload": True}, "key 'parallel.offload': host offload moves FSDP2's shards, and the ddp layout"),
+        ({"offload": True, "tp": 2}, "the ddp+tp layout (pp 1 x dp_replicate 2 x dp_shard 1 x tp 2) shards nothing"),
+        ({"loss_parallel": True, "dp_shard": 2}, "'parallel.loss_parallel': the logits are split over a tensor-"),
+    ],
+)
+def test_offload_and_loss_parallel_need_their_dimension(parallel, words):
+    with pytest.raises(ConfigError) as err:
+        from_dict(raw(**parallel), source="cfg.yaml")
+    assert words in str(err.value)
+    from_dict(raw(**{**parallel, "dp_shard": 2, "tp": 2}), source="cfg.yaml")  # with it: accepted
+
+
 def test_pipeline_layout():
     """pp outermost: the stages are the nodes; the ranks of a node are the replicas of a stage."""
     layout = from_dict({**raw(pp=2), "model": {"n_layers": 2}}).layout()

@@ -1,5 +1,8 @@
 """trainer.parallel.tp on a real one-rank gloo group: a recipe without a plan, or whose plan leaves parameters
-out, is refused with what to add; weights tied before tensor parallelism (an embedding and its head) stay tied."""
+out, is refused with what to add; weights tied before tensor parallelism (an embedding and its head) stay tied.
+Loss parallelism: the output layer's ColwiseParallel keeps its output split, and the loss on it under torch's
+loss_parallel() equals the loss on whole logits; a recipe without an output layer, or whose plan gives that layer
+anything but ColwiseParallel, is refused naming what to give."""
 
 import pytest
 import torch
@@ -62,3 +65,50 @@ def test_tensor_parallel_refuses_a_missing_or_partial_plan_and_keeps_ties(mesh):
         UserError, match=r"tp_plan could not be applied: ValueError: the key 'blocks.\*.nope' matches no module"
     ):
         tensor_parallel(Tied(), lambda m: {"blocks.*.nope": ColwiseParallel()}, mesh, recipe="mine:r")
+
+
+def test_loss_parallel_keeps_the_output_split_and_the_loss_equal(mesh):
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel
+
+    from runconfig import from_dict
+    from trainer.parallel.tp import plain_loss, tensor_parallel
+    from trainer.parallel.wrap import output_layer
+    from trainer.recipes.api import Recipe
+
+    def plan(model):
+        return {
+            "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+
+    idx, targets = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[2, 3, 4, 5]])
+    whole, split = Tied(), Tied()
+    split.load_state_dict(whole.state_dict())
+    tensor_parallel(whole, plan, mesh, recipe="mine:r")
+    tensor_parallel(split, plan, mesh, recipe="mine:r", split_output="out")
+    assert not isinstance(whole(idx), DTensor)
+    with loss_parallel():
+        logits = split(idx)
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)  # the class dimension
+        loss = plain_loss(F.cross_entropy(logits.view(-1, 10), targets.view(-1)))
+        loss.backward()
+    want = F.cross_entropy(whole(idx).view(-1, 10), targets.view(-1))
+    want.backward()
+    assert not isinstance(loss, DTensor) and torch.allclose(loss, want)
+    assert torch.allclose(split.emb.weight.grad.full_tensor(), whole.emb.weight.grad.full_tensor())
+
+    with pytest.raises(UserError, match=r"output_layer 'out' has RowwiseParallel in its tp_plan; loss paral"):
+        tensor_parallel(Tied(), lambda m: {**plan(m), "out": RowwiseParallel()}, mesh, recipe="mine:r",
+                        split_output="out")  # fmt: skip
+    cfg = from_dict({"parallel": {"tp": 2, "loss_parallel": True}, "job": {"ranks_per_node": 2}})
+    recipe = Recipe(model=Tied(), train_data=[], loss=lambda m, b: m(b))
+    with pytest.raises(UserError, match=r"recipe 'gpt' gives no Recipe.output_layer\. Loss parallelism keeps"):
+        output_layer(cfg, recipe.model, recipe)
+    recipe.output_layer = "head"
+    with pytest.raises(UserError, match=r"names output_layer='head', not a module\. Loss parallelism"):
+        output_layer(cfg, recipe.model, recipe)
+    recipe.output_layer = "out"
+    assert output_layer(cfg, recipe.model, recipe) == "out"

@@ -11,6 +11,7 @@ from torch.utils.data import default_collate
 from trainer.data.loader import fetch, to_device
 from trainer.loop.parts import Parts, autocast
 from trainer.loop.step import check_loss
+from trainer.parallel.tp import plain_loss
 
 
 def eval_ids(n: int, count: int) -> np.ndarray:
@@ -76,10 +77,10 @@ def _forward(parts: Parts, ids: np.ndarray) -> tuple[torch.Tensor | None, dict]:
     )
     pipe = parts.wrapped.pipe
     if pipe is not None:  # the loss on the last stage only; eval_metrics need the whole model
-        with autocast(cfg, device):
+        with autocast(cfg, device), parts.wrapped.loss_context():
             return pipe.eval_loss(batch), {}
-    with autocast(cfg, device):
-        loss = recipe.loss(parts.model, batch)
+    with autocast(cfg, device), parts.wrapped.loss_context():
+        loss = plain_loss(recipe.loss(parts.model, batch))
         metrics = dict(recipe.eval_metrics(parts.model, batch)) if recipe.eval_metrics else {}
     return loss, metrics
 

@@ -12,6 +12,7 @@ from trainer.errors import UserError
 from trainer.loop.boundary import agreement_values
 from trainer.loop.optim import clip_grad_norm
 from trainer.loop.parts import Parts, autocast
+from trainer.parallel.tp import plain_loss
 
 
 @dataclass
@@ -41,7 +42,7 @@ def forward_backward_step(
     carries this rank's agreement values: ``loss_so_far`` (the earlier micro-batches' shares) plus this one's is the
     step's loss."""
     mon = parts.mon
-    with mon.clock.backward(synchronizing=synchronizing and parts.env.world_size > 1):
+    with mon.clock.backward(synchronizing=synchronizing and parts.env.world_size > 1), parts.wrapped.loss_context():
         mon.injector.in_compute(step)
         if parts.wrapped.pipe is not None:  # forward and backward of its pipeline micro-batches, loss scaled there
             with (
@@ -51,7 +52,7 @@ def forward_backward_step(
                 return parts.wrapped.pipe.step(batch)
         with contextlib.nullcontext() if synchronizing else parts.wrapped.no_sync():
             with autocast(parts.cfg, parts.distributed.device):
-                loss = parts.recipe.loss(parts.wrapped.module, batch)
+                loss = plain_loss(parts.recipe.loss(parts.wrapped.module, batch))
             check_loss(loss, recipe=parts.cfg.recipe, rank=parts.env.rank, step=step)
             if mon.injector.faults:  # tests: a bad batch (HPC_INJECT spike), by its place in the data order
                 loss = loss * mon.injector.loss_factor(

@@ -125,9 +125,13 @@ def store_listener(addr: str, env: RuntimeEnv) -> socket.socket | None:
     return sock
 
 
-def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, comm: MPI.Comm) -> Distributed:
+def init_distributed(
+    env: RuntimeEnv, cfg: CommConfig, device: torch.device, comm: MPI.Comm, *, host_tensors: bool = False
+) -> Distributed:
     """Rank 0 opens a TCPStore on a free port (chosen by the OS, so no race), MPI broadcasts the port, and all
-    ranks join the default group; then the (node, local) mesh is built from the topology."""
+    ranks join the default group; then the (node, local) mesh is built from the topology. ``host_tensors``
+    (parallel.offload): NCCL's groups also get gloo for tensors in host memory (an offloaded shard's gradient norm,
+    gathered parameters for a checkpoint's fingerprint), as torchtitan does."""
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type == "cuda":
         check_one_rank_per_gpu(env, device, comm)
@@ -154,7 +158,8 @@ def init_distributed(env: RuntimeEnv, cfg: CommConfig, device: torch.device, com
         raise UserError(error + " (set comm.master_addr to an address of rank 0's host).")
     if env.rank != 0:
         store = dist.TCPStore(addr, port, env.world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    both = "cuda:nccl,cpu:gloo" if host_tensors and backend == "nccl" else backend
+    dist.init_process_group(both, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     return Distributed(backend, device, _groups(env, cfg, timeout), store_addr=addr, store_port=int(port),
                        store_secret=secret)  # fmt: skip
 

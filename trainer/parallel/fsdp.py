@@ -100,18 +100,23 @@ def shard(
     param_dtype: torch.dtype | None,
     reshard_after_forward: bool,
     ledger: CommLedger | None = None,
+    offload: bool = False,
 ) -> None:
     """fully_shard every block, then the root. ``param_dtype`` (bf16 where the run computes in bf16) is the compute
     dtype of the gathered parameters; gradients are reduced in fp32 and the sharded parameters and optimizer state
     stay fp32. With an enabled ``ledger``, FSDP2's all-gathers and reduce-scatters are timed into it (the same
-    collectives)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # slow to import: only where it is used
+    collectives). ``offload``: the shards (parameters, gradients, so the optimizer state) live in host memory,
+    pinned where the mesh is on a GPU (pinning needs one)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    where = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered (torchtitan).
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=where,
+                    reshard_after_forward=reshard_after_forward and not last)  # fmt: skip
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=where, reshard_after_forward=reshard_after_forward)
     if ledger is not None and ledger.enabled:
         for module in [*blocks, model]:
             module.set_custom_all_gather(TimedAllGather(ledger))  # type: ignore[operator]

@@ -105,11 +105,14 @@ def materialise(
     seed: int,
     device: torch.device,
     spec: str,
+    host: bool = False,
 ) -> str | None:
     """Allocate this rank's part of ``model`` (its parameters still on meta, already split for the layout) on
     ``device`` and fill it from a module-by-module initialisation (``plan``: ``owners`` of the whole model,
-    taken before it was split). Returns an error message (for every rank to agree on), or None."""
-    _allocate(model, device)
+    taken before it was split). Returns an error message (for every rank to agree on), or None. ``host``: the
+    parameters' memory is the host's (parallel.offload), the values are computed on ``device`` as without it."""
+    _allocate(model, torch.device("cpu") if host else device)
+    buffers_to(model, device)  # a module's buffers stay with its computation
     for path, module, groups in plan:
         # This rank's copies of each parameter the module owns (none: another pipeline stage's module).
         held = [[p for p in map(functools.partial(_lookup, model), names) if p is not None] for names in groups]

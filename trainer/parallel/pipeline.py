@@ -31,6 +31,7 @@ from runconfig.layout import Layout
 from runconfig.schema.feasible import V_SCHEDULES
 from trainer.errors import UserError, first_line
 from trainer.parallel.commtime import CommLedger
+from trainer.parallel.tp import plain_loss
 from trainer.recipes.api import Pipeline
 
 
@@ -63,7 +64,7 @@ class Pipe:
         return self.stages - 1 in self.held
 
     def scaled_loss(self, output: Any, targets: Any) -> torch.Tensor:
-        loss = self.recipe.loss(output, targets)
+        loss = plain_loss(self.recipe.loss(output, targets))
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
             what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:200]
             raise UserError(

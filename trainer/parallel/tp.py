@@ -7,6 +7,7 @@ new DTensor one, which unties an embedding and its output head)."""
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,9 +19,15 @@ from trainer.errors import UserError, first_line
 
 
 def tensor_parallel(
-    model: nn.Module, plan_of: Callable[[nn.Module], Mapping[str, Any]] | None, mesh: DeviceMesh, *, recipe: str
+    model: nn.Module,
+    plan_of: Callable[[nn.Module], Mapping[str, Any]] | None,
+    mesh: DeviceMesh,
+    *,
+    recipe: str,
+    split_output: str | None = None,
 ) -> None:
-    """Parallelize ``model`` in place over the 1-D ``mesh``."""
+    """Parallelize ``model`` in place over the 1-D ``mesh``. ``split_output``: the module path (the recipe's
+    ``output_layer``, under ``parallel.loss_parallel``) whose output stays split by class, a DTensor, for the loss."""
     if plan_of is None:
         raise UserError(
             f"parallel.tp={mesh.size()}: recipe {recipe!r} gives no tensor-parallel plan. Give its Recipe a "
@@ -33,6 +40,9 @@ def tensor_parallel(
     ties = tied_groups(model)
     try:
         plan = dict(plan_of(model))
+        if split_output is not None and any(_matches(split_output.split("."), p.split(".")) for p, _ in
+                                            model.named_modules() if p):  # fmt: skip
+            plan[split_output] = _split_output(plan.get(split_output), split_output, recipe=recipe)
         paths = [path.split(".") for path, _ in model.named_modules() if path]
         for key in plan:  # parallelize_module only warns about a key that matches nothing: a typo does nothing
             if not any(_matches(key.split("."), path) for path in paths):
@@ -51,6 +61,30 @@ def tensor_parallel(
             f"{shown}. Add their modules to the plan (e.g. SequenceParallel() for a norm between parallel layers, "
             "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) for an embedding)."
         )
+
+
+def plain_loss(loss: Any) -> Any:
+    """The loss as a plain tensor where loss parallelism made it a (replicated) DTensor; autograd runs through."""
+    from torch.distributed.tensor import DTensor
+
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _split_output(style: Any, path: str, *, recipe: str) -> Any:
+    """The recipe's ColwiseParallel for its output layer, keeping the output split along the last (class)
+    dimension as a DTensor, which torch's ``loss_parallel()`` takes (torchtitan's plan under loss parallelism)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if not isinstance(style, ColwiseParallel):
+        what = "no entry" if style is None else f"{type(style).__name__}"
+        raise UserError(
+            f"parallel.loss_parallel: recipe {recipe!r}'s output_layer {path!r} has {what} in its tp_plan; loss "
+            "parallelism splits that layer's output by class, which needs ColwiseParallel() there."
+        )
+    style = copy.copy(style)
+    style.output_layouts, style.use_local_output = (Shard(-1),), False
+    return style
 
 
 def _matches(key: list[str], path: list[str]) -> bool:

@@ -50,6 +50,8 @@ class Wrapped:
     dispatch: BucketDispatch | None = None  # DDP's hook's choice of algorithm (comm.allreduce=auto: its plan)
     carrier: Carrier | None = None  # the step's agreement rides in DDP's gradient reduction (comm.carry_agreement)
     outer: OuterSync | None = None  # comm.sync=diloco or local_sgd: DDP inside the node, the nodes meet in rounds
+    # around each forward and backward that computes the loss: torch's loss_parallel() under parallel.loss_parallel
+    loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -87,10 +89,11 @@ def wrap(
 
     layout = layout_of(cfg, env)
     n_params = sum(p.numel() for p in model.parameters())
+    split_output = output_layer(cfg, model, recipe)
     model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout)
     mesh = train_mesh(layout, distributed.device)  # None for DDP
     if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
-        tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe)
+        tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe, split_output=split_output)
     compile_blocks(model, blocks, cfg.parallel.compile)  # after TP, before FSDP2 (torchtitan's order)
     if mesh is None:
         if materialise is not None:
@@ -122,7 +125,28 @@ def wrap(
             microbatches=cfg.parallel.microbatches(layout.pp),
             ledger=distributed.ledger,
         )
-    return Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
+    wrapped = Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
+    if split_output is not None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        wrapped.loss_context = loss_parallel
+    return wrapped
+
+
+def output_layer(cfg: RunConfig, model: nn.Module, recipe: Recipe) -> str | None:
+    """The module whose output stays split for the loss (``parallel.loss_parallel``), checked on the whole model;
+    None when loss parallelism is off."""
+    if not cfg.parallel.loss_parallel:
+        return None
+    path = recipe.output_layer
+    if not path or path not in dict(model.named_modules()):
+        given = "gives no Recipe.output_layer" if path is None else f"names output_layer={path!r}, not a module"
+        raise UserError(
+            f"parallel.loss_parallel: recipe {cfg.recipe!r} {given}. Loss parallelism keeps the output of the "
+            "layer that makes the logits split by class: give the Recipe output_layer='<module path>' (the built-in "
+            "GPT's is 'head'), or set parallel.loss_parallel: false."
+        )
+    return path
 
 
 def _rounds(
@@ -164,7 +188,10 @@ def _stage_and_blocks(cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe:
         log.info(
             "parallel layout: %s (%s)%s", layout.describe(), layout.kind,
             (f"; activation checkpointing: {checkpointed} of {len(blocks)} blocks ({mode})" if checkpointed else "")
-            + (f"; torch.compile: {len(blocks) or 'the whole model, no'} blocks" if cfg.parallel.compile else ""),
+            + (f"; torch.compile: {len(blocks) or 'the whole model, no'} blocks" if cfg.parallel.compile else "")
+            + ("; FSDP2's shards in host memory (offload)" if cfg.parallel.offload else "")
+            + (f"; loss parallelism: {recipe.output_layer}'s output split by class" if cfg.parallel.loss_parallel
+               else ""),
         )  # fmt: skip
     return model, cut_info, blocks
 
@@ -189,6 +216,7 @@ def _data_parallel_over_mesh(cfg: RunConfig, distributed: Distributed, model: nn
         # (torchtitan does the same).
         reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1 and layout.pp == 1,
         ledger=distributed.ledger,
+        offload=cfg.parallel.offload,
     )
     if layout.dp_replicate > 1:
         return ("hsdp" if layout.dp_shard > 1 else "replicate"), functools.partial(_no_all_reduce, model)

@@ -102,6 +102,10 @@ class Recipe:
     up in it (norms in a sequence-parallel region: ``SequenceParallel()``); the model's forward must take its
     local sizes from the tensors (heads per rank = heads / tp). Called only when tensor parallelism is on.
     Parameters tied before (an embedding and its output head) are tied again after."""
+    output_layer: str | None = None
+    """Module path of the layer whose output the loss takes (a language model's head: ``"head"``), for
+    ``parallel.loss_parallel``: its tp_plan entry (a ``ColwiseParallel``) then keeps the output split by class over
+    the tensor-parallel group, and the loss runs on the pieces under torch's ``loss_parallel()``."""
     pipeline: Pipeline | None = None
     """How the model is cut into pipeline stages, and its loss on the last one (``parallel.pp`` > 1). Eval metrics
     (``eval_metrics``) are not computed under pipeline parallelism: they call the whole model."""

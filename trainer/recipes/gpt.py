@@ -30,6 +30,7 @@ def recipe(ctx: RecipeContext) -> Recipe:
         units_per_sample=cfg.seq_len,
         flops_per_sample=flops_per_token(model) * cfg.seq_len,
         tp_plan=tp_plan,
+        output_layer="head",
         pipeline=pipeline(),
         init_weights=model.init_weights,
         architecture={k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"},

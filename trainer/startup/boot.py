@@ -104,7 +104,7 @@ def boot(
     Injector(env.inject, env.rank).at_rendezvous(rundir)
     device = pick_device(env, cfg.train.device)
     _open_files(env, cfg.comm.backend == "gloo" or (cfg.comm.backend == "auto" and device.type == "cpu"), comm)
-    d = init_distributed(env, cfg.comm, device, comm)
+    d = init_distributed(env, cfg.comm, device, comm, host_tensors=cfg.parallel.offload)
     clock.mark("rendezvous")
     if deadline is not None:
         deadline.end()

@@ -21,6 +21,7 @@ from trainer.parallel.distributed import Distributed
 from trainer.parallel.grad_buckets import ddp_bucket_bytes
 from trainer.parallel.materialise import buffers_to, owners
 from trainer.parallel.materialise import materialise as fill
+from trainer.parallel.tp import plain_loss
 from trainer.parallel.wrap import Wrapped, wrap
 from trainer.recipes.api import Recipe
 
@@ -40,7 +41,8 @@ def place_model(
         seed, spec = cfg.train.seed, cfg.recipe
 
         def materialise(part: torch.nn.Module) -> None:
-            error = fill(part, plan, recipe.init_weights, seed=seed, device=distributed.device, spec=spec)
+            error = fill(part, plan, recipe.init_weights, seed=seed, device=distributed.device, spec=spec,
+                         host=cfg.parallel.offload)  # fmt: skip
             init_error.append(error)
     else:
         model = recipe.model.to(distributed.device)
@@ -71,7 +73,7 @@ def settle(
         batch = loader.batch_at(0, 0)
         with autocast(cfg, loader.device):
             if pipe is None:
-                loss = recipe.loss(wrapped.module, batch)
+                loss = plain_loss(recipe.loss(wrapped.module, batch))
             else:
                 try:
                     loss = pipe.step(batch)
@@ -89,6 +91,12 @@ def settle(
             f"{first_line(exc).rstrip('.')}. With tensor parallelism each rank holds 1/{tp} of the split layers, "
             "so the model's forward must take its sizes from the tensors (e.g. x.view(b, t, -1, head_dim), not "
             "n_heads), and the recipe's tp_plan must match how the layers connect."
+            + (
+                " Under parallel.loss_parallel the loss takes the output layer's logits split by class: torch "
+                "computes F.cross_entropy on them (class-index targets, no label_smoothing) and little else."
+                if cfg.parallel.loss_parallel
+                else ""
+            )
         )
     if pipe is not None:
         if error is not None:  # the other stages may be inside the schedule, waiting for this one: end the job

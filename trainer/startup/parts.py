@@ -93,7 +93,8 @@ def build_parts(
     if wrapped.pipe is not None:  # a pipeline takes its accumulation count from the loader
         wrapped.pipe.accum = loader.accum
     agree(comm, error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
-    settle(cfg, env, wrapped, recipe, loader, comm)
+    with wrapped.loss_context():  # the throw-away pass's forward and backward, as training runs them
+        settle(cfg, env, wrapped, recipe, loader, comm)
     # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
     # count the whole model's: only the recipe's own figure is used there.
     flops = None
