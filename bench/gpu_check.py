@@ -1,7 +1,7 @@
 """The trainer's CUDA/NCCL path on a real GPU machine, end to end, as one short script (one lease of a GPU node).
 
 ``python bench/gpu_check.py [--out DIR] [--only CHECK ...]`` runs each check (env, shared_gpu, tiny, resume,
-gloo_2x2, gpt124m, gpt124m_compile, offload, plain, plain_large, profile, profile_large; what each checks:
+gloo_2x2, gpt124m, gpt124m_compile, float8, offload, plain, plain_large, profile, profile_large; what each checks:
 bench/README.md) through ``python -m hpc.submit ... --local`` as a user would (offload: through
 bench/offload_memory.py); ``--device cpu --small`` rehearses it without a GPU.
 """
@@ -193,6 +193,25 @@ def check_gpt124m(r: Runner, compile_: bool) -> dict:
     rc, _, run_dir, wall = r.run(name, "tiny", (1, 1), sets, timeout=420)
     s = summary(run_dir)
     return {"ok": rc == 0, "exit": rc, "wall_s": wall, "n_params": s.get("n_params"), **steady(metrics(run_dir), 10)}
+
+
+def check_float8(r: Runner) -> dict:
+    """The GPT-2-small shape compiled, in bf16 and in float8 (train.precision; emulated off a GPU): tokens/s of each,
+    their ratio, and their final losses, which must agree within 0.1 (40 steps)."""
+    runs: dict = {}
+    for name, precision in (("float8_bf16", "bf16"), ("float8", "float8")):
+        emulate = ["train.float8_emulate=true"] if precision == "float8" and r.device != "cuda" else []
+        sets = [*GPT124M_SETS, "parallel.compile=true", f"train.precision={precision}", *emulate]
+        rc, _, run_dir, wall = r.run(name, "tiny", (1, 1), sets, timeout=600)
+        s = summary(run_dir)
+        runs[name] = {"exit": rc, "wall_s": wall, "final_loss": s.get("final_loss"), **steady(metrics(run_dir), 10)}
+    bf16, f8 = runs["float8_bf16"], runs["float8"]
+    res: dict = {"ok": all(x["exit"] == 0 and x["final_loss"] is not None for x in runs.values()), **runs}
+    if res["ok"]:
+        res["speedup"] = f8["tokens_per_s"] / bf16["tokens_per_s"]
+        res["loss_difference"] = abs(f8["final_loss"] - bf16["final_loss"])
+        res["ok"] = res["loss_difference"] < 0.1
+    return res
 
 
 def check_offload(r: Runner, small: bool) -> dict:
@@ -411,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "gloo_2x2": (lambda: check_gloo_2x2(r)) if cuda else None,
         "gpt124m": lambda: check_gpt124m(r, False),
         "gpt124m_compile": lambda: check_gpt124m(r, True),
+        "float8": lambda: check_float8(r),
         "offload": lambda: check_offload(r, args.small),
         "plain": lambda: check_plain(r, args.rounds),
         "plain_large": lambda: check_plain(r, args.rounds, "plain_large", LARGE),

@@ -120,6 +120,9 @@ def _placement_problems(cfg: RunConfig, layout: Layout, where: str) -> Problems:
     if p.offload and layout.dp_shard == 1:
         return [("parallel.offload", f"{where}host offload moves FSDP2's shards, and the {layout.kind} layout "
                  f"({layout.describe()}) shards nothing: set parallel.dp_shard > 1")]  # fmt: skip
+    if cfg.train.precision == "float8" and layout.tp > 1:
+        return [("train.precision", f"{where}float8 under tensor parallelism needs torchao's float8 parallel styles "
+                 "in the recipe's tp_plan, not built yet: use bf16 with parallel.tp > 1")]  # fmt: skip
     if p.loss_parallel and layout.tp == 1:
         return [("parallel.loss_parallel", f"{where}the logits are split over a tensor-parallel group, and the "
                  f"{layout.kind} layout ({layout.describe()}) has none: set parallel.tp > 1")]  # fmt: skip

@@ -68,7 +68,18 @@ class TrainConfig(Section):
     eval_every: int = doc("Held-out eval loss every N steps (and at the end); 0 disables it.", 50, bounds=Range(ge=0))
     eval_sequences: int = doc("Held-out sequences per evaluation, split over the ranks.", 64, bounds=Range(ge=1))
     log_every: int = doc("Write a metrics.jsonl line every N steps.", 1, bounds=Range(ge=1))
-    precision: Literal["auto", "fp32", "bf16"] = doc("auto = bf16 autocast on GPU, fp32 on CPU.", "auto")
+    precision: Literal["auto", "fp32", "bf16", "float8"] = doc(
+        "auto = bf16 autocast on GPU, fp32 on CPU. float8: bf16, and the linear layers' matrix products in float8 "
+        "with dynamic per-tensor scales (torchao's Float8Linear, as torchtitan's float8 training; the weights and "
+        "optimizer state stay fp32, checkpoints unchanged): GPUs of compute capability 8.9 or newer (H100, L40S), "
+        "the recipe's output_layer and layers whose sizes are not multiples of 16 kept in bf16.",
+        "auto",
+    )
+    float8_emulate: bool = doc(
+        "With precision float8: emulate the float8 matrix products (the same rounding, computed in fp32) so float8 "
+        "runs on CPU and older GPUs, for tests; no speed-up.",
+        False,
+    )
     device: Literal["auto", "cpu", "cuda"] = doc("auto = CUDA when available, else CPU.", "auto")
     host_mmap_threshold_kb: int = doc(
         "Fix glibc's mmap threshold (mallopt M_MMAP_THRESHOLD) at this many KiB: host tensors this large get their "
@@ -80,9 +91,11 @@ class TrainConfig(Section):
 
     def bf16_on(self, device_type: str) -> bool:
         """Whether compute runs in bf16 on this device type (precision auto: on CUDA)."""
-        return self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
+        return self.precision in ("bf16", "float8") or (self.precision == "auto" and device_type == "cuda")
 
     def relations(self) -> Problems:
+        if self.float8_emulate and self.precision != "float8":
+            return [("float8_emulate", f"emulates float8 matrix products, and precision is {self.precision}")]
         if not 0 <= self.min_lr <= self.lr:
             return [("min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}")]
         return []

@@ -40,6 +40,7 @@ STEPS = 12
 # bf16 runs against the fp32 one (sets, 12 steps): measured at most 5.5e-4 apart (DDP and FSDP alike), the fp32
 # layouts ~3e-6 (test_fsdp_and_hsdp_train_like_one_process); the bounds sit about 10x outside each
 BF16_MOVES, BF16_TOL = 5e-5, 5e-3
+FLOAT8_TOL = 2e-2  # float8 (emulated) against fp32: measured at most 1.8e-3
 
 
 def assert_waits_in(run_dir, dim: str, slow: float = SLOW) -> None:
@@ -141,16 +142,29 @@ def test_bf16_trains_like_fp32_under_ddp_and_fsdp(tmp_path, sets, single):
     """train.precision bf16 on CPU (autocast to bf16; on CPU FSDP2 keeps fp32 parameters, wrap.py) under DDP (the
     default layout) and FSDP2: each run's losses follow the fp32 run's within bf16's rounding, and differ from them by
     more than the fp32 layouts differ among themselves, so the runs did compute in bf16. On 1 node x 2 ranks: the
-    precision is each rank's own, whatever the world's shape."""
-    for name, layout in (("ddp", []), ("fsdp", FSDP)):
+    precision is each rank's own, whatever the world's shape. float8 (torchao's Float8Linear, its products emulated
+    on CPU) under FSDP2 likewise, within float8's rounding (measured at most 1.8e-3 from fp32); without emulation a
+    CPU rank refuses it, naming the key."""
+    float8 = [*FSDP, "train.float8_emulate=true"]
+    runs = (("ddp", [], "bf16"), ("fsdp", FSDP, "bf16"), ("fsdp_float8", float8, "float8"))
+    for name, layout, precision in runs:
         run_dir = tmp_path / name
-        done = run(run_dir, [*sets, *layout, "train.precision=bf16", "job.nodes=1"])
+        done = run(run_dir, [*sets, *layout, f"train.precision={precision}", "job.nodes=1"])
         assert done.returncode == 0, done.stdout + done.stderr
         assert (summary(run_dir)["allreduce"] == "fsdp") == bool(layout), summary(run_dir)["allreduce"]
         got, want = rows(run_dir), rows(single)
         assert [r["step"] for r in got] == [r["step"] for r in want] and got[-1]["step"] == STEPS
         diffs = [abs(a[k] - b[k]) for a, b in zip(got, want, strict=True) for k in ("loss", "eval_loss") if b[k]]
-        assert BF16_MOVES < max(diffs) < BF16_TOL, (name, diffs)
+        assert BF16_MOVES < max(diffs) < (BF16_TOL if precision == "bf16" else FLOAT8_TOL), (name, diffs)
+    # the 12 matrices of the 2 blocks; the head (the output layer, 257 rows) stays bf16
+    assert (
+        "train.precision=float8: 12 linear layers in float8 (emulated)"
+        in (tmp_path / "fsdp_float8" / "logs" / "rank_00000.log").read_text()
+    )
+    done = run(tmp_path / "refused", [*sets, "train.precision=float8", "job.nodes=1"])
+    assert done.returncode == 2 and "rank 0: train.precision=float8 needs float8 matrix products, on NVIDIA GPUs" in (
+        done.stdout + done.stderr
+    ), done.stdout + done.stderr
 
 
 def test_fsdp_stop_resumes_bitwise_and_reshards_to_tp_and_pp(tmp_path, sets, single, fsdp):

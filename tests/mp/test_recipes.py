@@ -147,6 +147,36 @@ def test_a_bug_in_the_recipe_is_diagnosed_with_where_it_was_hit(tmp_path):
     assert "KeyError: 'weights'" in proc.stderr and "no diagnosis recorded" not in proc.stderr, proc.stderr
 
 
+def test_mfu_under_a_pipeline_counts_the_whole_models_flops(tmp_path):
+    """A recipe with a pipeline and no FLOP figure of its own (pp 2, MFU reported: monitor.peak_tflops): the trainer
+    counts the whole model's training FLOPs before cutting it into stages, so each record's MFU gives back exactly
+    what FlopCounterMode counts on the bare MLP, per sample."""
+    import sys
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sys.path.insert(0, str(PROJECT.parent))
+    try:
+        from toyproj.recipes import Points, classify, mlp
+    finally:
+        sys.path.remove(str(PROJECT.parent))
+    model, batch = mlp(32, 0.0), torch.utils.data.default_collate([Points(512)[i] for i in range(4)])
+    with FlopCounterMode(display=False) as counter:
+        classify(model, batch).backward()
+    want = counter.get_total_flops() / 4  # train.micro_batch_size samples
+
+    peak = 1e-6  # TFLOP/s: any figure gives MFU
+    config = make_project(tmp_path, "recipes:piped", parallel={"pp": 2}, monitor={"peak_tflops": peak})
+    proc = submit(config, tmp_path / "run", "checkpoint.every_steps=0", "checkpoint.at_end=false")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = records(tmp_path / "run")
+    assert summary(tmp_path / "run")["parallel"]["pp"] == 2 and len(rows) == 8
+    for r in rows:  # mfu = global batch / step time / world x FLOPs per sample / peak
+        got = r["mfu"] * peak * 1e12 * r["step_time_s"] * 2 / 16
+        assert abs(got - want) < 1e-6 * want, (got, want)
+
+
 def test_prefetch_hides_a_dataset_slower_than_a_step(tmp_path):
     """Each micro-batch takes 4 x 25 ms to fetch, longer than the 40 ms a micro-batch computes; 4 prefetch threads
     fetch 4 batches at once, so the data wait vanishes, while without prefetch every step waits for its batches."""

@@ -25,6 +25,7 @@ from trainer.parallel.carrier import Carrier
 from trainer.parallel.comm import BucketDispatch, BucketReducer, SideStream, overlapped_hook, stream_hook, sync_hook
 from trainer.parallel.diloco import OuterSync
 from trainer.parallel.distributed import Distributed
+from trainer.parallel.float8 import to_float8
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
 from trainer.parallel.grad_buckets import ddp_bucket_caps
 from trainer.parallel.mesh import dp_mesh, train_mesh
@@ -91,6 +92,9 @@ def wrap(
     n_params = sum(p.numel() for p in model.parameters())
     split_output = output_layer(cfg, model, recipe)
     model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout)
+    if cfg.train.precision == "float8":  # first, as torchtitan: the float8 layers are what TP and FSDP2 then wrap
+        to_float8(model, device=distributed.device, emulate=cfg.train.float8_emulate, keep=recipe.output_layer,
+                  rank=env.rank)  # fmt: skip
     mesh = train_mesh(layout, distributed.device)  # None for DDP
     if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
         tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe, split_output=split_output)

@@ -29,10 +29,14 @@ log = logging.getLogger("trainer")
 
 
 def place_model(
-    cfg: RunConfig, env: RuntimeEnv, distributed: Distributed, recipe: Recipe, comm: MPI.Comm
-) -> tuple[Wrapped, dict[str, list]]:
+    cfg: RunConfig, env: RuntimeEnv, distributed: Distributed, recipe: Recipe, comm: MPI.Comm, *, flops: bool = False
+) -> tuple[Wrapped, dict[str, list], float | None]:
     """The recipe's model on the device, split for the layout (``wrap``); with parallel.meta_init each rank
-    allocates and fills only its part after the split. Also the whole model's {name: [*shape, dtype]}."""
+    allocates and fills only its part after the split. Also the whole model's {name: [*shape, dtype]}, and with
+    ``flops`` (MFU is reported) the training FLOPs of a sample: the recipe's, else counted on the whole model
+    before it is split (a pipeline stage, a shard or a tensor-parallel piece cannot run alone), else None (a model
+    on the meta device has nothing to count with)."""
+    per_sample = recipe.flops_per_sample if flops else None
     materialise, init_error = None, []
     if cfg.parallel.meta_init:  # parameters on meta: split first, then allocate and fill this rank's part only
         model = recipe.model
@@ -46,11 +50,13 @@ def place_model(
             init_error.append(error)
     else:
         model = recipe.model.to(distributed.device)
+        if flops and not per_sample:
+            per_sample = count_flops_per_sample(cfg, recipe, distributed)
     shapes = {n: [*q.shape, str(q.dtype)] for n, q in model.named_parameters()}  # the whole model's
     wrapped = wrap(cfg, env, distributed, model, recipe, materialise=materialise)
     if cfg.parallel.meta_init:
         agree(comm, init_error[0] if init_error else None)
-    return wrapped, shapes
+    return wrapped, shapes, per_sample
 
 
 def settle(

@@ -35,7 +35,7 @@ from trainer.observe.tracker_sink import Tracker
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.wrap import Wrapped
 from trainer.recipes.api import Recipe
-from trainer.startup.model import count_flops_per_sample, place_model, settle
+from trainer.startup.model import place_model, settle
 from trainer.startup.recipe import check_structure, make_recipe
 
 log = logging.getLogger("trainer")
@@ -83,7 +83,10 @@ def build_parts(
     recipe = kept.recipe
     if clock is not None:
         clock.mark("recipe")
-    wrapped, shapes = place_model(cfg, env, distributed, recipe, comm)
+    # MFU's FLOPs are counted on the whole model before the split; the counting pass draws dropout randoms before
+    # the per-rank reseed below, like the throw-away pass
+    mfu = bool(peak_tflops(distributed.device, cfg.monitor.peak_tflops))
+    wrapped, shapes, flops = place_model(cfg, env, distributed, recipe, comm, flops=mfu)
     if clock is not None:
         clock.note_memory("model_built", peak_memory_mb(distributed.device))
     model = wrapped.model  # this rank's part under pipeline parallelism
@@ -95,11 +98,6 @@ def build_parts(
     agree(comm, error_of(lambda: check_structure(cfg.recipe, recipe)) if env.rank == 0 else None)
     with wrapped.loss_context():  # the throw-away pass's forward and backward, as training runs them
         settle(cfg, env, wrapped, recipe, loader, comm)
-    # Counted before the per-rank reseed below: a counting pass draws dropout randoms too. A pipeline stage cannot
-    # count the whole model's: only the recipe's own figure is used there.
-    flops = None
-    if peak_tflops(distributed.device, cfg.monitor.peak_tflops) and (wrapped.pipe is None or recipe.flops_per_sample):
-        flops = count_flops_per_sample(cfg, recipe, distributed)
     # Per-rank random streams (dropout, augmentation), distinct across ranks and reproducible for a fixed seed.
     seed_rank(cfg.train.seed, env.rank)
     if kept.optimizer is None:

@@ -153,6 +153,22 @@ def vector_pipeline_loss(ctx: RecipeContext) -> Recipe:
     )
 
 
+def piped(ctx: RecipeContext) -> Recipe:
+    """The MLP as a 2-stage pipeline, without a FLOP figure of its own: the trainer counts it (for MFU)."""
+    from trainer.recipes import Pipeline
+
+    return Recipe(
+        model=mlp(32, 0.0),
+        train_data=Points(512),
+        loss=classify,
+        pipeline=Pipeline(
+            stage=lambda model, s, n: model[:2] if s == 0 else model[2:],
+            split=lambda batch: (batch[0], batch[1]),
+            loss=F.cross_entropy,
+        ),
+    )
+
+
 class Sequences(torch.utils.data.Dataset):
     """Token sequences of lengths from 4 to 200 (long-tailed, as text is), with their ``lengths`` declared."""
 
