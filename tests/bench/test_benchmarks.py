@@ -303,6 +303,26 @@ def test_nanogpt_prepare_without_checkout(tmp_path, small_dataset):
 
 
 @pytest.mark.mp
+def test_pipeline_bubble(tmp_path, small_dataset):
+    """1F1B and ZBVZeroBubble on 2 ranks, a 4-layer GPT of width 64, 3 steps: each schedule's bubble is a share of
+    the step, 1F1B's beside its theory, and both train the same samples to the same loss (within float noise)."""
+    res, out = run_bench(
+        "pipeline_bubble",
+        ["--schedules", "1F1B,ZBVZeroBubble", "--d-model", "64", "--layers", "4", "--seq", "32", "--steps", "3",
+         "--skip", "1", "--set", f"data.path={small_dataset}", "--quiet-wait-s", "0"],
+        tmp_path,
+    )  # fmt: skip
+    assert res["setup"]["ranks"] == 2 and res["setup"]["microbatches"] == 4
+    one, zbv = res["schedules"]["1F1B"], res["schedules"]["ZBVZeroBubble"]
+    assert (one["stages_per_rank"], zbv["stages_per_rank"]) == (1, 2)
+    assert one["bubble_theory"] == 1 / 5 and zbv["bubble_theory"] is None  # (p - 1) / (m + p - 1)
+    for x in (one, zbv):
+        assert 0 <= x["bubble"] < 1 and positive(x["median_step_s"]) and x["steps_measured"] == 2, x
+    assert abs(one["final_loss"] - zbv["final_loss"]) < 1e-4
+    header, row = table_lines(out, "schedule", "1F1B ")
+    assert "bubble" in header and "theory" in header and row.split()[-1] == "0.200"
+
+
 def test_parallel(tmp_path, small_dataset):
     """ddp and fsdp on 1 node x 2 ranks, a 2-layer (and for the memory fit a 1-layer) GPT of width 64, 3 steps."""
     res, out = run_bench(

@@ -30,6 +30,8 @@ class Publisher:
         self.dispatch = parts.wrapped.dispatch  # DDP's hook: how long the gradient reduction ran (comm_busy_s)
         if self.dispatch is not None:
             self.dispatch.take_busy()  # the throw-away step's
+        if parts.wrapped.pipe is not None:
+            parts.wrapped.pipe.take_busy()  # likewise
 
     def due(self, step: int, decision: Decision, evaluated: bool, extra: dict | None) -> bool:
         return step % self.p.cfg.train.log_every == 0 or decision.last or evaluated or bool(extra) or decision.rung
@@ -58,6 +60,7 @@ class Publisher:
             "time_eval_s": self.interval_eval,
             # exposed communication per parallel dimension (s/step; sums to time_comm_s where measured)
             "comm_by_dim": {name: seconds / steps for name, seconds in sorted(comm_dims.items())},
+            **self._pipeline(steps),
             # s/step the training thread could run but waited for a core (inside the parts or between them): an
             # oversubscribed node (data workers, threads or other jobs on the rank's cores)
             "cpu_wait_s": (self.waited - waited) / steps,
@@ -91,6 +94,12 @@ class Publisher:
             self.waiting = None
             record["loss"], record["grad_norm"] = loss, grad_norm
             self._write(step, record, step_time, force)
+
+    def _pipeline(self, steps: int) -> dict:
+        """``pp_compute_s``: the seconds a step of this rank spent in its pipeline stages' own chunks (CPU, where the
+        chunks' wall time is their compute); the rest of the step's time in the schedule is its bubble."""
+        pipe = self.p.wrapped.pipe
+        return {"pp_compute_s": pipe.take_busy() / steps} if pipe is not None and pipe.ledger is not None else {}
 
     def _write(self, step: int, record: dict, step_time: float, force_line: bool) -> None:
         p = self.p

@@ -18,7 +18,8 @@ What torch leaves to the caller, done here:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ class Pipe:
     accum: int = 1  # loop micro-batches per optimizer step (set once the loader knows)
     ledger: CommLedger | None = None  # times the schedule's waits as ``pp`` (CPU)
     evaluator: Any = None  # a forward-only schedule where the training one cannot run without backward (V)
+    busy_s: float = 0.0  # wall time of this rank's own forward and backward chunks since the last take (CPU)
 
     @property
     def first(self) -> bool:
@@ -87,10 +89,18 @@ class Pipe:
     def eval_loss(self, batch: Any) -> torch.Tensor | None:
         """The batch's mean loss on the last stage (forward only), None elsewhere. Collective over the pp group."""
         losses: list[torch.Tensor] = []
+        busy = self.busy_s  # an evaluation's chunks are not the training step's
         self._run((self.evaluator or self.schedule).eval, batch, losses)
+        self.busy_s = busy
         if not self.last:
             return None
         return torch.stack(losses).sum() * self.accum
+
+    def take_busy(self) -> float:
+        """Seconds this rank computed in its stages' chunks since the last take (the rest of the schedule's time
+        is the bubble and the sends and receives)."""
+        busy, self.busy_s = self.busy_s, 0.0
+        return busy
 
     def _run(self, call: Callable, batch: Any, losses: list) -> None:
         inputs, targets = self.recipe.split(batch)
@@ -270,7 +280,7 @@ def schedule(
     def stages(stage_class: type) -> list:
         return [stage_class(part, s, n_stages, device, group=group) for s, part in placed]
 
-    runners = stages(_timed_stage(pipe.ledger) if pipe.ledger else pipelining.PipelineStage)
+    runners = stages(_timed_stage(pipe) if pipe.ledger else pipelining.PipelineStage)
     cls = getattr(pipelining, f"Schedule{kind}")
     if kind in ("1F1B", "GPipe"):  # one stage a rank
         pipe.schedule = cls(runners[0], microbatches, loss_fn=pipe.scaled_loss, scale_grads=False)
@@ -327,23 +337,35 @@ def _forward_only(runners: list, microbatches: int, loss_fn: Callable, kind: str
     return ForwardOnly()
 
 
-def _timed_stage(ledger: CommLedger) -> type:
+def _timed_stage(pipe: Pipe) -> type:
     """A PipelineStage whose forward and backward chunks are regions of their own, so that the ``pp`` region
     around the schedule keeps only what the schedule waits for (what the chunks wait for is FSDP2's or tensor
-    parallelism's)."""
+    parallelism's), and whose chunks' wall time adds up in ``pipe.busy_s`` (CPU: the host runs the chunk)."""
     from torch.distributed.pipelining import PipelineStage
+
+    ledger = pipe.ledger
+    assert ledger is not None
+
+    @contextlib.contextmanager
+    def chunk() -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            with ledger.region(None):
+                yield
+        finally:
+            pipe.busy_s += time.perf_counter() - started
 
     class TimedStage(PipelineStage):
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            with ledger.region(None):
+            with chunk():
                 return super().forward_one_chunk(*args, **kwargs)
 
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            with ledger.region(None):
+            with chunk():
                 return super().backward_one_chunk(*args, **kwargs)
 
         def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            with ledger.region(None):
+            with chunk():
                 return super().backward_weight_one_chunk(*args, **kwargs)
 
     return TimedStage
