@@ -218,7 +218,8 @@ def check_offload(r: Runner, small: bool) -> dict:
     """bench/offload_memory.py at GPT-2-small's shape (--small: the tiny one): the device's peak memory with FSDP2's
     shards resident and offloaded to host memory (parallel.offload), one device each, in processes of their own.
     On a GPU the offloaded run must keep its parameters and optimizer state in host memory and save at least half
-    of their size at the peak."""
+    of their size at the peak; both must get their parameters back whole from a DCP save and load (the gradient
+    norm, the gathers and the checkpoints of offloaded shards are the trainer's own calls)."""
     shape = ["--d-model", "64", "--layers", "2", "--heads", "4", "--seq-len", "64"] if small else []
     out = r.work / "offload.json"
     cmd = [sys.executable, str(ROOT / "bench" / "offload_memory.py"), "--device", r.device, *shape, "--json", str(out)]
@@ -234,7 +235,9 @@ def check_offload(r: Runner, small: bool) -> dict:
             "device_peak_offload_mb": offload["device_peak_mb"], "device_peak_saved_mb": res["device_peak_saved_mb"],
             "step_time_ratio": res["step_time_ratio"], "loss_resident": resident["final_loss"],
             "loss_offload": offload["final_loss"]}  # fmt: skip
+    fig["checkpoint_restored"] = resident["checkpoint_restored"] and offload["checkpoint_restored"]
     on_host = set(offload["params_bytes"]) == {"cpu"} and set(offload["optimizer_bytes"]) == {"cpu"}
+    on_host = on_host and fig["checkpoint_restored"]
     saved = r.device != "cuda" or res["device_peak_saved_mb"] > 0.5 * state_mb
     return {"ok": on_host and saved, **fig}
 

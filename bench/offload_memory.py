@@ -58,10 +58,11 @@ def child(args) -> dict:
     """One mode, in this process: the figures as a dict (printed as the last line of JSON)."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
     from runconfig.schema import ModelConfig, TrainConfig
-    from trainer.loop.optim import build_optimizer
+    from trainer.loop.optim import build_optimizer, clip_grad_norm
     from trainer.models.gpt import GPT, loss_fn
     from trainer.parallel.fsdp import find_blocks, shard
 
@@ -88,12 +89,23 @@ def child(args) -> dict:
                 batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), device=device)
                 started = time.perf_counter()
                 loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+                clip_grad_norm(list(model.parameters()), 1.0)  # the trainer's: a norm over (offloaded) shards
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - started)
             state = [s for group in opt.state.values() for s in group.values() if isinstance(s, torch.Tensor)]
+            # what the trainer's checkpoints do with the shards: gather them whole (the fingerprint), save and load
+            whole = [p.full_tensor().cpu() for p in model.parameters()]
+            dcp.save({"model": model.state_dict()}, checkpoint_id=f"{tmp}/ckpt")
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            loaded = {"model": model.state_dict()}
+            dcp.load(loaded, checkpoint_id=f"{tmp}/ckpt")
+            again = [p.full_tensor().cpu() for p in model.parameters()]
+            restored = all(torch.equal(a, b) for a, b in zip(whole, again, strict=True))
             return {
                 "device_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0,
                 "params_bytes": bytes_by_device(model.parameters()),
@@ -101,6 +113,7 @@ def child(args) -> dict:
                 "host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "step_s_median": statistics.median(times[1:] or times),
                 "n_params": sum(p.numel() for p in model.parameters()),
+                "checkpoint_restored": restored,
                 "final_loss": float(loss_fn(model(batch[:, :-1]), batch[:, 1:]).detach()),
             }
         finally:

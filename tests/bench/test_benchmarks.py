@@ -109,6 +109,7 @@ def test_gpu_check_cpu_rehearsal(tmp_path):
     assert offload["ok"] is True and offload["exit"] == 0 and offload["state_mb"] > 1, offload
     assert offload["device_peak_resident_mb"] == offload["device_peak_offload_mb"] == 0.0  # no device on CPU
     assert offload["loss_resident"] == offload["loss_offload"]  # the same sums: moves within host memory
+    assert offload["checkpoint_restored"] is True  # gathered, saved and loaded whole, offloaded or not
     assert positive(offload["step_time_ratio"])
     assert "===== offload: " in (out_dir / "runs.log").read_text()
     env = res["env"]

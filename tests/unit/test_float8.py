@@ -24,11 +24,15 @@ def test_float8_swaps_the_layers_that_fit_and_keeps_their_parameters():
     m, plain = model(), model()
     before = dict(m.named_parameters())
     cpu = torch.device("cpu")
-    assert to_float8(m, device=cpu, emulate=True, keep="2", rank=0) == 1  # 2: the output layer; 3, 4: not x16
-    assert [type(x).__name__ for x in m] == ["Float8Linear", "GELU", "Linear", "Linear", "Linear"]
-    assert dict(m.named_parameters()) == before  # the same objects under the same names
-    assert to_float8(m, device=cpu, emulate=True, keep="2", rank=0) == 0  # a kept model: swapped once
+    assert to_float8(m, device=cpu, emulate=True, keep="2", spec="r", rank=0) is m
+    assert [type(x).__name__ for x in m] == ["Float8Linear", "GELU", "Linear", "Linear", "Linear"]  # 2: the output
+    assert dict(m.named_parameters()) == before  # the same objects under the same names; 3, 4: not multiples of 16
+    first = m[0]
+    to_float8(m, device=cpu, emulate=True, keep="2", spec="r", rank=0)
+    assert m[0] is first  # a kept model: swapped once
     assert isinstance(m[0], Float8Linear) and type(m[0].weight) is nn.Parameter
+    alone = nn.Linear(16, 16)  # a model that is one linear layer comes back swapped
+    assert isinstance(to_float8(alone, device=cpu, emulate=True, keep=None, spec="r", rank=1), Float8Linear)
     x = torch.randn(8, 32)
     got, want = m(x), plain(x)
     assert not torch.equal(got, want) and torch.allclose(got, want, atol=0.05), (got - want).abs().max()
@@ -44,7 +48,7 @@ def test_float8_is_refused_on_cpu_without_emulation():
         r"newer .* and this rank computes on the CPU\. Use train.precision: bf16, or train.float8_emulate: true"
     )
     with pytest.raises(UserError, match=words):
-        to_float8(model(), device=torch.device("cpu"), emulate=False, keep=None, rank=3)
+        to_float8(model(), device=torch.device("cpu"), emulate=False, keep=None, spec="r", rank=3)
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ def test_recipe_result_checks(fields, needle):
 
 def test_flops_per_sample_are_counted_when_the_recipe_gives_none():
     """A bias-free Linear(8 -> 4): forward 2*8*4 = 64 FLOPs per sample, backward 64 for the weight gradient (the
-    input needs none)."""
+    input needs none); counted on fake tensors, so the model's own gradients stay untouched."""
     cfg = load_config("tiny", ["train.micro_batch_size=4", "train.global_batch_size=16"])
     model = torch.nn.Linear(8, 4, bias=False)
     data = [(np.ones(8, dtype=np.float32), 0)] * 16
@@ -116,3 +116,9 @@ def test_flops_per_sample_are_counted_when_the_recipe_gives_none():
     assert count_flops_per_sample(cfg, rec, d) == 128
     assert model.weight.grad is None  # the counting pass leaves no gradient behind
     assert count_flops_per_sample(cfg, recipe_of(flops_per_sample=5.0), d) == 5.0
+    # counted on fake tensors: a model on the meta device counts alike (parallel.meta_init)
+    on_meta = recipe_of(model=torch.nn.Linear(8, 4, bias=False, device="meta"), train_data=data, loss=rec.loss)
+    assert count_flops_per_sample(cfg, on_meta, d) == 128
+    # a loss that reads a value cannot run on fake tensors: no MFU, and nothing else fails
+    reads = recipe_of(model=model, train_data=data, loss=lambda m, b: m(b[0]).sum() * float(m(b[0]).sum().item()))
+    assert count_flops_per_sample(cfg, reads, d) is None

@@ -156,7 +156,8 @@ def tp_plan(model: nn.Module) -> dict:
     by sequence between blocks (norms and dropout on 1/tp of the tokens), gathered before attention and the MLP,
     whose first layers are split by output (heads, hidden units) and whose last layers by input, reduce-scattered
     back to the sequence split. The embeddings and the tied head are split by vocabulary rows; the logits are
-    gathered whole for the loss. Needs n_heads and mlp_ratio x d_model divisible by the degree."""
+    gathered whole for the loss (under parallel.loss_parallel the trainer keeps them split instead). Needs n_heads
+    and mlp_ratio x d_model divisible by the degree."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

@@ -77,7 +77,7 @@ def _saved_ops() -> frozenset:
     a collective would run it again), as torchtitan's list."""
     aten = torch.ops.aten
     names = [
-        (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "baddbmm"),
+        (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "baddbmm"), (aten, "_scaled_mm"),  # float8's too
         (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
         (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
         (torch.ops._c10d_functional, "reduce_scatter_tensor"), (torch.ops._c10d_functional, "all_gather_into_tensor"),

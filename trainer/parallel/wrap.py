@@ -91,10 +91,7 @@ def wrap(
     layout = layout_of(cfg, env)
     n_params = sum(p.numel() for p in model.parameters())
     split_output = output_layer(cfg, model, recipe)
-    model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout)
-    if cfg.train.precision == "float8":  # first, as torchtitan: the float8 layers are what TP and FSDP2 then wrap
-        to_float8(model, device=distributed.device, emulate=cfg.train.float8_emulate, keep=recipe.output_layer,
-                  rank=env.rank)  # fmt: skip
+    model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout, distributed.device)
     mesh = train_mesh(layout, distributed.device)  # None for DDP
     if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
         tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe, split_output=split_output)
@@ -150,6 +147,12 @@ def output_layer(cfg: RunConfig, model: nn.Module, recipe: Recipe) -> str | None
             "layer that makes the logits split by class: give the Recipe output_layer='<module path>' (the built-in "
             "GPT's is 'head'), or set parallel.loss_parallel: false."
         )
+    if recipe.eval_metrics is not None:
+        raise UserError(
+            f"parallel.loss_parallel: recipe {cfg.recipe!r} has eval_metrics, which would get the logits split by "
+            "class over the tensor-parallel group (a DTensor) instead of whole ones; drop the eval_metrics or set "
+            "parallel.loss_parallel: false."
+        )
     return path
 
 
@@ -172,14 +175,23 @@ def _rounds(
     return Wrapped(ddp, layout, cfg.comm.sync, ddp.no_sync, model, n_params, outer=outer)
 
 
-def _stage_and_blocks(cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe: Recipe, layout: Layout):
-    """This rank's pipeline stage (the whole model without pipeline parallelism), its blocks, and their activation
-    checkpointing: (model, the stage's cut or None, blocks)."""
+def _stage_and_blocks(
+    cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe: Recipe, layout: Layout, device: torch.device
+):
+    """This rank's pipeline stage (the whole model without pipeline parallelism) with float8 layers where the run
+    asks for them, its blocks, and their activation checkpointing: (model, the stage's cut or None, blocks)."""
     cut_info = None
     if layout.pp > 1:  # first: everything else applies to this rank's stage
         p = cfg.parallel
         model, cut_info = cut(model, recipe.pipeline, layout, env.rank, spec=cfg.recipe, kind=p.pp_schedule,
                               per_rank=p.pp_stages_per_rank)  # fmt: skip
+    if cfg.train.precision == "float8":  # before the blocks are found, as torchtitan: TP and FSDP2 then wrap them
+        f8 = functools.partial(to_float8, device=device, emulate=cfg.train.float8_emulate, keep=recipe.output_layer,
+                               spec=cfg.recipe, rank=env.rank)  # fmt: skip
+        if cut_info is not None:  # each stage module the schedule runs, then the union of this rank's stages (whose
+            # names the checkpoint keeps): a layer they share is swapped once, in its parent
+            cut_info["modules"] = [f8(part, report=False) for part in cut_info["modules"]]
+        model = f8(model)
     blocks = find_blocks(model, recipe.fsdp_wrap, recipe=cfg.recipe)
     mode = cfg.parallel.activation_checkpointing
     if mode != "none" and not blocks:

@@ -103,7 +103,8 @@ def boot(
             log.info("MPI library defaults applied (set them in job.env to choose otherwise): %s", applied)
     Injector(env.inject, env.rank).at_rendezvous(rundir)
     device = pick_device(env, cfg.train.device)
-    _open_files(env, cfg.comm.backend == "gloo" or (cfg.comm.backend == "auto" and device.type == "cpu"), comm)
+    gloo = cfg.comm.backend == "gloo" or (cfg.comm.backend == "auto" and device.type == "cpu")
+    _open_files(env, gloo or cfg.parallel.offload, comm)  # offload: gloo beside NCCL in every group
     d = init_distributed(env, cfg.comm, device, comm, host_tensors=cfg.parallel.offload)
     clock.mark("rendezvous")
     if deadline is not None:

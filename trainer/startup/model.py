@@ -33,10 +33,9 @@ def place_model(
 ) -> tuple[Wrapped, dict[str, list], float | None]:
     """The recipe's model on the device, split for the layout (``wrap``); with parallel.meta_init each rank
     allocates and fills only its part after the split. Also the whole model's {name: [*shape, dtype]}, and with
-    ``flops`` (MFU is reported) the training FLOPs of a sample: the recipe's, else counted on the whole model
-    before it is split (a pipeline stage, a shard or a tensor-parallel piece cannot run alone), else None (a model
-    on the meta device has nothing to count with)."""
-    per_sample = recipe.flops_per_sample if flops else None
+    ``flops`` (MFU is reported) the training FLOPs of a sample: the recipe's, else counted on fake tensors of the
+    whole model before it is split (a pipeline stage, a shard or a tensor-parallel piece cannot run alone)."""
+    per_sample = count_flops_per_sample(cfg, recipe, distributed) if flops else None
     materialise, init_error = None, []
     if cfg.parallel.meta_init:  # parameters on meta: split first, then allocate and fill this rank's part only
         model = recipe.model
@@ -50,8 +49,6 @@ def place_model(
             init_error.append(error)
     else:
         model = recipe.model.to(distributed.device)
-        if flops and not per_sample:
-            per_sample = count_flops_per_sample(cfg, recipe, distributed)
     shapes = {n: [*q.shape, str(q.dtype)] for n, q in model.named_parameters()}  # the whole model's
     wrapped = wrap(cfg, env, distributed, model, recipe, materialise=materialise)
     if cfg.parallel.meta_init:
@@ -148,19 +145,34 @@ def check_first_loss(spec: str, rank: int, loss: Any) -> None:
         )
 
 
-def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, distributed: Distributed) -> float:
-    """The recipe's FLOPs per sample, else counted with FlopCounterMode on one forward/backward of one
-    micro-batch of the bare model (the counted gradients are discarded)."""
+def count_flops_per_sample(cfg: RunConfig, recipe: Recipe, distributed: Distributed) -> float | None:
+    """The recipe's FLOPs per sample, else counted with FlopCounterMode on one forward/backward of one micro-batch
+    of the bare model over fake tensors: shapes only, so no memory is taken and no random number drawn, whatever
+    the layout will split and wherever the parameters are (the meta device included). None, with a warning, where
+    the recipe's loss cannot run on fake tensors (e.g. it reads a value: ``.item()``)."""
     if recipe.flops_per_sample:
         return float(recipe.flops_per_sample)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+    from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import FlopCounterMode
 
     ids = np.arange(min(cfg.train.micro_batch_size, len(recipe.train_data)))
     batch = to_device(
         fetch(recipe.train_data, ids, recipe.collate or default_collate, what="train_data", rank=0), distributed.device
     )
-    counter = FlopCounterMode(display=False)
-    with counter:
-        recipe.loss(recipe.model, batch).backward()
-    recipe.model.zero_grad(set_to_none=True)
+    model, device, mode = recipe.model, distributed.device, FakeTensorMode()
+    try:
+        with mode:
+            fake = {
+                name: torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.requires_grad)
+                for name, t in [*model.named_parameters(), *model.named_buffers()]
+            }
+        fake_batch = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch)
+        with mode, _reparametrize_module(model, fake), FlopCounterMode(display=False) as counter:
+            recipe.loss(model, fake_batch).backward()  # gradients of the fake parameters only
+    except Exception as exc:  # noqa: BLE001 (any failure of the recipe's code on fake tensors costs MFU only)
+        log.warning("MFU not reported: recipe %r's loss could not be counted on fake tensors (%s); give the Recipe "
+                    "flops_per_sample", cfg.recipe, first_line(exc))  # fmt: skip
+        return None
     return counter.get_total_flops() / len(ids)

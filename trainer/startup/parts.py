@@ -83,8 +83,7 @@ def build_parts(
     recipe = kept.recipe
     if clock is not None:
         clock.mark("recipe")
-    # MFU's FLOPs are counted on the whole model before the split; the counting pass draws dropout randoms before
-    # the per-rank reseed below, like the throw-away pass
+    # MFU's FLOPs are counted on fake tensors of the whole model, before the split
     mfu = bool(peak_tflops(distributed.device, cfg.monitor.peak_tflops))
     wrapped, shapes, flops = place_model(cfg, env, distributed, recipe, comm, flops=mfu)
     if clock is not None:
