@@ -137,8 +137,8 @@ def wrong_tp_plan(ctx: RecipeContext) -> Recipe:
     )
 
 
-def vector_pipeline_loss(ctx: RecipeContext) -> Recipe:
-    """A pipeline whose loss keeps one value per sample (reduction="none"), as vector_loss does without one."""
+def two_stages(pipeline_loss) -> Recipe:
+    """The MLP as a 2-stage pipeline whose last stage computes ``pipeline_loss``."""
     from trainer.recipes import Pipeline
 
     return Recipe(
@@ -148,25 +148,19 @@ def vector_pipeline_loss(ctx: RecipeContext) -> Recipe:
         pipeline=Pipeline(
             stage=lambda model, s, n: model[:2] if s == 0 else model[2:],  # Sequential slices keep their names
             split=lambda batch: (batch[0], batch[1]),
-            loss=lambda out, y: F.cross_entropy(out, y, reduction="none"),
+            loss=pipeline_loss,
         ),
     )
+
+
+def vector_pipeline_loss(ctx: RecipeContext) -> Recipe:
+    """A pipeline whose loss keeps one value per sample (reduction="none"), as vector_loss does without one."""
+    return two_stages(lambda out, y: F.cross_entropy(out, y, reduction="none"))
 
 
 def piped(ctx: RecipeContext) -> Recipe:
     """The MLP as a 2-stage pipeline, without a FLOP figure of its own: the trainer counts it (for MFU)."""
-    from trainer.recipes import Pipeline
-
-    return Recipe(
-        model=mlp(32, 0.0),
-        train_data=Points(512),
-        loss=classify,
-        pipeline=Pipeline(
-            stage=lambda model, s, n: model[:2] if s == 0 else model[2:],
-            split=lambda batch: (batch[0], batch[1]),
-            loss=F.cross_entropy,
-        ),
-    )
+    return two_stages(F.cross_entropy)
 
 
 class Sequences(torch.utils.data.Dataset):
