@@ -45,12 +45,12 @@ def parse_args(argv: list[str] | None):
 
 def bytes_by_device(tensors) -> dict[str, int]:
     """Bytes of the local pieces of ``tensors`` (DTensors' shards), per device type."""
-    from torch.distributed.tensor import DTensor
+    from trainer.observe.memory import local_part, nbytes
 
     out: dict[str, int] = {}
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        out[local.device.type] = out.get(local.device.type, 0) + local.numel() * local.element_size()
+        kind = local_part(t).device.type
+        out[kind] = out.get(kind, 0) + nbytes(t)
     return out
 
 

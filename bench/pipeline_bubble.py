@@ -22,7 +22,6 @@ when no other rank could use its core meanwhile.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import subprocess
@@ -30,7 +29,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, add_run_length, bench_parser, check_run_length, emit, set_quiet_wait, wait_for_quiet
+from common import (  # bench/ is on sys.path
+    ROOT,
+    add_run_length,
+    bench_parser,
+    check_run_length,
+    emit,
+    lines,
+    set_quiet_wait,
+    wait_for_quiet,
+)
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 ONE_STAGE = ("GPipe", "1F1B")  # one stage per rank; the others hold 2
@@ -84,7 +92,7 @@ def run(args, schedule: str, out: Path) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"{schedule} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = lines(out / "metrics.jsonl")
     kept = [r for r in rows if r["step"] > args.skip]
     return {
         "step_s": [r["step_time_s"] for r in kept],

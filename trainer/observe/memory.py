@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of ``t``: a DTensor's local shard, else ``t``."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
@@ -15,7 +16,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of this rank's own part of ``t`` (its local shard of a DTensor)."""
-    local = _local(t)
+    local = local_part(t)
     return local.numel() * local.element_size()
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from runconfig.layout import Layout
 from trainer.env import RuntimeEnv
+from trainer.observe.memory import local_part
 
 INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -32,17 +33,11 @@ class ReplicasDiverged(Exception):
         self.info = info
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def digest(model: nn.Module) -> str:
     """This rank's parameters, bit for bit, as one short string (one device-to-host copy)."""
     sums = []
     for _, p in sorted(model.named_parameters(), key=lambda item: item[0]):
-        t = _local(p.detach())
+        t = local_part(p.detach())
         if t.numel() == 0:
             continue
         bits = t.contiguous().view(INT_OF[t.element_size()]) if t.is_floating_point() else t

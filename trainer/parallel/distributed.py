@@ -125,6 +125,11 @@ def store_listener(addr: str, env: RuntimeEnv) -> socket.socket | None:
     return sock
 
 
+def backend_of(cfg: CommConfig, device: torch.device) -> str:
+    """comm.backend, auto resolved: NCCL on GPUs, gloo on CPUs."""
+    return cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+
+
 def init_distributed(
     env: RuntimeEnv, cfg: CommConfig, device: torch.device, comm: MPI.Comm, *, host_tensors: bool = False
 ) -> Distributed:
@@ -132,7 +137,7 @@ def init_distributed(
     ranks join the default group; then the (node, local) mesh is built from the topology. ``host_tensors``
     (parallel.offload): NCCL's groups also get gloo for tensors in host memory (an offloaded shard's gradient norm,
     gathered parameters for a checkpoint's fingerprint), as torchtitan does."""
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    backend = backend_of(cfg, device)
     if backend == "nccl" and device.type == "cuda":
         check_one_rank_per_gpu(env, device, comm)
     timeout = timedelta(seconds=cfg.timeout_s)
@@ -167,7 +172,7 @@ def init_distributed(
 def join_generation(env: RuntimeEnv, cfg: CommConfig, device: torch.device, link: KeeperLink, gen: int) -> Distributed:
     """With a keeper (job.spare_ranks): the default group and the hierarchy's of generation ``gen``, on the keeper's
     store under the generation's prefix (a generation's ranks meet only their own)."""
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    backend = backend_of(cfg, device)
     if backend == "nccl":  # GroupComm and the connection cut that wakes a blocked collective are gloo's
         raise UserError("job.spare_ranks: in-process restarts run on the gloo backend only so far (CPU ranks, or "
                         "comm.backend: gloo); set job.spare_ranks: 0 for NCCL", collective=True)  # fmt: skip

@@ -40,10 +40,9 @@ def tensor_parallel(
     ties = tied_groups(model)
     try:
         plan = dict(plan_of(model))
-        if split_output is not None and any(_matches(split_output.split("."), p.split(".")) for p, _ in
-                                            model.named_modules() if p):  # fmt: skip
-            plan[split_output] = _split_output(plan.get(split_output), split_output, recipe=recipe)
         paths = [path.split(".") for path, _ in model.named_modules() if path]
+        if split_output is not None and split_output.split(".") in paths:  # a pipeline stage may not hold it
+            plan[split_output] = _split_output(plan.get(split_output), split_output, recipe=recipe)
         for key in plan:  # parallelize_module only warns about a key that matches nothing: a typo does nothing
             if not any(_matches(key.split("."), path) for path in paths):
                 raise ValueError(f"the key {key!r} matches no module of the model")

@@ -26,7 +26,7 @@ from trainer.observe.hostmem import fix_mmap_threshold
 from trainer.observe.inject import Injector
 from trainer.observe.startup import StartupClock
 from trainer.observe.tracker_sink import Tracker, open_tracker
-from trainer.parallel.distributed import Distributed, init_distributed, join_generation, pick_device
+from trainer.parallel.distributed import Distributed, backend_of, init_distributed, join_generation, pick_device
 from trainer.parallel.fdlimit import needed, raise_open_files
 from trainer.parallel.groupcomm import GroupComm, SoloComm
 from trainer.parallel.keeper import LAYOUT_KEY
@@ -103,8 +103,8 @@ def boot(
             log.info("MPI library defaults applied (set them in job.env to choose otherwise): %s", applied)
     Injector(env.inject, env.rank).at_rendezvous(rundir)
     device = pick_device(env, cfg.train.device)
-    gloo = cfg.comm.backend == "gloo" or (cfg.comm.backend == "auto" and device.type == "cpu")
-    _open_files(env, gloo or cfg.parallel.offload, comm)  # offload: gloo beside NCCL in every group
+    # gloo's connections: its backend's, or beside NCCL's in every group (offload)
+    _open_files(env, backend_of(cfg.comm, device) == "gloo" or cfg.parallel.offload, comm)
     d = init_distributed(env, cfg.comm, device, comm, host_tensors=cfg.parallel.offload)
     clock.mark("rendezvous")
     if deadline is not None:
