@@ -162,8 +162,9 @@ def test_bf16_trains_like_fp32_under_ddp_and_fsdp(tmp_path, sets, single):
         in (tmp_path / "fsdp_float8" / "logs" / "rank_00000.log").read_text()
     )
     done = run(tmp_path / "refused", [*sets, "train.precision=float8", "job.nodes=1"])
-    assert done.returncode == 2 and "rank 0: train.precision=float8 needs float8 matrix products, on NVIDIA GPUs" in (
-        done.stdout + done.stderr
+    # whichever rank reports first names itself: each refuses alike
+    assert done.returncode == 2 and re.search(
+        r"rank [01]: train\.precision=float8 needs float8 matrix products, on NVIDIA GPUs", done.stdout + done.stderr
     ), done.stdout + done.stderr
 
 
