@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         planned = plan(args)
         if args.dry_run:
-            dry_run(planned)
+            dry_run(planned, args)
             return 0
         rundir, holder = write_run_dir(planned, args, argv)
     except (ConfigError, SubmitError, LauncherError, RunLocked) as exc:
@@ -232,10 +232,13 @@ def plan(args: argparse.Namespace) -> Planned:
     return Planned(cfg, run_path, default_path, bool(resume_dir), search, launcher)
 
 
-def dry_run(planned: Planned) -> None:
+def dry_run(planned: Planned, args: argparse.Namespace) -> None:
     """Print the sbatch script (or the local launch command and the resolved config); create nothing."""
     cfg, rundir = planned.cfg, RunDir(planned.run_path)
     print(f"# run directory: {planned.run_path}")
+    sets = [a for kv in args.overrides for a in ("--set", kv)]
+    plan_command = shlex.join(["python", "-m", "trainer.plan", str(args.config), *sets])
+    print(f"memory per rank, planned without a GPU: {plan_command}", file=sys.stderr)  # stdout: the script alone
     if planned.launcher is None:
         print(sbatch_script(cfg, rundir), end="")
     else:

@@ -37,6 +37,7 @@ from trainer.loop.train import train
 from trainer.observe.memory import state_bytes
 from trainer.observe.replicas import ReplicasDiverged
 from trainer.observe.stragglers import NodeEvicted
+from trainer.observe.timing import peak_memory_mb
 from trainer.parallel.rejoin import PEER_GONE, PeerLost, PlanWatch
 from trainer.startup.boot import Booted
 
@@ -180,6 +181,10 @@ def _summary(parts: Parts, booted: Booted, comm: MPI.Comm) -> dict:
         "allreduce_plan": state.allreduce_plan,
         "parallel": parts.wrapped.layout.sizes(),
         "state_bytes_per_rank": largest(comm, state_bytes(parts.model, parts.optimizer)),
+        # each rank's peak (the device's on GPUs, else the host's resident set) and the runtime's part of a host peak
+        "memory_mb_per_rank": comm.allgather(
+            {"runtime": parts.runtime_mb, "peak": round(peak_memory_mb(booted.distributed.device), 1)}
+        ),
         "backend": booted.distributed.backend,
         "config_sha256": config_hash(cfg),
         **parts.mon.stragglers.summary(),

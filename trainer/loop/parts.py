@@ -48,6 +48,9 @@ class Parts:
     metrics: MetricsWriter
     stop: StopFlag
     mon: Monitors
+    # resident host memory with the recipe built, before its model is placed (with parallel.meta_init its parameters
+    # take none yet): the runtime and the data, which a host peak includes beside the training step's tensors
+    runtime_mb: float | None = None
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:

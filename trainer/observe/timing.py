@@ -249,15 +249,22 @@ def peak_memory_mb(device: torch.device) -> float:
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+def resident_mb() -> float | None:
+    """This process's resident host memory now, MiB (None where /proc does not say)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def memory_now_mb(device: torch.device) -> dict[str, float]:
     """This rank's memory now, for heartbeats: resident set (MiB, from /proc), its peak, and on CUDA the device
     memory allocated by torch now. Cheap enough for a heartbeat thread (no device synchronization)."""
     out = {"peak_mb": round(peak_memory_mb(device), 1)}
-    try:
-        with open("/proc/self/statm") as f:
-            out["rss_mb"] = round(int(f.read().split()[1]) * _PAGE / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        pass
+    rss = resident_mb()
+    if rss is not None:
+        out["rss_mb"] = round(rss, 1)
     if device.type == "cuda":
         out["device_mb"] = round(torch.cuda.memory_allocated(device) / 2**20, 1)
     return out

@@ -30,7 +30,7 @@ from trainer.observe.monitors import Monitors, build_monitors
 from trainer.observe.replicas import ReplicaCheck
 from trainer.observe.startup import StartupClock
 from trainer.observe.termwatch import TermWatch
-from trainer.observe.timing import peak_memory_mb, peak_tflops
+from trainer.observe.timing import peak_memory_mb, peak_tflops, resident_mb
 from trainer.observe.tracker_sink import Tracker
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.wrap import Wrapped
@@ -53,6 +53,7 @@ class Kept:
     recipe: Recipe | None = None
     optimizer: torch.optim.Optimizer | None = None
     loader: BatchLoader | None = None
+    runtime_mb: float | None = None  # Parts.runtime_mb, from the first generation
 
     def names(self) -> list[str]:
         return [n for n in ("recipe", "optimizer", "loader") if getattr(self, n) is not None]
@@ -80,6 +81,7 @@ def build_parts(
     kept = kept or Kept(stack)
     if kept.recipe is None:
         kept.recipe = make_recipe(cfg, env, distributed, rundir, comm, kept.stack)
+        kept.runtime_mb = resident_mb()
     recipe = kept.recipe
     if clock is not None:
         clock.mark("recipe")
@@ -124,6 +126,7 @@ def build_parts(
         metrics=metrics,
         stop=stop,
         mon=mon,
+        runtime_mb=kept.runtime_mb,
     )
 
 

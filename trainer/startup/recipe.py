@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,28 +39,7 @@ def make_recipe(
 ) -> Recipe:
     """Seed torch with train.seed (same initial weights on every rank) and build the recipe. Collective: every rank
     gets the recipe or the same UserError (the first failing rank's)."""
-
-    def token_data(seq_len: int, vocab_size: int | None):
-        train, val = open_splits(cfg.data, seq_len, vocab_size, env, comm, Store(cfg.storage))
-        stack.callback(train.close)
-        stack.callback(val.close)
-        if train.cache is not None:
-            stack.callback(train.cache.close)
-        return train, val
-
-    ctx = RecipeContext(
-        rank=env.rank,
-        world_size=env.world_size,
-        local_rank=env.local_rank,
-        seed=cfg.train.seed,
-        device=distributed.device,
-        micro_batch_size=cfg.train.micro_batch_size,
-        config=cfg,
-        run_dir=rundir.root,
-        cache_dir=env.data_cache,
-        _barrier=functools.partial(patient_barrier, comm),  # the others wait without spinning on rank 0's cores
-        _token_data=token_data,
-    )
+    ctx = recipe_context(cfg, env, distributed.device, rundir.root, comm, stack)
     torch.manual_seed(cfg.train.seed)
     recipe, error = None, None
     try:
@@ -70,6 +50,33 @@ def make_recipe(
         error = str(exc)
     agree(comm, error)
     return recipe
+
+
+def recipe_context(
+    cfg: RunConfig, env: RuntimeEnv, device: torch.device, run_dir: Path, comm: MPI.Comm, stack: contextlib.ExitStack
+) -> RecipeContext:
+    """What the recipe is told on this rank; its token data is opened on first use and closed with ``stack``."""
+    def token_data(seq_len: int, vocab_size: int | None):
+        train, val = open_splits(cfg.data, seq_len, vocab_size, env, comm, Store(cfg.storage))
+        stack.callback(train.close)
+        stack.callback(val.close)
+        if train.cache is not None:
+            stack.callback(train.cache.close)
+        return train, val
+
+    return RecipeContext(
+        rank=env.rank,
+        world_size=env.world_size,
+        local_rank=env.local_rank,
+        seed=cfg.train.seed,
+        device=device,
+        micro_batch_size=cfg.train.micro_batch_size,
+        config=cfg,
+        run_dir=run_dir,
+        cache_dir=env.data_cache,
+        _barrier=functools.partial(patient_barrier, comm),  # the others wait without spinning on rank 0's cores
+        _token_data=token_data,
+    )
 
 
 def structure(x: Any) -> Any:

@@ -1,0 +1,265 @@
+"""``python -m trainer.plan CONFIG [--set KEY=VALUE ...] [--nodes N] [--ranks-per-node R]``: each rank's memory
+for the config's layout, at the job's world size or any other (4,096 ranks included), before the job starts and
+without a GPU. The recipe's model is built on the meta device and split by the trainer's own code (its pipeline
+stage, tensor parallelism, FSDP2's sharding, activation checkpointing) for one rank of a fake process group of the
+planned world; then two training steps run over fake tensors (shapes only: nothing is allocated, nothing computed)
+under torch's memory trackers (FSDPMemTracker for FSDP2's layouts, MemTracker otherwise), which report the bytes
+live at the step's peak by kind. The second step's peak is the plan's: it holds the optimizer's state."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import default_collate
+
+from runconfig import ConfigError, RunConfig, load_config
+from runconfig.layout import Layout
+from trainer.errors import UserError
+from trainer.parallel.tp import plain_loss, retie, tied_groups
+
+MIB = 2**20
+KINDS = ("params", "grads", "optimizer", "activations", "comm", "buffers")
+
+
+@dataclass
+class RankPlan:
+    """Bytes one rank holds at the peak of a training step, by kind (``comm``: FSDP2's all-gather and
+    reduce-scatter buffers, DDP's gradient buckets), and the peak itself."""
+
+    rank: int
+    pp: int  # the rank's pipeline coordinate
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # saved for backward and the temporaries alive with them (the micro-batch's inputs included)
+    comm: int
+    buffers: int
+    peak: int
+
+
+def plan(cfg: RunConfig, world_size: int) -> tuple[Layout, list[RankPlan]]:
+    """The plan of one rank per pipeline coordinate (the ranks of one coordinate hold alike)."""
+    from trainer.parallel.wrap import layout_of
+
+    env = SimpleNamespace(world_size=world_size, topology=SimpleNamespace(num_nodes=cfg.job.nodes,
+                          ranks_per_node=cfg.job.ranks_per_node))  # fmt: skip
+    layout = layout_of(cfg, env)
+    if layout.pp > 1:
+        raise UserError(
+            f"parallel.pp={layout.pp}: the memory plan does not cover pipeline parallelism yet (its schedules "
+            "exchange activations between ranks, which a fake process group does not carry); plan the layout with "
+            "parallel.pp: 1 for the memory of one stage's whole model, or measure a short run."
+        )
+    recipe, batch = _recipe_and_batch(cfg)
+    return layout, [_plan_rank(cfg, layout, recipe, batch, rank=0, world_size=world_size)]
+
+
+def _recipe_and_batch(cfg: RunConfig):
+    """The recipe built as a rank builds it, its model's parameters on the meta device, and its first micro-batch
+    (the data is read as rank 0 of the job would)."""
+    from mpi4py import MPI
+
+    from trainer.data.loader import fetch
+    from trainer.env import from_mpi
+    from trainer.parallel.materialise import params_on_meta
+    from trainer.recipes.load import build_recipe
+    from trainer.startup.recipe import recipe_context
+
+    env = from_mpi(MPI.COMM_SELF)
+    with contextlib.ExitStack() as stack:
+        run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hpc-plan-")))
+        ctx = recipe_context(cfg, env, torch.device("cpu"), run_dir, MPI.COMM_SELF, stack)
+        torch.manual_seed(cfg.train.seed)
+        with params_on_meta():
+            recipe = build_recipe(cfg.recipe, dict(cfg.recipe_args), ctx)
+        ids = np.arange(min(cfg.train.micro_batch_size, len(recipe.train_data)))
+        batch = fetch(recipe.train_data, ids, recipe.collate or default_collate, what="train_data", rank=0)
+    return recipe, batch
+
+
+def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, world_size: int) -> RankPlan:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._pytree import tree_map
+
+    from trainer.loop.optim import build_optimizer, clip_grad_norm
+    from trainer.loop.parts import autocast
+    from trainer.parallel.commtime import CommLedger
+    from trainer.parallel.mesh import train_mesh
+    from trainer.parallel.tp import tensor_parallel
+    from trainer.parallel.wrap import _data_parallel_over_mesh, _stage_and_blocks, output_layer
+
+    device = torch.device("cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        mesh = train_mesh(layout, device)  # outside the fake mode: the mesh's own tensors are real
+        model = copy.deepcopy(recipe.model)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)  # the mesh's rank tables are real
+        with mode, _apart():
+            _fake_parameters(model, device)  # the whole model's, allocating nothing: split below as a rank splits it
+            split_output = output_layer(cfg, model, recipe)
+            model, _, blocks = _stage_and_blocks(cfg, SimpleNamespace(rank=rank), model, recipe, layout, device)
+            if layout.tp > 1:
+                tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe, split_output=split_output)
+            no_sync, fsdp = contextlib.nullcontext, False
+            if mesh is not None and layout.dp > 1:
+                distributed = SimpleNamespace(device=device, ledger=CommLedger())
+                _, no_sync = _data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout)
+                fsdp = True
+            optimizer = build_optimizer(model, cfg.train)
+            fake_batch = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch)
+            if fsdp:
+                tracker = FSDPMemTracker(model, optimizer)
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, optimizer)
+            accum = cfg.grad_accum(world_size)
+            loss_context = _loss_context(split_output)
+            with tracker:
+                for _ in range(2):
+                    for micro in range(accum):
+                        tracker.reset_mod_stats()  # per module: FSDPMemTracker takes one forward at a time
+                        with no_sync() if micro < accum - 1 else contextlib.nullcontext(), loss_context():
+                            with autocast(cfg, device):
+                                loss = plain_loss(recipe.loss(model, fake_batch))
+                            (loss / accum).backward()
+                    params = [p for p in model.parameters() if p.requires_grad]
+                    clip_grad_norm(params, cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            peak = tracker.get_tracker_snapshot("peak")
+    finally:
+        dist.destroy_process_group()
+    by_kind = _by_kind(next(iter(peak.values())) if peak else {})
+    if not fsdp and layout.dp > 1:  # DDP's reducer (C++, out of a tracker's sight) keeps its buckets: a flat copy
+        by_kind["comm"] += by_kind["grads_whole"]  # of every gradient (gradient_as_bucket_view off)
+    by_kind.pop("grads_whole")
+    return RankPlan(rank=rank, pp=layout.coords(rank)["pp"], **by_kind, peak=sum(by_kind.values()))
+
+
+def _fake_parameters(model: nn.Module, device: torch.device) -> None:
+    """Fake tensors (inside the active FakeTensorMode) in place of the meta parameters, ties kept; DTensors keep
+    their placement around a fake local shard."""
+    from torch.distributed.tensor import DTensor
+
+    ties = tied_groups(model)
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if isinstance(p, DTensor):
+                local = torch.empty_like(p.to_local(), device=device)
+                new = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                         stride=p.stride())  # fmt: skip
+            else:
+                new = torch.empty(p.shape, dtype=p.dtype, device=device)
+            module._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    retie(model, ties)
+
+
+@contextlib.contextmanager
+def _apart():
+    """Keeps what is not a rank's memory apart from the fake mode the trackers watch: meshes made inside it
+    (FSDP2 joins the data-parallel and tensor-parallel ones) hold real rank tables, and DTensor's sharding
+    propagation (whole-tensor shapes, computed on fake tensors of its own mode, which the trackers skip, instead of
+    the active one)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import _sharding_prop
+
+    original, detect = DeviceMesh.__init__, _sharding_prop.detect_fake_mode
+
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    _sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__, _sharding_prop.detect_fake_mode = original, detect
+
+
+def _loss_context(split_output: str | None):
+    if split_output is None:
+        return contextlib.nullcontext
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel
+
+
+def _by_kind(snapshot: dict) -> dict[str, int]:
+    """The trackers' categories (FSDPMemTracker's and MemTracker's names) summed into the plan's kinds."""
+    out = dict.fromkeys((*KINDS, "grads_whole"), 0)
+    where = {
+        "Parameter": "params", "Sharded Param": "params", "Unsharded Param": "params",
+        "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
+        "Optstate": "optimizer", "OptState": "optimizer",
+        "Activation": "activations", "Temp": "activations", "Inputs": "activations",
+        "All Gather": "comm", "Reduce Scatter": "comm",
+        "Buffer": "buffers", "Other": "buffers",
+    }  # fmt: skip
+    for kind, n in snapshot.items():
+        name = getattr(kind, "value", kind)
+        if name == "Total":
+            continue
+        out[where[name]] += int(n)
+        if name == "Gradient":
+            out["grads_whole"] += int(n)
+    return out
+
+
+def table(layout: Layout, plans: list[RankPlan]) -> str:
+    head = ["rank", "pp", *KINDS, "peak"]
+    rows = [[str(p.rank), str(p.pp), *(f"{getattr(p, k) / MIB:.1f}" for k in (*KINDS, "peak"))] for p in plans]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"memory plan, {layout.describe()} ({layout.kind}), MiB per rank at a training step's peak"]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="a config file or example name, as hpc.submit takes it")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key by dotted path, as hpc.submit takes it (repeatable)")  # fmt: skip
+    p.add_argument("--nodes", type=int, help="plan for this many nodes (default: job.nodes)")
+    p.add_argument("--ranks-per-node", type=int, help="plan for this many ranks a node (default: job.ranks_per_node)")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    args = p.parse_args(argv)
+    sets = [*args.overrides]
+    if args.nodes:
+        sets.append(f"job.nodes={args.nodes}")
+    if args.ranks_per_node:
+        sets.append(f"job.ranks_per_node={args.ranks_per_node}")
+    try:
+        cfg = load_config(args.config, sets)
+        layout, plans = plan(cfg, cfg.job.world_size)
+    except (UserError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = {"layout": layout.describe(), "world_size": cfg.job.world_size, "ranks": [asdict(x) for x in plans]}
+    print(json.dumps(out) if args.json else table(layout, plans) + "\n" + json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
