@@ -56,14 +56,13 @@ def plan(cfg: RunConfig, world_size: int) -> tuple[Layout, list[RankPlan]]:
     env = SimpleNamespace(world_size=world_size, topology=SimpleNamespace(num_nodes=cfg.job.nodes,
                           ranks_per_node=cfg.job.ranks_per_node))  # fmt: skip
     layout = layout_of(cfg, env)
-    if layout.pp > 1:
-        raise UserError(
-            f"parallel.pp={layout.pp}: the memory plan does not cover pipeline parallelism yet (its schedules "
-            "exchange activations between ranks, which a fake process group does not carry); plan the layout with "
-            "parallel.pp: 1 for the memory of one stage's whole model, or measure a short run."
-        )
     recipe, batch = _recipe_and_batch(cfg)
-    return layout, [_plan_rank(cfg, layout, recipe, batch, rank=0, world_size=world_size)]
+    firsts: dict[int, int] = {}  # pipeline coordinate -> its first rank
+    for rank in range(world_size):
+        firsts.setdefault(layout.coords(rank)["pp"], rank)
+        if len(firsts) == layout.pp:
+            break
+    return layout, [_plan_rank(cfg, layout, recipe, batch, rank=r, world_size=world_size) for r in firsts.values()]
 
 
 def _recipe_and_batch(cfg: RunConfig):
@@ -100,6 +99,7 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
     from trainer.loop.parts import autocast
     from trainer.parallel.commtime import CommLedger
     from trainer.parallel.mesh import train_mesh
+    from trainer.parallel.pipeline import schedule
     from trainer.parallel.tp import tensor_parallel
     from trainer.parallel.wrap import _data_parallel_over_mesh, _stage_and_blocks, output_layer
 
@@ -111,8 +111,10 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
         mode = FakeTensorMode(allow_non_fake_inputs=True)  # the mesh's rank tables are real
         with mode, _apart():
             _fake_parameters(model, device)  # the whole model's, allocating nothing: split below as a rank splits it
+            fake_batch = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch)
+            examples = _stage_examples(cfg, layout, model, recipe, fake_batch, device) if layout.pp > 1 else None
             split_output = output_layer(cfg, model, recipe)
-            model, _, blocks = _stage_and_blocks(cfg, SimpleNamespace(rank=rank), model, recipe, layout, device)
+            model, cut_info, blocks = _stage_and_blocks(cfg, SimpleNamespace(rank=rank), model, recipe, layout, device)
             if layout.tp > 1:
                 tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe, split_output=split_output)
             no_sync, fsdp = contextlib.nullcontext, False
@@ -120,35 +122,82 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
                 distributed = SimpleNamespace(device=device, ledger=CommLedger())
                 _, no_sync = _data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout)
                 fsdp = True
+            pipe = None
+            if cut_info is not None:
+                pipe = schedule(model, layout, mesh, rank, device, recipe.pipeline, cut_info,
+                                kind=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches(layout.pp),
+                                examples=examples)  # fmt: skip
             optimizer = build_optimizer(model, cfg.train)
-            fake_batch = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch)
-            if fsdp:
+            if fsdp and pipe is None:  # it follows one forward of the root at a time: a schedule runs several
                 tracker = FSDPMemTracker(model, optimizer)
             else:
-                tracker = MemTracker()
+                tracker = _tracker(MemTracker)()
                 tracker.track_external(model, optimizer)
             accum = cfg.grad_accum(world_size)
+            if pipe is not None:
+                pipe.accum = accum
             loss_context = _loss_context(split_output)
+            params = [p for p in model.parameters() if p.requires_grad]
             with tracker:
                 for _ in range(2):
                     for micro in range(accum):
                         tracker.reset_mod_stats()  # per module: FSDPMemTracker takes one forward at a time
                         with no_sync() if micro < accum - 1 else contextlib.nullcontext(), loss_context():
                             with autocast(cfg, device):
+                                if pipe is not None:
+                                    pipe.step(fake_batch)
+                                    continue
                                 loss = plain_loss(recipe.loss(model, fake_batch))
                             (loss / accum).backward()
-                    params = [p for p in model.parameters() if p.requires_grad]
-                    clip_grad_norm(params, cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
+                    if pipe is not None:
+                        pipe.sync_tied()
+                    clip_grad_norm(params, cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"),
+                                   across=pipe.group if pipe else None)  # fmt: skip
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             peak = tracker.get_tracker_snapshot("peak")
     finally:
         dist.destroy_process_group()
     by_kind = _by_kind(next(iter(peak.values())) if peak else {})
-    if not fsdp and layout.dp > 1:  # DDP's reducer (C++, out of a tracker's sight) keeps its buckets: a flat copy
-        by_kind["comm"] += by_kind["grads_whole"]  # of every gradient (gradient_as_bucket_view off)
-    by_kind.pop("grads_whole")
+    if mesh is None and layout.dp > 1:  # DDP's reducer (C++, out of a tracker's sight) keeps its buckets: a flat
+        by_kind["comm"] += sum(p.numel() * p.element_size() for p in params)  # copy of every gradient
     return RankPlan(rank=rank, pp=layout.coords(rank)["pp"], **by_kind, peak=sum(by_kind.values()))
+
+
+def _tracker(base: type) -> type:
+    """torch's MemTracker, for a root module called several times a step (a pipeline stage, once per pipeline
+    micro-batch): its statistics per module start again at each call, where the base refuses the second one. The
+    step's peak, which the plan reports, is the tracker's over all calls."""
+
+    class Tracker(base):
+        def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
+                if parents == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return Tracker
+
+
+def _stage_examples(cfg: RunConfig, layout: Layout, model: nn.Module, recipe, batch, device) -> dict[int, tuple]:
+    """{stage: (its input, its output, their gradients)} for one pipeline micro-batch, from the stages of the whole
+    (fake) model run in turn: a pipeline stage is built with them instead of learning them from its neighbours
+    (which a fake process group cannot tell it)."""
+    from trainer.loop.parts import autocast
+
+    p = cfg.parallel
+    n_stages, m = layout.pp * p.pp_stages_per_rank, p.microbatches(layout.pp)
+    inputs, _ = recipe.pipeline.split(batch)
+    x = inputs.chunk(m)[0]
+    out = {}
+    with torch.no_grad(), autocast(cfg, device):
+        for s in range(n_stages):
+            y = recipe.pipeline.stage(model, s, n_stages)(x)
+            # (input, output, the gradient it receives for its output, the one it sends back for its input)
+            out[s] = (x, y, torch.empty_like(y), torch.empty_like(x) if x.is_floating_point() else None)
+            x = y
+    return out
 
 
 def _fake_parameters(model: nn.Module, device: torch.device) -> None:
@@ -176,26 +225,36 @@ def _fake_parameters(model: nn.Module, device: torch.device) -> None:
 
 @contextlib.contextmanager
 def _apart():
-    """Keeps what is not a rank's memory apart from the fake mode the trackers watch: meshes made inside it
-    (FSDP2 joins the data-parallel and tensor-parallel ones) hold real rank tables, and DTensor's sharding
-    propagation (whole-tensor shapes, computed on fake tensors of its own mode, which the trackers skip, instead of
-    the active one)."""
+    """What a fake process group and fake tensors need besides: meshes made inside the fake mode (FSDP2 joins the
+    data-parallel and tensor-parallel ones) hold real rank tables; DTensor's sharding propagation (whole-tensor
+    shapes) computes on fake tensors of a mode of its own, which the trackers skip, instead of the active one;
+    pipeline stages take the shapes they are given."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import _utils as pipe_utils
+    from torch.distributed.pipelining import schedules
     from torch.distributed.tensor import _sharding_prop
 
     original, detect = DeviceMesh.__init__, _sharding_prop.detect_fake_mode
+    warmup = schedules._PipelineSchedule._warmup_p2p
 
     def init(self, *args, **kwargs):
         with unset_fake_temporarily():
             original(self, *args, **kwargs)
 
+    def static(self, stages, has_backward, p2p_done) -> None:
+        # The stages' vote on how to learn their shapes reads a value back; they are given theirs (examples)
+        for stage in stages:
+            stage._inference_mode = pipe_utils.InferenceMode.STATIC
+
     DeviceMesh.__init__ = init
     _sharding_prop.detect_fake_mode = lambda *args: None
+    schedules._PipelineSchedule._warmup_p2p = static
     try:
         yield
     finally:
         DeviceMesh.__init__, _sharding_prop.detect_fake_mode = original, detect
+        schedules._PipelineSchedule._warmup_p2p = warmup
 
 
 def _loss_context(split_output: str | None):
@@ -208,7 +267,7 @@ def _loss_context(split_output: str | None):
 
 def _by_kind(snapshot: dict) -> dict[str, int]:
     """The trackers' categories (FSDPMemTracker's and MemTracker's names) summed into the plan's kinds."""
-    out = dict.fromkeys((*KINDS, "grads_whole"), 0)
+    out = dict.fromkeys(KINDS, 0)
     where = {
         "Parameter": "params", "Sharded Param": "params", "Unsharded Param": "params",
         "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
@@ -222,8 +281,6 @@ def _by_kind(snapshot: dict) -> dict[str, int]:
         if name == "Total":
             continue
         out[where[name]] += int(n)
-        if name == "Gradient":
-            out["grads_whole"] += int(n)
     return out
 
 

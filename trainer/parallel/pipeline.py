@@ -253,11 +253,13 @@ def schedule(
     kind: str,
     microbatches: int,
     ledger: CommLedger | None = None,
+    examples: dict[int, tuple] | None = None,
 ) -> Pipe:
     """The schedule of this rank's stages (``module``: their merged module; each tensor-parallel and/or
     FSDP-wrapped already), and the groups that sum tied gradients. Collective: every rank creates every tie group
     in the same order. With an enabled ``ledger``, the schedule's waits outside the stages' own forward and backward
-    are timed as ``pp``."""
+    are timed as ``pp``. ``examples``: {stage: (an input, an output, their gradients)} of one pipeline micro-batch,
+    for stages that cannot learn their shapes from their neighbours (the memory plan's fake process group)."""
     import torch.distributed.pipelining as pipelining
 
     group = mesh["pp"].get_group()
@@ -278,7 +280,8 @@ def schedule(
     placed = list(zip(held, cut_info["modules"], strict=True))
 
     def stages(stage_class: type) -> list:
-        return [stage_class(part, s, n_stages, device, group=group) for s, part in placed]
+        shapes = examples or {}
+        return [stage_class(part, s, n_stages, device, *shapes.get(s, ()), group=group) for s, part in placed]
 
     runners = stages(_timed_stage(pipe) if pipe.ledger else pipelining.PipelineStage)
     cls = getattr(pipelining, f"Schedule{kind}")
@@ -300,7 +303,7 @@ def schedule(
             at.setdefault(coordinate_of(kind, layout.pp, s), name)
         for column in others:
             ranks = [column[c] for c in sorted(at)]
-            g = dist.new_group(ranks, backend="gloo" if device.type == "cpu" else None)
+            g = dist.new_group(ranks)  # the default group's backend: gloo on CPUs
             if rank in ranks:
                 pipe.tied.append((g, params[at[me]]))
     return pipe

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import logging
 
 import torch
@@ -81,6 +82,8 @@ def build_parts(
     kept = kept or Kept(stack)
     if kept.recipe is None:
         kept.recipe = make_recipe(cfg, env, distributed, rundir, comm, kept.stack)
+        # after the background import that wrap() waits for (torch._dynamo: tens of MB, none of them the model's)
+        importlib.import_module("torch._dynamo")
         kept.runtime_mb = resident_mb()
     recipe = kept.recipe
     if clock is not None:
