@@ -56,6 +56,7 @@ def recipe_context(
     cfg: RunConfig, env: RuntimeEnv, device: torch.device, run_dir: Path, comm: MPI.Comm, stack: contextlib.ExitStack
 ) -> RecipeContext:
     """What the recipe is told on this rank; its token data is opened on first use and closed with ``stack``."""
+
     def token_data(seq_len: int, vocab_size: int | None):
         train, val = open_splits(cfg.data, seq_len, vocab_size, env, comm, Store(cfg.storage))
         stack.callback(train.close)
