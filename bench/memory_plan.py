@@ -48,7 +48,7 @@ LAYOUTS = {
             "train.micro_batch_size=4",
             "train.global_batch_size=4",
         ]
-        for name, kind in (("interleaved", "Interleaved1F1B"), ("zbv", "ZBVZeroBubble"))
+        for name, kind in (("interleaved", "Interleaved1F1B"),)
     },  # fmt: skip
 }
 

@@ -87,7 +87,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The parser's error for a layout, link or nanoGPT the topology cannot have; ``--variants`` as a set."""
-    if args.layout not in ("ddp", "fsdp") and (args.nodes < 2 or args.ranks < 2):
+    if args.layout.startswith("pp-"):  # several stages a rank: pipeline parallelism alone
+        if args.nodes < 2 or args.ranks != 1:
+            p.error(f"--layout {args.layout} needs 2 or more nodes (--nodes) of one rank (--ranks 1)")
+    elif args.layout not in ("ddp", "fsdp") and (args.nodes < 2 or args.ranks < 2):
         p.error(f"--layout {args.layout} needs 2 or more nodes (--nodes) of 2 or more ranks (--ranks)")
     if args.layout != "ddp" and args.nanogpt:
         p.error("--nanogpt is a DDP peer: run it with --layout ddp")
@@ -125,7 +128,10 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
         f"job.threads_per_rank={args.threads}",
         f"train.steps={args.steps}",
         "train.eval_every=0",
-        *(kv.format(ranks=args.ranks, nodes=args.nodes) for kv in parallel.LAYOUTS[args.layout]),
+        *(
+            kv.format(ranks=args.ranks, nodes=args.nodes, microbatches=2 * args.nodes)
+            for kv in parallel.LAYOUTS[args.layout]
+        ),  # fmt: skip
         *args.overrides,
     ]
 

@@ -59,8 +59,13 @@ USER_RECIPE = ROOT / "bench" / "recipes" / "user_gpt.py"
 USER_RECIPE_SPEC = "user_gpt:recipe"
 # Outside DDP (--layout): the plain peer, the trainer as configured, and the trainer with its monitors off.
 LAYOUT_VARIANTS = ("plain", "trainer-flat", "trainer-quiet", "trainer-untracked", "trainer-nodims")
-PLAIN_LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "pp")  # bench/plain_layouts.py's --layout
-PLAIN_NAMES = {"ddp": "bench/plain_ddp.py", **{k: f"bench/plain_layouts.py --layout {k}" for k in PLAIN_LAYOUTS}}
+# bench/parallel.py's layouts that bench/plain_layouts.py has (the pp-* ones: its --layout pp, the schedule from
+# the config)
+PLAIN_LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "pp", "pp-interleaved", "pp-izb", "pp-zbv", "pp-dualpipev")
+PLAIN_NAMES = {
+    "ddp": "bench/plain_ddp.py",
+    **{k: f"bench/plain_layouts.py --layout {k.split('-')[0] if k.startswith('pp') else k}" for k in PLAIN_LAYOUTS},
+}
 PLAIN_PROGRESS = "progress.txt"  # plain_ddp.py's live step count, beside its times.json
 
 
@@ -134,7 +139,8 @@ def command(variant: str, args: argparse.Namespace, overrides: list[str], out: P
     if variant == "plain":
         script = [sys.executable, str(ROOT / "bench" / "plain_ddp.py"), "--config", args.config]
         if args.layout != "ddp":
-            script = [sys.executable, str(ROOT / "bench" / "plain_layouts.py"), "--layout", args.layout]
+            layout = "pp" if args.layout.startswith("pp") else args.layout
+            script = [sys.executable, str(ROOT / "bench" / "plain_layouts.py"), "--layout", layout]
             script += ["--config", args.config]
         progress = ["--progress", str(out.with_name(PLAIN_PROGRESS))]
         return torchrun_style(args, [*script, "--data", str(args.data), *sets, "--json", str(out), *progress])

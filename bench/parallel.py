@@ -37,7 +37,14 @@ LAYOUTS = {
     "tp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.tp={ranks}"],
     "tp-fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.tp={ranks}"],
     "pp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.pp={nodes}"],
-}
+    # several stages a rank: pipeline parallelism alone (one rank a node), 2 stages a rank, 2 x pp micro-batches
+    **{
+        f"pp-{name}": ["parallel.pp={nodes}", f"parallel.pp_schedule={kind}", "parallel.pp_stages_per_rank=2",
+                       "parallel.pp_microbatches={microbatches}"]
+        for name, kind in (("interleaved", "Interleaved1F1B"), ("izb", "InterleavedZeroBubble"),
+                           ("zbv", "ZBVZeroBubble"), ("dualpipev", "DualPipeV"))
+    },
+}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
     add_run_length(p, steps=8, skip=3, rounds=1, of="layout")
     p.add_argument("--cap-mb", type=float, default=2048, help="per-rank memory cap for the fit (default 2048)")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
+    one_stage = [k for k in LAYOUTS if not k.startswith("pp-")]  # the pp-* ones: one rank a node (--ranks 1)
+    p.add_argument("--layouts", default=",".join(one_stage), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument(
         "--also",
         metavar="KEY=VALUE",
@@ -86,7 +94,8 @@ def sets(args: argparse.Namespace, layout: str, layers: int) -> list[str]:
         f"train.global_batch_size={args.micro * world}", "train.eval_every=0", "train.warmup_steps=1",
         "comm.allreduce=flat", "checkpoint.every_steps=0", "checkpoint.at_end=false",
         "monitor.tensorboard=false", "monitor.straggler_every=0", "monitor.preflight=off",
-        *(s.format(ranks=args.ranks, nodes=args.nodes) for s in LAYOUTS[layout]), *args.sets,
+        *(s.format(ranks=args.ranks, nodes=args.nodes, microbatches=2 * args.nodes) for s in LAYOUTS[layout]),
+        *args.sets,
     ]  # fmt: skip
 
 

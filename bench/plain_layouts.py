@@ -11,7 +11,10 @@ sharing the global batch:
 - ``tp-fsdp``: tensor parallel inside a node (the GPT's Megatron plan with sequence-parallel norms), then
   ``fully_shard`` across nodes on a (dp_shard, tp) mesh;
 - ``pp``: one ``PipelineStage`` per node (``Schedule1F1B``), the ranks of a node replicas of their stage (FSDP2
-  over a replicate mesh, as the trainer), the tied embedding and head summed across stages.
+  over a replicate mesh, as the trainer), the tied embedding and head summed across stages. With the config's
+  ``parallel.pp_schedule`` an interleaved or V schedule (one rank a node, no data parallelism, as the trainer):
+  ``parallel.pp_stages_per_rank`` stages a rank, placed as torch places them (rank r: r, r + pp, ...; V: r and
+  2 pp - 1 - r), each a ``PipelineStage``.
 
 Rank 0 prints one JSON object with the per-step times, as plain_ddp.py.
 """
@@ -180,6 +183,9 @@ class Parallel:
     stage_index: int = 0
     tied: list = dataclasses.field(default_factory=list)
     counted_names: set[str] | None = None
+    first: bool | None = None  # several stages a rank: whether it holds the first, the last (else by stage_index)
+    last: bool | None = None
+    loss_src: int | None = None  # the pp group's rank that holds the last stage (default: the last rank)
 
 
 def sharded(model: GPT, s: Shape, device: torch.device, reshard: bool, mp_kw: dict) -> Parallel:
@@ -241,6 +247,44 @@ def pipelined(model: GPT, s: Shape, device: torch.device, microbatches: int, mp_
     return Parallel(trained, dp_rank, _no_all_reduce(trained), pipe, pp_group, stage_index, tied, counted_names)
 
 
+def interleaved(model: GPT, s: Shape, device: torch.device, microbatches: int, kind: str, per_rank: int) -> Parallel:
+    """pp alone with ``per_rank`` stages a rank under torch's ``Schedule<kind>``: the stages of a rank share the
+    model's modules (under a V the first rank holds the embedding and the tied head: one weight), the tie summed
+    across ranks where two ranks hold it."""
+    import torch.distributed.pipelining as pipelining
+
+    rank, pp = dist.get_rank(), s.pp
+    stages = pp * per_rank
+    v = kind in ("ZBVZeroBubble", "DualPipeV")
+    held = [st for st in range(stages) if (2 * pp - 1 - st if v and st >= pp else st % pp) == rank]
+    parts = [Stage(model, st, stages) for st in held]
+    trained = nn.ModuleList(parts)  # the union of this rank's stages (a module shared by two is listed once)
+    del model
+    pp_group = dist.new_group(list(range(pp)))
+    scale = 1.0 / (microbatches * s.accum)
+
+    def pp_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1)) * scale
+
+    runners = [
+        pipelining.PipelineStage(part, st, stages, device, group=pp_group) for st, part in zip(held, parts, strict=True)
+    ]
+    pipe = getattr(pipelining, f"Schedule{kind}")(runners, microbatches, loss_fn=pp_loss, scale_grads=False)
+    first, last = 0 in held, stages - 1 in held
+    last_rank = (2 * pp - 1 - (stages - 1)) if v else (stages - 1) % pp
+    holders = sorted({0, last_rank})
+    tied, counted_names = [], set()
+    if len(holders) > 1:  # the embedding and the head on two ranks: sum their gradients after each step
+        group = dist.new_group(holders)
+        if first or last:
+            tied.append((group, parts[held.index(0)].tok.weight if first else parts[-1].head.weight))
+        if last and not first:
+            counted_names = {n for n, _ in trained.named_parameters() if n.endswith("head.weight")}
+    out = Parallel(trained, 0, contextlib.nullcontext, pipe, pp_group, 0, tied, counted_names)
+    out.first, out.last, out.loss_src = first, last, last_rank
+    return out
+
+
 def parallelize(cfg, s: Shape, device: torch.device) -> Parallel:
     """The GPT under the layout, with the trainer's FSDP2 precision: bf16 compute copies of the gathered
     parameters and fp32 gradient reduction on CUDA."""
@@ -249,7 +293,11 @@ def parallelize(cfg, s: Shape, device: torch.device) -> Parallel:
     mp_kw = {"mp_policy": mp} if mp is not None else {}
     torch.manual_seed(cfg.train.seed)
     if s.layout == "pp":  # the whole model only until this rank's stage is cut from it
-        return pipelined(GPT(cfg.model).to(device), s, device, cfg.parallel.pp_microbatches or s.pp, mp_kw)
+        kind, n = cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches or s.pp
+        if kind not in ("1F1B", "GPipe"):
+            model = GPT(cfg.model).to(device)
+            return interleaved(model, s, device, n, kind, cfg.parallel.pp_stages_per_rank)
+        return pipelined(GPT(cfg.model).to(device), s, device, n, mp_kw)
     reshard = cfg.parallel.fsdp_reshard_after_forward and s.dp_shard > 1  # the trainer's: nothing to free otherwise
     return sharded(GPT(cfg.model).to(device), s, device, reshard, mp_kw)
 
@@ -273,9 +321,13 @@ def forward_backward(m: Parallel, x: torch.Tensor, s: Shape, device: torch.devic
         loss.backward()
         return loss
     chunks: list[torch.Tensor] = []
-    if m.stage_index == 0:
+    first = m.stage_index == 0 if m.first is None else m.first
+    last = m.stage_index == s.pp - 1 if m.last is None else m.last
+    if first and last:  # a V's first rank
+        m.pipe.step(x[:, :-1], target=x[:, 1:], losses=chunks)
+    elif first:
         m.pipe.step(x[:, :-1])
-    elif m.stage_index == s.pp - 1:
+    elif last:
         m.pipe.step(target=x[:, 1:], losses=chunks)
     else:
         m.pipe.step()
@@ -286,9 +338,11 @@ def sum_tied(m: Parallel) -> None:
     """Sum the tied embedding's and head's gradients across the first and the last stage."""
     for group, param in m.tied:
         grad = param.grad
-        if grad.placements != param.placements:
-            grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
-        dist.all_reduce(grad.to_local(), group=group)
+        if isinstance(grad, DTensor):  # FSDP2's replicas of a stage
+            if grad.placements != param.placements:
+                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+            grad = grad.to_local()
+        dist.all_reduce(grad, group=group)
 
 
 def train(args: argparse.Namespace, cfg, s: Shape, m: Parallel, batch: Batches, device) -> tuple[list, list]:
@@ -320,7 +374,7 @@ def train(args: argparse.Namespace, cfg, s: Shape, m: Parallel, batch: Batches, 
         if (step + 1) % t.log_every == 0:
             if m.pipe is not None:  # only the last stage has the loss: it sends it to the other stages of its column
                 loss = loss.clone()
-                dist.broadcast(loss, group=m.pp_group, group_src=s.pp - 1)
+                dist.broadcast(loss, group=m.pp_group, group_src=s.pp - 1 if m.loss_src is None else m.loss_src)
             losses.append(loss.item() * s.accum)  # this rank's last micro-batch: what a plain script logs
         if cuda:
             torch.cuda.synchronize()

@@ -26,6 +26,7 @@ from torch.utils.data import default_collate
 
 from runconfig import ConfigError, RunConfig, load_config
 from runconfig.layout import Layout
+from runconfig.schema.feasible import SPLIT_BACKWARD
 from trainer.errors import UserError
 from trainer.parallel.tp import plain_loss, retie, tied_groups
 
@@ -56,6 +57,13 @@ def plan(cfg: RunConfig, world_size: int) -> tuple[Layout, list[RankPlan]]:
     env = SimpleNamespace(world_size=world_size, topology=SimpleNamespace(num_nodes=cfg.job.nodes,
                           ranks_per_node=cfg.job.ranks_per_node))  # fmt: skip
     layout = layout_of(cfg, env)
+    kind = cfg.parallel.pp_schedule
+    if layout.pp > 1 and kind in SPLIT_BACKWARD:
+        raise UserError(
+            f"parallel.pp_schedule={kind}: the memory plan does not cover the zero-bubble schedules yet (their "
+            "backward, split into input and weight gradients, does not run on fake tensors); plan the layout with "
+            "Interleaved1F1B, which holds the same stages, or measure a short run (summary.json memory_mb_per_rank)."
+        )
     recipe, batch = _recipe_and_batch(cfg)
     firsts: dict[int, int] = {}  # pipeline coordinate -> its first rank
     for rank in range(world_size):
@@ -194,6 +202,8 @@ def _stage_examples(cfg: RunConfig, layout: Layout, model: nn.Module, recipe, ba
     with torch.no_grad(), autocast(cfg, device):
         for s in range(n_stages):
             y = recipe.pipeline.stage(model, s, n_stages)(x)
+            if y.is_floating_point():  # the activation the next stage receives, whose gradient it sends back
+                y = y.detach().requires_grad_(True)
             # (input, output, the gradient it receives for its output, the one it sends back for its input)
             out[s] = (x, y, torch.empty_like(y), torch.empty_like(x) if x.is_floating_point() else None)
             x = y
