@@ -199,6 +199,25 @@ def test_overhead_a_layout_against_its_plain_peer(tmp_path, small_dataset):
     assert "plain_layouts.py --layout fsdp" in out
 
 
+@pytest.mark.mp
+def test_overhead_a_v_schedule_against_its_plain_peer(tmp_path, small_dataset):
+    """``--layout pp-zbv`` on 2 nodes x 1 rank, one round of 6 steps of a 4-block GPT: 2 stages a rank in a V (rank 0
+    runs the first and the last, the embedding and its tied head one weight there), the plain script's schedule
+    taken from the same parallel.* settings as the trainer's."""
+    res, out = run_bench(
+        "overhead",
+        ["--layout", "pp-zbv", "--nodes", "2", "--ranks", "1", "--rounds", "1", "--steps", "6", "--skip", "1",
+         "--variants", "trainer-flat", "--data", str(small_dataset), "--set", "model.d_model=64",
+         "--set", "model.n_layers=4", "--quiet-wait-s", "0"],
+        tmp_path,
+    )  # fmt: skip
+    overrides = res["setup"]["overrides"]
+    assert "parallel.pp_schedule=ZBVZeroBubble" in overrides and "parallel.pp_stages_per_rank=2" in overrides
+    assert list(res["summary"]) == ["plain", "trainer-flat"]
+    assert positive(res["summary"]["trainer-flat"]["ratio_vs_plain"])
+    assert "plain_layouts.py --layout pp" in out
+
+
 def load_nanogpt():
     spec = importlib.util.spec_from_file_location("bench_nanogpt", ROOT / "bench" / "nanogpt.py")
     module = importlib.util.module_from_spec(spec)
