@@ -84,8 +84,10 @@ def kill_after_a_logged_uncommitted_step(run_dir, proc, rank: int, after: int) -
 
 def test_one_tracker_run_across_a_restart_a_stop_and_a_resume(tmp_path, small_dataset):
     run_dir = tmp_path / "runs" / "run"
-    # a flush long enough for a loaded machine: a tracker that took the queue late would be noise in the logs
-    sets = tracked(small_dataset, "job.max_failures=2", "job.restart_backoff_s=0.2", "tracking.flush_timeout_s=120")
+    # a flush long enough for a loaded machine: a tracker that took the queue late would be noise in the logs; and
+    # watchdogs that outlast its stalls (CI once saw rank 0's store silent for 31 s, a hang and a fourth launch)
+    sets = tracked(small_dataset, "job.max_failures=2", "job.restart_backoff_s=0.2", "tracking.flush_timeout_s=120",
+                   "monitor.hang_timeout_s=180", "monitor.peer_timeout_s=180")  # fmt: skip
     proc = start(run_dir, sets, inject=SLOW)
     logged = kill_after_a_logged_uncommitted_step(run_dir, proc, rank=1, after=6)  # the launch fails: restarted
     resumed = wait_for_event(run_dir, "resume", 1, proc)
