@@ -211,22 +211,14 @@ def _stage_examples(cfg: RunConfig, layout: Layout, model: nn.Module, recipe, ba
 
 
 def _fake_parameters(model: nn.Module, device: torch.device) -> None:
-    """Fake tensors (inside the active FakeTensorMode) in place of the meta parameters, ties kept; DTensors keep
-    their placement around a fake local shard."""
-    from torch.distributed.tensor import DTensor
-
+    """Fake tensors (inside the active FakeTensorMode) in place of the whole model's meta parameters and buffers,
+    ties kept (before any split: the split then makes its DTensors of them)."""
     ties = tied_groups(model)
     for module in model.modules():
         for name, p in module._parameters.items():
-            if p is None:
-                continue
-            if isinstance(p, DTensor):
-                local = torch.empty_like(p.to_local(), device=device)
-                new = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                         stride=p.stride())  # fmt: skip
-            else:
+            if p is not None:
                 new = torch.empty(p.shape, dtype=p.dtype, device=device)
-            module._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
+                module._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
