@@ -1,7 +1,7 @@
 """The trainer's CUDA/NCCL path on a real GPU machine, end to end, as one short script (one lease of a GPU node).
 
 ``python bench/gpu_check.py [--out DIR] [--only CHECK ...]`` runs each check (env, shared_gpu, tiny, resume,
-gloo_2x2, gpt124m, gpt124m_compile, float8, offload, plain, plain_large, profile, profile_large; what each checks:
+gloo_2x2, cp, gpt124m, gpt124m_compile, float8, offload, plain, plain_large, profile, profile_large; what each checks:
 bench/README.md) through ``python -m hpc.submit ... --local`` as a user would (offload: through
 bench/offload_memory.py); ``--device cpu --small`` rehearses it without a GPU.
 """
@@ -408,6 +408,25 @@ def check_gloo_2x2(r: Runner) -> dict:
     return res
 
 
+def check_cp(r: Runner) -> dict:
+    """Context parallelism (parallel.cp=2) on 2 x 2 ranks sharing the device over gloo: on a GPU torch's own ring
+    over its CUDA attention kernels (on CPU the trainer's CPU kernels), against FSDP2 over the same 2 ranks without
+    it (the same sharding of the state); the losses must agree within 0.05 after 24 steps (bf16 on a GPU)."""
+    res: dict = {}
+    for name, more in (("cp", ["parallel.cp=2"]), ("fsdp", ["parallel.dp_shard=2"])):
+        sets = ["comm.backend=gloo", *more, "train.steps=24", "train.eval_every=12"]
+        rc, _, run_dir, wall = r.run(f"cp_{name}", "tiny", (2, 2), sets)
+        s = summary(run_dir)
+        res[name] = {"exit": rc, "wall_s": wall, "final_loss": s.get("final_loss"), "parallel": s.get("parallel"),
+                     "eval_loss": s.get("final_eval_loss"), **steady(metrics(run_dir), 8)}  # fmt: skip
+    cp, fsdp = res["cp"], res["fsdp"]
+    res["ok"] = cp["exit"] == 0 and fsdp["exit"] == 0 and None not in (cp["final_loss"], fsdp["final_loss"])
+    if res["ok"]:
+        res["loss_difference"] = abs(cp["final_loss"] - fsdp["final_loss"])
+        res["ok"] = res["loss_difference"] < 0.05 and (cp["parallel"] or {}).get("cp") == 2
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser(__doc__)
     p.add_argument("--out", type=Path, help="write gpu_check.json, runs.log and runs.tar.gz here")
@@ -431,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         "tiny": lambda: check_tiny(r),
         "resume": lambda: check_resume(r, (1, 1)),
         "gloo_2x2": (lambda: check_gloo_2x2(r)) if cuda else None,
+        "cp": lambda: check_cp(r),
         "gpt124m": lambda: check_gpt124m(r, False),
         "gpt124m_compile": lambda: check_gpt124m(r, True),
         "float8": lambda: check_float8(r),

@@ -38,6 +38,8 @@ LAYOUTS = {
     "tp": ["parallel.tp=2"],
     "fsdp_tp": ["parallel.tp=2", "parallel.dp_shard=2"],
     "pp": ["parallel.pp=2", "train.micro_batch_size=2", "train.global_batch_size=4"],
+    "cp": ["parallel.cp=2"],  # each sequence over a node's 2 ranks, 2 replicas: FSDP2 over cp
+    "fsdp_cp": ["parallel.cp=2", "parallel.dp_shard=2", "train.micro_batch_size=2", "train.global_batch_size=4"],
     # 4 stage groups of 2 stages, pipeline parallelism alone (the only place for several stages a rank yet)
     **{
         name: [

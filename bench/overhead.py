@@ -1,5 +1,5 @@
 """Tokens/s of this trainer vs plain torch DDP (bench/plain_ddp.py under torchrun): same model, data and batch; with
-``--layout fsdp|hsdp|tp-fsdp|pp``, vs the plain script of that layout (bench/plain_layouts.py).
+``--layout fsdp|hsdp|tp-fsdp|cp|pp``, vs the plain script of that layout (bench/plain_layouts.py).
 
 ``python bench/overhead.py [--nodes N --ranks R] [--variants a,b] [--nanogpt DIR]``: every variant alternated
 round by round on simulated nodes (the variants, the figures and how to read them: bench/README.md). The variants
@@ -90,8 +90,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.layout.startswith("pp-"):  # several stages a rank: pipeline parallelism alone
         if args.nodes < 2 or args.ranks != 1:
             p.error(f"--layout {args.layout} needs 2 or more nodes (--nodes) of one rank (--ranks 1)")
-    elif args.layout not in ("ddp", "fsdp") and (args.nodes < 2 or args.ranks < 2):
+    elif args.layout not in ("ddp", "fsdp", "cp") and (args.nodes < 2 or args.ranks < 2):
         p.error(f"--layout {args.layout} needs 2 or more nodes (--nodes) of 2 or more ranks (--ranks)")
+    elif args.layout == "cp" and args.ranks < 2:
+        p.error("--layout cp splits each sequence over a node's ranks: it needs 2 or more (--ranks)")
     if args.layout != "ddp" and args.nanogpt:
         p.error("--nanogpt is a DDP peer: run it with --layout ddp")
     if args.link_mbit and (args.nodes != 2 or os.geteuid() != 0):

@@ -61,7 +61,7 @@ USER_RECIPE_SPEC = "user_gpt:recipe"
 LAYOUT_VARIANTS = ("plain", "trainer-flat", "trainer-quiet", "trainer-untracked", "trainer-nodims")
 # bench/parallel.py's layouts that bench/plain_layouts.py has (the pp-* ones: its --layout pp, the schedule from
 # the config)
-PLAIN_LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "pp", "pp-interleaved", "pp-izb", "pp-zbv", "pp-dualpipev")
+PLAIN_LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "cp", "pp", "pp-interleaved", "pp-izb", "pp-zbv", "pp-dualpipev")
 PLAIN_NAMES = {
     "ddp": "bench/plain_ddp.py",
     **{k: f"bench/plain_layouts.py --layout {k.split('-')[0] if k.startswith('pp') else k}" for k in PLAIN_LAYOUTS},

@@ -37,6 +37,7 @@ LAYOUTS = {
     "tp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.tp={ranks}"],
     "tp-fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.tp={ranks}"],
     "pp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.pp={nodes}"],
+    "cp": ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.cp={ranks}"],
     # several stages a rank: pipeline parallelism alone (one rank a node), 2 stages a rank, 2 x pp micro-batches
     **{
         f"pp-{name}": ["parallel.pp={nodes}", f"parallel.pp_schedule={kind}", "parallel.pp_stages_per_rank=2",

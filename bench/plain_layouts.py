@@ -1,4 +1,4 @@
-"""Plain torch FSDP2, HSDP, TP + FSDP2 and pipeline parallelism on the trainer's model, config and prepared data.
+"""Plain torch FSDP2, HSDP, TP + FSDP2, context and pipeline parallelism on the trainer's model, config and data.
 
 The sibling of bench/plain_ddp.py for the mesh layouts of bench/parallel.py: what a user would write with torch's
 own distributed APIs. Launched by torchrun (``torchrun --standalone --nproc-per-node 4 bench/plain_layouts.py
@@ -10,6 +10,10 @@ sharing the global batch:
 - ``hsdp``: the same over a (dp_replicate = nodes, dp_shard = ranks per node) mesh;
 - ``tp-fsdp``: tensor parallel inside a node (the GPT's Megatron plan with sequence-parallel norms), then
   ``fully_shard`` across nodes on a (dp_shard, tp) mesh;
+- ``cp``: each sequence over the ranks of a node (torch's ``context_parallel()`` around forward and backward,
+  the input, targets and positions sharded head-and-tail), ``fully_shard`` on a (dp_replicate = nodes, cp) mesh as
+  the trainer's FSDP2 over dp_shard x cp; on CPU with the ring's CPU kernels (trainer/parallel/cp.py: torch has
+  none), the GPT's positions handed over as the trainer does (``trainer.recipes.api.positions``);
 - ``pp``: one ``PipelineStage`` per node (``Schedule1F1B``), the ranks of a node replicas of their stage (FSDP2
   over a replicate mesh, as the trainer), the tied embedding and head summed across stages. With the config's
   ``parallel.pp_schedule`` an interleaved or V schedule (one rank a node, no data parallelism, as the trainer):
@@ -47,7 +51,7 @@ from runconfig import load_config  # noqa: E402
 from trainer.loop.optim import adamw_impl  # noqa: E402
 from trainer.models.gpt import GPT  # noqa: E402
 
-LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "pp")
+LAYOUTS = ("fsdp", "hsdp", "tp-fsdp", "cp", "pp")
 
 
 class Stage(nn.Module):
@@ -147,6 +151,7 @@ class Shape:
     nodes: int
     tp: int
     pp: int
+    cp: int
     dp: int
     accum: int
     dp_shard: int
@@ -156,17 +161,18 @@ def shape_of(p: argparse.ArgumentParser, layout: str, cfg) -> Shape:
     world = dist.get_world_size()
     per_node = int(os.environ.get("PLAIN_RANKS_PER_NODE", os.environ["LOCAL_WORLD_SIZE"]))
     nodes = world // per_node
-    if world % per_node or (layout != "fsdp" and nodes < 2):
+    if world % per_node or (layout not in ("fsdp", "cp") and nodes < 2):
         p.error(f"--layout {layout}: {world} ranks of {per_node} per node (it needs whole nodes, 2 or more)")
     t = cfg.train
     tp = per_node if layout == "tp-fsdp" else 1
     pp = nodes if layout == "pp" else 1
-    dp = world // (tp * pp)
+    cp = per_node if layout == "cp" else 1
+    dp = world // (tp * pp * cp)
     accum = t.global_batch_size // (t.micro_batch_size * dp)
     if accum < 1 or accum * t.micro_batch_size * dp != t.global_batch_size:
         p.error(f"train.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size x dp {dp}")
-    dp_shard = {"fsdp": world, "hsdp": per_node, "tp-fsdp": nodes, "pp": 1}[layout]
-    return Shape(layout, world, per_node, nodes, tp, pp, dp, accum, dp_shard)
+    dp_shard = {"fsdp": world, "hsdp": per_node, "tp-fsdp": nodes, "cp": per_node, "pp": 1}[layout]
+    return Shape(layout, world, per_node, nodes, tp, pp, cp, dp, accum, dp_shard)
 
 
 @dataclasses.dataclass
@@ -186,6 +192,7 @@ class Parallel:
     first: bool | None = None  # several stages a rank: whether it holds the first, the last (else by stage_index)
     last: bool | None = None
     loss_src: int | None = None  # the pp group's rank that holds the last stage (default: the last rank)
+    cp_mesh: object = None
 
 
 def sharded(model: GPT, s: Shape, device: torch.device, reshard: bool, mp_kw: dict) -> Parallel:
@@ -197,6 +204,13 @@ def sharded(model: GPT, s: Shape, device: torch.device, reshard: bool, mp_kw: di
     elif s.layout == "hsdp":
         mesh = init_device_mesh(device.type, (s.nodes, s.per_node), mesh_dim_names=("dp_replicate", "dp_shard"))
         dp_rank = rank
+    elif s.layout == "cp":  # a node's ranks share a batch, each holding a part of every sequence; FSDP2 over
+        # dp_shard x cp flattened, a process group of its own beside the ring's (torchtitan's dp_shard_cp)
+        dims = ("dp_replicate", "dp_shard", "cp")
+        full = init_device_mesh(device.type, (s.nodes, 1, s.per_node), mesh_dim_names=dims)
+        full["dp_shard", "cp"]._flatten("dp_shard_cp")
+        cp_mesh, mesh = full["cp"], full["dp_replicate", "dp_shard_cp"]
+        dp_rank = rank // s.per_node
     else:  # TP groups are consecutive ranks (one node); all ranks of a group see the same batch
         mesh2 = init_device_mesh(device.type, (s.nodes, s.per_node), mesh_dim_names=("dp_shard", "tp"))
         tensor_parallel(model, mesh2["tp"])  # first (torchtitan's order): FSDP2 then shards the DTensors
@@ -208,7 +222,13 @@ def sharded(model: GPT, s: Shape, device: torch.device, reshard: bool, mp_kw: di
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(blocks) - 1, **mp_kw)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **mp_kw)
     out = Parallel(model, dp_rank)
-    if s.layout == "hsdp":  # reduce-scatter every micro-batch, all-reduce across nodes only on the last one
+    if s.layout == "cp":
+        out.cp_mesh = cp_mesh
+        if device.type == "cpu":
+            from trainer.parallel.cp import _enable_cpu_kernels
+
+            _enable_cpu_kernels()
+    if s.layout in ("hsdp", "cp"):  # reduce-scatter every micro-batch, all-reduce across nodes only on the last one
         out.no_sync = _no_all_reduce(model)
     return out
 
@@ -315,6 +335,8 @@ def adamw(params: list, t) -> torch.optim.Optimizer:
 
 def forward_backward(m: Parallel, x: torch.Tensor, s: Shape, device: torch.device) -> torch.Tensor:
     """One micro-batch: forward and backward (through the pipeline schedule for pp); this rank's loss."""
+    if m.cp_mesh is not None:
+        return cp_forward_backward(m, x, s)
     if m.pipe is None:
         logits = m.trained(x[:, :-1])
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), x[:, 1:].reshape(-1)) / s.accum
@@ -332,6 +354,24 @@ def forward_backward(m: Parallel, x: torch.Tensor, s: Shape, device: torch.devic
     else:
         m.pipe.step()
     return torch.stack(chunks).sum().detach() if chunks else torch.zeros((), device=device)
+
+
+def cp_forward_backward(m: Parallel, x: torch.Tensor, s: Shape) -> torch.Tensor:
+    """One micro-batch with its sequences split over the cp group: this rank's loss (of its tokens)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from trainer.recipes import api
+
+    inputs, targets = x[:, :-1].clone(), x[:, 1:].clone()
+    where = torch.arange(inputs.shape[1], device=x.device).unsqueeze(0)
+    buffers = [inputs, targets, where]
+    with context_parallel(m.cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+        api._positions = where[0]
+        logits = m.trained(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / s.accum
+        loss.backward()
+        api._positions = None
+    return loss
 
 
 def sum_tied(m: Parallel) -> None:

@@ -1,13 +1,14 @@
 """The parallel layout: how the world's ranks split into pipeline stages, data-parallel replicas, data-parallel
-shards and tensor-parallel groups (the ``parallel:`` section resolved against a job's shape). Torch-free: the
-login node refuses an impossible layout before any process starts, and the trainer builds its DeviceMesh from it.
+shards, context-parallel groups and tensor-parallel groups (the ``parallel:`` section resolved against a job's
+shape). Torch-free: the login node refuses an impossible layout before any process starts, and the trainer builds
+its DeviceMesh from it.
 
-Placement follows the hardware. The mesh is ``(pp, dp_replicate, dp_shard, tp)``, outermost to innermost, laid
+Placement follows the hardware. The mesh is ``(pp, dp_replicate, dp_shard, cp, tp)``, outermost to innermost, laid
 over the global ranks in order, and the ranks of one node are consecutive (``rank = node x ranks_per_node +
 local``). So a tensor-parallel group (innermost) lies inside a node when ``tp`` divides the ranks per node, the
-data-parallel shards come next, and pipeline stages and replicas span nodes. HSDP with ``dp_shard`` = the ranks
-of a node shards inside each node and all-reduces across nodes once. The same order as torchtitan's
-``ParallelDims`` (which has a context-parallel dimension between dp_shard and tp that this trainer lacks).
+context-parallel ranks (each holding a part of every sequence) and the data-parallel shards come next, and
+pipeline stages and replicas span nodes. HSDP with ``dp_shard`` = the ranks of a node shards inside each node and
+all-reduces across nodes once. The same order as torchtitan's ``ParallelDims``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Mesh dimensions, outermost first.
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class LayoutError(ValueError):
@@ -31,11 +32,12 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -43,10 +45,17 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp(self) -> int:
+        """The ranks FSDP2 shards parameters over: the data-parallel shards times the context-parallel ranks (which
+        hold the same parameters and need their gradients reduced), torchtitan's ``dp_shard_cp``."""
+        return self.dp_shard * self.cp
+
+    @property
     def sharded(self) -> bool:
-        """Parameters are DTensors split over ranks: by FSDP2 (``dp_shard`` > 1) or by tensor parallelism. Then the
-        model's forward is collective, and the DeviceMesh path (not DDP) reduces the gradients."""
-        return self.dp_shard > 1 or self.tp > 1
+        """Parameters are DTensors split over ranks: by FSDP2 (``dp_shard`` or ``cp`` > 1) or by tensor
+        parallelism. Then the model's forward is collective, and the DeviceMesh path (not DDP) reduces the
+        gradients."""
+        return self.fsdp > 1 or self.tp > 1
 
     @property
     def uses_mesh(self) -> bool:
@@ -56,12 +65,12 @@ class Layout:
 
     @property
     def kind(self) -> str:
-        """``ddp``, ``fsdp`` or ``hsdp`` (data parallelism), with ``+tp``/``+pp`` where those are on."""
-        if self.dp_shard > 1:
+        """``ddp``, ``fsdp`` or ``hsdp`` (data parallelism), with ``+cp``/``+tp``/``+pp`` where those are on."""
+        if self.fsdp > 1:
             name = "hsdp" if self.dp_replicate > 1 else "fsdp"
         else:
             name = "ddp"
-        return name + ("+tp" if self.tp > 1 else "") + ("+pp" if self.pp > 1 else "")
+        return name + ("+cp" if self.cp > 1 else "") + ("+tp" if self.tp > 1 else "") + ("+pp" if self.pp > 1 else "")
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in DIMS}
@@ -92,7 +101,8 @@ def degree_problem(value: int) -> str | None:
 
 def resolve(degrees: dict[str, int], world_size: int, ranks_per_node: int) -> Layout:
     """The layout for ``degrees`` (``parallel.*``, -1 on at most one: what the others leave) on ``world_size`` ranks
-    of ``ranks_per_node`` per node. Raises LayoutError naming the key at fault."""
+    of ``ranks_per_node`` per node (a degree not given is 1). Raises LayoutError naming the key at fault."""
+    degrees = {name: degrees.get(name, 1) for name in DIMS}
     wild = [name for name in DIMS if degrees[name] == -1]
     for name in DIMS:
         if problem := degree_problem(degrees[name]):

@@ -106,6 +106,7 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
     from trainer.loop.optim import build_optimizer, clip_grad_norm
     from trainer.loop.parts import autocast
     from trainer.parallel.commtime import CommLedger
+    from trainer.parallel.cp import SequenceSplit
     from trainer.parallel.mesh import train_mesh
     from trainer.parallel.pipeline import schedule
     from trainer.parallel.tp import tensor_parallel
@@ -126,7 +127,7 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
             if layout.tp > 1:
                 tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe, split_output=split_output)
             no_sync, fsdp = contextlib.nullcontext, False
-            if mesh is not None and layout.dp > 1:
+            if mesh is not None and (layout.dp > 1 or layout.cp > 1):
                 distributed = SimpleNamespace(device=device, ledger=CommLedger())
                 _, no_sync = _data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout)
                 fsdp = True
@@ -145,17 +146,22 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
             if pipe is not None:
                 pipe.accum = accum
             loss_context = _loss_context(split_output)
+            cp = SequenceSplit(mesh["cp"], recipe.context_parallel, device) if layout.cp > 1 else None
             params = [p for p in model.parameters() if p.requires_grad]
             with tracker:
                 for _ in range(2):
                     for micro in range(accum):
                         tracker.reset_mod_stats()  # per module: FSDPMemTracker takes one forward at a time
-                        with no_sync() if micro < accum - 1 else contextlib.nullcontext(), loss_context():
+                        with (
+                            no_sync() if micro < accum - 1 else contextlib.nullcontext(),
+                            loss_context(),
+                            cp.around(fake_batch) if cp is not None else contextlib.nullcontext() as cp_loss,
+                        ):
                             with autocast(cfg, device):
                                 if pipe is not None:
                                     pipe.step(fake_batch)
                                     continue
-                                loss = plain_loss(recipe.loss(model, fake_batch))
+                                loss = plain_loss(cp_loss(model) if cp_loss else recipe.loss(model, fake_batch))
                             (loss / accum).backward()
                     if pipe is not None:
                         pipe.sync_tied()

@@ -34,6 +34,7 @@ def layout_problems(cfg: RunConfig) -> Problems:
                 else []
             )
             or _tensor_parallel_problems(cfg, layout, where)
+            or _context_parallel_problems(cfg, layout, where)
             or _placement_problems(cfg, layout, where)
             or _batch_problems(cfg, layout, nodes)
         )
@@ -117,7 +118,7 @@ def _pipeline_problems(cfg: RunConfig, layout: Layout) -> Problems:
 def _placement_problems(cfg: RunConfig, layout: Layout, where: str) -> Problems:
     """Offload and loss parallelism need the layout dimension they work on."""
     p = cfg.parallel
-    if p.offload and layout.dp_shard == 1:
+    if p.offload and layout.fsdp == 1:
         return [("parallel.offload", f"{where}host offload moves FSDP2's shards, and the {layout.kind} layout "
                  f"({layout.describe()}) shards nothing: set parallel.dp_shard > 1")]  # fmt: skip
     if cfg.train.precision == "float8" and layout.tp > 1:
@@ -144,6 +145,14 @@ def _tensor_parallel_problems(cfg: RunConfig, layout: Layout, where: str) -> Pro
                 )
             ]
     return []
+
+
+def _context_parallel_problems(cfg: RunConfig, layout: Layout, where: str) -> Problems:
+    """The built-in GPT's sequence splits into 2 cp equal chunks (each rank holds a head and a tail chunk)."""
+    if cfg.recipe != BUILTIN_RECIPE or layout.cp == 1 or not cfg.model.seq_len % (2 * layout.cp):
+        return []
+    return [("parallel.cp", f"{where}model.seq_len={cfg.model.seq_len} is not a multiple of 2 x cp = {2 * layout.cp}: "
+             "context parallelism cuts each sequence into 2 cp equal chunks, two to a rank")]  # fmt: skip
 
 
 def _batch_problems(cfg: RunConfig, layout: Layout, nodes: int) -> Problems:

@@ -26,6 +26,14 @@ class ParallelConfig(Section):
         "recipe's tp_plan (the built-in GPT: heads and MLP units, sequence parallelism on the norms). 1 = off.",
         1,
     )
+    cp: int = doc(
+        "Context-parallel degree: each sequence split over this many ranks for attention (torch's context-parallel "
+        "ring attention; each rank holds two of 2 cp chunks, head and tail, for causal balance), between dp_shard "
+        "and tp. They read the same batch, and FSDP2 shards the parameters over dp_shard x cp. Needs a recipe with "
+        "Recipe.context_parallel (the built-in GPT has one), a sequence length divisible by 2 cp, and causal "
+        "attention through F.scaled_dot_product_attention (not model.doc_mask). 1 = off.",
+        1,
+    )
     pp: int = doc(
         "Pipeline-parallel stages, outermost (across nodes): the model cut into pp consecutive parts at the recipe's "
         "split points (the built-in GPT: between blocks), one per group of ranks. 1 = off.",
@@ -91,7 +99,7 @@ class ParallelConfig(Section):
     )
 
     def degrees(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {name: getattr(self, name) for name in DIMS}
 
     def microbatches(self, pp: int) -> int:
         """Pipeline micro-batches per loop micro-batch at ``pp`` stages."""

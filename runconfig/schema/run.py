@@ -102,6 +102,13 @@ class RunConfig:
         if self.model.doc_mask and self.parallel.pp > 1:
             out.append(("model.doc_mask", "is not available with pipeline parallelism (parallel.pp > 1) yet: a later "
                         "stage sees hidden states, not the tokens whose documents the mask is made from"))  # fmt: skip
+        if self.model.doc_mask and self.parallel.cp > 1:
+            out.append(("parallel.cp", "context parallelism runs torch's causal ring attention, which takes no mask: "
+                        "model.doc_mask's attention inside each document is not available with it (set one of "
+                        "them off)"))  # fmt: skip
+        if self.parallel.cp > 1 and self.parallel.pp > 1:
+            out.append(("parallel.cp", "context parallelism beside pipeline stages (parallel.pp > 1) is not built "
+                        "yet"))  # fmt: skip
         if self.monitor.preflight == "exclude" and self.job.nodes == 1:
             out.append(
                 (
@@ -116,7 +123,7 @@ class RunConfig:
         if self.monitor.straggler_exclude_after and self.job.nodes == 1:
             out.append(("monitor.straggler_exclude_after", "needs job.nodes >= 2: one node has no peers to lag behind"))
         p = self.parallel
-        if self.job.spare_ranks and (p.dp_shard != 1 or p.tp != 1 or p.pp != 1):
+        if self.job.spare_ranks and (p.dp_shard != 1 or p.cp != 1 or p.tp != 1 or p.pp != 1):
             out.append(("job.spare_ranks", "in-process restarts keep each survivor's whole replica: data-parallel "
                         "layouts only (this config sets parallel degrees above 1)"))  # fmt: skip
         if self.job.spare_ranks and not self.checkpoint.resume:
@@ -137,7 +144,7 @@ class RunConfig:
             out.append(("comm.sync_fragments", f"{comm.sync_fragments} does not divide comm.sync_every="
                         f"{comm.sync_every}: each fragment meets at a whole step of the round"))  # fmt: skip
         p = self.parallel
-        if p.dp_shard not in (1,) or p.tp != 1 or p.pp != 1:
+        if p.dp_shard != 1 or p.cp != 1 or p.tp != 1 or p.pp != 1:
             out.append(("comm.sync", f"{comm.sync} averages whole replicas between nodes: DDP layouts only (this "
                         "config sets parallel degrees above 1)"))  # fmt: skip
         for key, every in (("every_steps", ckpt.every_steps), ("memory_every_steps", ckpt.memory_every_steps)):

@@ -173,6 +173,28 @@ def test_overhead_trainer_vs_plain(tmp_path, small_dataset):
 
 
 @pytest.mark.mp
+def test_plain_context_parallel_script(tmp_path, small_dataset):
+    """bench/plain_layouts.py ``--layout cp`` under torchrun, one node of 2 ranks (each sequence over both), 3 steps
+    of a 2-layer GPT: the plain peer of the trainer's context parallelism runs and prints its JSON object."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "plain.json"
+    sets = [a for kv in ("train.steps=3", "train.log_every=1", "model.d_model=64", "model.n_layers=2")
+            for a in ("--set", kv)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIN_RANKS_PER_NODE": "2"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "bench" / "plain_layouts.py"), "--layout", "cp", "--data", str(small_dataset), *sets,
+           "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["layout"] == "cp" and res["grad_accum"] >= 1 and len(res["step_time_s"]) == 3
+    assert len(res["loss"]) == 3 and all(0 < x < 10 for x in res["loss"]), res
+
+
+@pytest.mark.mp
 def test_overhead_a_layout_against_its_plain_peer(tmp_path, small_dataset):
     """``--layout fsdp`` on 1 node x 2 ranks, one round of 6 steps of a 2-layer GPT: plain is
     bench/plain_layouts.py's FSDP script under torchrun, the trainer gets the layout's parallel.* settings;

@@ -80,18 +80,23 @@ def fsdp(tmp_path_factory, sets):
     return run_dir
 
 
-def stop_and_resume_bitwise(tmp_path, sets, reference, *, rank: int, resume_sets=()):
-    """A run of ``sets`` (async saves) stopped by a signal to one rank after step 5, resumed at the same layout
-    (with ``resume_sets``, which must not change a bit): it must end bit-identical to ``reference``. Returns a copy
-    of the stopped run, to resume at another layout. That rank waits after step 7 until the signal is there
-    (HPC_INJECT await_stop): 12 steps take 3 s, and a loaded machine once delayed the signal past the last one."""
-    run_dir = tmp_path / "run"
+def stop(run_dir, sets, *, rank: int) -> None:
+    """A run of ``sets`` (async saves) stopped by a signal to one rank after step 5."""
     proc = start(run_dir, [*sets, "checkpoint.async_save=true"], inject=f"await_stop:{rank}:7")
     wait_for_step(run_dir, 5, proc)
     os.kill(rank_pids(run_dir)[rank], signal.SIGUSR2)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, out + err
     assert 6 <= history(run_dir)[-1]["step"] < STEPS
+
+
+def stop_and_resume_bitwise(tmp_path, sets, reference, *, rank: int, resume_sets=()):
+    """A run of ``sets`` (async saves) stopped by a signal to one rank after step 5, resumed at the same layout
+    (with ``resume_sets``, which must not change a bit): it must end bit-identical to ``reference``. Returns a copy
+    of the stopped run, to resume at another layout. That rank waits after step 7 until the signal is there
+    (HPC_INJECT await_stop): 12 steps take 3 s, and a loaded machine once delayed the signal past the last one."""
+    run_dir = tmp_path / "run"
+    stop(run_dir, sets, rank=rank)
     stopped = tmp_path / "stopped"
     shutil.copytree(run_dir, stopped)
     done = run(run_dir, list(resume_sets), resume=True)
@@ -104,7 +109,7 @@ def stop_and_resume_bitwise(tmp_path, sets, reference, *, rank: int, resume_sets
 def test_fsdp_and_hsdp_train_like_one_process(tmp_path, monkeypatch, sets, single, fsdp):
     assert_close_to(fsdp, single)  # within 1e-4: the sums run in another order (measured ~3e-6 after 20 steps)
     s = summary(fsdp)
-    assert s["allreduce"] == "fsdp" and s["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}
+    assert s["allreduce"] == "fsdp" and s["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1}
     assert s["n_params"] == summary(single)["n_params"]
     # Each rank holds a quarter of the parameters and of the AdamW state (plus the padding of uneven shards).
     mine, whole = s["state_bytes_per_rank"], summary(single)["state_bytes_per_rank"]
@@ -197,7 +202,8 @@ def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tm
     assert done.returncode == 0, done.stdout + done.stderr
     assert_close_to(reference, single)  # measured: within 5e-7
     s, whole = summary(reference), summary(single)["state_bytes_per_rank"]
-    assert s["allreduce"] == "replicate" and s["parallel"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 2}
+    assert s["allreduce"] == "replicate"
+    assert s["parallel"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 2}
     assert s["n_params"] == summary(single)["n_params"]
     # The start event's accumulation is over the 2 data-parallel ranks, not the 4 ranks of the world.
     cfg = load_config(str(reference / "config.yaml"))
@@ -220,7 +226,7 @@ def test_tensor_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tm
     assert "loss parallelism: head's output split by class" in (resharded / "logs" / "rank_00000.log").read_text()
     assert_close_to(resharded, reference, tolerance=1e-5)
     s = summary(resharded)
-    assert s["allreduce"] == "fsdp" and s["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert s["allreduce"] == "fsdp" and s["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert load_config(str(resharded / "config.yaml")).parallel.meta_init
     assert 0.24 < s["state_bytes_per_rank"]["params"] / whole["params"] < 0.28
     assert_close_to(resharded, single)
@@ -236,7 +242,8 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
     assert_close_to(reference, single)  # measured: within 5e-7
     assert_waits_in(reference, "pp")  # rank 2 (the next stage) slowed: rank 0 waits in the schedule's send/recv
     s, alone = summary(reference), summary(single)
-    assert s["parallel"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and s["allreduce"] == "replicate"
+    assert s["parallel"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
+    assert s["allreduce"] == "replicate"
     assert s["n_params"] == alone["n_params"]
     # A stage holds one of the two blocks, and the embedding or the head (tied: one copy on each end).
     assert 0.55 < s["state_bytes_per_rank"]["params"] / alone["state_bytes_per_rank"]["params"] < 0.62
@@ -252,7 +259,7 @@ def test_pipeline_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path,
     done = run(tp_pp, sets_tp_pp, inject="slow:1:0.2")
     assert done.returncode == 0, done.stdout + done.stderr
     assert_waits_in(tp_pp, "tp", slow=0.2)
-    assert summary(tp_pp)["parallel"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    assert summary(tp_pp)["parallel"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
     assert summary(tp_pp)["allreduce"] == "tp"
     assert "loss parallelism: head's output split by class" in (tp_pp / "logs" / "rank_00000.log").read_text()
     assert_close_to(tp_pp, single)
@@ -290,3 +297,36 @@ def test_virtual_pipeline_stages_train_like_one_process_and_resume_bitwise(tmp_p
     done = run(stopped, ["parallel.pp=1", "parallel.pp_stages_per_rank=1", "parallel.pp_schedule=1F1B"], resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_close_to(stopped, single)
+
+
+CP = ["parallel.cp=2"]  # each sequence over the 2 ranks of a node; 2 replicas (one per node): FSDP2 over cp
+
+
+def test_context_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path, sets, single):
+    """cp 2 x 2 replicas: torch's ring attention (over the CPU kernel) with head-and-tail chunks; the loss follows
+    one process's (attention within a rank's chunks only, or positions counted from 0 on every rank, would not), a
+    stop resumes bit-identical, the stopped run continues as cp 2 x tp 2 and as DDP, and a DDP run's as cp."""
+    reference = tmp_path / "reference"
+    done = run(reference, [*sets, *CP])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_close_to(reference, single)
+    s = summary(reference)
+    assert s["allreduce"] == "hsdp" and s["parallel"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 2, "tp": 1}
+    stopped = stop_and_resume_bitwise(tmp_path, [*sets, *CP], reference, rank=1)
+    back = tmp_path / "back"
+    shutil.copytree(stopped, back)
+    # cp 2 x tp 2 (the sequence over the nodes, the heads inside a node): FSDP2 over cp of TP's pieces
+    done = run(stopped, ["parallel.tp=2", "parallel.dp_replicate=1"], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(stopped)["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}
+    assert_close_to(stopped, reference)
+    done = run(back, ["parallel.cp=1"], resume=True)  # and back to DDP
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(back)["allreduce"] != "hsdp" and summary(back)["parallel"]["dp_replicate"] == 4
+    assert_close_to(back, reference)
+    ddp = tmp_path / "ddp"  # and from DDP
+    stop(ddp, sets, rank=3)
+    done = run(ddp, CP, resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(ddp)["parallel"]["cp"] == 2
+    assert_close_to(ddp, reference)

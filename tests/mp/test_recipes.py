@@ -81,6 +81,7 @@ BAD = [
         ("recipes:recipe", {"tp": 2}, "parallel.tp=2: recipe 'toyproj.recipes:recipe' gives no tensor-parallel plan"),
         ("recipes:wrong_tp_plan", {"tp": 2}, "the first forward under parallel.tp=2 raised RuntimeError: "),
         ("recipes:recipe", {"pp": 2}, "parallel.pp=2: recipe 'toyproj.recipes:recipe' does not say how to cut its"),
+        ("recipes:recipe", {"cp": 2}, "parallel.cp=2: recipe 'toyproj.recipes:recipe' gives no Recipe.context_par"),
         # Raised inside the schedule on the last stage while stage 0 waits for its gradients: the job ends at once.
         (
             "recipes:vector_pipeline_loss",

@@ -186,7 +186,7 @@ def test_pipeline_layouts_refused(parallel, extra, words):
     ("parallel", "words"),
     [
         ({"offload": True}, "key 'parallel.offload': host offload moves FSDP2's shards, and the ddp layout"),
-        ({"offload": True, "tp": 2}, "the ddp+tp layout (pp 1 x dp_replicate 2 x dp_shard 1 x tp 2) shards nothing"),
+        ({"offload": True, "tp": 2}, "ddp+tp layout (pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 2) shards nothing"),
         ({"loss_parallel": True, "dp_shard": 2}, "'parallel.loss_parallel': the logits are split over a tensor-"),
     ],
 )
@@ -195,6 +195,24 @@ def test_offload_and_loss_parallel_need_their_dimension(parallel, words):
         from_dict(raw(**parallel), source="cfg.yaml")
     assert words in str(err.value)
     from_dict(raw(**{**parallel, "dp_shard": 2, "tp": 2}), source="cfg.yaml")  # with it: accepted
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"model": {"doc_mask": True}}, "key 'parallel.cp': context parallelism runs torch's causal ring attention"),
+        ({"parallel": {"cp": 2, "pp": 2}}, "key 'parallel.cp': context parallelism beside pipeline stages"),
+        ({"model": {"seq_len": 66}}, "key 'parallel.cp': model.seq_len=66 is not a multiple of 2 x cp = 4"),
+    ],
+)
+def test_context_parallel_refusals_name_the_key(extra, words):
+    with pytest.raises(ConfigError) as err:
+        from_dict({**raw(cp=2), **extra}, source="cfg.yaml")
+    assert words in str(err.value)
+    layout = from_dict({**raw(cp=2), "model": {"seq_len": 64}}, source="cfg.yaml").layout(4)
+    assert (layout.dp_replicate, layout.cp, layout.fsdp, layout.kind) == (2, 2, 2, "hsdp+cp")
+    assert layout.coords(3) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 0}
+    assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]  # a cp group reads one share of the data
 
 
 def test_pipeline_layout():

@@ -50,9 +50,14 @@ def forward_backward_step(
                 autocast(parts.cfg, parts.distributed.device),
             ):
                 return parts.wrapped.pipe.step(batch)
-        with contextlib.nullcontext() if synchronizing else parts.wrapped.no_sync():
+        cp = parts.wrapped.cp
+        with (
+            contextlib.nullcontext() if synchronizing else parts.wrapped.no_sync(),
+            cp.around(batch) if cp is not None else contextlib.nullcontext() as cp_loss,
+        ):
             with autocast(parts.cfg, parts.distributed.device):
-                loss = plain_loss(parts.recipe.loss(parts.wrapped.module, batch))
+                module = parts.wrapped.module
+                loss = plain_loss(cp_loss(module) if cp_loss is not None else parts.recipe.loss(module, batch))
             check_loss(loss, recipe=parts.cfg.recipe, rank=parts.env.rank, step=step)
             if mon.injector.faults:  # tests: a bad batch (HPC_INJECT spike), by its place in the data order
                 loss = loss * mon.injector.loss_factor(

@@ -12,6 +12,7 @@ from torch import nn
 
 from runconfig.schema import ModelConfig
 from trainer.data.documents import document_ids, document_mask, document_positions
+from trainer.recipes.api import positions as sequence_positions
 
 
 class Attention(nn.Module):
@@ -111,7 +112,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.eos is None:
-            doc, positions = None, torch.arange(idx.shape[1], device=idx.device)
+            doc, positions = None, sequence_positions(idx.shape[1], idx.device)
         else:
             doc, positions = document_ids(idx, self.eos), document_positions(idx, self.eos)
         x = self.drop(self.tok(idx) + self.pos(positions))
@@ -138,7 +139,7 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.drop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
+            x = self.drop(self.tok(x) + self.pos(sequence_positions(x.shape[1], x.device)))
         for block in self.blocks.values():
             x = block(x)
         return self.head(self.ln_f(x)) if self.last else x
@@ -149,6 +150,13 @@ def pipeline():
     from trainer.recipes.api import Pipeline
 
     return Pipeline(stage=Stage, split=lambda batch: (batch[:, :-1], batch[:, 1:]), loss=loss_fn)
+
+
+def context_parallel():
+    """The GPT with its sequences split over ranks (``Recipe.context_parallel``): the window's input and targets."""
+    from trainer.recipes.api import ContextParallel
+
+    return ContextParallel(split=lambda batch: (batch[:, :-1], batch[:, 1:]), loss=loss_fn)
 
 
 def tp_plan(model: nn.Module) -> dict:

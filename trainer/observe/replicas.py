@@ -46,10 +46,11 @@ def digest(model: nn.Module) -> str:
     return hashlib.sha256(",".join(map(str, values)).encode()).hexdigest()[:24]
 
 
-def replica_key(layout: Layout, rank: int) -> tuple[int, int, int]:
-    """The part of the model a rank holds: its (pipeline stage, FSDP shard, tensor-parallel slice)."""
+def replica_key(layout: Layout, rank: int) -> tuple[int, int, int, int]:
+    """The part of the model a rank holds: its (pipeline stage, FSDP shard, tensor-parallel slice); FSDP2 shards
+    over dp_shard x cp, so the context-parallel coordinate is part of the shard."""
     c = layout.coords(rank)
-    return c["pp"], c["dp_shard"], c["tp"]
+    return c["pp"], c["dp_shard"], c["cp"], c["tp"]
 
 
 def verdict(digests: list[str], layout: Layout, env: RuntimeEnv, step: int) -> dict | None:

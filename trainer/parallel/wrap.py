@@ -23,6 +23,7 @@ from trainer.env import RuntimeEnv
 from trainer.errors import UserError
 from trainer.parallel.carrier import Carrier
 from trainer.parallel.comm import BucketDispatch, BucketReducer, SideStream, overlapped_hook, stream_hook, sync_hook
+from trainer.parallel.cp import SequenceSplit
 from trainer.parallel.diloco import OuterSync
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.float8 import to_float8
@@ -53,6 +54,7 @@ class Wrapped:
     outer: OuterSync | None = None  # comm.sync=diloco or local_sgd: DDP inside the node, the nodes meet in rounds
     # around each forward and backward that computes the loss: torch's loss_parallel() under parallel.loss_parallel
     loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    cp: SequenceSplit | None = None  # parallel.cp: each micro-batch's sequences split over the cp group
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -89,6 +91,12 @@ def wrap(
     importlib.import_module("torch._dynamo")
 
     layout = layout_of(cfg, env)
+    if layout.cp > 1 and recipe.context_parallel is None:
+        raise UserError(
+            f"parallel.cp={layout.cp}: recipe {cfg.recipe!r} gives no Recipe.context_parallel (how its batch splits "
+            "into the model's input and targets, and its loss on a part of the sequence); add one (see "
+            "trainer/recipes/api.py, the built-in GPT's trainer.models.gpt.context_parallel), or set parallel.cp: 1."
+        )
     n_params = sum(p.numel() for p in model.parameters())
     split_output = output_layer(cfg, model, recipe)
     model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout, distributed.device)
@@ -127,6 +135,8 @@ def wrap(
             ledger=distributed.ledger,
         )
     wrapped = Wrapped(model, layout, allreduce, no_sync, model, n_params, pipe)
+    if layout.cp > 1:
+        wrapped.cp = SequenceSplit(mesh["cp"], recipe.context_parallel, distributed.device)
     if split_output is not None:
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -218,7 +228,7 @@ def _data_parallel_over_mesh(cfg: RunConfig, distributed: Distributed, model: nn
     if distributed.device.type == "cpu" and cfg.monitor.comm_by_dim:
         rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
         distributed.ledger.enable("+".join(rest) or None)
-    if layout.dp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
+    if layout.dp == 1 and layout.cp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
         return ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
     # Data parallelism over DTensors (or pipeline stages) goes through FSDP2 even without sharding (dp_shard 1:
     # HSDP with a shard group of one, i.e. replicas all-reduced): DDP takes neither.
@@ -230,12 +240,12 @@ def _data_parallel_over_mesh(cfg: RunConfig, distributed: Distributed, model: nn
         param_dtype=torch.bfloat16 if cfg.train.bf16_on(distributed.device.type) else None,
         # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
         # (torchtitan does the same).
-        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.dp_shard > 1 and layout.pp == 1,
+        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.fsdp > 1 and layout.pp == 1,
         ledger=distributed.ledger,
         offload=cfg.parallel.offload,
     )
     if layout.dp_replicate > 1:
-        return ("hsdp" if layout.dp_shard > 1 else "replicate"), functools.partial(_no_all_reduce, model)
+        return ("hsdp" if layout.fsdp > 1 else "replicate"), functools.partial(_no_all_reduce, model)
     # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between micro-batches would
     # cost the full model's gradient memory on every rank, which sharding avoids.
     return "fsdp", contextlib.nullcontext

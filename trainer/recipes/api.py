@@ -55,6 +55,34 @@ class Pipeline:
     """(model output, targets) -> the mean loss, as ``Recipe.loss`` computes it from the same batch."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ContextParallel:
+    """How a recipe's model runs with each sequence split over ranks (``parallel.cp`` > 1). The trainer splits
+    the batch into the model's input and targets, cuts both along dimension 1 (the sequence) into 2 cp chunks, hands
+    each rank a head and a tail chunk, and calls the model and ``loss`` on its part inside torch's
+    ``context_parallel()``, which makes ``F.scaled_dot_product_attention`` (causal, no mask) attend over the whole
+    sequence. The model must read token positions from :func:`positions` (not ``torch.arange``), and take its
+    sizes from its input. The built-in GPT's is ``trainer.models.gpt.context_parallel``."""
+
+    split: Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
+    """batch -> (the model's input, the targets the loss compares its output with), both [batch, sequence, ...]."""
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    """(model output, targets) -> the mean loss over this rank's tokens, as ``Recipe.loss`` computes it over all of
+    them. Every rank holds as many tokens: the mean of the ranks' losses is the batch's."""
+
+
+_positions: torch.Tensor | None = None  # this rank's token positions while the trainer runs a context-parallel step
+
+
+def positions(length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The positions in the whole sequence of the ``length`` tokens a model's forward holds: ``torch.arange(length)``,
+    or under context parallelism (``parallel.cp``) this rank's chunks' positions. Models with position embeddings
+    (or rotary tables) index them with this."""
+    if _positions is not None and _positions.numel() == length:
+        return _positions.to(device)
+    return torch.arange(length, device=device)
+
+
 @dataclass(kw_only=True)
 class Recipe:
     """What a recipe returns. Only ``model``, ``train_data`` and ``loss`` are required.
@@ -107,6 +135,9 @@ class Recipe:
     ``parallel.loss_parallel``: its tp_plan entry (a ``ColwiseParallel``) then keeps the output split by class over
     the tensor-parallel group, and the loss runs on the pieces under torch's ``loss_parallel()``."""
     pipeline: Pipeline | None = None
+    context_parallel: ContextParallel | None = None
+    """How the model runs with its sequences split over ranks (``parallel.cp`` > 1). Eval runs whole sequences on
+    every rank of the group, outside it."""
     """How the model is cut into pipeline stages, and its loss on the last one (``parallel.pp`` > 1). Eval metrics
     (``eval_metrics``) are not computed under pipeline parallelism: they call the whole model."""
     init_weights: Callable[[str, nn.Module], None] | None = None

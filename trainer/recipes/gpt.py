@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from trainer.models.gpt import GPT, flops_per_token, loss_fn, pipeline, tp_plan
+from trainer.models.gpt import GPT, context_parallel, flops_per_token, loss_fn, pipeline, tp_plan
 from trainer.recipes.api import Recipe, RecipeContext
 
 
@@ -32,6 +32,7 @@ def recipe(ctx: RecipeContext) -> Recipe:
         tp_plan=tp_plan,
         output_layer="head",
         pipeline=pipeline(),
+        context_parallel=context_parallel(),
         init_weights=model.init_weights,
         architecture={k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"},
     )
