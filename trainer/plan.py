@@ -106,7 +106,7 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
     from trainer.loop.optim import build_optimizer, clip_grad_norm
     from trainer.loop.parts import autocast
     from trainer.parallel.commtime import CommLedger
-    from trainer.parallel.cp import SequenceSplit
+    from trainer.parallel.cp import SequenceSplit, check_recipe
     from trainer.parallel.mesh import train_mesh
     from trainer.parallel.pipeline import schedule
     from trainer.parallel.tp import tensor_parallel
@@ -146,6 +146,7 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
             if pipe is not None:
                 pipe.accum = accum
             loss_context = _loss_context(split_output)
+            check_recipe(layout, recipe, cfg.recipe)
             cp = SequenceSplit(mesh["cp"], recipe.context_parallel, device) if layout.cp > 1 else None
             params = [p for p in model.parameters() if p.requires_grad]
             with tracker:

@@ -148,11 +148,31 @@ def _tensor_parallel_problems(cfg: RunConfig, layout: Layout, where: str) -> Pro
 
 
 def _context_parallel_problems(cfg: RunConfig, layout: Layout, where: str) -> Problems:
-    """The built-in GPT's sequence splits into 2 cp equal chunks (each rank holds a head and a tail chunk)."""
-    if cfg.recipe != BUILTIN_RECIPE or layout.cp == 1 or not cfg.model.seq_len % (2 * layout.cp):
+    """What torch's causal ring attention takes, on the resolved layout (a -1 degree included): no pipeline stages
+    beside it, whole sequences of equal length, and for the built-in GPT no document mask, no attention dropout and
+    a sequence of 2 cp equal chunks (each rank holds a head and a tail chunk)."""
+    if layout.cp == 1:
         return []
-    return [("parallel.cp", f"{where}model.seq_len={cfg.model.seq_len} is not a multiple of 2 x cp = {2 * layout.cp}: "
-             "context parallelism cuts each sequence into 2 cp equal chunks, two to a rank")]  # fmt: skip
+    if layout.pp > 1:
+        return [("parallel.cp", f"{where}context parallelism beside pipeline stages ({layout.describe()}) is not "
+                 "built yet")]  # fmt: skip
+    if cfg.data.bucket_by_length:
+        return [("parallel.cp", f"{where}data.bucket_by_length makes batches of other lengths, and context "
+                 "parallelism splits every sequence into 2 x cp equal chunks (set one of them off)")]  # fmt: skip
+    if cfg.recipe != BUILTIN_RECIPE:
+        return []
+    m = cfg.model
+    if m.doc_mask:
+        return [("parallel.cp", "context parallelism runs torch's causal ring attention, which takes no mask: "
+                 "model.doc_mask's attention inside each document is not available with it (set one of them "
+                 "off)")]  # fmt: skip
+    if m.dropout > 0:
+        return [("parallel.cp", f"torch's ring attention takes no attention dropout, and model.dropout={m.dropout} "
+                 "asks for it: set model.dropout: 0 with context parallelism")]  # fmt: skip
+    if m.seq_len % (2 * layout.cp):
+        return [("parallel.cp", f"{where}model.seq_len={m.seq_len} is not a multiple of 2 x cp = {2 * layout.cp}: "
+                 "context parallelism cuts each sequence into 2 cp equal chunks, two to a rank")]  # fmt: skip
+    return []
 
 
 def _batch_problems(cfg: RunConfig, layout: Layout, nodes: int) -> Problems:

@@ -102,13 +102,6 @@ class RunConfig:
         if self.model.doc_mask and self.parallel.pp > 1:
             out.append(("model.doc_mask", "is not available with pipeline parallelism (parallel.pp > 1) yet: a later "
                         "stage sees hidden states, not the tokens whose documents the mask is made from"))  # fmt: skip
-        if self.model.doc_mask and self.parallel.cp > 1:
-            out.append(("parallel.cp", "context parallelism runs torch's causal ring attention, which takes no mask: "
-                        "model.doc_mask's attention inside each document is not available with it (set one of "
-                        "them off)"))  # fmt: skip
-        if self.parallel.cp > 1 and self.parallel.pp > 1:
-            out.append(("parallel.cp", "context parallelism beside pipeline stages (parallel.pp > 1) is not built "
-                        "yet"))  # fmt: skip
         if self.monitor.preflight == "exclude" and self.job.nodes == 1:
             out.append(
                 (

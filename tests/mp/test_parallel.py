@@ -302,10 +302,11 @@ def test_virtual_pipeline_stages_train_like_one_process_and_resume_bitwise(tmp_p
 CP = ["parallel.cp=2"]  # each sequence over the 2 ranks of a node; 2 replicas (one per node): FSDP2 over cp
 
 
-def test_context_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path, sets, single):
+def test_context_parallel_trains_like_one_process_resumes_bitwise_and_reshards(tmp_path, monkeypatch, sets, single):
     """cp 2 x 2 replicas: torch's ring attention (over the CPU kernel) with head-and-tail chunks; the loss follows
     one process's (attention within a rank's chunks only, or positions counted from 0 on every rank, would not), a
-    stop resumes bit-identical, the stopped run continues as cp 2 x tp 2 and as DDP, and a DDP run's as cp."""
+    stop resumes bit-identical, the stopped run continues as cp 2 x tp 2 (with loss parallelism) and as DDP, and a
+    DDP run's as cp. cp 2 x FSDP2 2 with full activation checkpointing, compiled, follows one process too."""
     reference = tmp_path / "reference"
     done = run(reference, [*sets, *CP])
     assert done.returncode == 0, done.stdout + done.stderr
@@ -316,7 +317,7 @@ def test_context_parallel_trains_like_one_process_resumes_bitwise_and_reshards(t
     back = tmp_path / "back"
     shutil.copytree(stopped, back)
     # cp 2 x tp 2 (the sequence over the nodes, the heads inside a node): FSDP2 over cp of TP's pieces
-    done = run(stopped, ["parallel.tp=2", "parallel.dp_replicate=1"], resume=True)
+    done = run(stopped, ["parallel.tp=2", "parallel.dp_replicate=1", "parallel.loss_parallel=true"], resume=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary(stopped)["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}
     assert_close_to(stopped, reference)
@@ -330,3 +331,10 @@ def test_context_parallel_trains_like_one_process_resumes_bitwise_and_reshards(t
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary(ddp)["parallel"]["cp"] == 2
     assert_close_to(ddp, reference)
+    monkeypatch.setenv("TORCH_COMPILE_OVERRIDE_BACKENDS", ">=0:aot_eager")  # as the HSDP test: inductor's C++ is slow
+    fsdp_cp = tmp_path / "fsdp_cp"
+    done = run(fsdp_cp, [*sets, *CP, "parallel.dp_shard=2", "parallel.dp_replicate=1",
+                         "parallel.activation_checkpointing=full", "parallel.compile=true"])  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(fsdp_cp)["allreduce"] == "fsdp" and summary(fsdp_cp)["parallel"]["dp_shard"] == 2
+    assert_close_to(fsdp_cp, single)  # eval included: whole sequences through the compiled blocks, outside the ring

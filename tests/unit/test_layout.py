@@ -203,6 +203,10 @@ def test_offload_and_loss_parallel_need_their_dimension(parallel, words):
         ({"model": {"doc_mask": True}}, "key 'parallel.cp': context parallelism runs torch's causal ring attention"),
         ({"parallel": {"cp": 2, "pp": 2}}, "key 'parallel.cp': context parallelism beside pipeline stages"),
         ({"model": {"seq_len": 66}}, "key 'parallel.cp': model.seq_len=66 is not a multiple of 2 x cp = 4"),
+        ({"model": {"dropout": 0.1}}, "key 'parallel.cp': torch's ring attention takes no attention dropout"),
+        ({"data": {"bucket_by_length": True}}, "key 'parallel.cp': data.bucket_by_length makes batches of other"),
+        # -1 degrees are resolved first: pp takes the 2 ranks cp leaves
+        ({"parallel": {"cp": 2, "pp": -1, "dp_replicate": 1}}, "context parallelism beside pipeline stages (pp 2 x"),
     ],
 )
 def test_context_parallel_refusals_name_the_key(extra, words):

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from runconfig.layout import Layout
 from trainer.errors import UserError
 from trainer.recipes import api
-from trainer.recipes.api import ContextParallel
+from trainer.recipes.api import ContextParallel, Recipe
 
 SEQ_DIM = 2  # of attention's (batch, heads, sequence, head dim) tensors
 aten = torch.ops.aten
@@ -56,8 +57,12 @@ def _ring_forward(op_call, args, kwargs):
     q, k, v = args[:3]
     dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
     is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
-    if kwargs.get("attn_mask") is not None or dropout_p:
-        raise UserError("parallel.cp: attention with a mask or dropout cannot run as ring attention (causal only).")
+    if kwargs.get("attn_mask") is not None or dropout_p or not is_causal:
+        raise UserError(
+            "parallel.cp: the model's F.scaled_dot_product_attention asks for a mask, dropout or non-causal "
+            "attention; torch's ring attention under context parallelism runs causal attention only (is_causal=True, "
+            "no attn_mask, dropout_p=0)."
+        )
     mesh = q.device_mesh
     out = _attention._templated_ring_attention(
         mesh.get_group(), SEQ_DIM, _cpu_forward, _local(q), _local(k), _local(v),
@@ -85,6 +90,22 @@ def _enable_cpu_kernels() -> None:
 
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = _ring_forward
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _ring_backward
+
+
+def check_recipe(layout: Layout, recipe: Recipe, spec: str) -> None:
+    """Under ``parallel.cp`` > 1: the recipe says how its batch splits (``Recipe.context_parallel``), and no pipeline
+    runs beside it (the config refuses that too; here for a layout resolved at run time)."""
+    if layout.cp == 1:
+        return
+    if layout.pp > 1:
+        raise UserError(f"parallel.cp={layout.cp}: context parallelism beside pipeline stages ({layout.describe()}) "
+                        "is not built yet; set parallel.cp: 1 or parallel.pp: 1.")  # fmt: skip
+    if recipe.context_parallel is None:
+        raise UserError(
+            f"parallel.cp={layout.cp}: recipe {spec!r} gives no Recipe.context_parallel (how its batch splits into "
+            "the model's input and targets, and its loss on a part of the sequence); add one (see "
+            "trainer/recipes/api.py, the built-in GPT's trainer.models.gpt.context_parallel), or set parallel.cp: 1."
+        )
 
 
 class SequenceSplit:

@@ -23,7 +23,7 @@ from trainer.env import RuntimeEnv
 from trainer.errors import UserError
 from trainer.parallel.carrier import Carrier
 from trainer.parallel.comm import BucketDispatch, BucketReducer, SideStream, overlapped_hook, stream_hook, sync_hook
-from trainer.parallel.cp import SequenceSplit
+from trainer.parallel.cp import SequenceSplit, check_recipe
 from trainer.parallel.diloco import OuterSync
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.float8 import to_float8
@@ -91,12 +91,7 @@ def wrap(
     importlib.import_module("torch._dynamo")
 
     layout = layout_of(cfg, env)
-    if layout.cp > 1 and recipe.context_parallel is None:
-        raise UserError(
-            f"parallel.cp={layout.cp}: recipe {cfg.recipe!r} gives no Recipe.context_parallel (how its batch splits "
-            "into the model's input and targets, and its loss on a part of the sequence); add one (see "
-            "trainer/recipes/api.py, the built-in GPT's trainer.models.gpt.context_parallel), or set parallel.cp: 1."
-        )
+    check_recipe(layout, recipe, cfg.recipe)
     n_params = sum(p.numel() for p in model.parameters())
     split_output = output_layer(cfg, model, recipe)
     model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout, distributed.device)
@@ -226,7 +221,8 @@ def _data_parallel_over_mesh(cfg: RunConfig, distributed: Distributed, model: nn
     """The mesh layouts' gradient reduction: (what summary.json calls it, the no-sync context of accumulation)."""
     # On CPU collectives block the training thread: their waits are its exposed communication (monitor.comm_by_dim)
     if distributed.device.type == "cpu" and cfg.monitor.comm_by_dim:
-        rest = [n for n in ("tp", "dp_replicate") if getattr(layout, n) > 1]
+        # what is not timed apart: tensor parallelism's, the ring attention's and the replicas' collectives
+        rest = [n for n in ("cp", "tp", "dp_replicate") if getattr(layout, n) > 1]
         distributed.ledger.enable("+".join(rest) or None)
     if layout.dp == 1 and layout.cp == 1:  # tensor (or pipeline) parallelism alone: no gradient reduction but theirs
         return ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext

@@ -68,7 +68,8 @@ class ContextParallel:
     """batch -> (the model's input, the targets the loss compares its output with), both [batch, sequence, ...]."""
     loss: Callable[[Any, torch.Tensor], torch.Tensor]
     """(model output, targets) -> the mean loss over this rank's tokens, as ``Recipe.loss`` computes it over all of
-    them. Every rank holds as many tokens: the mean of the ranks' losses is the batch's."""
+    them. Every rank holds as many tokens, so the mean of the ranks' losses is the batch's: a loss that leaves
+    tokens out (``ignore_index``, padding) would weigh the ranks unevenly."""
 
 
 _positions: torch.Tensor | None = None  # this rank's token positions while the trainer runs a context-parallel step
@@ -135,11 +136,11 @@ class Recipe:
     ``parallel.loss_parallel``: its tp_plan entry (a ``ColwiseParallel``) then keeps the output split by class over
     the tensor-parallel group, and the loss runs on the pieces under torch's ``loss_parallel()``."""
     pipeline: Pipeline | None = None
+    """How the model is cut into pipeline stages, and its loss on the last one (``parallel.pp`` > 1). Eval metrics
+    (``eval_metrics``) are not computed under pipeline parallelism: they call the whole model."""
     context_parallel: ContextParallel | None = None
     """How the model runs with its sequences split over ranks (``parallel.cp`` > 1). Eval runs whole sequences on
     every rank of the group, outside it."""
-    """How the model is cut into pipeline stages, and its loss on the last one (``parallel.pp`` > 1). Eval metrics
-    (``eval_metrics``) are not computed under pipeline parallelism: they call the whole model."""
     init_weights: Callable[[str, nn.Module], None] | None = None
     """(module path, module) -> None: fill the module's own parameters (not its children's) in place, for
     ``parallel.meta_init``, where the model is built without values. Called once per module that owns parameters,

@@ -3,6 +3,7 @@ then settled by a throw-away pass (DDP's buckets rebuilt, the first loss checked
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -71,51 +72,55 @@ def settle(
     last stage, through the schedule). Where DDP runs (or, for auto, may run) the trainer's hook, a second pass
     rebuilds the buckets, whose sizes are then noted. Gradients are discarded."""
     pipe, tp = wrapped.pipe, wrapped.layout.tp
-    error, loss = None, None
-    try:
-        batch = loader.batch_at(0, 0)
-        with autocast(cfg, loader.device):
-            if pipe is None:
-                loss = plain_loss(recipe.loss(wrapped.module, batch))
-            else:
-                try:
-                    loss = pipe.step(batch)
-                except UserError as exc:  # the recipe's Pipeline.loss, checked inside the schedule
-                    raise UserError(f"rank {env.rank}: recipe {cfg.recipe!r}: {exc}") from None
-        if pipe is None or pipe.last:
-            check_first_loss(cfg.recipe, env.rank, loss)
-    except UserError as exc:
-        error = str(exc)
-    except (RuntimeError, ValueError) as exc:
-        if tp == 1:
-            raise
-        error = (
-            f"rank {env.rank}: recipe {cfg.recipe!r}: the first forward under parallel.tp={tp} raised "
-            f"{first_line(exc).rstrip('.')}. With tensor parallelism each rank holds 1/{tp} of the split layers, "
-            "so the model's forward must take its sizes from the tensors (e.g. x.view(b, t, -1, head_dim), not "
-            "n_heads), and the recipe's tp_plan must match how the layers connect."
-            + (
-                " Under parallel.loss_parallel the loss takes the output layer's logits split by class: torch "
-                "computes F.cross_entropy on them (class-index targets, no label_smoothing) and little else."
-                if cfg.parallel.loss_parallel
-                else ""
-            )
-        )
-    if pipe is not None:
-        if error is not None:  # the other stages may be inside the schedule, waiting for this one: end the job
-            raise UserError(error)
-        agree(comm, None)
-    else:
-        agree(comm, error)  # before backward: its all-reduce needs every rank
-        throwaway_backward(wrapped, loss)
-        if wrapped.dispatch is not None:
-            # DDP rebuilds its buckets at the next forward (in gradient-ready order, at the configured caps; the
-            # first backward ran its initial layout, whose first bucket is 1 MB whatever comm.bucket_mb says). One
-            # more pass, so that the sizes noted below are the ones training reduces: the sizes auto's plan is
-            # measured for and the overlapped reduction is checked on.
+    # under context parallelism the pass runs as a step does: each rank its part of the sequence, in the ring
+    with contextlib.ExitStack() as held:
+        error, loss = None, None
+        try:
+            batch = loader.batch_at(0, 0)
+            cp_loss = held.enter_context(wrapped.cp.around(batch)) if wrapped.cp is not None else None
             with autocast(cfg, loader.device):
-                loss = recipe.loss(wrapped.module, batch)
+                if pipe is None:
+                    module = wrapped.module
+                    loss = plain_loss(cp_loss(module) if cp_loss is not None else recipe.loss(module, batch))
+                else:
+                    try:
+                        loss = pipe.step(batch)
+                    except UserError as exc:  # the recipe's Pipeline.loss, checked inside the schedule
+                        raise UserError(f"rank {env.rank}: recipe {cfg.recipe!r}: {exc}") from None
+            if pipe is None or pipe.last:
+                check_first_loss(cfg.recipe, env.rank, loss)
+        except UserError as exc:
+            error = str(exc)
+        except (RuntimeError, ValueError) as exc:
+            if tp == 1:
+                raise
+            error = (
+                f"rank {env.rank}: recipe {cfg.recipe!r}: the first forward under parallel.tp={tp} raised "
+                f"{first_line(exc).rstrip('.')}. With tensor parallelism each rank holds 1/{tp} of the split layers, "
+                "so the model's forward must take its sizes from the tensors (e.g. x.view(b, t, -1, head_dim), not "
+                "n_heads), and the recipe's tp_plan must match how the layers connect."
+                + (
+                    " Under parallel.loss_parallel the loss takes the output layer's logits split by class: torch "
+                    "computes F.cross_entropy on them (class-index targets, no label_smoothing) and little else."
+                    if cfg.parallel.loss_parallel
+                    else ""
+                )
+            )
+        if pipe is not None:
+            if error is not None:  # the other stages may be inside the schedule, waiting for this one: end the job
+                raise UserError(error)
+            agree(comm, None)
+        else:
+            agree(comm, error)  # before backward: its all-reduce needs every rank
             throwaway_backward(wrapped, loss)
+            if wrapped.dispatch is not None:
+                # DDP rebuilds its buckets at the next forward (in gradient-ready order, at the configured caps; the
+                # first backward ran its initial layout, whose first bucket is 1 MB whatever comm.bucket_mb says). One
+                # more pass, so that the sizes noted below are the ones training reduces: the sizes auto's plan is
+                # measured for and the overlapped reduction is checked on.
+                with autocast(cfg, loader.device):
+                    loss = recipe.loss(wrapped.module, batch)
+                throwaway_backward(wrapped, loss)
     (wrapped.carrier or wrapped.model).zero_grad(set_to_none=True)  # the carrier holds the model
     if wrapped.dispatch is not None:
         wrapped.dispatch.sizes = bucket_sizes(ddp_bucket_bytes(wrapped.module))
