@@ -106,7 +106,7 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
     from trainer.loop.optim import build_optimizer, clip_grad_norm
     from trainer.loop.parts import autocast
     from trainer.parallel.commtime import CommLedger
-    from trainer.parallel.cp import SequenceSplit, check_recipe
+    from trainer.parallel.cp import SequenceSplit, batch_loss, check_recipe
     from trainer.parallel.mesh import train_mesh
     from trainer.parallel.pipeline import schedule
     from trainer.parallel.tp import tensor_parallel
@@ -156,13 +156,13 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
                         with (
                             no_sync() if micro < accum - 1 else contextlib.nullcontext(),
                             loss_context(),
-                            cp.around(fake_batch) if cp is not None else contextlib.nullcontext() as cp_loss,
+                            batch_loss(cp, recipe.loss, fake_batch) as loss_of,
                         ):
                             with autocast(cfg, device):
                                 if pipe is not None:
                                     pipe.step(fake_batch)
                                     continue
-                                loss = plain_loss(cp_loss(model) if cp_loss else recipe.loss(model, fake_batch))
+                                loss = plain_loss(loss_of(model))
                             (loss / accum).backward()
                     if pipe is not None:
                         pipe.sync_tied()

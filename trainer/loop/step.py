@@ -12,6 +12,7 @@ from trainer.errors import UserError
 from trainer.loop.boundary import agreement_values
 from trainer.loop.optim import clip_grad_norm
 from trainer.loop.parts import Parts, autocast
+from trainer.parallel.cp import batch_loss
 from trainer.parallel.tp import plain_loss
 
 
@@ -50,14 +51,12 @@ def forward_backward_step(
                 autocast(parts.cfg, parts.distributed.device),
             ):
                 return parts.wrapped.pipe.step(batch)
-        cp = parts.wrapped.cp
         with (
             contextlib.nullcontext() if synchronizing else parts.wrapped.no_sync(),
-            cp.around(batch) if cp is not None else contextlib.nullcontext() as cp_loss,
+            batch_loss(parts.wrapped.cp, parts.recipe.loss, batch) as loss_of,
         ):
             with autocast(parts.cfg, parts.distributed.device):
-                module = parts.wrapped.module
-                loss = plain_loss(cp_loss(module) if cp_loss is not None else parts.recipe.loss(module, batch))
+                loss = plain_loss(loss_of(parts.wrapped.module))
             check_loss(loss, recipe=parts.cfg.recipe, rank=parts.env.rank, step=step)
             if mon.injector.faults:  # tests: a bad batch (HPC_INJECT spike), by its place in the data order
                 loss = loss * mon.injector.loss_factor(

@@ -145,18 +145,23 @@ class Stage(nn.Module):
         return self.head(self.ln_f(x)) if self.last else x
 
 
+def next_tokens(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of token windows -> (the model's input, the next token of each position): window[:, :-1], [:, 1:]."""
+    return batch[:, :-1], batch[:, 1:]
+
+
 def pipeline():
     """The GPT as a pipeline (``Recipe.pipeline``): stages of consecutive blocks; batches are token windows."""
     from trainer.recipes.api import Pipeline
 
-    return Pipeline(stage=Stage, split=lambda batch: (batch[:, :-1], batch[:, 1:]), loss=loss_fn)
+    return Pipeline(stage=Stage, split=next_tokens, loss=loss_fn)
 
 
 def context_parallel():
     """The GPT with its sequences split over ranks (``Recipe.context_parallel``): the window's input and targets."""
     from trainer.recipes.api import ContextParallel
 
-    return ContextParallel(split=lambda batch: (batch[:, :-1], batch[:, 1:]), loss=loss_fn)
+    return ContextParallel(split=next_tokens, loss=loss_fn)
 
 
 def tp_plan(model: nn.Module) -> dict:

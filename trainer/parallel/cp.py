@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from runconfig.layout import Layout
 from trainer.errors import UserError
 from trainer.recipes import api
-from trainer.recipes.api import ContextParallel, Recipe
+from trainer.recipes.api import ContextParallel, LossFn, Recipe
 
 SEQ_DIM = 2  # of attention's (batch, heads, sequence, head dim) tensors
 aten = torch.ops.aten
@@ -90,6 +90,19 @@ def _enable_cpu_kernels() -> None:
 
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = _ring_forward
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _ring_backward
+
+
+@contextlib.contextmanager
+def batch_loss(
+    cp: SequenceSplit | None, loss: LossFn, batch: Any
+) -> Iterator[Callable[[torch.nn.Module], torch.Tensor]]:
+    """Yields model -> the loss of ``batch``: the recipe's, or under context parallelism (``cp``) this rank's part's,
+    inside the ring (its backward must run inside too). One place for the step, the start-up pass and the plan."""
+    if cp is None:
+        yield lambda model: loss(model, batch)
+        return
+    with cp.around(batch) as part:
+        yield part
 
 
 def check_recipe(layout: Layout, recipe: Recipe, spec: str) -> None:

@@ -8,13 +8,14 @@ import dataclasses
 import torch
 from torch import nn
 
-from trainer.models.gpt import GPT, context_parallel, flops_per_token, loss_fn, pipeline, tp_plan
+from trainer.models.gpt import GPT, context_parallel, flops_per_token, loss_fn, next_tokens, pipeline, tp_plan
 from trainer.recipes.api import Recipe, RecipeContext
 
 
 def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting window[:, 1:] from window[:, :-1]."""
-    return loss_fn(model(batch[:, :-1]), batch[:, 1:])
+    inputs, targets = next_tokens(batch)
+    return loss_fn(model(inputs), targets)
 
 
 def recipe(ctx: RecipeContext) -> Recipe:

@@ -18,6 +18,7 @@ from trainer.env import RuntimeEnv, agree
 from trainer.errors import UserError, first_line
 from trainer.loop.parts import autocast
 from trainer.parallel.autotune import bucket_sizes
+from trainer.parallel.cp import batch_loss
 from trainer.parallel.distributed import Distributed
 from trainer.parallel.grad_buckets import ddp_bucket_bytes
 from trainer.parallel.materialise import buffers_to, owners
@@ -77,11 +78,10 @@ def settle(
         error, loss = None, None
         try:
             batch = loader.batch_at(0, 0)
-            cp_loss = held.enter_context(wrapped.cp.around(batch)) if wrapped.cp is not None else None
             with autocast(cfg, loader.device):
                 if pipe is None:
-                    module = wrapped.module
-                    loss = plain_loss(cp_loss(module) if cp_loss is not None else recipe.loss(module, batch))
+                    loss_of = held.enter_context(batch_loss(wrapped.cp, recipe.loss, batch))
+                    loss = plain_loss(loss_of(wrapped.module))
                 else:
                     try:
                         loss = pipe.step(batch)
