@@ -1,7 +1,7 @@
 """The one owner rule (trainer/checkpoint/fingerprint.py ``owners_among``: largest first to the least-loaded holder,
 ties to the lowest rank) kept by its heaps, against the rule written as a scan; and at 4,096 ranks, a restore's
-share of the files to verify (trainer/checkpoint/reader.py ``shares``: 2 files a rank) in a fraction of the 3.8 s
-the scan took on every rank."""
+share of the files to verify (trainer/checkpoint/reader.py ``shares``: 2 files a rank); the heaps measured against
+the scan side by side."""
 
 import random
 import time
@@ -33,14 +33,38 @@ def test_the_heaps_give_the_scans_owners_with_shared_and_overlapping_holders():
         assert owners_among(names, sizes, holders) == by_scan(names, sizes, holders)
 
 
-def test_a_restore_at_4096_ranks_shares_its_8194_files_at_once():
-    world = 4096
+def restore_sizes(world: int) -> dict[str, int]:
+    """A restore's files at ``world`` ranks: a DCP shard and a rank file each, the metadata and the train state."""
     sizes = {f"dcp/__{r}_0.distcp": 10**9 + r % 3 for r in range(world)}
-    sizes |= {f"rank_{r:05d}.pt": 16811 for r in range(world)} | {"dcp/.metadata": 5 << 20, "train_state.json": 900}
-    started = time.perf_counter()
+    sizes |= {f"rank_{r:05d}.pt": 16811 for r in range(world)}
+    return sizes | {"dcp/.metadata": 5 << 20, "train_state.json": 900}
+
+
+def test_a_restore_at_4096_ranks_shares_its_8194_files_evenly():
+    world = 4096
+    sizes = restore_sizes(world)
     got = shares(sizes, world)
-    seconds = time.perf_counter() - started
     assert sorted(n for share in got for n in share) == sorted(sizes)
     assert all(1 <= len(share) <= 3 for share in got)  # the largest first, each rank about the same bytes
-    assert seconds < 0.5, f"shares() at {world} ranks took {seconds:.2f} s"
     assert owners([5, 5, 9], 2) == [1, 1, 0]  # 9 to rank 0; both 5s to rank 1 (its 5 < 9)
+
+
+def test_the_heaps_share_a_restore_many_times_faster_than_the_scan():
+    # Side by side in one process (a loaded CI machine slows both): at 1,024 ranks the heaps took 8 ms and the scan
+    # 365 ms here (46x; 180x at 4,096). The best of three runs of each, and a 5x floor, keep it about the order.
+    world = 1024
+    sizes = restore_sizes(world)
+    names = sorted(sizes)
+    every = {n: list(range(world)) for n in names}
+
+    def best(run) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    heaps = best(lambda: shares(sizes, world))
+    scan = best(lambda: by_scan(names, sizes, every))
+    assert scan > 5 * heaps, f"at {world} ranks the heaps took {heaps * 1e3:.1f} ms, the scan {scan * 1e3:.1f} ms"
