@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import copy
 import json
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -50,13 +51,18 @@ class RankPlan:
     peak: int
 
 
-def plan(cfg: RunConfig, world_size: int) -> tuple[Layout, list[RankPlan]]:
-    """The plan of one rank per pipeline coordinate (the ranks of one coordinate hold alike)."""
+def layout_for(cfg: RunConfig, world_size: int) -> Layout:
     from trainer.parallel.wrap import layout_of
 
     env = SimpleNamespace(world_size=world_size, topology=SimpleNamespace(num_nodes=cfg.job.nodes,
                           ranks_per_node=cfg.job.ranks_per_node))  # fmt: skip
-    layout = layout_of(cfg, env)
+    return layout_of(cfg, env)
+
+
+def plan(cfg: RunConfig, world_size: int, coordinate: int | None = None) -> tuple[Layout, list[RankPlan]]:
+    """The plan of one rank per pipeline coordinate (the ranks of one coordinate hold alike); ``coordinate``: of
+    that coordinate's rank only."""
+    layout = layout_for(cfg, world_size)
     kind = cfg.parallel.pp_schedule
     if layout.pp > 1 and kind in SPLIT_BACKWARD:
         raise UserError(
@@ -70,7 +76,8 @@ def plan(cfg: RunConfig, world_size: int) -> tuple[Layout, list[RankPlan]]:
         firsts.setdefault(layout.coords(rank)["pp"], rank)
         if len(firsts) == layout.pp:
             break
-    return layout, [_plan_rank(cfg, layout, recipe, batch, rank=r, world_size=world_size) for r in firsts.values()]
+    ranks = [firsts[coordinate]] if coordinate is not None else list(firsts.values())
+    return layout, [_plan_rank(cfg, layout, recipe, batch, rank=r, world_size=world_size) for r in ranks]
 
 
 def _recipe_and_batch(cfg: RunConfig):
@@ -110,7 +117,7 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
     from trainer.parallel.mesh import train_mesh
     from trainer.parallel.pipeline import schedule
     from trainer.parallel.tp import tensor_parallel
-    from trainer.parallel.wrap import _data_parallel_over_mesh, _stage_and_blocks, output_layer
+    from trainer.parallel.wrap import data_parallel_over_mesh, output_layer, stage_and_blocks, stages_of
 
     device = torch.device("cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -121,15 +128,18 @@ def _plan_rank(cfg: RunConfig, layout: Layout, recipe, batch, *, rank: int, worl
         with mode, _apart():
             _fake_parameters(model, device)  # the whole model's, allocating nothing: split below as a rank splits it
             fake_batch = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch)
-            examples = _stage_examples(cfg, layout, model, recipe, fake_batch, device) if layout.pp > 1 else None
             split_output = output_layer(cfg, model, recipe)
-            model, cut_info, blocks = _stage_and_blocks(cfg, SimpleNamespace(rank=rank), model, recipe, layout, device)
+            examples = None
+            if layout.pp > 1:
+                tp = (mesh["tp"], split_output) if layout.tp > 1 else None
+                examples = _stage_examples(cfg, layout, model, recipe, fake_batch, device, tp)
+            model, cut_info, blocks = stage_and_blocks(cfg, SimpleNamespace(rank=rank), model, recipe, layout, device)
             if layout.tp > 1:
                 tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe, split_output=split_output)
             no_sync, fsdp = contextlib.nullcontext, False
             if mesh is not None and (layout.dp > 1 or layout.cp > 1):
                 distributed = SimpleNamespace(device=device, ledger=CommLedger())
-                _, no_sync = _data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout)
+                _, no_sync = data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout, stages_of(cut_info))
                 fsdp = True
             pipe = None
             if cut_info is not None:
@@ -195,12 +205,19 @@ def _tracker(base: type) -> type:
     return Tracker
 
 
-def _stage_examples(cfg: RunConfig, layout: Layout, model: nn.Module, recipe, batch, device) -> dict[int, tuple]:
+def _stage_examples(
+    cfg: RunConfig, layout: Layout, model: nn.Module, recipe, batch, device, tp: tuple | None
+) -> dict[int, tuple]:
     """{stage: (its input, its output, their gradients)} for one pipeline micro-batch, from the stages of the whole
     (fake) model run in turn: a pipeline stage is built with them instead of learning them from its neighbours
-    (which a fake process group cannot tell it)."""
+    (which a fake process group cannot tell it). ``tp``: (the tensor-parallel mesh, the loss-parallel output layer)
+    where each stage is split as its ranks split it (what passes between stages is then their local pieces: the
+    GPT's, a sequence split), on a copy of the model."""
     from trainer.loop.parts import autocast
+    from trainer.parallel.tp import tensor_parallel
 
+    if tp is not None:
+        model = copy.deepcopy(model)
     p = cfg.parallel
     n_stages, m = layout.pp * p.pp_stages_per_rank, p.microbatches(layout.pp)
     inputs, _ = recipe.pipeline.split(batch)
@@ -208,7 +225,10 @@ def _stage_examples(cfg: RunConfig, layout: Layout, model: nn.Module, recipe, ba
     out = {}
     with torch.no_grad(), autocast(cfg, device):
         for s in range(n_stages):
-            y = recipe.pipeline.stage(model, s, n_stages)(x)
+            part = recipe.pipeline.stage(model, s, n_stages)
+            if tp is not None:
+                tensor_parallel(part, recipe.tp_plan, tp[0], recipe=cfg.recipe, split_output=tp[1])
+            y = part(x)
             if y.is_floating_point():  # the activation the next stage receives, whose gradient it sends back
                 y = y.detach().requires_grad_(True)
             # (input, output, the gradient it receives for its output, the one it sends back for its input)
@@ -310,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, help="plan for this many nodes (default: job.nodes)")
     p.add_argument("--ranks-per-node", type=int, help="plan for this many ranks a node (default: job.ranks_per_node)")
     p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--coordinate", type=int, help=argparse.SUPPRESS)  # one pipeline coordinate's rank (internal)
     args = p.parse_args(argv)
     sets = [*args.overrides]
     if args.nodes:
@@ -318,12 +339,31 @@ def main(argv: list[str] | None = None) -> int:
         sets.append(f"job.ranks_per_node={args.ranks_per_node}")
     try:
         cfg = load_config(args.config, sets)
-        layout, plans = plan(cfg, cfg.job.world_size)
+        layout = layout_for(cfg, cfg.job.world_size)
+        if layout.pp > 1 and args.coordinate is None:
+            return _by_coordinate(args, layout, sys.argv[1:] if argv is None else argv)
+        layout, plans = plan(cfg, cfg.job.world_size, args.coordinate)
     except (UserError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = {"layout": layout.describe(), "world_size": cfg.job.world_size, "ranks": [asdict(x) for x in plans]}
     print(json.dumps(out) if args.json else table(layout, plans) + "\n" + json.dumps(out))
+    return 0
+
+
+def _by_coordinate(args: argparse.Namespace, layout: Layout, argv: list[str]) -> int:
+    """Each pipeline coordinate's rank planned in a process of its own, as in the job: DTensor's caches would
+    carry one fake world's meshes (equal to the next one's, naming other groups) into the next rank's plan."""
+    ranks = []
+    for c in range(layout.pp):
+        done = subprocess.run([sys.executable, "-m", "trainer.plan", *argv, "--json", "--coordinate", str(c)],
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            sys.stderr.write(done.stderr)
+            return done.returncode
+        ranks += json.loads(done.stdout)["ranks"]
+    out = {"layout": layout.describe(), "world_size": layout.world_size, "ranks": ranks}
+    print(json.dumps(out) if args.json else table(layout, [RankPlan(**r) for r in ranks]) + "\n" + json.dumps(out))
     return 0
 
 

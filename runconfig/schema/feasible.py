@@ -109,9 +109,6 @@ def _pipeline_problems(cfg: RunConfig, layout: Layout) -> Problems:
     if cfg.recipe == BUILTIN_RECIPE and stages > cfg.model.n_layers:
         key = "parallel.pp_stages_per_rank" if cfg.parallel.pp_stages_per_rank > 1 else "parallel.pp"
         return [(key, f"{stages} stages for model.n_layers={cfg.model.n_layers}: each stage needs a block")]
-    if cfg.parallel.pp_stages_per_rank > 1 and (layout.dp > 1 or layout.tp > 1):
-        return [("parallel.pp_stages_per_rank", f"{cfg.parallel.pp_stages_per_rank} stages a rank beside data or "
-                 "tensor parallelism is not built yet: pipeline parallelism alone (dp and tp 1)")]  # fmt: skip
     return []
 
 

@@ -299,6 +299,40 @@ def test_virtual_pipeline_stages_train_like_one_process_and_resume_bitwise(tmp_p
     assert_close_to(stopped, single)
 
 
+def test_virtual_stages_beside_fsdp_and_tp_train_like_one_process_and_resume_bitwise(tmp_path, sets):
+    """Two stages on each rank beside data and tensor parallelism (4 ranks, a stage pair per node): interleaved
+    1F1B x FSDP2 2 (each stage module an FSDP2 root of its own), ZBV x HSDP (2 replicas; rank 0's embedding and
+    the tied head, in two stages of one rank, each its own copy) and interleaved 1F1B x TP 2 follow one process;
+    ZBV x HSDP stopped and resumed ends bit-identical, and a DDP run's checkpoint continues as ZBV x HSDP."""
+    single = tmp_path / "single"
+    done = run(single, [*sets, "model.n_layers=4", "job.nodes=1", "job.ranks_per_node=1"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    virtual = ["model.n_layers=4", "parallel.pp=2", "parallel.pp_stages_per_rank=2"]
+    layouts = {
+        "fsdp": ["parallel.pp_schedule=Interleaved1F1B", "parallel.dp_replicate=1", "parallel.dp_shard=2"],
+        "tp": ["parallel.pp_schedule=Interleaved1F1B", "parallel.tp=2"],
+    }
+    for name, extra in layouts.items():
+        done = run(tmp_path / name, [*sets, *virtual, *extra])
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert_close_to(tmp_path / name, single)
+    assert summary(tmp_path / "fsdp")["allreduce"] == "fsdp" and summary(tmp_path / "tp")["allreduce"] == "tp"
+    zbv = [*sets, *virtual, "parallel.pp_schedule=ZBVZeroBubble", "parallel.dp_shard=1"]
+    reference = tmp_path / "zbv"
+    done = run(reference, zbv)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(reference)["allreduce"] == "replicate"
+    assert_close_to(reference, single)
+    (tmp_path / "stop").mkdir()
+    stop_and_resume_bitwise(tmp_path / "stop", zbv, reference, rank=0)
+    ddp = tmp_path / "ddp"  # a DDP checkpoint (the tied weight's moments under one name) into ZBV x HSDP
+    stop(ddp, [*sets, "model.n_layers=4"], rank=3)
+    done = run(ddp, zbv[len(sets) :], resume=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(ddp)["allreduce"] == "replicate"
+    assert_close_to(ddp, single)
+
+
 CP = ["parallel.cp=2"]  # each sequence over the 2 ranks of a node; 2 replicas (one per node): FSDP2 over cp
 
 

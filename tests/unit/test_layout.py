@@ -169,11 +169,6 @@ def test_tensor_parallel_layouts():
             "'parallel.pp_stages_per_rank': 4 stages for model.n_layers=2",
         ),
         ({"pp_stages_per_rank": 2}, {}, "key 'parallel.pp_stages_per_rank': stages per rank cut a pipeline"),
-        (
-            {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2},
-            {"model": {"n_layers": 4}},
-            "2 stages a rank beside data or tensor parallelism is not built yet",
-        ),
     ],
 )
 def test_pipeline_layouts_refused(parallel, extra, words):

@@ -90,9 +90,10 @@ class Checkpointer:
             "architecture": dict(architecture or {}),
             "param_shapes": param_shapes or {n: [*p.shape, str(p.dtype)] for n, p in model.named_parameters()},
         }
-        local = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        # The tied copies this rank holds apart from their whole-model name (a pipeline's last stage: the head).
-        self.aliases = {a: w for a, w in (aliases or {}).items() if a in local and w not in local}
+        local = dict(model.named_parameters(remove_duplicate=False))
+        # The tied copies this rank holds apart from their whole-model name's parameter: a pipeline's last stage's
+        # head, and a V placement's head beside its own embedding (each stage its own copy: pipeline.untie).
+        self.aliases = {a: w for a, w in (aliases or {}).items() if a in local and local.get(w) is not local[a]}
         self.agreement = self._agreement()
         self.remote = self._remote(injector)
         verified: set[str] = set()  # generations this process committed or fully verified (rank 0)

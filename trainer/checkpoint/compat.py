@@ -3,8 +3,11 @@ forced warm start across a change (``checkpoint.allow_shape_change``)."""
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -147,3 +150,39 @@ def renamed(osd: dict, names: dict[str, str]) -> dict:
 def optim_key(node: int | None) -> str:
     """DCP's key of a rank's optimizer state: "optim", or with comm.sync rounds its node's own."""
     return "optim" if node is None else f"optim_node{node:05d}"
+
+
+def without(osd: dict, names: Collection[str]) -> dict:
+    """An optimizer state dict (flattened or nested, as ``renamed``) without these parameters' entries."""
+    if not names:
+        return osd
+    if "state" in osd and "param_groups" in osd:
+        state = {k: v for k, v in osd["state"].items() if k not in names}
+        groups = [{**g, "params": [n for n in g["params"] if n not in names]} for g in osd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+    return {k: v for k, v in osd.items() if k.partition(".")[2].rpartition(".")[0] not in names}
+
+
+def with_copies(osd: dict, twins: dict[str, str]) -> dict:
+    """``osd`` with an entry for each twin (a copy of a tied weight held apart on this rank) cloned from the entry
+    of the name it copies: {twin: whole-model name}."""
+    if not twins:
+        return osd
+
+    def clone(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+    if "state" in osd and "param_groups" in osd:
+        state = dict(osd["state"])
+        groups = [{**g, "params": list(g["params"])} for g in osd["param_groups"]]
+        for twin, whole in twins.items():
+            state[twin] = {k: clone(v) for k, v in osd["state"][whole].items()}
+            next(g for g in groups if whole in g["params"])["params"].append(twin)
+        return {"state": state, "param_groups": groups}
+    out = dict(osd)
+    for key, value in osd.items():
+        kind, _, rest = key.partition(".")
+        fqn, _, leaf = rest.rpartition(".")
+        for twin in (t for t, w in twins.items() if w == fqn):
+            out[f"{kind}.{twin}.{leaf}"] = clone(value)
+    return out

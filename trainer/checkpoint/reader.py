@@ -22,7 +22,16 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from rundir.checkpoints import CheckpointInvalid, generations, newest_valid, remove_stale_tmp, sha256_file, validate
 from storage.ioretry import GaveUp, is_transient
 from trainer.checkpoint.agreement import Agreement, Failed, raise_crash, read_failed, root_cause
-from trainer.checkpoint.compat import Changes, check_compatible, optim_key, options, renamed, warm_start
+from trainer.checkpoint.compat import (
+    Changes,
+    check_compatible,
+    optim_key,
+    options,
+    renamed,
+    warm_start,
+    with_copies,
+    without,
+)
 from trainer.checkpoint.fingerprint import owners, params_sha256, params_sha256_v1
 from trainer.checkpoint.kernels import kernels, restore_kernels
 from trainer.checkpoint.rng import seed_rank, set_rng_state
@@ -196,13 +205,17 @@ class GenerationReader:
                     self.outer.load_state_dict({}, has_momentum=False)
             else:
                 msd, osd = get_state_dict(self.model, self.optimizer, options=options(fmt))
-                osd = renamed(osd, self.aliases)  # a tied copy's moments: read under the whole model's name
+                local = dict(self.model.named_parameters(remove_duplicate=False))
+                twins = {a: w for a, w in self.aliases.items() if w in local}  # both names here, apart
+                apart = {a: w for a, w in self.aliases.items() if a not in twins}
+                # a tied copy's moments: read under the whole model's name; a twin's: copied from it after
+                osd = without(renamed(osd, apart), twins)
                 state = {"model": msd, self.saved_optim: osd}
                 rounds = {}
                 if self.outer is not None:  # saved by comm.sync rounds: the outer momentum, a node's parameters
                     rounds = self.outer.template(self.node, momentum=self.saved_momentum, local=self.saved_local)
                 dcp.load(state | rounds, checkpoint_id=path / "dcp", process_group=group)
-                osd = renamed(osd, {whole: alias for alias, whole in self.aliases.items()})
+                osd = with_copies(renamed(osd, {whole: alias for alias, whole in apart.items()}), twins)
                 set_state_dict(
                     self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=options(fmt)
                 )

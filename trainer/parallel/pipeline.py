@@ -49,7 +49,8 @@ class Pipe:
     group: dist.ProcessGroup  # the pp group of this rank
     device: torch.device
     aliases: dict[str, str]  # names of tied copies the whole model does not list -> the name it lists
-    tied: list[tuple[dist.ProcessGroup, nn.Parameter]] = field(default_factory=list)
+    # each tie: the group of ranks holding copies (None: this rank's only) and this rank's copies
+    tied: list[tuple[dist.ProcessGroup | None, list[nn.Parameter]]] = field(default_factory=list)
     accum: int = 1  # loop micro-batches per optimizer step (set once the loader knows)
     ledger: CommLedger | None = None  # times the schedule's waits as ``pp`` (CPU)
     evaluator: Any = None  # a forward-only schedule where the training one cannot run without backward (V)
@@ -114,20 +115,31 @@ class Pipe:
             call()
 
     def sync_tied(self) -> None:
-        """Sum the gradients of weights tied across stages (after the step's last backward)."""
+        """Sum the gradients of weights tied across stages (after the step's last backward): this rank's copies,
+        then over the tie's ranks; every copy gets the sum."""
         from torch.distributed.tensor import DTensor
 
-        for group, param in self.tied:
-            grad = param.grad
-            if grad is None:
+        for group, params in self.tied:
+            grads = []
+            for param in params:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if isinstance(grad, DTensor):
+                    # Each copy's gradient in its parameter's placements (an embedding's may come back replicated),
+                    # so that the ranks of a tie group add up the same pieces.
+                    if grad.placements != param.placements:
+                        grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+                    grad = grad.to_local()
+                grads.append(grad)
+            if not grads:
                 continue
-            if isinstance(grad, DTensor):
-                # Each copy's gradient in its parameter's placements (an embedding's may come back replicated),
-                # so that the ranks of a tie group add up the same pieces.
-                if grad.placements != param.placements:
-                    grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
-                grad = grad.to_local()
-            dist.all_reduce(grad, group=group)
+            for other in grads[1:]:
+                grads[0].add_(other)
+            if group is not None:
+                dist.all_reduce(grads[0], group=group)
+            for other in grads[1:]:
+                other.copy_(grads[0])
 
 
 def coordinate_of(kind: str, pp: int, stage: int) -> int:
@@ -218,13 +230,31 @@ def cut(
     ties = {}
     for name, names in canonical.items():
         holders = [(s, next(n for n in names if n in parts[s])) for s in range(n_stages) if parts[s] & set(names)]
-        if len({coordinate_of(kind, layout.pp, s) for s, _ in holders}) > 1:  # copies on different ranks
+        # copies on different ranks, or in different stages of one rank (untied below)
+        if len({coordinate_of(kind, layout.pp, s) for s, _ in holders}) > 1 or (per_rank > 1 and len(holders) > 1):
             ties[name] = holders
     modules = [mine[s] for s in held]
     if per_rank > 1:
         _check_shared(model, modules, spec)
+        untie(modules)
     info = {"ties": ties, "aliases": aliases, "held": held, "modules": modules, "stages": n_stages, "kind": kind}
     return merge(modules), info
+
+
+def untie(parts: list[nn.Module]) -> None:
+    """Give each stage module its own copy of a parameter that an earlier stage of this rank holds too (a V
+    placement's first and last stages: the embedding and the tied head), so that each stage can be an FSDP2 root
+    of its own; the copies' gradients are summed like those of copies on other ranks (``Pipe.sync_tied``)."""
+    seen: set[int] = set()
+    for part in parts:
+        copies: dict[int, nn.Parameter] = {}
+        mine = {id(p) for p in part.parameters()}
+        for module in part.modules():
+            for attr, p in list(module.named_parameters(recurse=False)):
+                if id(p) in seen:
+                    copy = copies.setdefault(id(p), nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+                    setattr(module, attr, copy)
+        seen |= mine
 
 
 def _check_shared(model: nn.Module, modules: list[nn.Module], spec: str) -> None:
@@ -298,14 +328,19 @@ def schedule(
     params = dict(module.named_parameters(remove_duplicate=False))
     me = layout.coords(rank)["pp"]
     for holders in cut_info["ties"].values():
-        at = {}  # pipeline coordinate -> the copy's name there (one copy a rank: a rank's stages share it)
+        at: dict[int, list[str]] = {}  # pipeline coordinate -> the copies' names there
         for s, name in holders:
-            at.setdefault(coordinate_of(kind, layout.pp, s), name)
+            at.setdefault(coordinate_of(kind, layout.pp, s), []).append(name)
+        here = list({id(params[n]): params[n] for n in at.get(me, [])}.values())  # this rank's copies (untie)
+        if len(at) == 1:
+            if len(here) > 1:
+                pipe.tied.append((None, here))
+            continue
         for column in others:
             ranks = [column[c] for c in sorted(at)]
             g = dist.new_group(ranks)  # the default group's backend: gloo on CPUs
             if rank in ranks:
-                pipe.tied.append((g, params[at[me]]))
+                pipe.tied.append((g, here))
     return pipe
 
 

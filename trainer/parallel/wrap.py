@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from runconfig import RunConfig
@@ -94,7 +95,7 @@ def wrap(
     check_recipe(layout, recipe, cfg.recipe)
     n_params = sum(p.numel() for p in model.parameters())
     split_output = output_layer(cfg, model, recipe)
-    model, cut_info, blocks = _stage_and_blocks(cfg, env, model, recipe, layout, distributed.device)
+    model, cut_info, blocks = stage_and_blocks(cfg, env, model, recipe, layout, distributed.device)
     mesh = train_mesh(layout, distributed.device)  # None for DDP
     if layout.tp > 1:  # first, as torchtitan: FSDP2 then shards the tensor-parallel DTensors over the dp mesh
         tensor_parallel(model, recipe.tp_plan, mesh["tp"], recipe=cfg.recipe, split_output=split_output)
@@ -112,7 +113,7 @@ def wrap(
         )
         allreduce, dispatch = wire_allreduce(cfg, env, distributed, ddp)
         return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch, carrier=carrier)
-    allreduce, no_sync = _data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout)
+    allreduce, no_sync = data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout, stages_of(cut_info))
     if materialise is not None:
         materialise(model)
     pipe = None
@@ -180,7 +181,7 @@ def _rounds(
     return Wrapped(ddp, layout, cfg.comm.sync, ddp.no_sync, model, n_params, outer=outer)
 
 
-def _stage_and_blocks(
+def stage_and_blocks(
     cfg: RunConfig, env: RuntimeEnv, model: nn.Module, recipe: Recipe, layout: Layout, device: torch.device
 ):
     """This rank's pipeline stage (the whole model without pipeline parallelism) with float8 layers where the run
@@ -217,8 +218,23 @@ def _stage_and_blocks(
     return model, cut_info, blocks
 
 
-def _data_parallel_over_mesh(cfg: RunConfig, distributed: Distributed, model: nn.Module, blocks, mesh, layout: Layout):
-    """The mesh layouts' gradient reduction: (what summary.json calls it, the no-sync context of accumulation)."""
+def stages_of(cut_info: dict | None) -> list[nn.Module] | None:
+    """The stage modules a rank runs where it runs several (parallel.pp_stages_per_rank), else None."""
+    return cut_info["modules"] if cut_info is not None and len(cut_info["modules"]) > 1 else None
+
+
+def data_parallel_over_mesh(
+    cfg: RunConfig,
+    distributed: Distributed,
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    layout: Layout,
+    stages: list[nn.Module] | None = None,
+) -> tuple[str, Callable[[], AbstractContextManager]]:
+    """The mesh layouts' gradient reduction: (what summary.json calls it, the no-sync context of accumulation).
+    ``stages``: a rank's several pipeline stages (``model`` merges them), each an FSDP2 root of its own with its
+    blocks, as the schedule runs each apart (torchtitan's model parts)."""
     # On CPU collectives block the training thread: their waits are its exposed communication (monitor.comm_by_dim)
     if distributed.device.type == "cpu" and cfg.monitor.comm_by_dim:
         # what is not timed apart: tensor parallelism's, the ring attention's and the replicas' collectives
@@ -228,20 +244,23 @@ def _data_parallel_over_mesh(cfg: RunConfig, distributed: Distributed, model: nn
         return ("tp" if layout.tp > 1 else "none"), contextlib.nullcontext
     # Data parallelism over DTensors (or pipeline stages) goes through FSDP2 even without sharding (dp_shard 1:
     # HSDP with a shard group of one, i.e. replicas all-reduced): DDP takes neither.
-    shard(
-        model,
-        blocks,
-        dp_mesh(mesh, layout),
-        # bf16 compute through FSDP2's mixed-precision policy wherever the run computes in bf16 (CPU included)
-        param_dtype=torch.bfloat16 if cfg.train.bf16_on(distributed.device.type) else None,
-        # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
-        # (torchtitan does the same).
-        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.fsdp > 1 and layout.pp == 1,
-        ledger=distributed.ledger,
-        offload=cfg.parallel.offload,
-    )
+    roots = stages or [model]
+    for root in roots:
+        inside = {id(m) for m in root.modules()}
+        shard(
+            root,
+            [b for b in blocks if id(b) in inside],
+            dp_mesh(mesh, layout),
+            # bf16 compute through FSDP2's mixed-precision policy wherever the run computes in bf16 (CPU included)
+            param_dtype=torch.bfloat16 if cfg.train.bf16_on(distributed.device.type) else None,
+            # Under a pipeline each block runs once per pipeline micro-batch: keep its parameters gathered
+            # (torchtitan does the same).
+            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and layout.fsdp > 1 and layout.pp == 1,
+            ledger=distributed.ledger,
+            offload=cfg.parallel.offload,
+        )
     if layout.dp_replicate > 1:
-        return ("hsdp" if layout.fsdp > 1 else "replicate"), functools.partial(_no_all_reduce, model)
+        return ("hsdp" if layout.fsdp > 1 else "replicate"), functools.partial(_no_all_reduce, roots)
     # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between micro-batches would
     # cost the full model's gradient memory on every rank, which sharding avoids.
     return "fsdp", contextlib.nullcontext
@@ -270,14 +289,16 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], on: bool) -> None:
 
 
 @contextlib.contextmanager
-def _no_all_reduce(model: nn.Module) -> Iterator[None]:
+def _no_all_reduce(roots: list[nn.Module]) -> Iterator[None]:
     """HSDP's accumulation micro-batches: reduce-scatter inside the shard group, all-reduce across replicas only
-    with the step's last micro-batch."""
-    model.set_requires_all_reduce(False)  # type: ignore[operator]
+    with the step's last micro-batch (``roots``: the FSDP2 roots, a rank's pipeline stages where it runs several)."""
+    for root in roots:
+        root.set_requires_all_reduce(False)  # type: ignore[operator]
     try:
         yield
     finally:
-        model.set_requires_all_reduce(True)  # type: ignore[operator]
+        for root in roots:
+            root.set_requires_all_reduce(True)  # type: ignore[operator]
 
 
 def wire_allreduce(
