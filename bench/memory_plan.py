@@ -40,7 +40,28 @@ LAYOUTS = {
     "pp": ["parallel.pp=2", "train.micro_batch_size=2", "train.global_batch_size=4"],
     "cp": ["parallel.cp=2"],  # each sequence over a node's 2 ranks, 2 replicas: FSDP2 over cp
     "fsdp_cp": ["parallel.cp=2", "parallel.dp_shard=2", "train.micro_batch_size=2", "train.global_batch_size=4"],
-    # 4 stage groups of 2 stages, pipeline parallelism alone (the only place for several stages a rank yet)
+    "tp_pp": ["parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.global_batch_size=4"],
+    # 2 stages a rank beside FSDP2 (each stage module its own root) and beside TP, 2 stage groups of 2 ranks
+    "interleaved_fsdp": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+        "parallel.pp_stages_per_rank=2",
+        "parallel.dp_replicate=1",
+        "parallel.dp_shard=2",
+        "model.n_layers=4",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+    ],
+    "interleaved_tp": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+        "parallel.pp_stages_per_rank=2",
+        "parallel.tp=2",
+        "model.n_layers=4",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+    ],
+    # 4 stage groups of 2 stages, pipeline parallelism alone
     **{
         name: [
             "parallel.pp=4",
