@@ -76,6 +76,8 @@ def plan(cfg: RunConfig, world_size: int, coordinate: int | None = None) -> tupl
         firsts.setdefault(layout.coords(rank)["pp"], rank)
         if len(firsts) == layout.pp:
             break
+    if coordinate is not None and coordinate not in firsts:
+        raise UserError(f"--coordinate {coordinate}: the layout has pipeline coordinates 0-{layout.pp - 1}")
     ranks = [firsts[coordinate]] if coordinate is not None else list(firsts.values())
     return layout, [_plan_rank(cfg, layout, recipe, batch, rank=r, world_size=world_size) for r in ranks]
 
@@ -358,10 +360,11 @@ def _by_coordinate(args: argparse.Namespace, layout: Layout, argv: list[str]) ->
     for c in range(layout.pp):
         done = subprocess.run([sys.executable, "-m", "trainer.plan", *argv, "--json", "--coordinate", str(c)],
                               capture_output=True, text=True)  # fmt: skip
+        sys.stderr.write(done.stderr)  # its warnings, or why it failed
         if done.returncode != 0:
-            sys.stderr.write(done.stderr)
-            return done.returncode
-        ranks += json.loads(done.stdout)["ranks"]
+            return done.returncode if done.returncode > 0 else 1
+        ranks += json.loads(done.stdout.strip().splitlines()[-1])["ranks"]  # the last line: what a recipe printed
+        # before it is not the plan
     out = {"layout": layout.describe(), "world_size": layout.world_size, "ranks": ranks}
     print(json.dumps(out) if args.json else table(layout, [RankPlan(**r) for r in ranks]) + "\n" + json.dumps(out))
     return 0

@@ -56,9 +56,9 @@ def test_the_plan_under_context_parallelism(small_dataset):
 
 
 def test_the_plan_of_two_stages_a_rank_beside_tensor_parallelism(small_dataset):
-    """Interleaved 1F1B of 2 stages a rank x TP 2: each pipeline coordinate planned in a process of its own (one
-    process planning both carried DTensor's cached meshes of the first fake world into the second), its stages'
-    inputs split as TP splits them. A rank's AdamW moments are twice its parameters (no sharding beside TP)."""
+    """Interleaved 1F1B of 2 stages a rank x TP 2: both pipeline coordinates planned (each in a process of its own,
+    its stages' inputs split as TP splits them). A rank's AdamW moments are twice its parameters (no sharding beside
+    TP)."""
     extra = ["parallel.pp=2", "parallel.pp_stages_per_rank=2", "parallel.pp_schedule=Interleaved1F1B", "parallel.tp=2"]
     got = planned(small_dataset, [*extra, "train.global_batch_size=8"], 2, 2)
     assert got["layout"] == "pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2", got

@@ -176,8 +176,10 @@ def with_copies(osd: dict, twins: dict[str, str]) -> dict:
         state = dict(osd["state"])
         groups = [{**g, "params": list(g["params"])} for g in osd["param_groups"]]
         for twin, whole in twins.items():
-            state[twin] = {k: clone(v) for k, v in osd["state"][whole].items()}
-            next(g for g in groups if whole in g["params"])["params"].append(twin)
+            if whole in osd["state"]:  # a weight with no state yet (never stepped, or frozen) has none to copy
+                state[twin] = {k: clone(v) for k, v in osd["state"][whole].items()}
+            if groups and not any(twin in g["params"] for g in groups):
+                next((g for g in groups if whole in g["params"]), groups[0])["params"].append(twin)
         return {"state": state, "param_groups": groups}
     out = dict(osd)
     for key, value in osd.items():

@@ -132,14 +132,36 @@ class Pipe:
                         grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
                     grad = grad.to_local()
                 grads.append(grad)
-            if not grads:
+            if not grads and group is None:
                 continue
+            total = grads[0] if grads else torch.zeros_like(_local(params[0]))  # a rank without one joins anyway
             for other in grads[1:]:
-                grads[0].add_(other)
+                total.add_(other)
             if group is not None:
-                dist.all_reduce(grads[0], group=group)
-            for other in grads[1:]:
-                other.copy_(grads[0])
+                dist.all_reduce(total, group=group)
+            for param in params:  # every copy gets the sum, one that had no gradient too: the copies stay equal
+                if param.grad is None:
+                    param.grad = _like(param, total.clone())
+                else:
+                    local = _local(param.grad)
+                    if local is not total:
+                        local.copy_(total)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``param``: a DTensor in its placements where it is one."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())  # fmt: skip
+    return local
 
 
 def coordinate_of(kind: str, pp: int, stage: int) -> int:
@@ -236,25 +258,48 @@ def cut(
     modules = [mine[s] for s in held]
     if per_rank > 1:
         _check_shared(model, modules, spec)
-        untie(modules)
-    info = {"ties": ties, "aliases": aliases, "held": held, "modules": modules, "stages": n_stages, "kind": kind}
+        shared = untie(modules)
+    info = {"ties": ties, "aliases": aliases, "held": held, "modules": modules, "stages": n_stages, "kind": kind,
+            "shared": shared if per_rank > 1 else []}  # fmt: skip
     return merge(modules), info
 
 
-def untie(parts: list[nn.Module]) -> None:
-    """Give each stage module its own copy of a parameter that an earlier stage of this rank holds too (a V
-    placement's first and last stages: the embedding and the tied head), so that each stage can be an FSDP2 root
-    of its own; the copies' gradients are summed like those of copies on other ranks (``Pipe.sync_tied``)."""
+def untie(parts: list[nn.Module]) -> list[str]:
+    """Give each stage module its own copy of a parameter that an earlier stage of this rank reaches through
+    another module (a V placement's first and last stages: the embedding and the tied head), so that each stage
+    can be an FSDP2 root of its own; the copies' gradients are summed like those of copies on other ranks
+    (``Pipe.sync_tied``). The recipe's model is changed (its head holds the copy). Returns the paths of modules
+    with parameters that two of the stages hold themselves (one module run by both: left shared)."""
     seen: set[int] = set()
+    seen_modules: set[int] = set()
+    shared: list[str] = []
     for part in parts:
         copies: dict[int, nn.Parameter] = {}
         mine = {id(p) for p in part.parameters()}
-        for module in part.modules():
-            for attr, p in list(module.named_parameters(recurse=False)):
+        for path, module in part.named_modules():
+            direct = list(module.named_parameters(recurse=False))
+            if id(module) in seen_modules:
+                if direct:
+                    shared.append(path)
+                continue
+            for attr, p in direct:
                 if id(p) in seen:
-                    copy = copies.setdefault(id(p), nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
-                    setattr(module, attr, copy)
+                    twin = copies.setdefault(id(p), nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+                    setattr(module, attr, twin)
         seen |= mine
+        seen_modules |= {id(m) for m in part.modules()}
+    return shared
+
+
+def refresh(merged: nn.Module, parts: list[nn.Module]) -> None:
+    """Point the merged module's own parameters (those ``merge`` registered on modules of its own) at the stage
+    modules' current ones, after FSDP2 replaced them in the stages it shards one by one."""
+    for part in parts:
+        for path, module in part.named_modules():
+            target = merged.get_submodule(path)
+            if target is not module:
+                for name, p in module.named_parameters(recurse=False):
+                    target.register_parameter(name, p)
 
 
 def _check_shared(model: nn.Module, modules: list[nn.Module], spec: str) -> None:

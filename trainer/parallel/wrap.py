@@ -31,7 +31,7 @@ from trainer.parallel.float8 import to_float8
 from trainer.parallel.fsdp import checkpoint_blocks, find_blocks, shard
 from trainer.parallel.grad_buckets import ddp_bucket_caps
 from trainer.parallel.mesh import dp_mesh, train_mesh
-from trainer.parallel.pipeline import Pipe, cut, schedule
+from trainer.parallel.pipeline import Pipe, cut, refresh, schedule
 from trainer.parallel.tp import tensor_parallel
 from trainer.recipes.api import Recipe
 
@@ -114,6 +114,8 @@ def wrap(
         allreduce, dispatch = wire_allreduce(cfg, env, distributed, ddp)
         return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch, carrier=carrier)
     allreduce, no_sync = data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout, stages_of(cut_info))
+    if stages_of(cut_info) and allreduce not in ("none", "tp"):
+        refresh(model, cut_info["modules"])
     if materialise is not None:
         materialise(model)
     pipe = None
@@ -191,6 +193,14 @@ def stage_and_blocks(
         p = cfg.parallel
         model, cut_info = cut(model, recipe.pipeline, layout, env.rank, spec=cfg.recipe, kind=p.pp_schedule,
                               per_rank=p.pp_stages_per_rank)  # fmt: skip
+        if cut_info["shared"] and (layout.dp > 1 or layout.cp > 1):
+            raise UserError(
+                f"parallel.pp_stages_per_rank={p.pp_stages_per_rank}: recipe {cfg.recipe!r}'s stages on rank "
+                f"{env.rank} both run module(s) {', '.join(cut_info['shared'][:4])} with parameters of their own; "
+                "beside data parallelism each stage is an FSDP2 root of its own, and two roots cannot shard one "
+                "parameter. Give each stage its own modules (a weight they share: through different modules, "
+                "as a tied embedding and head), or set parallel.pp_stages_per_rank: 1."
+            )
     if cfg.train.precision == "float8":  # before the blocks are found, as torchtitan: TP and FSDP2 then wrap them
         f8 = functools.partial(to_float8, device=device, emulate=cfg.train.float8_emulate, keep=recipe.output_layer,
                                spec=cfg.recipe, rank=env.rank)  # fmt: skip
