@@ -59,9 +59,9 @@ def layout_for(cfg: RunConfig, world_size: int) -> Layout:
     return layout_of(cfg, env)
 
 
-def plan(cfg: RunConfig, world_size: int, coordinate: int | None = None) -> tuple[Layout, list[RankPlan]]:
-    """The plan of one rank per pipeline coordinate (the ranks of one coordinate hold alike); ``coordinate``: of
-    that coordinate's rank only."""
+def plan(cfg: RunConfig, world_size: int, coordinate: int = 0) -> tuple[Layout, RankPlan]:
+    """The plan of the first rank of pipeline coordinate ``coordinate`` (the ranks of one coordinate hold alike).
+    One coordinate a process: DTensor caches meshes across fake worlds (``main`` runs one process each)."""
     layout = layout_for(cfg, world_size)
     kind = cfg.parallel.pp_schedule
     if layout.pp > 1 and kind in SPLIT_BACKWARD:
@@ -70,16 +70,11 @@ def plan(cfg: RunConfig, world_size: int, coordinate: int | None = None) -> tupl
             "backward, split into input and weight gradients, does not run on fake tensors); plan the layout with "
             "Interleaved1F1B, which holds the same stages, or measure a short run (summary.json memory_mb_per_rank)."
         )
-    recipe, batch = _recipe_and_batch(cfg)
-    firsts: dict[int, int] = {}  # pipeline coordinate -> its first rank
-    for rank in range(world_size):
-        firsts.setdefault(layout.coords(rank)["pp"], rank)
-        if len(firsts) == layout.pp:
-            break
-    if coordinate is not None and coordinate not in firsts:
+    if not 0 <= coordinate < layout.pp:
         raise UserError(f"--coordinate {coordinate}: the layout has pipeline coordinates 0-{layout.pp - 1}")
-    ranks = [firsts[coordinate]] if coordinate is not None else list(firsts.values())
-    return layout, [_plan_rank(cfg, layout, recipe, batch, rank=r, world_size=world_size) for r in ranks]
+    recipe, batch = _recipe_and_batch(cfg)
+    rank = next(r for r in range(world_size) if layout.coords(r)["pp"] == coordinate)
+    return layout, _plan_rank(cfg, layout, recipe, batch, rank=rank, world_size=world_size)
 
 
 def _recipe_and_batch(cfg: RunConfig):
@@ -344,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         layout = layout_for(cfg, cfg.job.world_size)
         if layout.pp > 1 and args.coordinate is None:
             return _by_coordinate(args, layout, sys.argv[1:] if argv is None else argv)
-        layout, plans = plan(cfg, cfg.job.world_size, args.coordinate)
+        layout, one = plan(cfg, cfg.job.world_size, args.coordinate or 0)
+        plans = [one]
     except (UserError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

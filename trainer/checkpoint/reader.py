@@ -63,7 +63,12 @@ class GenerationReader:
     ) -> None:
         self.root, self.agreement = root, agreement
         self.rank, self.world_size = agreement.rank, agreement.world_size
-        self.model, self.optimizer, self.identity, self.aliases = model, optimizer, identity, aliases
+        self.model, self.optimizer, self.identity = model, optimizer, identity
+        # tied copies held apart: under the whole model's name on another rank (read under it), or beside it here
+        # (twins: their state copied from it after the read)
+        local = dict(model.named_parameters(remove_duplicate=False))
+        self.twins = {a: w for a, w in aliases.items() if w in local}
+        self.apart = {a: w for a, w in aliases.items() if a not in self.twins}
         self.seed, self.allow_shape_change, self.verified = seed, allow_shape_change, verified
         self.skipped: list[str] = []  # rank 0: why newer generations were passed over
         self.outer, self.node = outer, node  # comm.sync rounds: the outer state, this rank's node (its optimizer key)
@@ -205,17 +210,13 @@ class GenerationReader:
                     self.outer.load_state_dict({}, has_momentum=False)
             else:
                 msd, osd = get_state_dict(self.model, self.optimizer, options=options(fmt))
-                local = dict(self.model.named_parameters(remove_duplicate=False))
-                twins = {a: w for a, w in self.aliases.items() if w in local}  # both names here, apart
-                apart = {a: w for a, w in self.aliases.items() if a not in twins}
-                # a tied copy's moments: read under the whole model's name; a twin's: copied from it after
-                osd = without(renamed(osd, apart), twins)
+                osd = without(renamed(osd, self.apart), self.twins)
                 state = {"model": msd, self.saved_optim: osd}
                 rounds = {}
                 if self.outer is not None:  # saved by comm.sync rounds: the outer momentum, a node's parameters
                     rounds = self.outer.template(self.node, momentum=self.saved_momentum, local=self.saved_local)
                 dcp.load(state | rounds, checkpoint_id=path / "dcp", process_group=group)
-                osd = with_copies(renamed(osd, {whole: alias for alias, whole in apart.items()}), twins)
+                osd = with_copies(renamed(osd, {whole: alias for alias, whole in self.apart.items()}), self.twins)
                 set_state_dict(
                     self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=options(fmt)
                 )
@@ -258,7 +259,7 @@ class GenerationReader:
         if changed:
             return
         if manifest.get("format", 1) >= 3:
-            loaded = params_sha256(self.model, skip=self.aliases)
+            loaded = params_sha256(self.model, skip={**self.apart, **self.twins})
         else:  # an older manifest: its fingerprint covers every byte in one hash
             loaded = params_sha256_v1(self.model.named_parameters())
         if loaded != manifest["params_sha256"]:

@@ -114,8 +114,6 @@ def wrap(
         allreduce, dispatch = wire_allreduce(cfg, env, distributed, ddp)
         return Wrapped(ddp, layout, allreduce, ddp.no_sync, model, n_params, dispatch=dispatch, carrier=carrier)
     allreduce, no_sync = data_parallel_over_mesh(cfg, distributed, model, blocks, mesh, layout, stages_of(cut_info))
-    if stages_of(cut_info) and allreduce not in ("none", "tp"):
-        refresh(model, cut_info["modules"])
     if materialise is not None:
         materialise(model)
     pipe = None
@@ -244,7 +242,8 @@ def data_parallel_over_mesh(
 ) -> tuple[str, Callable[[], AbstractContextManager]]:
     """The mesh layouts' gradient reduction: (what summary.json calls it, the no-sync context of accumulation).
     ``stages``: a rank's several pipeline stages (``model`` merges them), each an FSDP2 root of its own with its
-    blocks, as the schedule runs each apart (torchtitan's model parts)."""
+    blocks, as the schedule runs each apart (torchtitan's model parts); ``model`` then follows their new
+    parameters."""
     # On CPU collectives block the training thread: their waits are its exposed communication (monitor.comm_by_dim)
     if distributed.device.type == "cpu" and cfg.monitor.comm_by_dim:
         # what is not timed apart: tensor parallelism's, the ring attention's and the replicas' collectives
@@ -269,6 +268,8 @@ def data_parallel_over_mesh(
             ledger=distributed.ledger,
             offload=cfg.parallel.offload,
         )
+    if stages:
+        refresh(model, stages)
     if layout.dp_replicate > 1:
         return ("hsdp" if layout.fsdp > 1 else "replicate"), functools.partial(_no_all_reduce, roots)
     # Plain FSDP reduce-scatters every micro-batch: keeping whole unsharded gradients between micro-batches would
